@@ -1,0 +1,54 @@
+"""The `batchpilot` command. Each subcommand lives in `batchpilot.commands.<name>` with a `register`.
+
+User errors (`BatchpilotError`) print one line per problem to stderr and exit 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from batchpilot import __version__
+from batchpilot.errors import BatchpilotError
+
+# Subcommand modules, in the order `batchpilot --help` lists them. Each defines
+# `register(subparsers) -> None` and sets `handler` on its parser (a function taking the parsed args).
+COMMAND_MODULES = (
+    "batchpilot.commands.plan",
+    "batchpilot.commands.config",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchpilot",
+        description="The right batch size for language-model training on Kubernetes: explore the fastest "
+        "micro batch, plan a staged ramp-up with node scheduling, and train it as one Kubeflow Pipeline.",
+    )
+    parser.add_argument("--version", action="version", version=f"batchpilot {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.handler(args)
+    except BatchpilotError as error:
+        for line in str(error).splitlines():
+            print(f"batchpilot: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("batchpilot: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

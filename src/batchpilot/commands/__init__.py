@@ -1,0 +1,1 @@
+"""Subcommands of the `batchpilot` command line (see batchpilot.cli.COMMAND_MODULES)."""

@@ -1,0 +1,36 @@
+"""`batchpilot config schema|check`: the config's JSON Schema, and validating a file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from batchpilot.config import config_schema, load_config
+from batchpilot.planner import build_plan
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("config", help="print the config JSON Schema or check a config file")
+    actions = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    schema = actions.add_parser("schema", help="print the JSON Schema of the config file")
+    schema.set_defaults(handler=_schema)
+    check = actions.add_parser("check", help="validate a config file; exit 2 with one line per problem")
+    check.add_argument("file", help="YAML config file")
+    check.set_defaults(handler=_check)
+
+
+def _schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    if config.batch.micro_batch_size == "explore":
+        detail = "stage divisibility is checked once the micro batch is explored"
+    else:
+        plan = build_plan(config, micro_batch_size=config.batch.micro_batch_size)
+        detail = f"{len(plan.stages)} stage(s) valid"
+    print(f"{args.file}: ok (name={config.name}, {config.total_samples:,} samples, {detail})")
+    return 0

@@ -1,0 +1,319 @@
+"""One typed, validated config tree loaded from YAML. Unknown keys are errors.
+
+Every error names the key path and what would be valid; `load_config` turns pydantic's errors into
+`ConfigError` lines such as `batch.rampup.increment: Input should be greater than 0 (got -16)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning.units import parse_bytes, parse_count
+
+
+def _count(value: Any) -> int:
+    try:
+        return parse_count(value, field="value")
+    except BatchpilotError as error:
+        raise ValueError(f"{error.problem}; {error.fix}" if error.fix else error.problem) from None
+
+
+def _bytes(value: Any) -> int:
+    try:
+        return parse_bytes(value, field="value")
+    except BatchpilotError as error:
+        raise ValueError(f"{error.problem}; {error.fix}" if error.fix else error.problem) from None
+
+
+Count = Annotated[int, BeforeValidator(_count), Field(ge=0)]
+"""A sample/token count: an integer or a string with a K/M/B/T suffix (`10M`)."""
+PositiveCount = Annotated[int, BeforeValidator(_count), Field(gt=0)]
+ByteSize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
+"""A size in bytes: an integer or a string such as `2GiB`."""
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    """Base of every section: frozen, and unknown keys are reported with the valid ones."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(str(key) for key in set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(f"unknown key {unknown[0]!r}; valid keys are: {', '.join(cls.model_fields)}")
+        return data
+
+
+class ModelConfig(_Section):
+    factory: str = Field(
+        "batchpilot.models.gpt:build",
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="import path `module:function` of a function returning a torch.nn.Module",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
+
+
+class DataConfig(_Section):
+    uri: str = Field(description="file://path or gs://bucket/prefix of a shard set with manifest.json")
+    seq_len: PositiveInt = Field(description="tokens per sample fed to the model (each sample reads seq_len+1)")
+    expansion_factor_real_data: float = Field(
+        1.0, gt=0, description="f > 1: only 1/f of the hosts read storage and forward to the others (MaxText)"
+    )
+
+    @model_validator(mode="after")
+    def _known_scheme(self) -> DataConfig:
+        if not self.uri.startswith(("file://", "gs://")):
+            raise ValueError(f"uri {self.uri!r} must start with file:// or gs://")
+        return self
+
+
+class ClusterConfig(_Section):
+    backend: Literal["local", "gke"] = Field("local", description="local processes, or a GKE node pool")
+    devices_per_node: PositiveInt = Field(1, description="accelerators per node (local: processes per node)")
+    max_nodes: PositiveInt = Field(description="node count of the target (final) stage at most")
+    min_nodes: PositiveInt = Field(1, description="no stage runs on fewer nodes")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> ClusterConfig:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})")
+        return self
+
+
+class MegatronRampup(_Section):
+    """NeMo/Megatron `[start, increment, ramp_samples]`."""
+
+    start: PositiveInt
+    increment: PositiveInt
+    samples: PositiveCount = Field(description="samples over which the batch ramps from start to the target")
+
+
+class MaxTextRampup(_Section):
+    """MaxText per-device form: per-device start and increment; the target is global_batch_size."""
+
+    per_device_start: float = Field(gt=0)
+    per_device_increment: float = Field(gt=0)
+    samples: PositiveCount = Field(description="MaxText global_rampup_samples")
+
+
+def _rampup_form(value: Any) -> str:
+    if isinstance(value, MaxTextRampup):
+        return "maxtext"
+    if isinstance(value, dict) and any(str(key).startswith("per_device") for key in value):
+        return "maxtext"
+    return "megatron"
+
+
+def _rampup_list(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        if len(value) != 3:
+            raise ValueError("the list form is [start, increment, samples]")
+        return {"start": value[0], "increment": value[1], "samples": value[2]}
+    return value
+
+
+Rampup = Annotated[
+    Annotated[MegatronRampup, Tag("megatron")] | Annotated[MaxTextRampup, Tag("maxtext")],
+    Discriminator(_rampup_form),
+    BeforeValidator(_rampup_list),
+]
+
+
+class BatchConfig(_Section):
+    global_batch_size: PositiveInt = Field(description="the target global batch size (samples per step)")
+    micro_batch_size: PositiveInt | Literal["explore"] = Field(
+        "explore", description="samples per device per pass, or `explore` to measure it"
+    )
+    rampup: Rampup | None = Field(None, description="NeMo/Megatron or MaxText per-device ramp-up")
+    schedule: str | None = Field(None, description='explicit ramp-up, e.g. "0:16 2K:32 4K:64" (`t` = tokens)')
+    pipeline_parallel_size: PositiveInt = Field(1, description="pipeline stages per model replica")
+    tensor_parallel_size: PositiveInt = Field(1, description="tensor-parallel devices per model replica")
+    num_pipeline_microbatches: PositiveInt | None = Field(
+        None, description="chunks of each pass's batch fed through the pipeline (multiple of the stages)"
+    )
+
+    @model_validator(mode="after")
+    def _one_rampup_form(self) -> BatchConfig:
+        if self.rampup is not None and self.schedule is not None:
+            raise ValueError("set either rampup or schedule, not both")
+        if self.num_pipeline_microbatches is not None and self.num_pipeline_microbatches % self.pipeline_parallel_size:
+            raise ValueError(
+                f"num_pipeline_microbatches ({self.num_pipeline_microbatches}) must be a multiple of "
+                f"pipeline_parallel_size ({self.pipeline_parallel_size})"
+            )
+        return self
+
+
+class TrainConfig(_Section):
+    total_samples: PositiveCount | None = Field(None, description="samples to train on (or total_tokens)")
+    total_tokens: PositiveCount | None = Field(None, description="tokens to train on (or total_samples)")
+    lr: float = Field(gt=0, description="peak learning rate at lr_reference_batch")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="how a stage's LR follows its batch")
+    lr_reference_batch: PositiveInt | None = Field(None, description="batch at which lr applies (default: target)")
+    warmup_samples: Count = Field(0, description="linear LR warmup, in samples")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay shape after warmup")
+    lr_decay_samples: PositiveCount | None = Field(None, description="decay ends here (default: total)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor as a fraction of the peak")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables clipping")
+    checkpoint_uri: str = Field(description="file://path or gs://bucket/prefix for checkpoints")
+    keep_checkpoints: PositiveInt = Field(2, description="how many recent checkpoints to keep")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_total(self) -> TrainConfig:
+        if (self.total_samples is None) == (self.total_tokens is None):
+            raise ValueError("set exactly one of total_samples and total_tokens")
+        if not self.checkpoint_uri.startswith(("file://", "gs://")):
+            raise ValueError(f"checkpoint_uri {self.checkpoint_uri!r} must start with file:// or gs://")
+        return self
+
+
+class ExploreConfig(_Section):
+    memory_budget_bytes: ByteSize = Field(2 * 2**30, description="CPU only; on CUDA the device memory is the budget")
+    max_probes: PositiveInt = Field(12, description="measurements the search may spend")
+    max_minutes: float = Field(10.0, gt=0, description="wall-clock budget of the search")
+    activation_checkpointing: list[bool] = Field(default_factory=lambda: [False, True], min_length=1)
+    compile: list[bool] = Field(default_factory=lambda: [False], min_length=1)
+    warmup_steps: PositiveInt = 1
+    timed_steps: PositiveInt = 3
+    accumulation_multipliers: list[PositiveInt] = Field(
+        default_factory=lambda: [2, 4, 8, 16], description="effective-batch study at the recommended micro batch"
+    )
+
+
+class RLConfig(_Section):
+    """MaxText RL batch semantics: the training batch is batch_size prompts x num_generations."""
+
+    batch_size: PositiveInt = Field(description="unique prompts loaded per batch")
+    num_generations: PositiveInt = Field(1, description="responses generated per prompt")
+    micro_batch_size: int = Field(-1, description="split of the prompt-response pairs; -1 = no micro-batching")
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> RLConfig:
+        batch = self.batch_size * self.num_generations
+        if self.micro_batch_size != -1 and (self.micro_batch_size <= 0 or batch % self.micro_batch_size):
+            raise ValueError(
+                f"micro_batch_size {self.micro_batch_size} must be -1 or divide batch_size x num_generations = {batch}"
+            )
+        return self
+
+
+class Config(_Section):
+    """The whole batchpilot config (see DESIGN.md for the vocabulary)."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$", description="run name (DNS label)")
+    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    data: DataConfig
+    cluster: ClusterConfig
+    batch: BatchConfig
+    train: TrainConfig
+    explore: ExploreConfig = Field(default_factory=ExploreConfig)  # type: ignore[arg-type]
+    rl: RLConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expansion_factor_in_batch(cls, data: Any) -> Any:
+        """Accepts batch.expansion_factor_real_data as a spelling of data.expansion_factor_real_data."""
+        if not isinstance(data, dict) or not isinstance(data.get("batch"), dict):
+            return data
+        if "expansion_factor_real_data" not in data["batch"]:
+            return data
+        batch = dict(data["batch"])
+        factor = batch.pop("expansion_factor_real_data")
+        section = dict(data.get("data") or {})
+        if section.get("expansion_factor_real_data", factor) != factor:
+            raise ValueError(
+                "batch.expansion_factor_real_data and data.expansion_factor_real_data disagree; set it once"
+            )
+        section["expansion_factor_real_data"] = factor
+        return {**data, "batch": batch, "data": section}
+
+    @property
+    def total_samples(self) -> int:
+        """train.total_samples, or train.total_tokens in whole samples of data.seq_len tokens."""
+        if self.train.total_samples is not None:
+            return self.train.total_samples
+        assert self.train.total_tokens is not None
+        return self.train.total_tokens // self.data.seq_len
+
+
+class ConfigError(BatchpilotError):
+    """A config that does not validate; `lines` holds one message per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        super().__init__("config", "; ".join(lines))
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{part}]"]
+        elif part not in ("megatron", "maxtext") and not str(part).startswith("function-"):
+            parts.append(str(part))
+    return ".".join(parts) or "config"
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One line per problem: `key.path: message (got value)`."""
+    lines = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        shown = item.get("input")
+        got = f" (got {shown!r})" if item["type"] != "missing" and not isinstance(shown, dict) else ""
+        lines.append(f"{_location(tuple(item['loc']))}: {message}{got}")
+    return lines
+
+
+def parse_config(data: Any) -> Config:
+    """Validates a config mapping; raises ConfigError listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError([f"config: the file must hold a mapping of sections, got {type(data).__name__}"])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Reads and validates a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError([f"config: cannot read {path}: {error.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError([f"config: {path} is not valid YAML{where}"]) from None
+    return parse_config(data)
+
+
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema of the config file."""
+    return Config.model_json_schema()

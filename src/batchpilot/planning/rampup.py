@@ -1,0 +1,171 @@
+"""Global batch size as a pure function of consumed_samples, in the three ramp-up forms.
+
+Every form becomes one `BatchSchedule`: thresholds (in samples) at which the global batch size changes.
+A training step that starts at `consumed` uses `batch_at(consumed)`; because a step may overshoot a
+threshold, the batch changes at the first step that starts at or after it (Megatron/NeMo semantics).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning.units import parse_count, parse_threshold
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Piecewise-constant global batch size over consumed samples.
+
+    Attributes:
+        thresholds: first consumed sample of each level; starts at 0, strictly increasing.
+        batch_sizes: the global batch size of each level; strictly increasing, the last is the target.
+    """
+
+    thresholds: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert self.thresholds and self.thresholds[0] == 0, self.thresholds
+        assert len(self.thresholds) == len(self.batch_sizes)
+        assert all(a < b for a, b in zip(self.thresholds, self.thresholds[1:], strict=False))
+        assert all(a < b for a, b in zip(self.batch_sizes, self.batch_sizes[1:], strict=False))
+        assert self.batch_sizes[0] > 0
+
+    @property
+    def target(self) -> int:
+        """The final (largest) global batch size."""
+        return self.batch_sizes[-1]
+
+    @property
+    def ramp_end_sample(self) -> int:
+        """The consumed-sample threshold from which the target batch applies."""
+        return self.thresholds[-1]
+
+    def batch_at(self, consumed_samples: int) -> int:
+        """The global batch size of a step that starts at `consumed_samples`."""
+        assert consumed_samples >= 0
+        return self.batch_sizes[bisect.bisect_right(self.thresholds, consumed_samples) - 1]
+
+    def next_change_after(self, consumed_samples: int) -> int | None:
+        """The first threshold strictly after `consumed_samples`, or None once at the target."""
+        index = bisect.bisect_right(self.thresholds, consumed_samples)
+        return self.thresholds[index] if index < len(self.thresholds) else None
+
+
+def constant_schedule(global_batch_size: int) -> BatchSchedule:
+    """No ramp-up: the target batch from sample 0."""
+    return BatchSchedule(thresholds=(0,), batch_sizes=(global_batch_size,))
+
+
+def _check_increments(*, start: int, increment: int, target: int, field: str) -> int:
+    if start <= 0 or increment <= 0:
+        raise BatchpilotError(field, f"start ({start}) and increment ({increment}) must be positive")
+    if start >= target:
+        raise BatchpilotError(
+            field,
+            f"start ({start}) must be smaller than the target global batch size ({target})",
+            "lower the start or remove the ramp-up",
+        )
+    if (target - start) % increment:
+        lower = target - ((target - start) // increment) * increment
+        raise BatchpilotError(
+            field,
+            f"(target {target} - start {start}) is not a multiple of increment {increment}",
+            f"use a start such as {lower} or an increment that divides {target - start}",
+        )
+    return (target - start) // increment
+
+
+def megatron_rampup(*, start: int, increment: int, ramp_samples: int, target: int) -> BatchSchedule:
+    """NeMo/Megatron `rampup_batch_size=[start, increment, ramp_samples]`.
+
+    `batch(consumed) = start + floor(consumed / (ramp_samples / num_increments)) * increment`, capped at
+    target. Thresholds are computed exactly (integers), so no floating-point drift.
+    """
+    field = "batch.rampup"
+    num_increments = _check_increments(start=start, increment=increment, target=target, field=field)
+    if ramp_samples <= 0:
+        raise BatchpilotError(f"{field}.samples", "must be positive", "give the ramp length in samples, e.g. 10M")
+    levels: dict[int, int] = {0: start}
+    for k in range(1, num_increments + 1):
+        # smallest consumed with floor(consumed * n / R) >= k
+        levels[-(-k * ramp_samples // num_increments)] = start + k * increment
+    ordered = sorted(levels.items())
+    return BatchSchedule(tuple(t for t, _ in ordered), tuple(b for _, b in ordered))
+
+
+def _per_device_to_global(value: Fraction, num_devices: int, *, field: str) -> int:
+    total = value * num_devices
+    if total.denominator != 1:
+        raise BatchpilotError(
+            field, f"{value} per device x {num_devices} devices is not a whole number of samples"
+        )
+    return int(total)
+
+
+def maxtext_rampup(
+    *, per_device_start: Fraction, per_device_increment: Fraction, ramp_samples: int, target: int, num_devices: int
+) -> BatchSchedule:
+    """MaxText per-device ramp-up (`per_device_batch_size_start/_increment`, `global_rampup_samples`).
+
+    Each level trains `samples_per_increment = ramp_samples / num_increments` samples, rounded up to whole
+    steps of that level, before the batch grows (MaxText's RampupBatchManager). The target per-device size
+    is `target / num_devices` where `num_devices` is the device count of the target stage.
+    """
+    field = "batch.rampup"
+    start = _per_device_to_global(per_device_start, num_devices, field=f"{field}.per_device_start")
+    increment = _per_device_to_global(per_device_increment, num_devices, field=f"{field}.per_device_increment")
+    num_increments = _check_increments(start=start, increment=increment, target=target, field=field)
+    if ramp_samples <= 0:
+        raise BatchpilotError(f"{field}.samples", "must be positive")
+    samples_per_increment = Fraction(ramp_samples, num_increments)
+    thresholds, batches, consumed = [0], [start], 0
+    for k in range(num_increments):
+        level_batch = start + k * increment
+        consumed += math.ceil(samples_per_increment / level_batch) * level_batch
+        thresholds.append(consumed)
+        batches.append(level_batch + increment)
+    return BatchSchedule(tuple(thresholds), tuple(batches))
+
+
+def explicit_schedule(text: str, *, target: int, seq_len: int) -> BatchSchedule:
+    """An explicit schedule such as `"0:256 5M:512 10M:1024"`.
+
+    Thresholds are samples (`K/M/B/T` suffixes allowed) or tokens with a `t` suffix (`20Mt`); a token
+    threshold becomes the first sample index at which that many tokens have been consumed.
+    """
+    field = "batch.schedule"
+    entries = text.split()
+    if not entries:
+        raise BatchpilotError(field, "is empty", 'write e.g. "0:256 5M:512 10M:1024"')
+    thresholds: list[int] = []
+    batches: list[int] = []
+    for entry in entries:
+        if entry.count(":") != 1:
+            raise BatchpilotError(field, f"entry {entry!r} is not THRESHOLD:BATCH", 'write e.g. "5M:512"')
+        raw_threshold, raw_batch = entry.split(":")
+        value, is_tokens = parse_threshold(raw_threshold, field=f"{field} ({entry})")
+        thresholds.append(-(-value // seq_len) if is_tokens else value)
+        batches.append(parse_count(raw_batch, field=f"{field} ({entry})"))
+    if thresholds[0] != 0:
+        raise BatchpilotError(field, f"must start at 0, starts at {entries[0]!r}", 'begin with "0:<batch>"')
+    for i in range(1, len(entries)):
+        if thresholds[i] <= thresholds[i - 1] or batches[i] <= batches[i - 1]:
+            raise BatchpilotError(
+                field,
+                f"{entries[i]!r} must come after {entries[i - 1]!r} with a larger threshold and batch",
+                "list thresholds and batch sizes in increasing order",
+            )
+    if batches[0] <= 0:
+        raise BatchpilotError(field, "batch sizes must be positive")
+    if batches[-1] != target:
+        raise BatchpilotError(
+            field,
+            f"ends at batch {batches[-1]} but batch.global_batch_size is {target}",
+            "make the last entry's batch the global_batch_size",
+        )
+    return BatchSchedule(tuple(thresholds), tuple(batches))

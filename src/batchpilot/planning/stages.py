@@ -1,0 +1,218 @@
+"""The stage list: maximal ranges of consumed samples with one global batch size, each with its nodes."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning.batch import (
+    check_pipeline_microbatches,
+    global_batch_to_load,
+    gradient_accumulation_steps,
+    num_loading_hosts,
+)
+from batchpilot.planning.lr import LRSchedule
+from batchpilot.planning.nodes import data_parallel_size, schedule_nodes
+from batchpilot.planning.rampup import BatchSchedule
+from batchpilot.planning.units import format_count
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the plan (the `plan.json` contract in DESIGN.md, plus derived fields)."""
+
+    index: int
+    name: str
+    global_batch_size: int
+    start_sample: int
+    end_sample: int
+    num_nodes: int
+    data_parallel_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    lr: float
+    num_steps: int
+    world_size: int
+    global_batch_to_load: int
+    num_loading_hosts: int
+    is_final: bool
+
+    @property
+    def num_samples(self) -> int:
+        return self.end_sample - self.start_sample
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The ordered stages tiling [0, trained_samples), and what was asked for."""
+
+    stages: tuple[Stage, ...]
+    total_samples: int
+    micro_batch_size: int
+    devices_per_node: int
+    max_nodes: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def trained_samples(self) -> int:
+        return self.stages[-1].end_sample
+
+    @property
+    def num_steps(self) -> int:
+        return sum(stage.num_steps for stage in self.stages)
+
+    def stage_at(self, consumed_samples: int) -> Stage:
+        """The stage that a step starting at `consumed_samples` belongs to."""
+        if not 0 <= consumed_samples < self.trained_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, {self.trained_samples})")
+        starts = [stage.start_sample for stage in self.stages]
+        return self.stages[bisect.bisect_right(starts, consumed_samples) - 1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_samples": self.total_samples,
+            "trained_samples": self.trained_samples,
+            "num_steps": self.num_steps,
+            "micro_batch_size": self.micro_batch_size,
+            "devices_per_node": self.devices_per_node,
+            "max_nodes": self.max_nodes,
+            "notes": list(self.notes),
+            "stages": [asdict(stage) for stage in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(
+            stages=tuple(Stage(**stage) for stage in data["stages"]),
+            total_samples=data["total_samples"],
+            micro_batch_size=data["micro_batch_size"],
+            devices_per_node=data["devices_per_node"],
+            max_nodes=data["max_nodes"],
+            notes=tuple(data.get("notes", ())),
+        )
+
+
+def sample_ranges(schedule: BatchSchedule, *, total_samples: int) -> list[tuple[int, int, int]]:
+    """(global_batch_size, start_sample, end_sample) per stage, stepping exactly as training will.
+
+    A ramp-up stage ends at the first step boundary at or after the next threshold; the final stage
+    trains whole steps of the target batch up to `total_samples` (a remainder smaller than one step is
+    not trained, as in Megatron).
+    """
+    ranges: list[tuple[int, int, int]] = []
+    consumed = 0
+    while consumed < total_samples:
+        batch = schedule.batch_at(consumed)
+        change = schedule.next_change_after(consumed)
+        if change is not None and consumed + -(-(change - consumed) // batch) * batch <= total_samples:
+            steps = -(-(change - consumed) // batch)
+        else:
+            steps = (total_samples - consumed) // batch
+        if steps == 0:
+            break
+        ranges.append((batch, consumed, consumed + steps * batch))
+        consumed += steps * batch
+    if not ranges or ranges[-1][0] != schedule.target:
+        raise BatchpilotError(
+            "train.total_samples",
+            f"{total_samples} samples end before the ramp-up reaches the target batch {schedule.target} "
+            f"(the ramp ends at {format_count(schedule.ramp_end_sample)} samples)",
+            "train for longer or shorten the ramp-up",
+        )
+    return ranges
+
+
+def plan_stages(
+    *,
+    schedule: BatchSchedule,
+    total_samples: int,
+    micro_batch_size: int,
+    devices_per_node: int,
+    max_nodes: int,
+    min_nodes: int,
+    lr_schedule: LRSchedule,
+    expansion_factor: Fraction = Fraction(1),
+    pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    num_pipeline_microbatches: int | None = None,
+) -> Plan:
+    """Turns a batch schedule into validated stages with node counts; raises on the first invalid stage."""
+    if micro_batch_size <= 0:
+        raise BatchpilotError("batch.micro_batch_size", f"must be positive, got {micro_batch_size}")
+    ranges = sample_ranges(schedule, total_samples=total_samples)
+    nodes = schedule_nodes(
+        batch_sizes=[batch for batch, _, _ in ranges],
+        micro_batch_size=micro_batch_size,
+        devices_per_node=devices_per_node,
+        max_nodes=max_nodes,
+        min_nodes=min_nodes,
+        pipeline_parallel_size=pipeline_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    stages = []
+    for index, ((batch, start, end), num_nodes) in enumerate(zip(ranges, nodes, strict=True)):
+        dp = data_parallel_size(
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        assert dp is not None
+        if num_pipeline_microbatches is not None:
+            check_pipeline_microbatches(
+                num_pipeline_microbatches=num_pipeline_microbatches,
+                pipeline_parallel_size=pipeline_parallel_size,
+                per_pass_batch=micro_batch_size * dp,
+            )
+        is_final = index == len(ranges) - 1
+        stages.append(
+            Stage(
+                index=index,
+                name="final" if is_final else f"stage-{index}",
+                global_batch_size=batch,
+                start_sample=start,
+                end_sample=end,
+                num_nodes=num_nodes,
+                data_parallel_size=dp,
+                micro_batch_size=micro_batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps(
+                    global_batch_size=batch, micro_batch_size=micro_batch_size, data_parallel_size=dp
+                ),
+                lr=lr_schedule.peak(batch),
+                num_steps=(end - start) // batch,
+                world_size=num_nodes * devices_per_node,
+                global_batch_to_load=global_batch_to_load(global_batch_size=batch, expansion_factor=expansion_factor),
+                num_loading_hosts=num_loading_hosts(
+                    num_hosts=num_nodes,
+                    expansion_factor=expansion_factor,
+                    samples_per_host_pass=micro_batch_size * devices_per_node,
+                ),
+                is_final=is_final,
+            )
+        )
+    notes = _notes(stages, total_samples=total_samples, max_nodes=max_nodes)
+    return Plan(
+        stages=tuple(stages),
+        total_samples=total_samples,
+        micro_batch_size=micro_batch_size,
+        devices_per_node=devices_per_node,
+        max_nodes=max_nodes,
+        notes=notes,
+    )
+
+
+def _notes(stages: list[Stage], *, total_samples: int, max_nodes: int) -> tuple[str, ...]:
+    notes = []
+    final = stages[-1]
+    if final.num_nodes < max_nodes:
+        notes.append(
+            f"the final stage uses {final.num_nodes} of max_nodes={max_nodes}: global_batch_size "
+            f"{final.global_batch_size} does not split evenly over more nodes"
+        )
+    remainder = total_samples - final.end_sample
+    if remainder:
+        notes.append(f"the last {remainder} samples do not fill a step of {final.global_batch_size} and are not trained")
+    return tuple(notes)
