@@ -73,7 +73,9 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     uri: str = Field(description="file://path or gs://bucket/prefix of a shard set with manifest.json")
-    seq_len: PositiveInt = Field(description="tokens per sample fed to the model (each sample reads seq_len+1)")
+    seq_len: PositiveInt = Field(
+        description="tokens per sample fed to the model (each sample reads seq_len+1)"
+    )
     expansion_factor_real_data: float = Field(
         1.0, gt=0, description="f > 1: only 1/f of the hosts read storage and forward to the others (MaxText)"
     )
@@ -154,7 +156,10 @@ class BatchConfig(_Section):
     def _one_rampup_form(self) -> BatchConfig:
         if self.rampup is not None and self.schedule is not None:
             raise ValueError("set either rampup or schedule, not both")
-        if self.num_pipeline_microbatches is not None and self.num_pipeline_microbatches % self.pipeline_parallel_size:
+        if (
+            self.num_pipeline_microbatches is not None
+            and self.num_pipeline_microbatches % self.pipeline_parallel_size
+        ):
             raise ValueError(
                 f"num_pipeline_microbatches ({self.num_pipeline_microbatches}) must be a multiple of "
                 f"pipeline_parallel_size ({self.pipeline_parallel_size})"
@@ -166,10 +171,16 @@ class TrainConfig(_Section):
     total_samples: PositiveCount | None = Field(None, description="samples to train on (or total_tokens)")
     total_tokens: PositiveCount | None = Field(None, description="tokens to train on (or total_samples)")
     lr: float = Field(gt=0, description="peak learning rate at lr_reference_batch")
-    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="how a stage's LR follows its batch")
-    lr_reference_batch: PositiveInt | None = Field(None, description="batch at which lr applies (default: target)")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="how a stage's LR follows its batch"
+    )
+    lr_reference_batch: PositiveInt | None = Field(
+        None, description="batch at which lr applies (default: target)"
+    )
     warmup_samples: Count = Field(0, description="linear LR warmup, in samples")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay shape after warmup")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="decay shape after warmup"
+    )
     lr_decay_samples: PositiveCount | None = Field(None, description="decay ends here (default: total)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor as a fraction of the peak")
     weight_decay: float = Field(0.1, ge=0)
@@ -188,7 +199,9 @@ class TrainConfig(_Section):
 
 
 class ExploreConfig(_Section):
-    memory_budget_bytes: ByteSize = Field(2 * 2**30, description="CPU only; on CUDA the device memory is the budget")
+    memory_budget_bytes: ByteSize = Field(
+        2 * 2**30, description="CPU only; on CUDA the device memory is the budget"
+    )
     max_probes: PositiveInt = Field(12, description="measurements the search may spend")
     max_minutes: float = Field(10.0, gt=0, description="wall-clock budget of the search")
     activation_checkpointing: list[bool] = Field(default_factory=lambda: [False, True], min_length=1)
@@ -196,7 +209,8 @@ class ExploreConfig(_Section):
     warmup_steps: PositiveInt = 1
     timed_steps: PositiveInt = 3
     accumulation_multipliers: list[PositiveInt] = Field(
-        default_factory=lambda: [2, 4, 8, 16], description="effective-batch study at the recommended micro batch"
+        default_factory=lambda: [2, 4, 8, 16],
+        description="effective-batch study at the recommended micro batch",
     )
 
 
@@ -205,7 +219,9 @@ class RLConfig(_Section):
 
     batch_size: PositiveInt = Field(description="unique prompts loaded per batch")
     num_generations: PositiveInt = Field(1, description="responses generated per prompt")
-    micro_batch_size: int = Field(-1, description="split of the prompt-response pairs; -1 = no micro-batching")
+    micro_batch_size: int = Field(
+        -1, description="split of the prompt-response pairs; -1 = no micro-batching"
+    )
 
     @model_validator(mode="after")
     def _micro_divides(self) -> RLConfig:

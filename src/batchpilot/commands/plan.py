@@ -26,9 +26,15 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--micro-batch-size", type=int, help="overrides batch.micro_batch_size")
-    parser.add_argument("--explore", metavar="EXPLORE_JSON", help="take the micro batch and throughput from explore.json")
-    parser.add_argument("--json", action="store_true", help="print the plan.json document instead of the table")
-    parser.add_argument("--out", help="also write plan.json to this path (refuses to overwrite unless --force)")
+    parser.add_argument(
+        "--explore", metavar="EXPLORE_JSON", help="take the micro batch and throughput from explore.json"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the plan.json document instead of the table"
+    )
+    parser.add_argument(
+        "--out", help="also write plan.json to this path (refuses to overwrite unless --force)"
+    )
     parser.add_argument("--force", action="store_true", help="allow --out to overwrite an existing file")
     parser.add_argument(
         "--samples-per-s-per-device",
@@ -83,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
 def wide_console() -> Console:
     """A console that does not squeeze the table into 80 columns when output is piped."""
-    console = Console()
-    return console if console.is_terminal else Console(width=140)
+    console = Console(soft_wrap=True)
+    return console if console.is_terminal else Console(width=140, soft_wrap=True)
 
 
 def _hours(seconds: float) -> str:
@@ -122,8 +128,9 @@ def print_plan(config: Config, plan: Plan, cost: CostEstimate | None, *, console
         f"{final.gradient_accumulation_steps} (final stage, {final.num_nodes} node(s) x "
         f"{plan.devices_per_node} device(s))"
     )
-    console.print(f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, "
-                  f"{plan.trained_samples:,} samples")
+    console.print(
+        f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, {plan.trained_samples:,} samples"
+    )
     for note in plan.notes:
         console.print(f"note: {note}")
     if cost:
@@ -134,4 +141,6 @@ def print_plan(config: Config, plan: Plan, cost: CostEstimate | None, *, console
             f"({cost.saving_ratio:.0%} saved by resizing per stage)"
         )
     else:
-        console.print("add --samples-per-s-per-device (or --explore explore.json) for durations and node-hours")
+        console.print(
+            "add --samples-per-s-per-device (or --explore explore.json) for durations and node-hours"
+        )

@@ -7,7 +7,9 @@ from fractions import Fraction
 from batchpilot.errors import BatchpilotError
 
 
-def gradient_accumulation_steps(*, global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+def gradient_accumulation_steps(
+    *, global_batch_size: int, micro_batch_size: int, data_parallel_size: int
+) -> int:
     """global_batch_size / (micro_batch_size x data_parallel_size), which must be a whole number."""
     per_pass = micro_batch_size * data_parallel_size
     if micro_batch_size <= 0 or data_parallel_size <= 0:

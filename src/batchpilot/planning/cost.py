@@ -58,9 +58,13 @@ def estimate_cost(plan: Plan, *, samples_per_s_per_device: float) -> CostEstimat
     for stage in plan.stages:
         duration_s = stage.num_samples / (samples_per_s_per_device * stage.world_size)
         stage_costs.append(
-            StageCost(index=stage.index, duration_s=duration_s, node_hours=duration_s / 3600 * stage.num_nodes)
+            StageCost(
+                index=stage.index, duration_s=duration_s, node_hours=duration_s / 3600 * stage.num_nodes
+            )
         )
         static += duration_s / 3600 * plan.max_nodes
     return CostEstimate(
-        stages=tuple(stage_costs), samples_per_s_per_device=samples_per_s_per_device, static_pool_node_hours=static
+        stages=tuple(stage_costs),
+        samples_per_s_per_device=samples_per_s_per_device,
+        static_pool_node_hours=static,
     )

@@ -47,7 +47,9 @@ class LRSchedule:
             return (consumed_samples + 1) / self.warmup_samples
         if self.decay == "constant" or self.decay_end_samples <= self.warmup_samples:
             return 1.0
-        progress = min(1.0, (consumed_samples - self.warmup_samples) / (self.decay_end_samples - self.warmup_samples))
+        progress = min(
+            1.0, (consumed_samples - self.warmup_samples) / (self.decay_end_samples - self.warmup_samples)
+        )
         shape = 1.0 - progress if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 

@@ -42,7 +42,13 @@ def fits(
 
 
 def nearest_valid_batch_sizes(
-    global_batch_size: int, *, node_range: range, micro_batch_size: int, devices_per_node: int, pp: int, tp: int
+    global_batch_size: int,
+    *,
+    node_range: range,
+    micro_batch_size: int,
+    devices_per_node: int,
+    pp: int,
+    tp: int,
 ) -> tuple[int | None, int | None]:
     """The closest global batch sizes below and above `global_batch_size` that some node count fits."""
     units = []
@@ -93,8 +99,16 @@ def schedule_nodes(
             None,
         )
         if chosen is None:
-            _raise_no_fit(index, batch, cap, min_nodes, micro_batch_size, devices_per_node,
-                          pipeline_parallel_size, tensor_parallel_size)
+            _raise_no_fit(
+                index,
+                batch,
+                cap,
+                min_nodes,
+                micro_batch_size,
+                devices_per_node,
+                pipeline_parallel_size,
+                tensor_parallel_size,
+            )
         nodes[index] = cap = chosen
     return nodes
 
@@ -103,8 +117,12 @@ def _raise_no_fit(
     index: int, batch: int, cap: int, min_nodes: int, micro: int, devices_per_node: int, pp: int, tp: int
 ) -> NoReturn:
     below, above = nearest_valid_batch_sizes(
-        batch, node_range=range(min_nodes, cap + 1), micro_batch_size=micro,
-        devices_per_node=devices_per_node, pp=pp, tp=tp,
+        batch,
+        node_range=range(min_nodes, cap + 1),
+        micro_batch_size=micro,
+        devices_per_node=devices_per_node,
+        pp=pp,
+        tp=tp,
     )
     suggestions = " or ".join(str(b) for b in (below, above) if b is not None) or "none"
     raise BatchpilotError(

@@ -89,7 +89,9 @@ def megatron_rampup(*, start: int, increment: int, ramp_samples: int, target: in
     field = "batch.rampup"
     num_increments = _check_increments(start=start, increment=increment, target=target, field=field)
     if ramp_samples <= 0:
-        raise BatchpilotError(f"{field}.samples", "must be positive", "give the ramp length in samples, e.g. 10M")
+        raise BatchpilotError(
+            f"{field}.samples", "must be positive", "give the ramp length in samples, e.g. 10M"
+        )
     levels: dict[int, int] = {0: start}
     for k in range(1, num_increments + 1):
         # smallest consumed with floor(consumed * n / R) >= k
@@ -108,7 +110,12 @@ def _per_device_to_global(value: Fraction, num_devices: int, *, field: str) -> i
 
 
 def maxtext_rampup(
-    *, per_device_start: Fraction, per_device_increment: Fraction, ramp_samples: int, target: int, num_devices: int
+    *,
+    per_device_start: Fraction,
+    per_device_increment: Fraction,
+    ramp_samples: int,
+    target: int,
+    num_devices: int,
 ) -> BatchSchedule:
     """MaxText per-device ramp-up (`per_device_batch_size_start/_increment`, `global_rampup_samples`).
 
@@ -118,7 +125,9 @@ def maxtext_rampup(
     """
     field = "batch.rampup"
     start = _per_device_to_global(per_device_start, num_devices, field=f"{field}.per_device_start")
-    increment = _per_device_to_global(per_device_increment, num_devices, field=f"{field}.per_device_increment")
+    increment = _per_device_to_global(
+        per_device_increment, num_devices, field=f"{field}.per_device_increment"
+    )
     num_increments = _check_increments(start=start, increment=increment, target=target, field=field)
     if ramp_samples <= 0:
         raise BatchpilotError(f"{field}.samples", "must be positive")

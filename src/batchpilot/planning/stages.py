@@ -184,7 +184,9 @@ def plan_stages(
                 lr=lr_schedule.peak(batch),
                 num_steps=(end - start) // batch,
                 world_size=num_nodes * devices_per_node,
-                global_batch_to_load=global_batch_to_load(global_batch_size=batch, expansion_factor=expansion_factor),
+                global_batch_to_load=global_batch_to_load(
+                    global_batch_size=batch, expansion_factor=expansion_factor
+                ),
                 num_loading_hosts=num_loading_hosts(
                     num_hosts=num_nodes,
                     expansion_factor=expansion_factor,
@@ -214,5 +216,7 @@ def _notes(stages: list[Stage], *, total_samples: int, max_nodes: int) -> tuple[
         )
     remainder = total_samples - final.end_sample
     if remainder:
-        notes.append(f"the last {remainder} samples do not fill a step of {final.global_batch_size} and are not trained")
+        notes.append(
+            f"the last {remainder} samples do not fill a step of {final.global_batch_size} and are not trained"
+        )
     return tuple(notes)

@@ -45,7 +45,9 @@ def parse_count(value: int | str, *, field: str) -> int:
     match = _COUNT_RE.match(str(value))
     if not match:
         raise BatchpilotError(
-            field, f"{value!r} is not a count", "write a number with an optional K, M, B or T suffix, e.g. 10M"
+            field,
+            f"{value!r} is not a count",
+            "write a number with an optional K, M, B or T suffix, e.g. 10M",
         )
     number = Fraction(match.group(1).replace("_", "")) * _COUNT_SUFFIX[match.group(2).upper()]
     return _exact_int(number, field=field, text=str(value))

@@ -1,0 +1,88 @@
+"""Node scheduling per stage (NeMo launcher rule) and the batch arithmetic around it."""
+
+from fractions import Fraction
+
+import pytest
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning import gradient_accumulation_steps, num_loading_hosts, schedule_nodes
+from batchpilot.planning.batch import check_pipeline_microbatches, global_batch_to_load, rl_training_batch
+from batchpilot.planning.nodes import data_parallel_size
+
+
+def test_nemo_gpt3_5b_node_schedule():
+    nodes = schedule_nodes(
+        batch_sizes=[256, 512, 768, 1024, 1280, 1536, 1792, 2048],
+        micro_batch_size=4,
+        devices_per_node=8,
+        max_nodes=16,
+    )
+    assert nodes == [8, 8, 8, 8, 10, 12, 14, 16]
+
+
+def test_min_nodes_is_respected_and_nodes_never_decrease():
+    nodes = schedule_nodes(batch_sizes=[32, 64, 96, 128], micro_batch_size=4, devices_per_node=4, max_nodes=4)
+    assert nodes == [2, 2, 3, 4]
+    with pytest.raises(BatchpilotError) as info:
+        schedule_nodes(
+            batch_sizes=[32, 64, 96, 128], micro_batch_size=4, devices_per_node=4, max_nodes=4, min_nodes=3
+        )
+    # 64 cannot use 3 nodes (48 per pass) and 2 is below min_nodes.
+    assert info.value.field == "stage 1 (global_batch_size=64)"
+    assert "48 or 96" in str(info.value)
+
+
+def test_no_node_count_fits_names_stage_and_suggests_batches():
+    with pytest.raises(BatchpilotError) as info:
+        schedule_nodes(batch_sizes=[100, 256], micro_batch_size=4, devices_per_node=8, max_nodes=8)
+    message = str(info.value)
+    assert message.startswith("stage 0 (global_batch_size=100): no node count in [1, 8]")
+    assert "96 or 128" in message
+
+
+def test_pipeline_and_tensor_parallel_shrink_data_parallel_size():
+    assert (
+        data_parallel_size(num_nodes=2, devices_per_node=8, pipeline_parallel_size=2, tensor_parallel_size=2)
+        == 4
+    )
+    assert data_parallel_size(num_nodes=1, devices_per_node=2, pipeline_parallel_size=4) is None
+    nodes = schedule_nodes(
+        batch_sizes=[8, 16], micro_batch_size=1, devices_per_node=8, max_nodes=4, pipeline_parallel_size=4
+    )
+    assert nodes == [4, 4]
+
+
+def test_gradient_accumulation_steps():
+    assert (
+        gradient_accumulation_steps(global_batch_size=2048, micro_batch_size=4, data_parallel_size=128) == 4
+    )
+    with pytest.raises(BatchpilotError, match="not divisible by micro_batch_size 3"):
+        gradient_accumulation_steps(global_batch_size=64, micro_batch_size=3, data_parallel_size=2)
+
+
+def test_expansion_factor_loading_hosts():
+    assert global_batch_to_load(global_batch_size=64, expansion_factor=Fraction(2)) == 128
+    assert global_batch_to_load(global_batch_size=64, expansion_factor=Fraction(1, 2)) == 32
+    with pytest.raises(BatchpilotError, match="not a whole number"):
+        global_batch_to_load(global_batch_size=3, expansion_factor=Fraction(1, 2))
+    assert num_loading_hosts(num_hosts=4, expansion_factor=Fraction(2), samples_per_host_pass=8) == 2
+    assert num_loading_hosts(num_hosts=3, expansion_factor=Fraction(1, 2), samples_per_host_pass=8) == 3
+    with pytest.raises(BatchpilotError, match="fractional number of loading hosts"):
+        num_loading_hosts(num_hosts=3, expansion_factor=Fraction(2), samples_per_host_pass=8)
+    with pytest.raises(BatchpilotError, match=r"share .* is fractional"):
+        num_loading_hosts(num_hosts=3, expansion_factor=Fraction(3, 2), samples_per_host_pass=1)
+
+
+def test_pipeline_microbatches():
+    check_pipeline_microbatches(num_pipeline_microbatches=8, pipeline_parallel_size=4, per_pass_batch=32)
+    with pytest.raises(BatchpilotError, match="not a multiple of pipeline_parallel_size 4"):
+        check_pipeline_microbatches(num_pipeline_microbatches=6, pipeline_parallel_size=4, per_pass_batch=24)
+    with pytest.raises(BatchpilotError, match="does not divide the per-pass batch"):
+        check_pipeline_microbatches(num_pipeline_microbatches=8, pipeline_parallel_size=4, per_pass_batch=12)
+
+
+def test_rl_batch():
+    assert rl_training_batch(prompts_per_batch=8, num_generations=4, micro_batch_size=-1) == 32
+    assert rl_training_batch(prompts_per_batch=8, num_generations=4, micro_batch_size=8) == 32
+    with pytest.raises(BatchpilotError, match=r"rl\.micro_batch_size"):
+        rl_training_batch(prompts_per_batch=8, num_generations=4, micro_batch_size=5)
