@@ -26,7 +26,9 @@ def test_planning_imports_only_the_standard_library_and_itself():
             top = name.split(".")[0]
             assert top not in FORBIDDEN_IN_PLANNING, f"{path.name} imports {name}"
             if top == "batchpilot":
-                assert name.startswith(("batchpilot.planning", "batchpilot.errors")), f"{path.name} imports {name}"
+                assert name.startswith(("batchpilot.planning", "batchpilot.errors")), (
+                    f"{path.name} imports {name}"
+                )
 
 
 def test_importing_planning_loads_no_heavy_module():
