@@ -79,6 +79,15 @@ class DataConfig(_Section):
     expansion_factor_real_data: float = Field(
         1.0, gt=0, description="f > 1: only 1/f of the hosts read storage and forward to the others (MaxText)"
     )
+    split: Literal["train", "validation"] = Field(
+        "train", description="which split of the shard set to train on"
+    )
+    shuffle: bool = Field(True, description="a new seeded sample order every epoch (false: file order)")
+    prefetch_steps: int = Field(2, ge=0, description="optimizer steps of data prepared ahead (bounds memory)")
+    verify_checksums: bool = Field(
+        True,
+        description="check every shard's CRC32C against the manifest when opening (local files: reads them once)",
+    )
 
     @model_validator(mode="after")
     def _known_scheme(self) -> DataConfig:
@@ -187,7 +196,19 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables clipping")
     checkpoint_uri: str = Field(description="file://path or gs://bucket/prefix for checkpoints")
     keep_checkpoints: PositiveInt = Field(2, description="how many recent checkpoints to keep")
+    checkpoint_every_steps: int = Field(
+        0, ge=0, description="also checkpoint every N optimizer steps (0: only at the end of each stage)"
+    )
     seed: int = 0
+    activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    compile: bool = Field(False, description="torch.compile the model")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
+    )
+    measure_noise_scale: bool = Field(True, description="estimate the gradient noise scale every step")
+    measure_coherence: bool = Field(
+        False, description="cosine between successive micro-batch gradients (costs a gradient copy)"
+    )
 
     @model_validator(mode="after")
     def _one_total(self) -> TrainConfig:

@@ -1,0 +1,1 @@
+"""Node pools and launchers: where and how the trainers of a stage run."""

@@ -1,0 +1,1 @@
+"""Training: the trainer loop, checkpoints, metrics and the gradient noise scale."""

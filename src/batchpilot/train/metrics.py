@@ -1,0 +1,58 @@
+"""`metrics.jsonl`: one JSON line per optimizer step (the DESIGN.md contract), safe across resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+METRIC_KEYS = (
+    "step",
+    "consumed_samples",
+    "stage",
+    "global_batch_size",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "world_size",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_memory_bytes",
+    "noise_scale",
+)
+
+
+class MetricsLog:
+    """Appends step records; on resume, drops records of steps that the checkpoint does not contain."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_to(self, consumed_samples: int) -> None:
+        """Keeps only records of steps that ended at or before `consumed_samples` (atomic rewrite).
+
+        A record's `consumed_samples` is the count after its step, so these are the steps a checkpoint
+        at `consumed_samples` contains; the steps after it are about to be trained again.
+        """
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in kept if json.loads(line)["consumed_samples"] <= consumed_samples]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        missing = [key for key in METRIC_KEYS if key not in record]
+        assert not missing, f"metrics record lacks {missing}"
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

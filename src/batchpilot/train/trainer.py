@@ -1,0 +1,403 @@
+"""The trainer: runs stages of a plan from `latest`, checkpoints at the stage's end sample, and stops.
+
+Read it top to bottom: `train()` sets up (process group, model, optimizer, resume, loader), then
+`_Loop.run()` steps until the last requested stage's `end_sample`. Everything that varies over
+training (stage, batch, accumulation, LR, data order) is a function of `consumed_samples`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchpilot.config import Config
+from batchpilot.data.loader import TokenLoader
+from batchpilot.data.sampling import rank_micro_batches
+from batchpilot.errors import BatchpilotError
+from batchpilot.models.factory import build_model, set_activation_checkpointing
+from batchpilot.planner import lr_schedule
+from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
+from batchpilot.train.distributed import DistContext
+from batchpilot.train.metrics import MetricsLog
+from batchpilot.train.noise import NoiseScaleEMA
+from batchpilot.train.step import StepOutcome, accumulate_gradients, wrap_model
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after checkpointing; run the same stage again
+
+
+def log(ctx: DistContext, message: str) -> None:
+    """A line on rank 0's stdout (the live progress and the stage's summary)."""
+    if ctx.is_main:
+        print(f"[batchpilot] {message}", flush=True)
+
+
+def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases, norms and embeddings' 1-D parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def autocast_factory(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def check_vocabulary(model: nn.Module, *, vocab_size: int) -> None:
+    """The model's first embedding must cover every token id of the dataset."""
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is not None and embedding.num_embeddings < vocab_size:
+        raise BatchpilotError(
+            "model.args.vocab_size",
+            f"the model embeds {embedding.num_embeddings} token ids but the dataset's vocabulary has {vocab_size}",
+            f"set vocab_size to at least {vocab_size}",
+        )
+
+
+def check_resume_point(*, stages: list[Stage], checkpoint: Checkpoint | None, uri: str) -> int:
+    """The consumed_samples to start from; raises when the checkpoint does not belong to these stages."""
+    first, last = stages[0], stages[-1]
+    consumed = checkpoint.consumed_samples if checkpoint else 0
+    if checkpoint is None and first.start_sample > 0:
+        raise BatchpilotError(
+            "train.checkpoint_uri",
+            f"{first.name} starts at sample {first.start_sample:,} but {uri} holds no checkpoint",
+            "run the earlier stages first (or point checkpoint_uri at their checkpoints)",
+        )
+    if consumed < first.start_sample:
+        raise BatchpilotError(
+            "--stage",
+            f"the latest checkpoint is at sample {consumed:,}, before {first.name} starts ({first.start_sample:,})",
+            "run the stage that contains that sample first",
+        )
+    if consumed > last.end_sample:
+        raise BatchpilotError(
+            "--stage",
+            f"the latest checkpoint ({consumed:,} samples) is past the end of {last.name} ({last.end_sample:,})",
+            "run a later stage",
+        )
+    return consumed
+
+
+@dataclass
+class _Loop:
+    """State of the training loop for one invocation."""
+
+    ctx: DistContext
+    config: Config
+    plan: Plan
+    stages: list[Stage]
+    model: nn.Module
+    wrapped: nn.Module
+    hook: Any
+    optimizer: torch.optim.Optimizer
+    loader: TokenLoader
+    checkpointer: Checkpointer
+    metrics: MetricsLog | None
+    lr: LRSchedule
+    consumed: int
+    step: int
+    audit_dir: Path | None
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
+    micro_override: dict[int, int] = field(default_factory=dict)
+    stop_requested: bool = False
+    saved_step: int = -1
+    last_log_s: float = 0.0
+
+    def run(self) -> int:
+        end = self.stages[-1].end_sample
+        while self.consumed < end:
+            if self.ctx.any_true(self.stop_requested)[0]:
+                return self._preempted()
+            stage = self.plan.stage_at(self.consumed)
+            outcome, micro, accumulation, step_time_s, lr = self._attempt(stage)
+            if outcome.stopped:
+                return self._preempted()
+            if outcome.out_of_memory:
+                self._halve_micro_batch(stage, micro)
+                continue
+            self._finish_step(stage, outcome, micro, accumulation, step_time_s, lr)
+            if self.consumed == stage.end_sample:
+                self._save()
+                self._stage_done(stage)
+            elif (
+                self.config.train.checkpoint_every_steps
+                and self.step % self.config.train.checkpoint_every_steps == 0
+            ):
+                self._save()
+        return 0
+
+    def _attempt(self, stage: Stage) -> tuple[StepOutcome, int, int, float, float]:
+        micro = self.micro_override.get(stage.index, stage.micro_batch_size)
+        per_pass = micro * self.ctx.world_size
+        if stage.global_batch_size % per_pass:
+            raise BatchpilotError(
+                f"{stage.name}",
+                f"global_batch_size {stage.global_batch_size} does not split over micro {micro} x world {self.ctx.world_size}",
+                "launch the stage with the plan's node count",
+            )
+        accumulation = stage.global_batch_size // per_pass
+        lr = self.lr.at(consumed_samples=self.consumed, global_batch_size=stage.global_batch_size)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        started = time.perf_counter()
+        batches = self.loader.micro_batches(
+            consumed_samples=self.consumed,
+            global_batch_size=stage.global_batch_size,
+            micro_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+        )
+        outcome = accumulate_gradients(
+            model=self.model,
+            wrapped=self.wrapped,
+            hook=self.hook,
+            micro_batches=batches,
+            ctx=self.ctx,
+            autocast=self.autocast,
+            stop_requested=lambda: self.stop_requested,
+            measure_noise=self.config.train.measure_noise_scale,
+            measure_coherence=self.config.train.measure_coherence,
+        )
+        if outcome.completed and self.audit_dir is not None:
+            self._audit(stage, micro)
+        return outcome, micro, accumulation, time.perf_counter() - started, lr
+
+    def _halve_micro_batch(self, stage: Stage, micro: int) -> None:
+        if micro % 2:
+            raise BatchpilotError(
+                "batch.micro_batch_size",
+                f"out of memory at micro batch {micro} in {stage.name}, which cannot be halved evenly",
+                "use a smaller micro batch (batchpilot explore finds one that fits)",
+            )
+        self.micro_override[stage.index] = micro // 2
+        log(
+            self.ctx,
+            f"out of memory at micro_batch_size={micro} (agreed by all ranks): retrying the same global batch "
+            f"{stage.global_batch_size} with micro_batch_size={micro // 2}, "
+            f"gradient_accumulation_steps={stage.global_batch_size // (micro // 2 * self.ctx.world_size)}",
+        )
+
+    def _finish_step(
+        self, stage: Stage, outcome: StepOutcome, micro: int, accumulation: int, step_time_s: float, lr: float
+    ) -> None:
+        clip = self.config.train.grad_clip or math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.consumed += stage.global_batch_size
+        self.step += 1
+        loss, small_sq = self.ctx.mean([outcome.loss, outcome.small_sq_norm or 0.0])
+        noise_scale = None
+        if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
+            noise_scale = self.noise.update(
+                small_sq_norm=small_sq,
+                big_sq_norm=grad_norm**2,
+                b_small=outcome.small_batch,
+                b_big=stage.global_batch_size,
+            )
+        record = {
+            "step": self.step,
+            "consumed_samples": self.consumed,
+            "stage": stage.index,
+            "global_batch_size": stage.global_batch_size,
+            "micro_batch_size": micro,
+            "gradient_accumulation_steps": accumulation,
+            "world_size": self.ctx.world_size,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": stage.global_batch_size * self.config.data.seq_len / step_time_s,
+            "step_time_s": step_time_s,
+            "peak_memory_bytes": peak_memory_bytes(self.ctx.device),
+            "noise_scale": noise_scale,
+            "gradient_coherence": outcome.coherence,
+        }
+        if self.metrics is not None:
+            self.metrics.append(record)
+        self._progress(stage, record)
+
+    def _progress(self, stage: Stage, record: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample:
+            return
+        self.last_log_s = now
+        noise = f" | noise scale {record['noise_scale']:,.0f}" if record["noise_scale"] else ""
+        log(
+            self.ctx,
+            f"{stage.name} step {self.step} | samples {self.consumed:,}/{stage.end_sample:,} | batch "
+            f"{stage.global_batch_size} = {record['micro_batch_size']} x {self.ctx.world_size} x "
+            f"{record['gradient_accumulation_steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"{record['tokens_per_s']:,.0f} tok/s{noise}",
+        )
+
+    def _audit(self, stage: Stage, micro: int) -> None:
+        assert self.audit_dir is not None
+        positions = rank_micro_batches(
+            consumed_samples=self.consumed,
+            global_batch_size=stage.global_batch_size,
+            micro_batch_size=micro,
+            data_parallel_size=self.ctx.world_size,
+            data_parallel_rank=self.ctx.rank,
+        )
+        line = " ".join(str(p) for r in positions for p in r)
+        with (self.audit_dir / f"positions-rank{self.ctx.rank}.txt").open("a") as file:
+            file.write(f"{stage.index} {self.ctx.world_size} {line}\n")
+
+    def _save(self) -> None:
+        if self.saved_step == self.step:
+            return
+        if self.ctx.is_main:
+            where = self.checkpointer.save(
+                step=self.step,
+                consumed_samples=self.consumed,
+                model=self.model.state_dict(),
+                optimizer=self.optimizer.state_dict(),
+                rng=capture_rng_state(),
+                extra={
+                    "world_size": self.ctx.world_size,
+                    "stage": self.plan.stage_at(self.consumed - 1).index,
+                },
+            )
+            log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}")
+        self.ctx.barrier()
+        self.saved_step = self.step
+
+    def _stage_done(self, stage: Stage) -> None:
+        following = [s for s in self.plan.stages if s.index == stage.index + 1]
+        then = (
+            f"; next: {following[0].name} on {following[0].num_nodes} node(s)"
+            if following
+            else "; training complete"
+        )
+        log(
+            self.ctx,
+            f"{stage.name} done: samples [{stage.start_sample:,}, {stage.end_sample:,}) at global batch "
+            f"{stage.global_batch_size}, {self.step} optimizer steps so far{then}",
+        )
+
+    def _preempted(self) -> int:
+        self.optimizer.zero_grad(set_to_none=True)
+        log(self.ctx, f"SIGTERM: stopping at a micro-batch boundary, {self.consumed:,} samples consumed")
+        self._save()
+        log(self.ctx, f"preempted: exit {EXIT_PREEMPTED}; run the same stage again to resume exactly here")
+        return EXIT_PREEMPTED
+
+
+def select_stages(plan: Plan, stage: str) -> list[Stage]:
+    """`--stage K` (one stage), `--stage final`, or `--stage all` (every stage in one job)."""
+    if stage == "all":
+        return list(plan.stages)
+    if stage == "final":
+        return [plan.stages[-1]]
+    if not stage.isdigit() or int(stage) >= len(plan.stages):
+        raise BatchpilotError(
+            "--stage",
+            f"{stage!r} is not a stage of this plan",
+            f"use 0..{len(plan.stages) - 1}, final or all",
+        )
+    return [plan.stages[int(stage)]]
+
+
+def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bool = False) -> int:
+    """Trains the selected stage(s) of `plan` in this process (one rank of a torchrun job); returns the exit code."""
+    stages = select_stages(plan, stage)
+    ctx = DistContext.from_env()
+    if stage != "all" and stages[0].world_size != ctx.world_size:
+        raise BatchpilotError(
+            "--stage",
+            f"{stages[0].name} is planned for {stages[0].num_nodes} node(s) x {plan.devices_per_node} = "
+            f"{stages[0].world_size} processes, this job has {ctx.world_size}",
+            "start it with `batchpilot launch` (or torchrun) at the planned size",
+        )
+    checkpointer = Checkpointer(uri=config.train.checkpoint_uri, keep_last=config.train.keep_checkpoints)
+    checkpoint = checkpointer.load()
+    consumed = check_resume_point(stages=stages, checkpoint=checkpoint, uri=config.train.checkpoint_uri)
+    if consumed == stages[-1].end_sample:
+        log(ctx, f"{stages[-1].name} is already complete ({consumed:,} samples): nothing to do")
+        return 0
+    loader = TokenLoader(
+        uri=config.data.uri,
+        seq_len=config.data.seq_len,
+        seed=config.train.seed,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        local_world_size=ctx.local_world_size,
+        expansion_factor=config.data.expansion_factor_real_data,
+    )
+    torch.manual_seed(config.train.seed)
+    model = build_model(factory=config.model.factory, args=config.model.args)
+    check_vocabulary(model, vocab_size=loader.vocab_size)
+    set_activation_checkpointing(model, config.train.activation_checkpointing)
+    model.to(ctx.device)
+    optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint.model)
+        optimizer.load_state_dict(checkpoint.optimizer)
+        restore_rng_state(checkpoint.rng)
+        log(
+            ctx,
+            f"resumed from step {checkpoint.step} ({consumed:,} samples) of {config.train.checkpoint_uri}",
+        )
+    if config.train.compile:
+        model.compile()
+    wrapped, hook = wrap_model(model, ctx)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(output_dir / "metrics.jsonl") if ctx.is_main else None
+    if metrics is not None:
+        metrics.truncate_to(consumed)
+    audit_dir = output_dir / "audit" if audit else None
+    if audit_dir is not None:
+        audit_dir.mkdir(parents=True, exist_ok=True)
+    loop = _Loop(
+        ctx=ctx,
+        config=config,
+        plan=plan,
+        stages=stages,
+        model=model,
+        wrapped=wrapped,
+        hook=hook,
+        optimizer=optimizer,
+        loader=loader,
+        checkpointer=checkpointer,
+        metrics=metrics,
+        lr=lr_schedule(config),
+        consumed=consumed,
+        step=checkpoint.step if checkpoint else 0,
+        audit_dir=audit_dir,
+        autocast=autocast_factory(ctx.device, config.train.precision),
+    )
+    loop.saved_step = loop.step if checkpoint else -1
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))
+    log(
+        ctx,
+        f"training {', '.join(s.name for s in stages)} on {ctx.world_size} process(es) ({ctx.device.type}) from sample {consumed:,}",
+    )
+    try:
+        return loop.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        loader.close()
+        sys.stdout.flush()
