@@ -18,6 +18,8 @@ from batchpilot.errors import BatchpilotError
 COMMAND_MODULES = (
     "batchpilot.commands.plan",
     "batchpilot.commands.config",
+    "batchpilot.commands.train",
+    "batchpilot.commands.data",
 )
 
 

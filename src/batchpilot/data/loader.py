@@ -1,0 +1,343 @@
+"""The trainer's data loader: per optimizer step, exactly this rank's micro-batches.
+
+With `expansion_factor` f > 1 only the first rank of every f-th host (a "loading host", as in MaxText)
+reads from storage: it reads the samples of all ranks of its host and of the next f - 1 hosts and sends
+each rank its own over a dedicated gloo process group. With f <= 1 every rank reads its own samples.
+
+A background thread prepares the next `prefetch_steps` steps, guessing that the next step starts where
+this one ends with the same batch shape. The guesses depend only on the calls the trainer makes, which
+are the same on every rank, so readers and receivers always work through the same sequence of steps; a
+wrong guess (a batch-size change) costs at most `prefetch_steps` wasted reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from batchpilot.data.sampling import (
+    LoadingGroup,
+    loading_group,
+    num_samples,
+    rank_micro_batches,
+    sample_at,
+    sample_token_range,
+)
+from batchpilot.data.shards import ShardSet
+from batchpilot.errors import BatchpilotError
+
+_OK, _FAILED = 1, 0
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What identifies one optimizer step's data."""
+
+    consumed_samples: int
+    global_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+    def next(self) -> StepKey:
+        return StepKey(
+            self.consumed_samples + self.global_batch_size,
+            self.global_batch_size,
+            self.micro_batch_size,
+            self.gradient_accumulation_steps,
+        )
+
+
+@dataclass
+class LoaderStats:
+    """Where the trainer's time went: `wait_s` blocked on data over `num_steps` steps."""
+
+    num_steps: int = 0
+    wait_s: float = 0.0
+    num_samples_read: int = 0
+    num_bytes_read: int = 0
+
+
+class TokenLoader:
+    """Fixed-length token samples for one rank, deterministic in `consumed_samples` and resumable.
+
+    Every rank of the job constructs one, at the same point of the program (with f > 1 the constructor
+    creates a process group, a collective call), after `torch.distributed.init_process_group`.
+    """
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        seq_len: int,
+        seed: int,
+        split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
+        local_world_size: int = 1,
+        expansion_factor: float = 1.0,
+        prefetch_steps: int = 2,
+        shuffle: bool = True,
+        verify_checksums: bool = True,
+        num_read_threads: int = 8,
+    ) -> None:
+        """Opens the shard set (loading ranks only) and starts the prefetch thread.
+
+        Args:
+            uri: shard set root, `file://...` or `gs://...`.
+            seq_len: tokens the model sees per sample; each sample holds `seq_len + 1`.
+            seed: shuffling seed (the run's seed).
+            split: `train` or `validation`.
+            rank, world_size: this process in the job; data-parallel rank and size (no tensor or
+                pipeline parallelism yet).
+            local_world_size: ranks per host (node).
+            expansion_factor: `expansion_factor_real_data`; f > 1 means one reader per f hosts.
+            prefetch_steps: optimizer steps prepared ahead; memory is bounded by this many steps.
+            shuffle: a new seeded order each epoch (False: samples in file order, e.g. for evaluation).
+            verify_checksums: check every shard against the manifest when opening.
+            num_read_threads: concurrent storage requests of a loading rank.
+        """
+        if seq_len <= 0 or prefetch_steps < 0:
+            raise BatchpilotError(
+                "data.seq_len",
+                f"seq_len must be positive and prefetch_steps >= 0 ({seq_len}, {prefetch_steps})",
+            )
+        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.group: LoadingGroup = loading_group(
+            rank=rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            expansion_factor=expansion_factor,
+        )
+        self.is_reader = rank == self.group.reader_rank
+        self._process_group = self._new_process_group(expansion_factor=expansion_factor)
+        self._shards: ShardSet | None = None
+        self.stats = LoaderStats()
+        self._open(uri=uri, split=split, verify_checksums=verify_checksums, num_threads=num_read_threads)
+        self._prefetch_steps = prefetch_steps
+        self._issued: collections.deque[StepKey] = collections.deque()
+        self._discard: set[StepKey] = set()
+        self._results: dict[StepKey, list[torch.Tensor] | BaseException] = {}
+        self._commands: collections.deque[StepKey | None] = collections.deque()
+        self._condition = threading.Condition()
+        self._worker = threading.Thread(target=self._work, name=f"token-loader-{rank}", daemon=True)
+        self._worker.start()
+
+    def _new_process_group(self, *, expansion_factor: float) -> dist.ProcessGroup | None:
+        if expansion_factor <= 1 or self.world_size == 1:
+            return None
+        if not dist.is_initialized():
+            raise BatchpilotError(
+                "data.expansion_factor_real_data",
+                f"{expansion_factor} needs torch.distributed to forward data, and it is not initialised",
+                "call torch.distributed.init_process_group first, or use 1",
+            )
+        # A group of its own: the prefetch thread's sends must not interleave with the trainer's collectives.
+        group: dist.ProcessGroup | None = dist.new_group(backend="gloo")
+        return group
+
+    def _open(self, *, uri: str, split: str, verify_checksums: bool, num_threads: int) -> None:
+        """Readers open the shard set and tell their members its size, or that it failed."""
+        members = [r for r in self.group.member_ranks if r != self.rank]
+        if not self.is_reader:
+            header = self._receive(what="open the shard set", shape=(3,), dtype=torch.int64)
+            self.vocab_size, self.eos_token_id, self.num_tokens = (int(v) for v in header)
+        else:
+            try:
+                self._shards = ShardSet.open(
+                    uri=uri, split=split, verify_checksums=verify_checksums, num_threads=num_threads
+                )
+            except BaseException as error:
+                for member in members:
+                    self._send_failure(member, error)
+                raise
+            manifest = self._shards.manifest
+            self.vocab_size, self.eos_token_id = manifest.vocab_size, manifest.eos_token_id
+            self.num_tokens = self._shards.num_tokens
+            for member in members:
+                self._send_ok(member, torch.tensor([self.vocab_size, self.eos_token_id, self.num_tokens]))
+        self.num_samples = num_samples(num_tokens=self.num_tokens, seq_len=self.seq_len)
+        if self.num_samples == 0:
+            raise BatchpilotError(
+                f"{uri} ({split})",
+                f"has {self.num_tokens} tokens, less than one sample of {self.seq_len + 1}",
+            )
+
+    # -- messages between a reader and its members: a header [status, payload size], then the payload ----
+
+    def _send_ok(self, dst: int, payload: torch.Tensor) -> None:
+        dist.send(torch.tensor([_OK, payload.numel()]), dst, group=self._process_group)
+        dist.send(payload.contiguous(), dst, group=self._process_group)
+
+    def _send_failure(self, dst: int, error: BaseException) -> None:
+        message = torch.frombuffer(bytearray(str(error).encode() or b"?"), dtype=torch.uint8)
+        dist.send(torch.tensor([_FAILED, message.numel()]), dst, group=self._process_group)
+        dist.send(message, dst, group=self._process_group)
+
+    def _receive(self, *, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        reader = self.group.reader_rank
+        header = torch.empty(2, dtype=torch.int64)
+        dist.recv(header, reader, group=self._process_group)
+        status, size = (int(v) for v in header)
+        if status == _OK:
+            payload = torch.empty(shape, dtype=dtype)
+            dist.recv(payload, reader, group=self._process_group)
+            return payload
+        message = torch.empty(size, dtype=torch.uint8)
+        dist.recv(message, reader, group=self._process_group)
+        raise BatchpilotError(
+            f"loading rank {reader}", f"could not {what}: {bytes(message.tolist()).decode()}"
+        )
+
+    # -- the trainer's side ---------------------------------------------------------------------------
+
+    def micro_batches(
+        self,
+        *,
+        consumed_samples: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        gradient_accumulation_steps: int,
+    ) -> list[torch.Tensor]:
+        """This rank's micro-batches of the optimizer step starting at `consumed_samples`.
+
+        Returns:
+            `gradient_accumulation_steps` int64 tensors of shape `[micro_batch_size, seq_len + 1]`;
+            inputs are `[:, :-1]` and targets `[:, 1:]`.
+
+        Raises:
+            BatchpilotError: when the batch arithmetic does not hold for this world size, or reading
+                failed (the message names the object).
+        """
+        per_step = micro_batch_size * self.world_size * gradient_accumulation_steps
+        if per_step != global_batch_size or consumed_samples < 0:
+            raise BatchpilotError(
+                "batch.global_batch_size",
+                f"{global_batch_size} != micro_batch_size {micro_batch_size} x world size {self.world_size} x "
+                f"gradient_accumulation_steps {gradient_accumulation_steps} = {per_step}",
+            )
+        key = StepKey(consumed_samples, global_batch_size, micro_batch_size, gradient_accumulation_steps)
+        started = time.perf_counter()
+        with self._condition:
+            if key not in self._issued:
+                self._issue(key)
+            # Steps issued before this one were guesses that did not come true.
+            while self._issued[0] != key:
+                stale = self._issued.popleft()
+                if self._results.pop(stale, None) is None:
+                    self._discard.add(stale)
+            ahead = self._issued[-1]
+            while len(self._issued) <= self._prefetch_steps:
+                ahead = ahead.next()
+                self._issue(ahead)
+            while key not in self._results:
+                self._condition.wait()
+            self._issued.popleft()
+            result = self._results.pop(key)
+        self.stats.wait_s += time.perf_counter() - started
+        self.stats.num_steps += 1
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _issue(self, key: StepKey) -> None:
+        self._issued.append(key)
+        self._commands.append(key)
+        self._condition.notify_all()
+
+    def close(self) -> None:
+        """Stops the prefetch thread (after its current step) and releases the shard set."""
+        with self._condition:
+            self._commands.append(None)
+            self._condition.notify_all()
+        self._worker.join(timeout=60)
+        if self._shards is not None:
+            self._shards.close()
+
+    def __enter__(self) -> TokenLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the prefetch thread --------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._condition:
+                while not self._commands:
+                    self._condition.wait()
+                key = self._commands.popleft()
+            if key is None:
+                return
+            result: list[torch.Tensor] | BaseException
+            try:
+                result = self._read_step(key) if self.is_reader else self._receive_step(key)
+            except BaseException as error:  # handed to the trainer's thread, raised there
+                result = error
+            with self._condition:
+                if key in self._discard:
+                    self._discard.remove(key)
+                else:
+                    self._results[key] = result
+                self._condition.notify_all()
+
+    def _receive_step(self, key: StepKey) -> list[torch.Tensor]:
+        shape = (key.gradient_accumulation_steps, key.micro_batch_size, self.seq_len + 1)
+        tokens = self._receive(
+            what=f"read the step at consumed_samples {key.consumed_samples}", shape=shape, dtype=torch.int32
+        )
+        return list(tokens.to(torch.int64).unbind(0))
+
+    def _read_step(self, key: StepKey) -> list[torch.Tensor]:
+        """Reads the step for every member of the group, sends theirs and returns this rank's."""
+        assert self._shards is not None
+        members = self.group.member_ranks
+        try:
+            per_member = self.read_samples(key, ranks=members)
+        except BaseException as error:
+            for member in members:
+                if member != self.rank:
+                    self._send_failure(member, error)
+            raise
+        own: list[torch.Tensor] = []
+        for member, tokens in zip(members, per_member, strict=True):
+            if member == self.rank:
+                own = list(tokens.to(torch.int64).unbind(0))
+            else:
+                self._send_ok(member, tokens)
+        return own
+
+    def read_samples(self, key: StepKey, *, ranks: tuple[int, ...]) -> list[torch.Tensor]:
+        """Reads, from storage, the int32 tokens `[accumulation, micro, seq_len + 1]` of `ranks` for one step."""
+        assert self._shards is not None, "only loading ranks read from storage"
+        positions = [
+            position
+            for rank in ranks
+            for micro in rank_micro_batches(
+                consumed_samples=key.consumed_samples,
+                global_batch_size=key.global_batch_size,
+                micro_batch_size=key.micro_batch_size,
+                data_parallel_size=self.world_size,
+                data_parallel_rank=rank,
+            )
+            for position in micro
+        ]
+        ranges = [
+            sample_token_range(
+                sample_at(position, num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle),
+                seq_len=self.seq_len,
+            )
+            for position in positions
+        ]
+        tokens = np.stack(self._shards.read_tokens(ranges)).astype(np.int32)
+        self.stats.num_samples_read += len(ranges)
+        self.stats.num_bytes_read += tokens.size * self._shards.dtype.itemsize
+        shape = (len(ranks), key.gradient_accumulation_steps, key.micro_batch_size, self.seq_len + 1)
+        return list(torch.from_numpy(tokens.reshape(shape)).unbind(0))

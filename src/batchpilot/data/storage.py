@@ -1,0 +1,255 @@
+"""One small storage protocol over object names relative to a root URI: local files and GCS.
+
+The checkpoint code and the data layer share it, so its guarantees are the contract:
+
+- `write` is atomic: a reader sees the old object or the new one, never a partial one.
+- Every object has a generation (GCS: the object generation; local: a strictly increasing
+  modification time in nanoseconds). `write(..., if_generation_match=g)` succeeds only when the current
+  generation is `g` (`0`: only when the object is absent) and raises `PreconditionFailed` otherwise.
+- `read(..., generation=g)` returns the bytes of generation `g` or raises `GenerationChanged`, so a
+  reader that pinned a version never silently mixes two.
+- Ranges are half-open byte offsets `[start, end)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from batchpilot.errors import BatchpilotError
+
+# Temporary and lock files of LocalStorage start with this; `list` hides them.
+_HIDDEN_PREFIX = ".bp-"
+
+
+class StorageError(BatchpilotError):
+    """A storage problem with one object; `field` is the object's URI."""
+
+
+class ObjectNotFound(StorageError):
+    """The object (or the bucket / folder holding it) does not exist."""
+
+    def __init__(self, uri: str, fix: str | None = None) -> None:
+        super().__init__(uri, "does not exist", fix)
+
+
+class PreconditionFailed(StorageError):
+    """A write's `if_generation_match` did not hold (someone else wrote first)."""
+
+    def __init__(self, uri: str, expected_generation: int) -> None:
+        state = "is absent" if expected_generation == 0 else f"is at generation {expected_generation}"
+        super().__init__(uri, f"was not written: the write required that the object {state}, and it is not")
+
+
+class GenerationChanged(StorageError):
+    """The object was overwritten or deleted after a reader pinned its generation."""
+
+    def __init__(self, uri: str, pinned_generation: int, current_generation: int | None) -> None:
+        now = "deleted" if current_generation is None else f"now at generation {current_generation}"
+        super().__init__(
+            uri,
+            f"changed after it was opened (pinned generation {pinned_generation}, {now})",
+            "do not rewrite a shard set while it is being read; restart the run to read the new version",
+        )
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """Metadata of one object.
+
+    Attributes:
+        size_bytes: object size.
+        generation: version number; changes on every write.
+        crc32c: CRC32C of the whole object as an unsigned int, when the store keeps one (GCS does,
+            local files do not).
+    """
+
+    size_bytes: int
+    generation: int
+    crc32c: int | None
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Objects under one root URI; names are `/`-separated and relative to that root."""
+
+    @property
+    def uri(self) -> str:
+        """The root URI, e.g. `gs://bucket/prefix` or `file:///abs/path`."""
+        ...
+
+    def read(
+        self, name: str, *, start: int = 0, end: int | None = None, generation: int | None = None
+    ) -> bytes:
+        """Bytes `[start, end)` of the object (`end=None`: to the end), optionally of one generation."""
+        ...
+
+    def write(self, name: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        """Atomically writes the object and returns its new generation."""
+        ...
+
+    def stat(self, name: str) -> ObjectInfo:
+        """Metadata of the object; raises ObjectNotFound."""
+        ...
+
+    def exists(self, name: str) -> bool:
+        """Whether the object exists."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted names of all objects whose name starts with `prefix`."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Deletes the object; raises ObjectNotFound when it is absent."""
+        ...
+
+
+def join_uri(root: str, name: str) -> str:
+    """`root/name` without doubled slashes (for messages and nested roots)."""
+    return f"{root.rstrip('/')}/{name.lstrip('/')}" if name else root
+
+
+def open_storage(uri: str) -> Storage:
+    """The storage for a `file://path` (relative or absolute) or `gs://bucket[/prefix]` URI.
+
+    Raises:
+        BatchpilotError: for any other scheme or an empty bucket name.
+    """
+    if uri.startswith("file://"):
+        path = uri.removeprefix("file://")
+        if not path:
+            raise BatchpilotError(uri, "names no folder", "use file://relative/path or file:///absolute/path")
+        return LocalStorage(Path(path))
+    if uri.startswith("gs://"):
+        bucket, _, prefix = uri.removeprefix("gs://").partition("/")
+        if not bucket:
+            raise BatchpilotError(uri, "names no bucket", "use gs://bucket/prefix")
+        # Imported here so that local-only installs do not need google-cloud-storage.
+        from batchpilot.data.gcs import GCSStorage
+
+        return GCSStorage(bucket=bucket, prefix=prefix.strip("/"))
+    raise BatchpilotError(uri, "is not a storage URI", "use file://path or gs://bucket/prefix")
+
+
+class LocalStorage:
+    """A folder of files. Generations are modification times in ns, made strictly increasing per name."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root.absolute()
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self._root}"
+
+    def _path(self, name: str) -> Path:
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts:
+            raise BatchpilotError(join_uri(self.uri, name), "is not a plain relative object name")
+        return self._root / name
+
+    def read(
+        self, name: str, *, start: int = 0, end: int | None = None, generation: int | None = None
+    ) -> bytes:
+        path = self._path(name)
+        try:
+            with path.open("rb") as file:
+                # fstat on the open file: the inode we read is the one whose generation we check, even if
+                # a writer replaces the name meanwhile.
+                current = os.fstat(file.fileno()).st_mtime_ns
+                if generation is not None and current != generation:
+                    raise GenerationChanged(join_uri(self.uri, name), generation, current)
+                file.seek(start)
+                return file.read(-1 if end is None else max(0, end - start))
+        except FileNotFoundError:
+            if generation is not None:
+                raise GenerationChanged(join_uri(self.uri, name), generation, None) from None
+            raise ObjectNotFound(join_uri(self.uri, name)) from None
+
+    def write(self, name: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{_HIDDEN_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        try:
+            with tmp.open("wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            lock = self._name_lock(path) if if_generation_match is not None else contextlib.nullcontext()
+            with lock:
+                current = self._generation_or_zero(path)
+                if if_generation_match is not None and current != if_generation_match:
+                    raise PreconditionFailed(join_uri(self.uri, name), if_generation_match)
+                # Coarse file-system clocks can give two quick writes the same mtime; the generation must
+                # change on every write or a stale precondition could pass.
+                generation = max(time.time_ns(), current + 1)
+                os.utime(tmp, ns=(generation, generation))
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+        return generation
+
+    @contextlib.contextmanager
+    def _name_lock(self, path: Path) -> Iterator[None]:
+        """Serialises conditional writes of one name across processes on this machine.
+
+        The lock file stays: removing it while another process waits on it would let two writers in.
+        """
+        lock_path = path.with_name(f"{_HIDDEN_PREFIX}{path.name}.lock")
+        with lock_path.open("a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    @staticmethod
+    def _generation_or_zero(path: Path) -> int:
+        try:
+            return path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
+
+    def stat(self, name: str) -> ObjectInfo:
+        try:
+            result = self._path(name).stat()
+        except FileNotFoundError:
+            raise ObjectNotFound(join_uri(self.uri, name)) from None
+        return ObjectInfo(size_bytes=result.st_size, generation=result.st_mtime_ns, crc32c=None)
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        if not self._root.is_dir():
+            return []
+        names = []
+        for path in self._root.rglob("*"):
+            if path.is_file() and not path.name.startswith(_HIDDEN_PREFIX):
+                name = path.relative_to(self._root).as_posix()
+                if name.startswith(prefix):
+                    names.append(name)
+        return sorted(names)
+
+    def delete(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise ObjectNotFound(join_uri(self.uri, name)) from None
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes a rename durable: the directory entry must reach the disk too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

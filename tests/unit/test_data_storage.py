@@ -1,0 +1,122 @@
+"""Local storage: the atomic-write and generation contract that checkpoints and shards rely on."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from batchpilot.data.storage import (
+    GenerationChanged,
+    LocalStorage,
+    ObjectNotFound,
+    PreconditionFailed,
+    open_storage,
+)
+from batchpilot.errors import BatchpilotError
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStorage:
+    storage = open_storage(f"file://{tmp_path}/root")
+    assert isinstance(storage, LocalStorage)
+    return storage
+
+
+def test_write_read_ranges_and_stat(store: LocalStorage) -> None:
+    generation = store.write("a/b.bin", b"0123456789")
+    assert store.read("a/b.bin") == b"0123456789"
+    assert store.read("a/b.bin", start=2, end=5) == b"234"
+    assert store.read("a/b.bin", start=7) == b"789"
+    info = store.stat("a/b.bin")
+    assert (info.size_bytes, info.generation) == (10, generation)
+    assert store.exists("a/b.bin") and not store.exists("a/c.bin")
+    assert store.list() == ["a/b.bin"] and store.list("a/") == ["a/b.bin"] and store.list("b") == []
+
+
+def test_generation_changes_on_every_write_and_preconditions_hold(store: LocalStorage) -> None:
+    first = store.write("latest", b"1", if_generation_match=0)
+    with pytest.raises(PreconditionFailed, match="latest"):
+        store.write("latest", b"x", if_generation_match=0)
+    generations = [first]
+    for value in range(20):  # quicker than a coarse file-system clock tick
+        generations.append(store.write("latest", str(value).encode(), if_generation_match=generations[-1]))
+    assert generations == sorted(set(generations))
+    with pytest.raises(PreconditionFailed):
+        store.write("latest", b"stale", if_generation_match=first)
+    assert store.read("latest") == b"19"
+
+
+def test_only_one_of_racing_conditional_writers_wins(store: LocalStorage) -> None:
+    base = store.write("latest", b"base")
+    wins: list[int] = []
+
+    def attempt(index: int) -> None:
+        try:
+            store.write("latest", f"writer {index}".encode(), if_generation_match=base)
+            wins.append(index)
+        except PreconditionFailed:
+            pass
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(wins) == 1
+    assert store.read("latest") == f"writer {wins[0]}".encode()
+
+
+def test_readers_never_see_a_partial_object(store: LocalStorage) -> None:
+    versions = [bytes([v]) * 2_000_000 for v in range(2)]
+    store.write("big", versions[0])
+    seen: set[bytes] = set()
+    stop = threading.Event()
+
+    def read_loop() -> None:
+        while not stop.is_set():
+            data = store.read("big")
+            seen.add(data[:1] if data in versions else b"partial")
+
+    reader = threading.Thread(target=read_loop)
+    reader.start()
+    for index in range(20):
+        store.write("big", versions[index % 2])
+    stop.set()
+    reader.join()
+    assert b"partial" not in seen
+    assert store.list() == ["big"]  # no temporary or lock files listed
+
+
+def test_pinned_read_after_overwrite_is_an_error(store: LocalStorage) -> None:
+    generation = store.write("shard.bin", b"old")
+    store.write("shard.bin", b"new")
+    with pytest.raises(GenerationChanged, match=r"shard.bin: changed after it was opened"):
+        store.read("shard.bin", generation=generation)
+    store.delete("shard.bin")
+    with pytest.raises(GenerationChanged, match="deleted"):
+        store.read("shard.bin", generation=generation)
+
+
+def test_missing_objects_are_named(store: LocalStorage) -> None:
+    with pytest.raises(ObjectNotFound, match=r"root/nope.bin: does not exist"):
+        store.stat("nope.bin")
+    with pytest.raises(ObjectNotFound, match=r"nope\.bin"):
+        store.read("nope.bin")
+    with pytest.raises(ObjectNotFound):
+        store.delete("nope.bin")
+    assert store.list() == []
+
+
+def test_uris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    relative = open_storage("file://runs/demo/data")
+    relative.write("x", b"1")
+    assert (tmp_path / "runs/demo/data/x").read_bytes() == b"1"
+    assert relative.uri == f"file://{tmp_path}/runs/demo/data"
+    for bad in ("s3://bucket/x", "file://", "gs://"):
+        with pytest.raises(BatchpilotError):
+            open_storage(bad)
+    with pytest.raises(BatchpilotError, match="relative object name"):
+        relative.read("../escape")
