@@ -36,7 +36,14 @@ class LaunchSpec:
 
 
 def stage_launch_spec(
-    *, run_name: str, stage: Stage, devices_per_node: int, config_path: str, plan_path: str, output_dir: str
+    *,
+    run_name: str,
+    stage: Stage,
+    devices_per_node: int,
+    config_path: str,
+    plan_path: str,
+    output_dir: str,
+    audit: bool = False,
 ) -> LaunchSpec:
     """The trainer command line and topology of `stage`."""
     return LaunchSpec(
@@ -53,6 +60,7 @@ def stage_launch_spec(
             str(stage.index),
             "--output-dir",
             output_dir,
+            *(("--audit",) if audit else ()),
         ),
         env={},
     )

@@ -20,7 +20,6 @@ def register(subparsers: Any) -> None:
         "exits 0. SIGTERM checkpoints at the next micro-batch boundary and exits 75.",
     )
     _common(train)
-    train.add_argument("--audit", action="store_true", help="record the sample positions each rank trained")
     train.set_defaults(handler=run_train)
     launch = subparsers.add_parser(
         "launch",
@@ -38,6 +37,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--stage", required=True, help="stage index, `final`, or `all` (every stage in one job)"
     )
     parser.add_argument("--output-dir", help="metrics.jsonl and logs go here (default: runs/<name>)")
+    parser.add_argument(
+        "--audit",
+        action="store_true",
+        help="record the sample positions each rank trained (OUTPUT_DIR/audit)",
+    )
 
 
 def load_config_and_plan(config_path: str, plan_path: str) -> tuple[Config, Plan]:
@@ -93,5 +97,6 @@ def run_launch(args: argparse.Namespace) -> int:
         config_path=str(Path(args.config).absolute()),
         plan_path=str(Path(args.plan).absolute()),
         output_dir=str(output_dir.absolute()),
+        audit=args.audit,
     )
     return run_local(spec, log_dir=Path(args.log_dir) if args.log_dir else output_dir / "torchx")

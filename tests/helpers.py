@@ -1,0 +1,56 @@
+"""Helpers for tests that run batchpilot as a user would: real processes, real files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def run_batchpilot(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
+):
+    """Runs `python -m batchpilot ARGS` in a real process and returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-m", "batchpilot", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def tiny_config(*, data_uri: str, checkpoint_uri: str, **overrides: object) -> dict:
+    """A tiny GPT config whose plan has three stages: 16 (1 node) -> 32 (2 nodes) -> 64 (2 nodes)."""
+    config = {
+        "name": "tiny",
+        "model": {"args": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 257}},
+        "data": {"uri": data_uri, "seq_len": 32},
+        "cluster": {"devices_per_node": 1, "max_nodes": 2},
+        "batch": {"global_batch_size": 64, "micro_batch_size": 16, "schedule": "0:16 320:32 960:64"},
+        "train": {
+            "total_samples": 2048,
+            "lr": 1.0e-3,
+            "warmup_samples": 128,
+            "checkpoint_uri": checkpoint_uri,
+        },
+    }
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        config[section][key] = value
+    return config
+
+
+def write_config_and_plan(folder: Path, config: dict) -> tuple[str, str]:
+    """Writes config.yaml and plan.json (through the real `batchpilot plan`) into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    plan_path = folder / "plan.json"
+    result = run_batchpilot("plan", "--config", str(config_path), "--out", str(plan_path), "--force")
+    assert result.returncode == 0, result.stderr
+    return str(config_path), str(plan_path)
