@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.prepare import prepare
-from batchpilot.data.sampling import sample_at, sample_token_range, step_positions
+from batchpilot.data.sampling import SampleOrder, sample_token_range, step_positions
 from batchpilot.data.shards import ShardSet
 from batchpilot.data.tokenizers import ByteTokenizer
 from batchpilot.errors import BatchpilotError
@@ -22,6 +22,9 @@ SEED = 3
 # (consumed_samples, global_batch_size, micro_batch_size, gradient_accumulation_steps) for 4 ranks; the
 # batch changes half-way, as at a ramp-up stage boundary, so prefetched guesses are thrown away.
 STEPS = [(0, 16, 2, 2), (16, 16, 2, 2), (32, 16, 2, 2), (48, 8, 2, 1), (56, 8, 2, 1), (64, 16, 4, 1)]
+# Small blocks and windows (12 samples): the steps cross windows, so readers refill their block caches.
+BLOCK_SAMPLES, WINDOW_BLOCKS = 4, 3
+ORDER = {"shuffle_block_samples": BLOCK_SAMPLES, "shuffle_window_blocks": WINDOW_BLOCKS}
 
 
 def _rank_main(rank: int, world_size: int, local_world_size: int, factor: float, uri: str, tmp: str) -> None:
@@ -35,8 +38,10 @@ def _rank_main(rank: int, world_size: int, local_world_size: int, factor: float,
         local_world_size=local_world_size,
         expansion_factor=factor,
         prefetch_steps=2,
+        **ORDER,
     )
-    own = TokenLoader(uri=uri, seq_len=SEQ_LEN, seed=SEED, rank=rank, world_size=world_size)  # reads itself
+    # Reads its own samples: the reference for what the reader forwards.
+    own = TokenLoader(uri=uri, seq_len=SEQ_LEN, seed=SEED, rank=rank, world_size=world_size, **ORDER)
     received, reference = [], []
     for consumed, global_batch, micro, accumulation in STEPS:
         shape = {
@@ -81,9 +86,14 @@ def _rank_main(rank: int, world_size: int, local_world_size: int, factor: float,
 
 def _global_batch(uri: str, consumed: int, global_batch: int) -> list[list[int]]:
     shards = ShardSet.open(uri=uri)
-    count = (shards.num_tokens - 1) // SEQ_LEN
+    order = SampleOrder(
+        num_samples=(shards.num_tokens - 1) // SEQ_LEN,
+        seed=SEED,
+        block_samples=BLOCK_SAMPLES,
+        window_blocks=WINDOW_BLOCKS,
+    )
     ranges = [
-        sample_token_range(sample_at(p, num_samples=count, seed=SEED), seq_len=SEQ_LEN)
+        sample_token_range(order.sample_at(p), seq_len=SEQ_LEN)
         for p in step_positions(consumed_samples=consumed, global_batch_size=global_batch)
     ]
     return sorted(tokens.astype(np.int64).tolist() for tokens in shards.read_tokens(ranges))

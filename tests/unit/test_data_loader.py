@@ -1,4 +1,8 @@
-"""The loader in one process (expansion factor 1) on a local shard set, and shard-set errors."""
+"""The loader in one process (expansion factor 1) on a local shard set, and shard-set errors.
+
+Most tests use small blocks and windows (5 samples x 3 blocks) so that a few steps cross many windows
+and blocks span shard boundaries; the expected samples are read directly, one range per sample.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,14 @@ import torch
 
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.prepare import prepare
-from batchpilot.data.sampling import sample_at, sample_token_range, step_positions
+from batchpilot.data.sampling import SampleOrder, sample_token_range, step_positions
 from batchpilot.data.shards import HEADER_BYTES, ShardSet, encode_shard
+from batchpilot.data.storage import Storage
 from batchpilot.data.tokenizers import ByteTokenizer
 from batchpilot.errors import BatchpilotError
 
 SEQ_LEN = 16
+SMALL = {"shuffle_block_samples": 5, "shuffle_window_blocks": 3}
 
 
 @pytest.fixture
@@ -40,25 +46,38 @@ def shard_uri(tmp_path: Path) -> str:
     return uri
 
 
-def expected_step(uri: str, *, consumed: int, global_batch: int, seed: int = 0) -> torch.Tensor:
+def expected_step(
+    uri: str, *, consumed: int, global_batch: int, seed: int = 0, block: int = 5, window: int = 3
+) -> torch.Tensor:
     """The step's global batch, read directly: one row per position."""
     shards = ShardSet.open(uri=uri)
-    count = (shards.num_tokens - 1) // SEQ_LEN
+    order = SampleOrder(
+        num_samples=(shards.num_tokens - 1) // SEQ_LEN, seed=seed, block_samples=block, window_blocks=window
+    )
     ranges = [
-        sample_token_range(sample_at(p, num_samples=count, seed=seed), seq_len=SEQ_LEN)
+        sample_token_range(order.sample_at(p), seq_len=SEQ_LEN)
         for p in step_positions(consumed_samples=consumed, global_batch_size=global_batch)
     ]
     return torch.from_numpy(np.stack(shards.read_tokens(ranges)).astype(np.int64))
 
 
-def test_micro_batches_shape_content_and_world_size_independence(shard_uri: str) -> None:
-    expected = expected_step(shard_uri, consumed=48, global_batch=24)
+@pytest.mark.parametrize(("block", "window"), [(5, 3), (128, 8)], ids=["small-blocks", "defaults"])
+def test_micro_batches_shape_content_and_world_size_independence(
+    shard_uri: str, block: int, window: int
+) -> None:
+    expected = expected_step(shard_uri, consumed=48, global_batch=24, block=block, window=window)
     for world_size, micro in ((1, 4), (2, 3), (4, 2), (3, 2)):
         accumulation = 24 // (micro * world_size)
         rows: list[torch.Tensor] = [torch.empty(0)] * 24
         for rank in range(world_size):
             with TokenLoader(
-                uri=shard_uri, seq_len=SEQ_LEN, seed=0, rank=rank, world_size=world_size
+                uri=shard_uri,
+                seq_len=SEQ_LEN,
+                seed=0,
+                rank=rank,
+                world_size=world_size,
+                shuffle_block_samples=block,
+                shuffle_window_blocks=window,
             ) as loader:
                 batches = loader.micro_batches(
                     consumed_samples=48,
@@ -75,7 +94,7 @@ def test_micro_batches_shape_content_and_world_size_independence(shard_uri: str)
 
 
 def test_prefetch_follows_the_trainer_and_survives_a_batch_change(shard_uri: str) -> None:
-    with TokenLoader(uri=shard_uri, seq_len=SEQ_LEN, seed=0, prefetch_steps=3) as loader:
+    with TokenLoader(uri=shard_uri, seq_len=SEQ_LEN, seed=0, prefetch_steps=3, **SMALL) as loader:
         consumed = 0
         for global_batch in (4, 4, 4, 8, 8, 4):
             (batch,) = loader.micro_batches(
@@ -95,6 +114,68 @@ def test_prefetch_follows_the_trainer_and_survives_a_batch_change(shard_uri: str
         assert loader.vocab_size == 257 and loader.stats.num_steps == 7
 
 
+def test_a_resumed_loader_reads_what_an_uninterrupted_one_reads(shard_uri: str) -> None:
+    def run(start_step: int, num_steps: int) -> list[torch.Tensor]:
+        with TokenLoader(uri=shard_uri, seq_len=SEQ_LEN, seed=4, **SMALL) as loader:
+            return [
+                batch
+                for step in range(start_step, num_steps)
+                for batch in loader.micro_batches(
+                    consumed_samples=6 * step,
+                    global_batch_size=6,
+                    micro_batch_size=3,
+                    gradient_accumulation_steps=2,
+                )
+            ]
+
+    uninterrupted = run(0, 160)  # past the end of the first epoch
+    for start_step in (1, 7, 120):  # mid-window, and shortly before the epoch boundary (~750 samples)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(run(start_step, 160), uninterrupted[2 * start_step :], strict=True)
+        )
+
+
+class CountingStorage:
+    """Wraps a storage and records every read's (name, start, end)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner, self.reads = inner, list[tuple[str, int, int | None]]()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def read(
+        self, name: str, *, start: int = 0, end: int | None = None, generation: int | None = None
+    ) -> bytes:
+        self.reads.append((name, start, end))
+        return self.inner.read(name, start=start, end=end, generation=generation)
+
+
+def test_an_epoch_in_order_reads_each_block_once_with_few_large_reads(shard_uri: str) -> None:
+    with TokenLoader(uri=shard_uri, seq_len=SEQ_LEN, seed=0, prefetch_steps=0, **SMALL) as loader:
+        assert loader._shards is not None and loader._cache is not None
+        storage = loader._shards.storage = CountingStorage(loader._shards.storage)
+        order, global_batch = loader.order, 8
+        touched: set[int] = set()
+        for consumed in range(0, order.num_samples - global_batch + 1, global_batch):
+            (batch,) = loader.micro_batches(
+                consumed_samples=consumed,
+                global_batch_size=global_batch,
+                micro_batch_size=global_batch,
+                gradient_accumulation_steps=1,
+            )
+            assert torch.equal(batch, expected_step(shard_uri, consumed=consumed, global_batch=global_batch))
+            touched |= {order.sample_at(p) // 5 for p in range(consumed, consumed + global_batch)}
+            # The cache holds only the windows of the current step: at most two of 3 blocks here.
+            assert loader._cache.num_cached_blocks <= 2 * 3
+        assert loader.stats.num_blocks_read == len(touched) >= order.num_blocks - 3
+        # One ranged read per block and shard it spans (adjacent blocks may share one), never per sample.
+        num_shards = len(loader._shards.shards)
+        assert len(storage.reads) <= loader.stats.num_blocks_read + num_shards
+        assert len(storage.reads) < loader.stats.num_samples_read / 4
+
+
 def test_validation_split_and_arithmetic_errors(shard_uri: str) -> None:
     with TokenLoader(uri=shard_uri, split="validation", seq_len=SEQ_LEN, seed=0, shuffle=False) as loader:
         (batch,) = loader.micro_batches(
@@ -109,7 +190,7 @@ def test_validation_split_and_arithmetic_errors(shard_uri: str) -> None:
 
 
 def test_a_shard_rewritten_while_reading_is_an_error(shard_uri: str, tmp_path: Path) -> None:
-    with TokenLoader(uri=shard_uri, seq_len=SEQ_LEN, seed=0, prefetch_steps=0) as loader:
+    with TokenLoader(uri=shard_uri, seq_len=SEQ_LEN, seed=0, prefetch_steps=0, **SMALL) as loader:
         loader.micro_batches(
             consumed_samples=0, global_batch_size=64, micro_batch_size=64, gradient_accumulation_steps=1
         )

@@ -120,3 +120,53 @@ def test_uris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             open_storage(bad)
     with pytest.raises(BatchpilotError, match="relative object name"):
         relative.read("../escape")
+
+
+def test_delete_removes_the_folders_it_empties_and_the_lock_file(store: LocalStorage, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store.write("000000010/model.pt", b"m")
+    store.write("000000010/meta.json", b"{}", if_generation_match=0)  # leaves a hidden lock file
+    store.write("000000020/deep/x.bin", b"x")
+    store.write("latest", b"000000020", if_generation_match=0)
+    store.delete("000000010/model.pt")
+    assert (root / "000000010").is_dir()  # meta.json is still there
+    store.delete("000000010/meta.json")
+    assert not (root / "000000010").exists()  # no empty step folder, no lock file keeping it alive
+    store.delete("000000020/deep/x.bin")
+    assert sorted(p.name for p in root.iterdir()) == [".bp-latest.lock", "latest"]
+    store.delete("latest")
+    assert root.is_dir() and list(root.iterdir()) == []  # the root itself stays
+    store.write("000000010/meta.json", b"again", if_generation_match=0)  # and folders come back
+    assert store.read("000000010/meta.json") == b"again"
+
+
+def test_conditional_writers_stay_exclusive_while_deletes_remove_lock_files(store: LocalStorage) -> None:
+    # Each thread tries to create the object (only if absent); the one that did reads its own bytes back
+    # and deletes it, which removes the lock file and the folder. A second creator in between (a writer
+    # that waited on a removed lock file, next to one holding the new one) shows up as someone else's
+    # bytes or as a delete of an object that is already gone.
+    errors: list[str] = []
+    creations = [0]
+
+    def attempt(index: int) -> None:
+        mine = f"writer {index}".encode()
+        for _ in range(150):
+            try:
+                store.write("step/latest", mine, if_generation_match=0)
+            except PreconditionFailed:
+                continue
+            creations[0] += 1
+            try:
+                if (seen := store.read("step/latest")) != mine:
+                    errors.append(f"{mine!r} created the object but it holds {seen!r}")
+                store.delete("step/latest")
+            except ObjectNotFound as error:
+                errors.append(f"{mine!r} created the object, then: {error}")
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and creations[0] > 50
+    assert store.list() == [] and not (Path(store.uri.removeprefix("file://")) / "step").exists()

@@ -4,6 +4,11 @@ With `expansion_factor` f > 1 only the first rank of every f-th host (a "loading
 reads from storage: it reads the samples of all ranks of its host and of the next f - 1 hosts and sends
 each rank its own over a dedicated gloo process group. With f <= 1 every rank reads its own samples.
 
+A reader does not fetch samples one by one: the sample order (`SampleOrder`, a block-window shuffle) makes
+every step draw from the few blocks of one or two windows, so the reader fetches each block it needs with
+one ranged read per shard, keeps the blocks of the windows the current step touches in memory, and cuts
+the samples out of them. Reading an epoch in order fetches each block once.
+
 A background thread prepares the next `prefetch_steps` steps, guessing that the next step starts where
 this one ends with the same batch shape. The guesses depend only on the calls the trainer makes, which
 are the same on every rank, so readers and receivers always work through the same sequence of steps; a
@@ -22,12 +27,15 @@ import torch
 import torch.distributed as dist
 
 from batchpilot.data.sampling import (
+    DEFAULT_BLOCK_SAMPLES,
+    DEFAULT_WINDOW_BLOCKS,
     LoadingGroup,
+    SampleOrder,
+    block_token_range,
+    check_block_window,
     loading_group,
     num_samples,
     rank_micro_batches,
-    sample_at,
-    sample_token_range,
 )
 from batchpilot.data.shards import ShardSet
 from batchpilot.errors import BatchpilotError
@@ -55,12 +63,62 @@ class StepKey:
 
 @dataclass
 class LoaderStats:
-    """Where the trainer's time went: `wait_s` blocked on data over `num_steps` steps."""
+    """Where the trainer's time went: `wait_s` blocked on data over `num_steps` steps.
+
+    `num_samples_read` and `num_bytes_read` count the samples a reader produced (for its whole group);
+    `num_blocks_read` and `num_storage_bytes_read` what it fetched from storage to produce them.
+    """
 
     num_steps: int = 0
     wait_s: float = 0.0
     num_samples_read: int = 0
     num_bytes_read: int = 0
+    num_blocks_read: int = 0
+    num_storage_bytes_read: int = 0
+
+
+class BlockCache:
+    """The blocks of the windows one step touches, each fetched with one ranged read per shard.
+
+    Before each step it drops every block outside the windows of that step's positions, so it holds at
+    most `ceil(step / window) + 1` windows of `window_blocks x block_samples` samples: two windows when a
+    step is no larger than a window. A block is the same in every epoch, so a block that the next
+    epoch's window needs again is kept.
+    """
+
+    def __init__(self, *, shards: ShardSet, order: SampleOrder, seq_len: int, stats: LoaderStats) -> None:
+        self._shards, self._order, self._seq_len, self._stats = shards, order, seq_len, stats
+        self._blocks: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._blocks)
+
+    def samples(self, positions: list[int]) -> np.ndarray:
+        """int32 tokens `[len(positions), seq_len + 1]` of the samples at `positions`."""
+        order, seq_len = self._order, self._seq_len
+        samples = [order.sample_at(position) for position in positions]
+        windows = {order.window_of(position) for position in positions}
+        keep = {
+            block for epoch, window in windows for block in order.window_blocks_of(epoch=epoch, window=window)
+        }
+        with self._lock:
+            for block in [block for block in self._blocks if block not in keep]:
+                del self._blocks[block]
+            missing = sorted({sample // order.block_samples for sample in samples} - self._blocks.keys())
+            ranges = [
+                block_token_range(order.block_samples_range(block), seq_len=seq_len) for block in missing
+            ]
+            for block, tokens in zip(missing, self._shards.read_tokens(ranges), strict=True):
+                self._blocks[block] = tokens
+                self._stats.num_storage_bytes_read += tokens.nbytes
+            self._stats.num_blocks_read += len(missing)
+            out = np.empty((len(samples), seq_len + 1), dtype=np.int32)
+            for row, sample in enumerate(samples):
+                block, within = divmod(sample, order.block_samples)
+                out[row] = self._blocks[block][within * seq_len : within * seq_len + seq_len + 1]
+        return out
 
 
 class TokenLoader:
@@ -85,6 +143,8 @@ class TokenLoader:
         shuffle: bool = True,
         verify_checksums: bool = True,
         num_read_threads: int = 8,
+        shuffle_block_samples: int = DEFAULT_BLOCK_SAMPLES,
+        shuffle_window_blocks: int = DEFAULT_WINDOW_BLOCKS,
     ) -> None:
         """Opens the shard set (loading ranks only) and starts the prefetch thread.
 
@@ -101,12 +161,18 @@ class TokenLoader:
             shuffle: a new seeded order each epoch (False: samples in file order, e.g. for evaluation).
             verify_checksums: check every shard against the manifest when opening.
             num_read_threads: concurrent storage requests of a loading rank.
+            shuffle_block_samples: K, contiguous samples per block: a reader fetches a block with one
+                ranged read (per shard it spans) and serves its samples from memory.
+            shuffle_window_blocks: W, blocks per shuffling window: samples mix freely within a window.
+                A reader holds at most the windows of one step, two when a step is at most W x K samples
+                (at K 128, W 8, seq_len 1024, uint16: about 4 MB).
         """
         if seq_len <= 0 or prefetch_steps < 0:
             raise BatchpilotError(
                 "data.seq_len",
                 f"seq_len must be positive and prefetch_steps >= 0 ({seq_len}, {prefetch_steps})",
             )
+        check_block_window(block_samples=shuffle_block_samples, window_blocks=shuffle_window_blocks)
         self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.group: LoadingGroup = loading_group(
@@ -120,6 +186,18 @@ class TokenLoader:
         self._shards: ShardSet | None = None
         self.stats = LoaderStats()
         self._open(uri=uri, split=split, verify_checksums=verify_checksums, num_threads=num_read_threads)
+        self.order = SampleOrder(
+            num_samples=self.num_samples,
+            seed=seed,
+            block_samples=shuffle_block_samples,
+            window_blocks=shuffle_window_blocks,
+            shuffle=shuffle,
+        )
+        self._cache = (
+            None
+            if self._shards is None
+            else BlockCache(shards=self._shards, order=self.order, seq_len=seq_len, stats=self.stats)
+        )
         self._prefetch_steps = prefetch_steps
         self._issued: collections.deque[StepKey] = collections.deque()
         self._discard: set[StepKey] = set()
@@ -293,7 +371,7 @@ class TokenLoader:
         tokens = self._receive(
             what=f"read the step at consumed_samples {key.consumed_samples}", shape=shape, dtype=torch.int32
         )
-        return list(tokens.to(torch.int64).unbind(0))
+        return _int64_micro_batches(tokens)
 
     def _read_step(self, key: StepKey) -> list[torch.Tensor]:
         """Reads the step for every member of the group, sends theirs and returns this rank's."""
@@ -309,7 +387,7 @@ class TokenLoader:
         own: list[torch.Tensor] = []
         for member, tokens in zip(members, per_member, strict=True):
             if member == self.rank:
-                own = list(tokens.to(torch.int64).unbind(0))
+                own = _int64_micro_batches(tokens)
             else:
                 self._send_ok(member, tokens)
         return own
@@ -329,15 +407,15 @@ class TokenLoader:
             )
             for position in micro
         ]
-        ranges = [
-            sample_token_range(
-                sample_at(position, num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle),
-                seq_len=self.seq_len,
-            )
-            for position in positions
-        ]
-        tokens = np.stack(self._shards.read_tokens(ranges)).astype(np.int32)
-        self.stats.num_samples_read += len(ranges)
-        self.stats.num_bytes_read += tokens.size * self._shards.dtype.itemsize
+        assert self._cache is not None
+        tokens = self._cache.samples(positions)
+        self.stats.num_samples_read += len(positions)
+        self.stats.num_bytes_read += len(positions) * (self.seq_len + 1) * self._shards.dtype.itemsize
         shape = (len(ranks), key.gradient_accumulation_steps, key.micro_batch_size, self.seq_len + 1)
         return list(torch.from_numpy(tokens.reshape(shape)).unbind(0))
+
+
+def _int64_micro_batches(tokens: torch.Tensor) -> list[torch.Tensor]:
+    """int32 `[accumulation, micro, seq_len + 1]` as int64 micro-batches; numpy converts without
+    starting torch's intra-op threads, which are slow to wake on small tensors and compete with training."""
+    return list(torch.from_numpy(tokens.numpy().astype(np.int64)).unbind(0))

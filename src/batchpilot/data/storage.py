@@ -9,6 +9,8 @@ The checkpoint code and the data layer share it, so its guarantees are the contr
 - `read(..., generation=g)` returns the bytes of generation `g` or raises `GenerationChanged`, so a
   reader that pinned a version never silently mixes two.
 - Ranges are half-open byte offsets `[start, end)`.
+- `delete` of a local object also removes the folders it leaves empty (GCS has no folders), so pruned
+  checkpoints leave no empty step folders behind.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 from batchpilot.errors import BatchpilotError
 
@@ -174,10 +176,9 @@ class LocalStorage:
 
     def write(self, name: str, data: bytes, *, if_generation_match: int | None = None) -> int:
         path = self._path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{_HIDDEN_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
-            with tmp.open("wb") as file:
+            with _create_in_folder(tmp) as file:
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())
@@ -196,19 +197,39 @@ class LocalStorage:
         _fsync_dir(path.parent)
         return generation
 
-    @contextlib.contextmanager
-    def _name_lock(self, path: Path) -> Iterator[None]:
-        """Serialises conditional writes of one name across processes on this machine.
+    @staticmethod
+    def _lock_path(path: Path) -> Path:
+        return path.with_name(f"{_HIDDEN_PREFIX}{path.name}.lock")
 
-        The lock file stays: removing it while another process waits on it would let two writers in.
+    @contextlib.contextmanager
+    def _name_lock(self, path: Path, *, make_folder: bool = True) -> Iterator[bool]:
+        """Serialises conditional writes and deletes of one name across processes on this machine.
+
+        `delete` removes the lock file while holding it. A process that was waiting on the removed file
+        then holds a lock nobody else can see, so after every `flock` the holder checks that the lock
+        path still names the file it locked, and starts over otherwise: only the file at the path counts.
+
+        Yields:
+            True while holding the lock; False (without locking) when the folder is gone and
+            `make_folder` is off (a delete: there is nothing left to delete).
         """
-        lock_path = path.with_name(f"{_HIDDEN_PREFIX}{path.name}.lock")
-        with lock_path.open("a") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        lock_path = self._lock_path(path)
+        while True:
             try:
-                yield
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                if not make_folder:
+                    yield False
+                    return
+                lock_path.parent.mkdir(parents=True, exist_ok=True)  # a delete removed the empty folder
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if _names_same_file(lock_path, fd):
+                    yield True
+                    return
             finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+                os.close(fd)  # closing releases the flock
 
     @staticmethod
     def _generation_or_zero(path: Path) -> int:
@@ -239,16 +260,66 @@ class LocalStorage:
         return sorted(names)
 
     def delete(self, name: str) -> None:
+        """Deletes the object, its lock file, and the folders this leaves empty.
+
+        The delete holds the name's lock, so it is ordered with conditional writes, and removes the lock
+        file before releasing it (see `_name_lock` for why that is safe). Folders are removed up to, not
+        including, the root; a folder still holding anything (another object, the temporary file of a
+        write in progress) stays.
+        """
         path = self._path(name)
+        if not path.is_file():  # also keeps a delete of a missing name from creating folders
+            raise ObjectNotFound(join_uri(self.uri, name))
+        with self._name_lock(path, make_folder=False) as locked:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                raise ObjectNotFound(join_uri(self.uri, name)) from None
+            finally:
+                if locked:
+                    self._lock_path(path).unlink(missing_ok=True)
+        folder = path.parent
+        while folder != self._root and self._root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or already gone
+                break
+            folder = folder.parent
+
+
+@contextlib.contextmanager
+def _create_in_folder(path: Path, *, attempts: int = 5) -> Iterator[BinaryIO]:
+    """Opens a new file for writing, creating its folder; tries again when a concurrent `delete` removed
+    the (empty) folder between the two."""
+    for attempt in range(attempts):
+        path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            path.unlink()
+            file = path.open("xb")
         except FileNotFoundError:
-            raise ObjectNotFound(join_uri(self.uri, name)) from None
+            if attempt == attempts - 1:
+                raise
+            continue
+        with file:
+            yield file
+        return
+
+
+def _names_same_file(path: Path, fd: int) -> bool:
+    """Whether `path` still names the open file `fd` (a delete may have unlinked it)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _fsync_dir(path: Path) -> None:
     """Makes a rename durable: the directory entry must reach the disk too."""
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # a concurrent delete removed the object and its folder: nothing to sync
+        return
     try:
         os.fsync(fd)
     finally:
