@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def run_batchpilot(
     *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
@@ -54,3 +56,30 @@ def write_config_and_plan(folder: Path, config: dict) -> tuple[str, str]:
     result = run_batchpilot("plan", "--config", str(config_path), "--out", str(plan_path), "--force")
     assert result.returncode == 0, result.stderr
     return str(config_path), str(plan_path)
+
+
+def processes_with(marker: str) -> list[tuple[int, list[str], dict[str, str]]]:
+    """(pid, argv, environment) of this machine's processes whose command line contains `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if marker not in " ".join(argv):
+                continue
+            raw = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in raw if "=" in item)
+        found.append((int(proc.name), argv, env))
+    return found
+
+
+def trainer_ranks(output_dir: str) -> dict[int, int]:
+    """rank -> pid of the `batchpilot train` worker processes writing to `output_dir`."""
+    ranks = {}
+    for pid, argv, env in processes_with(output_dir):
+        if "batchpilot" in argv and "train" in argv and "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            ranks[int(env["RANK"])] = pid
+    return ranks

@@ -88,6 +88,13 @@ class DataConfig(_Section):
         True,
         description="check every shard's CRC32C against the manifest when opening (local files: reads them once)",
     )
+    shuffle_block_samples: PositiveInt = Field(
+        128,
+        description="samples per contiguous block read at once (the shuffle permutes blocks, then windows)",
+    )
+    shuffle_window_blocks: PositiveInt = Field(
+        8, description="blocks whose samples are shuffled together; memory ~ 2 windows of blocks"
+    )
 
     @model_validator(mode="after")
     def _known_scheme(self) -> DataConfig:

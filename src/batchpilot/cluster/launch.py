@@ -10,11 +10,11 @@ import os
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchpilot.errors import BatchpilotError
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
 from batchpilot.planning import Stage
 
 
@@ -104,8 +104,9 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
         flush=True,
     )
     role = appdef.roles[0].name
+    seen: set[str] = set()
     streams = [
-        threading.Thread(target=_stream, args=(runner, handle, role, k), daemon=True)
+        threading.Thread(target=_stream, args=(runner, handle, role, k, seen), daemon=True)
         for k in range(spec.num_nodes)
     ]
     try:
@@ -123,21 +124,20 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
         raise BatchpilotError(spec.name, "torchx lost track of the job", f"see the logs under {log_dir}")
     if status.state == AppState.SUCCEEDED:
         return 0
-    return _exit_code(log_dir, status)
-
-
-def _stream(runner, handle: str, role: str, replica: int) -> None:
-    """Copies one node's log lines to stdout as they come."""
-    for line in runner.log_lines(handle, role_name=role, k=replica, should_tail=True):
-        print(line, end="" if line.endswith("\n") else "\n", flush=True)
-
-
-def _exit_code(log_dir: Path, status) -> int:
-    """The trainer's own exit code when torchx recorded it (e.g. 75 = preempted), else 1."""
-    text = str(status)
-    for code in ("exitcode: 75", "exit code: 75", "exitcode 75"):
-        if code in text:
-            return 75
-    print(f"[batchpilot] job failed: {status.state}; logs under {log_dir}", file=sys.stderr, flush=True)
-    time.sleep(0)
+    if PREEMPTED_LOG_MARKER in seen:
+        print(
+            f"[batchpilot] {spec.name} was preempted after checkpointing: exit {EXIT_PREEMPTED}", flush=True
+        )
+        return EXIT_PREEMPTED
+    print(
+        f"[batchpilot] {spec.name} failed ({status.state}); logs under {log_dir}", file=sys.stderr, flush=True
+    )
     return 1
+
+
+def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> None:
+    """Copies one node's log lines to stdout as they come, noting the preemption marker."""
+    for line in runner.log_lines(handle, role_name=role, k=replica, should_tail=True):
+        if PREEMPTED_LOG_MARKER in line:
+            seen.add(PREEMPTED_LOG_MARKER)
+        print(line, end="" if line.endswith("\n") else "\n", flush=True)

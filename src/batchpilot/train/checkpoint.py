@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from batchpilot import __version__
-from batchpilot.data.storage import ObjectNotFound, Storage, open_storage
+from batchpilot.data.storage import ObjectNotFound, PreconditionFailed, Storage, open_storage
 from batchpilot.errors import BatchpilotError
 
 LATEST = "latest"
@@ -114,7 +114,12 @@ class Checkpointer:
         except ObjectNotFound:
             generation = 0
         # The precondition makes a concurrent writer fail loudly instead of two runs silently interleaving.
-        self.storage.write(LATEST, f"{folder}\n".encode(), if_generation_match=generation)
+        try:
+            self.storage.write(LATEST, f"{folder}\n".encode(), if_generation_match=generation)
+        except PreconditionFailed:
+            # A retried write whose first attempt succeeded (response lost) also lands here: that is ours.
+            if self.latest_step() != step:
+                raise
         self._prune(current=step)
         return f"{self.uri.rstrip('/')}/{folder}"
 

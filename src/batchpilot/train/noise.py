@@ -46,6 +46,13 @@ class NoiseScaleEMA:
             self.history.append(value)
         return value
 
+    def state_dict(self) -> dict[str, float]:
+        """The moving averages, for checkpoints (the estimate continues exactly after a resume)."""
+        return {"decay": self.decay, "g2": self._g2, "s": self._s, "weight": self._weight}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.decay, self._g2, self._s, self._weight = state["decay"], state["g2"], state["s"], state["weight"]
+
     @property
     def value(self) -> float | None:
         if self._weight == 0.0:

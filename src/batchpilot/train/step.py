@@ -4,6 +4,12 @@ Each micro-batch's loss is the mean token loss of its samples divided by the acc
 DDP averages over ranks, so the accumulated gradient is the gradient of the mean loss over the global
 batch whatever the split (world x accumulation x micro). DDP synchronises only on the last micro-batch
 (`no_sync` on the others).
+
+Out of memory (CUDA): all ranks agree after every micro-batch (and before the last, synchronising
+backward) whether any rank ran out; if so, every rank drops the step's partial gradients and the trainer
+retries the same global batch with half the micro batch. An OOM *inside* the last micro-batch's backward
+cannot be agreed on (the other ranks are already in its all-reduce), so it fails the job; the stage then
+restarts from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +59,7 @@ def _allreduce_with_local_norm(state, bucket):
 
 def wrap_model(model: nn.Module, ctx: DistContext) -> tuple[nn.Module, LocalNormHook | None]:
     """DDP across ranks (with the local-norm hook) or the bare model on one rank."""
+    _install_oom_injection(model, ctx)
     if not ctx.distributed:
         return model, None
     hook = LocalNormHook(world_size=ctx.world_size)
@@ -78,10 +86,20 @@ def _grad_vector(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().flatten().float() for p in model.parameters() if p.grad is not None])
 
 
-def _maybe_inject_oom(ctx: DistContext, micro_batch_size: int) -> None:
+def _install_oom_injection(model: nn.Module, ctx: DistContext) -> None:
+    """Testing hook (INJECT_OOM_ENV): rank 0 raises a CUDA OOM inside forward for larger micro-batches.
+
+    It fires inside the module's forward, after DDP's own pre-forward work, as a real OOM would.
+    """
     limit = os.environ.get(INJECT_OOM_ENV)
-    if limit is not None and ctx.rank == 0 and micro_batch_size > int(limit):
-        raise torch.cuda.OutOfMemoryError(f"injected: micro batch {micro_batch_size} > {limit}")
+    if limit is None or ctx.rank != 0:
+        return
+
+    def fail_when_too_big(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if inputs[0].shape[0] > int(limit):
+            raise torch.cuda.OutOfMemoryError(f"injected: micro batch {inputs[0].shape[0]} > {limit}")
+
+    model.register_forward_pre_hook(fail_when_too_big)
 
 
 def micro_batch_loss(
@@ -92,6 +110,40 @@ def micro_batch_loss(
     with autocast:
         logits = model(inputs)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _forward(
+    ctx: DistContext, wrapped: nn.Module, batch: torch.Tensor, autocast: Callable[[], Any]
+) -> torch.Tensor | None:
+    """The micro-batch loss, or None when the device ran out of memory."""
+    try:
+        return micro_batch_loss(wrapped, batch.to(ctx.device, non_blocking=True), autocast())
+    except torch.cuda.OutOfMemoryError:
+        return None
+
+
+def _arm_gradient_sync(wrapped: nn.Module) -> None:
+    """What DDP's forward does when it is not under no_sync: the next backward all-reduces the gradients."""
+    assert isinstance(wrapped, DistributedDataParallel)
+    wrapped.require_forward_param_sync = True
+    wrapped.reducer.prepare_for_backward([])
+
+
+def _backward(loss: torch.Tensor, *, may_fail: bool) -> bool:
+    """Backpropagates; an OOM returns False where it can be agreed on (not inside the synchronising pass)."""
+    try:
+        loss.backward()
+    except torch.cuda.OutOfMemoryError:
+        if not may_fail:
+            raise
+        return False
+    return True
+
+
+def _abandon(model: nn.Module, *, out_of_memory: bool) -> StepOutcome:
+    """Drops the partial gradients of an attempt that all ranks agreed to stop."""
+    model.zero_grad(set_to_none=True)
+    return StepOutcome(completed=False, out_of_memory=out_of_memory, stopped=not out_of_memory)
 
 
 def accumulate_gradients(
@@ -119,20 +171,22 @@ def accumulate_gradients(
         hook.reset()
     for index, batch in enumerate(micro_batches):
         last = index == accumulation - 1
-        sync = contextlib.nullcontext() if last or not ctx.distributed else wrapped.no_sync()  # type: ignore[operator]
-        out_of_memory = False
-        with sync:
-            try:
-                _maybe_inject_oom(ctx, micro)
-                loss = micro_batch_loss(wrapped, batch.to(ctx.device, non_blocking=True), autocast())
-                (loss / accumulation).backward()
-                total_loss += loss.item()
-            except torch.cuda.OutOfMemoryError:
-                out_of_memory = True
-        oom_anywhere, stop = ctx.any_true(out_of_memory, stop_requested() and not last)
-        if oom_anywhere or stop:
-            model.zero_grad(set_to_none=True)
-            return StepOutcome(completed=False, out_of_memory=oom_anywhere, stopped=stop and not oom_anywhere)
+        # Every forward runs without arming DDP's reducer; the last micro-batch arms it only once all ranks
+        # agree that their forward fit, so an abandoned attempt never leaves the reducer half-armed.
+        with wrapped.no_sync() if ctx.distributed else contextlib.nullcontext():  # type: ignore[operator]
+            loss = _forward(ctx, wrapped, batch, autocast)
+        if last and ctx.any_true(loss is None)[0]:
+            return _abandon(model, out_of_memory=True)
+        if last and ctx.distributed:
+            _arm_gradient_sync(wrapped)
+        with wrapped.no_sync() if ctx.distributed and not last else contextlib.nullcontext():  # type: ignore[operator]
+            out_of_memory = loss is None or not _backward(loss / accumulation, may_fail=not last)
+        if not last:
+            oom_anywhere, stop = ctx.any_true(out_of_memory, stop_requested())
+            if oom_anywhere or stop:
+                return _abandon(model, out_of_memory=oom_anywhere)
+        assert loss is not None
+        total_loss += loss.item()
         if index == 0 and (noise_from_first or coherence_local):
             first_grad = _grad_vector(model) * accumulation  # the mean gradient of this micro-batch
         if index == 1 and first_grad is not None and coherence_local:

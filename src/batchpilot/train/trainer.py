@@ -25,6 +25,7 @@ from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.sampling import rank_micro_batches
 from batchpilot.errors import BatchpilotError
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
 from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planner import lr_schedule
 from batchpilot.planning import LRSchedule, Plan, Stage
@@ -33,8 +34,6 @@ from batchpilot.train.distributed import DistContext
 from batchpilot.train.metrics import MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.step import StepOutcome, accumulate_gradients, wrap_model
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM after checkpointing; run the same stage again
 
 
 def log(ctx: DistContext, message: str) -> None:
@@ -63,6 +62,35 @@ def autocast_factory(device: torch.device, precision: str) -> Callable[[], conte
     if use_bf16:
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def data_order(config: Config) -> dict[str, Any]:
+    """The settings that decide which sample each position reads; a resumed run must use the same."""
+    data = config.data
+    return {
+        "uri": data.uri,
+        "split": data.split,
+        "seq_len": data.seq_len,
+        "seed": config.train.seed,
+        "shuffle": data.shuffle,
+        "shuffle_block_samples": data.shuffle_block_samples,
+        "shuffle_window_blocks": data.shuffle_window_blocks,
+    }
+
+
+def check_same_data_order(config: Config, checkpoint: Checkpoint | None) -> None:
+    """Refuses to resume with a different sample order (samples would be repeated or skipped)."""
+    saved = checkpoint.meta.get("data_order") if checkpoint else None
+    if saved is None:
+        return
+    for key, value in data_order(config).items():
+        if saved.get(key) != value:
+            raise BatchpilotError(
+                f"data.{key}" if key != "seed" else "train.seed",
+                f"is {value!r} but the checkpoint was trained with {saved.get(key)!r}; resuming would repeat or "
+                "skip samples",
+                "restore the setting, or start a new run with a new checkpoint_uri",
+            )
 
 
 def check_vocabulary(model: nn.Module, *, vocab_size: int) -> None:
@@ -279,6 +307,8 @@ class _Loop:
                 extra={
                     "world_size": self.ctx.world_size,
                     "stage": self.plan.stage_at(self.consumed - 1).index,
+                    "data_order": data_order(self.config),
+                    "noise_scale_ema": self.noise.state_dict(),
                 },
             )
             log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}")
@@ -302,7 +332,7 @@ class _Loop:
         self.optimizer.zero_grad(set_to_none=True)
         log(self.ctx, f"SIGTERM: stopping at a micro-batch boundary, {self.consumed:,} samples consumed")
         self._save()
-        log(self.ctx, f"preempted: exit {EXIT_PREEMPTED}; run the same stage again to resume exactly here")
+        log(self.ctx, f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")
         return EXIT_PREEMPTED
 
 
@@ -335,6 +365,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
     checkpointer = Checkpointer(uri=config.train.checkpoint_uri, keep_last=config.train.keep_checkpoints)
     checkpoint = checkpointer.load()
     consumed = check_resume_point(stages=stages, checkpoint=checkpoint, uri=config.train.checkpoint_uri)
+    check_same_data_order(config, checkpoint)
     if consumed == stages[-1].end_sample:
         log(ctx, f"{stages[-1].name} is already complete ({consumed:,} samples): nothing to do")
         return 0
@@ -346,6 +377,12 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         world_size=ctx.world_size,
         local_world_size=ctx.local_world_size,
         expansion_factor=config.data.expansion_factor_real_data,
+        split=config.data.split,
+        shuffle=config.data.shuffle,
+        prefetch_steps=config.data.prefetch_steps,
+        verify_checksums=config.data.verify_checksums,
+        shuffle_block_samples=config.data.shuffle_block_samples,
+        shuffle_window_blocks=config.data.shuffle_window_blocks,
     )
     torch.manual_seed(config.train.seed)
     model = build_model(factory=config.model.factory, args=config.model.args)
@@ -390,6 +427,8 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         autocast=autocast_factory(ctx.device, config.train.precision),
     )
     loop.saved_step = loop.step if checkpoint else -1
+    if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:
+        loop.noise.load_state_dict(checkpoint.meta["noise_scale_ema"])
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))
     log(
         ctx,

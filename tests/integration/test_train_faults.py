@@ -1,0 +1,149 @@
+"""Faults: kill -9 of a rank, SIGTERM (preemption) and out-of-memory, each resumed exactly."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot.exitcodes import EXIT_PREEMPTED
+from batchpilot.train.checkpoint import Checkpointer
+from batchpilot.train.metrics import read_metrics
+from helpers import processes_with, run_batchpilot, tiny_config, trainer_ranks, write_config_and_plan
+
+pytestmark = pytest.mark.slow
+
+
+def one_stage_config(data_uri: str, root: Path, **overrides) -> dict:
+    """One stage (no ramp-up) of 32 steps at global batch 32 on 2 local nodes, checkpointing every 4 steps."""
+    return tiny_config(
+        data_uri=data_uri,
+        checkpoint_uri=f"file://{root}/ckpt",
+        batch__global_batch_size=32,
+        batch__schedule=None,
+        train__total_samples=1024,
+        train__checkpoint_every_steps=4,
+        **overrides,
+    )
+
+
+def launch(config: str, plan: str, out: Path, **kwargs) -> subprocess.Popen:
+    args = ["launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(out)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchpilot", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
+
+
+def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics} did not reach {steps} steps")
+
+
+def final_weights(root: Path) -> dict[str, torch.Tensor]:
+    return Checkpointer(uri=f"file://{root}/ckpt").load().model
+
+
+@pytest.fixture(scope="module")
+def reference(demo_data_uri, tmp_path_factory):
+    """The uninterrupted run, to compare every interrupted one with."""
+    root = tmp_path_factory.mktemp("reference")
+    config, plan = write_config_and_plan(root, one_stage_config(demo_data_uri, root))
+    result = run_batchpilot(
+        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(root / "out")
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    return root
+
+
+def assert_identical_to(reference: Path, root: Path) -> None:
+    expected, actual = final_weights(reference), final_weights(root)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    ref_metrics = read_metrics(reference / "out" / "metrics.jsonl")
+    metrics = read_metrics(root / "out" / "metrics.jsonl")
+    fields = ("step", "consumed_samples", "loss", "lr", "grad_norm", "noise_scale")
+    assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in ref_metrics]
+
+
+def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp_path):
+    config, plan = write_config_and_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    out = tmp_path / "out"
+    victim_step, victim_rank = random.Random().randint(3, 28), random.choice([0, 1])
+    proc = launch(config, plan, out)
+    wait_for_steps(out / "metrics.jsonl", victim_step, proc)
+    os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    latest = Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step()
+    assert latest is None or latest <= victim_step + 1
+    result = run_batchpilot(
+        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(out)
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    if latest:
+        assert f"resumed from step {latest}" in result.stdout
+    assert_identical_to(reference, tmp_path)
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_uri, tmp_path):
+    """Preemption: the torchrun agents get SIGTERM (as PID 1 of a pod would) and forward it to the ranks."""
+    config, plan = write_config_and_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    out = tmp_path / "out"
+    proc = launch(config, plan, out)
+    wait_for_steps(out / "metrics.jsonl", 10, proc)
+    agents = [
+        pid for pid, argv, _ in processes_with(str(out)) if any(a.endswith("torchrun") for a in argv[:2])
+    ]
+    assert agents
+    for pid in agents:
+        os.kill(pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, output
+    assert "SIGTERM: stopping at a micro-batch boundary" in output
+    checkpointed = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    assert checkpointed.consumed_samples == checkpointed.step * 32  # a step boundary
+    assert len(read_metrics(out / "metrics.jsonl")) >= checkpointed.step
+    result = run_batchpilot(
+        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(out)
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"resumed from step {checkpointed.step}" in result.stdout
+    assert_identical_to(reference, tmp_path)
+
+
+def test_out_of_memory_halves_the_micro_batch_on_every_rank(reference, demo_data_uri, tmp_path):
+    config, plan = write_config_and_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    env = {**os.environ, "BATCHPILOT_INJECT_OOM_ABOVE_MICRO_BATCH": "4"}  # rank 0 only "has memory" for 4
+    result = run_batchpilot(
+        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(tmp_path / "out"),
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "out of memory at micro_batch_size=16 (agreed by all ranks)" in result.stdout
+    assert (
+        "retrying the same global batch 32 with micro_batch_size=8, gradient_accumulation_steps=2"
+        in result.stdout
+    )
+    assert "micro_batch_size=4, gradient_accumulation_steps=4" in result.stdout
+    metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert {(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in metrics} == {(4, 4)}
+    ref = read_metrics(reference / "out" / "metrics.jsonl")
+    for a, b in zip(metrics, ref, strict=True):  # the same global batches: the same training, up to rounding
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)

@@ -1,0 +1,93 @@
+"""Checks the trainer makes before it touches a model: resume point, data order, vocabulary, stages."""
+
+import pytest
+import yaml
+from torch import nn
+
+from batchpilot.config import parse_config
+from batchpilot.errors import BatchpilotError
+from batchpilot.planner import build_plan
+from batchpilot.train.checkpoint import Checkpoint
+from batchpilot.train.trainer import (
+    check_resume_point,
+    check_same_data_order,
+    check_vocabulary,
+    data_order,
+    select_stages,
+)
+from helpers import REPO
+
+
+def demo_config(**data):
+    raw = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    raw["data"].update(data)
+    return parse_config(raw)
+
+
+def checkpoint(consumed: int, meta: dict | None = None) -> Checkpoint:
+    return Checkpoint(step=1, consumed_samples=consumed, model={}, optimizer={}, rng={}, meta=meta or {})
+
+
+def test_resume_point_must_lie_in_the_stages():
+    plan = build_plan(demo_config(), micro_batch_size=8)
+    stage1 = select_stages(plan, "1")
+    assert check_resume_point(stages=stage1, checkpoint=checkpoint(1376), uri="file://x") == 1376
+    with pytest.raises(BatchpilotError, match="starts at sample 1,376 but file://x holds no checkpoint"):
+        check_resume_point(stages=stage1, checkpoint=None, uri="file://x")
+    with pytest.raises(BatchpilotError, match="before stage-1 starts"):
+        check_resume_point(stages=stage1, checkpoint=checkpoint(16), uri="file://x")
+    with pytest.raises(BatchpilotError, match="past the end of stage-1"):
+        check_resume_point(stages=stage1, checkpoint=checkpoint(4096), uri="file://x")
+    with pytest.raises(BatchpilotError, match="is not a stage of this plan"):
+        select_stages(plan, "9")
+
+
+def test_resuming_with_another_sample_order_is_refused():
+    saved = checkpoint(64, {"data_order": data_order(demo_config())})
+    check_same_data_order(demo_config(), saved)
+    with pytest.raises(
+        BatchpilotError, match=r"data\.shuffle_block_samples: is 64 but the checkpoint was trained with 128"
+    ):
+        check_same_data_order(demo_config(shuffle_block_samples=64), saved)
+
+
+def test_vocabulary_must_cover_the_dataset():
+    check_vocabulary(nn.Embedding(257, 4), vocab_size=257)
+    with pytest.raises(BatchpilotError, match=r"model\.args\.vocab_size: the model embeds 256 token ids"):
+        check_vocabulary(nn.Embedding(256, 4), vocab_size=257)
+
+
+@pytest.mark.parametrize(
+    ("factory", "args", "message"),
+    [
+        ("no_such_module:build", {}, "model.factory: cannot import 'no_such_module'"),
+        ("batchpilot.models.gpt:nope", {}, "model.factory: 'batchpilot.models.gpt' has no function 'nope'"),
+        ("batchpilot.models.gpt:build", {"n_layers": 2}, "model.args: batchpilot.models.gpt:build rejected"),
+        ("batchpilot.models.gpt:build", {"n_embd": 30, "n_head": 4}, "must be a multiple of n_head"),
+        ("batchpilot.models.gpt:GPTConfig", {}, "returned GPTConfig, not a torch.nn.Module"),
+    ],
+)
+def test_broken_model_factories_are_one_line_errors(factory, args, message):
+    from batchpilot.models.factory import build_model
+
+    with pytest.raises(BatchpilotError) as info:
+        build_model(factory=factory, args=args)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    import torch
+
+    from batchpilot.models.gpt import build
+
+    torch.manual_seed(0)
+    model = build(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    tokens = torch.randint(0, 64, (4, 16))
+    grads = []
+    for enabled in (False, True):
+        model.zero_grad()
+        model.set_activation_checkpointing(enabled)
+        model(tokens).sum().backward()
+        grads.append(model.wte.weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
