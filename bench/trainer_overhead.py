@@ -57,14 +57,18 @@ def trainer_seconds(root: Path, data_uri: str, steps: int, run: str) -> float:
     return time.perf_counter() - started
 
 
-def bare_loop_seconds(steps: int) -> float:
+def bare_loop_seconds(steps: int, *, warmup_steps: int = 5) -> float:
+    """Time of `steps` steps after `warmup_steps` untimed ones (the trainer's short run plays that role)."""
     torch.manual_seed(0)
     model = build_model(factory="batchpilot.models.gpt:build", args=MODEL)
     optimizer = make_optimizer(model, weight_decay=0.1)
     accumulation = GLOBAL_BATCH // MICRO_BATCH
-    data = torch.randint(0, 257, (steps * accumulation, MICRO_BATCH, SEQ_LEN + 1))
+    total = warmup_steps + steps
+    data = torch.randint(0, 257, (total * accumulation, MICRO_BATCH, SEQ_LEN + 1))
     started = time.perf_counter()
-    for step in range(steps):
+    for step in range(total):
+        if step == warmup_steps:
+            started = time.perf_counter()
         for micro in range(accumulation):
             batch = data[step * accumulation + micro]
             logits = model(batch[:, :-1])

@@ -91,3 +91,32 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model(tokens).sum().backward()
         grads.append(model.wte.weight.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_one_rank_measures_noise_and_coherence_from_its_micro_batches():
+    import contextlib
+
+    import torch
+
+    from batchpilot.models.gpt import build
+    from batchpilot.train.distributed import DistContext
+    from batchpilot.train.step import accumulate_gradients
+
+    torch.manual_seed(0)
+    model = build(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    batches = [torch.randint(0, 64, (4, 17)) for _ in range(4)]
+    outcome = accumulate_gradients(
+        model=model,
+        wrapped=model,
+        hook=None,
+        micro_batches=batches,
+        ctx=DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu")),
+        autocast=contextlib.nullcontext,
+        stop_requested=lambda: False,
+        measure_noise=True,
+        measure_coherence=True,
+    )
+    assert outcome.completed and outcome.small_batch == 4
+    global_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
+    assert outcome.small_sq_norm > global_sq  # one micro-batch's gradient is noisier than the mean of four
+    assert -1.0 <= outcome.coherence <= 1.0
