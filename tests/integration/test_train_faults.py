@@ -78,8 +78,12 @@ def assert_identical_to(reference: Path, root: Path) -> None:
         assert torch.equal(expected[name], actual[name]), name
     ref_metrics = read_metrics(reference / "out" / "metrics.jsonl")
     metrics = read_metrics(root / "out" / "metrics.jsonl")
-    fields = ("step", "consumed_samples", "loss", "lr", "grad_norm", "noise_scale")
+    fields = ("step", "consumed_samples", "loss", "lr", "grad_norm")
     assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in ref_metrics]
+    # The noise scale sums squared norms per DDP bucket, and DDP regroups its buckets after its first
+    # iteration, so a resumed run agrees to rounding (float64), not bit for bit.
+    for resumed, uninterrupted in zip(metrics, ref_metrics, strict=True):
+        assert resumed["noise_scale"] == pytest.approx(uninterrupted["noise_scale"], rel=1e-9)
 
 
 def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp_path):

@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+METRICS_OBJECT = "metrics.jsonl"
+"""Name of the copy kept beside the checkpoints (updated at every checkpoint), read by reports."""
+
 METRIC_KEYS = (
     "step",
     "consumed_samples",
@@ -45,6 +48,15 @@ class MetricsLog:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
         os.replace(tmp, self.path)
+
+    def replace_with(self, text: str) -> None:
+        """Replaces the file's records (e.g. with the copy kept beside the checkpoints)."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)
+
+    def text(self) -> str:
+        return self.path.read_text() if self.path.exists() else ""
 
     def append(self, record: dict[str, Any]) -> None:
         missing = [key for key in METRIC_KEYS if key not in record]

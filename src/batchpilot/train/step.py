@@ -50,7 +50,8 @@ def _allreduce_with_local_norm(state, bucket):
     annotations would fail that check.
     """
     buffer = bucket.buffer()
-    local = buffer.detach().float().pow(2).sum()
+    # float64: DDP regroups buckets after its first iteration, so the per-bucket sums must not depend on grouping.
+    local = buffer.detach().double().pow(2).sum()
     state.sq_norm = local if state.sq_norm is None else state.sq_norm + local
     buffer.div_(state.world_size)
     future = dist.all_reduce(buffer, async_op=True).get_future()

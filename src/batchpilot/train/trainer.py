@@ -31,7 +31,7 @@ from batchpilot.planner import lr_schedule
 from batchpilot.planning import LRSchedule, Plan, Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
-from batchpilot.train.metrics import MetricsLog
+from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.step import StepOutcome, accumulate_gradients, wrap_model
 
@@ -311,6 +311,8 @@ class _Loop:
                     "noise_scale_ema": self.noise.state_dict(),
                 },
             )
+            if self.metrics is not None:
+                self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
             log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}")
         self.ctx.barrier()
         self.saved_step = self.step
@@ -334,6 +336,13 @@ class _Loop:
         self._save()
         log(self.ctx, f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")
         return EXIT_PREEMPTED
+
+
+def restore_metrics(metrics: MetricsLog, checkpointer: Checkpointer, *, consumed: int) -> None:
+    """Starts from the metrics kept beside the checkpoints (a new pod has no local copy), up to `consumed`."""
+    if checkpointer.storage.exists(METRICS_OBJECT):
+        metrics.replace_with(checkpointer.storage.read(METRICS_OBJECT).decode())
+    metrics.truncate_to(consumed)
 
 
 def select_stages(plan: Plan, stage: str) -> list[Stage]:
@@ -404,7 +413,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(output_dir / "metrics.jsonl") if ctx.is_main else None
     if metrics is not None:
-        metrics.truncate_to(consumed)
+        restore_metrics(metrics, checkpointer, consumed=consumed)
     audit_dir = output_dir / "audit" if audit else None
     if audit_dir is not None:
         audit_dir.mkdir(parents=True, exist_ok=True)
