@@ -108,12 +108,90 @@ class ClusterConfig(_Section):
     devices_per_node: PositiveInt = Field(1, description="accelerators per node (local: processes per node)")
     max_nodes: PositiveInt = Field(description="node count of the target (final) stage at most")
     min_nodes: PositiveInt = Field(1, description="no stage runs on fewer nodes")
+    idle_nodes: int = Field(
+        0,
+        ge=0,
+        description="pool size between runs: `batchpilot pool scale-down` and the exit handler go here",
+    )
+    pool_state_path: str | None = Field(
+        None, description="local backend: JSON file recording the pool size (default runs/<name>/pool.json)"
+    )
+    project: str | None = Field(None, description="gke: GCP project id of the cluster")
+    location: str | None = Field(None, description="gke: region or zone of the cluster, e.g. us-central1")
+    cluster_name: str | None = Field(None, description="gke: name of the GKE cluster")
+    node_pool: str | None = Field(None, description="gke: name of the node pool the trainers run on")
+    pool_mode: Literal["resize", "autoscale", "static"] = Field(
+        "resize",
+        description="gke: resize = set the pool's size per stage; autoscale = set the autoscaler's bounds "
+        "(nodes come when the job's pods are pending); static = never change the pool, only check capacity",
+    )
+    accelerator_type: str | None = Field(
+        None, description="gke: GPU type label of the pool's nodes, e.g. nvidia-l4 (none: CPU nodes)"
+    )
+    machine_type: str | None = Field(None, description="gke: machine type of the pool (informational)")
+    image: str | None = Field(
+        None, description="gke: container image of the trainers, e.g. REGISTRY/batchpilot:0.1.0"
+    )
+    namespace: str = Field("batchpilot", description="gke: Kubernetes namespace of the jobs")
+    service_account: str = Field(
+        "batchpilot", description="gke: Kubernetes service account of the trainer pods (Workload Identity)"
+    )
+    launcher: Literal["jobset", "volcano"] = Field(
+        "jobset",
+        description="gke: JobSet (GKE standard, Kueue-friendly) or a Volcano Job (torchx kubernetes)",
+    )
+    kueue_queue: str | None = Field(
+        None, description="gke: Kueue LocalQueue the JobSet is submitted to (none: no Kueue label)"
+    )
+    volcano_queue: str = Field("default", description="gke: Volcano queue when launcher is volcano")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="gke: extra node labels the trainer pods require (the node pool label is always added)",
+    )
+    tolerations: list[dict[str, str | int]] = Field(
+        default_factory=list,
+        description="gke: extra Kubernetes tolerations of the trainer pods (the GPU taint is always tolerated)",
+    )
+    cpu_per_node: PositiveInt | None = Field(
+        None, description="gke: CPU cores requested by each trainer pod (none: no CPU request)"
+    )
+    memory_per_node_bytes: ByteSize | None = Field(
+        None, description="gke: memory requested by each trainer pod, e.g. 64GiB (none: no memory request)"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="gke: extra environment of the trainers")
+    ready_timeout_s: float = Field(
+        1800.0, gt=0, description="gke: how long to wait for the pool's nodes to be Ready with their GPUs"
+    )
+    operation_timeout_s: float = Field(
+        1800.0, gt=0, description="gke: how long one node pool operation (resize, autoscaling) may take"
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> ClusterConfig:
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})")
+        if self.idle_nodes > self.max_nodes:
+            raise ValueError(f"idle_nodes ({self.idle_nodes}) must not exceed max_nodes ({self.max_nodes})")
+        # The gke settings (project, image, ...) are required where the cluster is used, not here:
+        # a gke config without them still plans (`batchpilot plan` needs no cluster).
+        _check_tolerations(self.tolerations)
         return self
+
+
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def _check_tolerations(tolerations: list[dict[str, str | int]]) -> None:
+    """Kubernetes toleration fields only, so a typo fails here and not at pod creation."""
+    for index, toleration in enumerate(tolerations):
+        unknown = sorted(set(toleration) - _TOLERATION_KEYS)
+        if unknown:
+            raise ValueError(
+                f"tolerations[{index}] has unknown key {unknown[0]!r}; valid keys are: "
+                f"{', '.join(sorted(_TOLERATION_KEYS))}"
+            )
+        if toleration.get("operator", "Equal") not in ("Equal", "Exists"):
+            raise ValueError(f"tolerations[{index}].operator must be Equal or Exists")
 
 
 class MegatronRampup(_Section):
@@ -231,15 +309,45 @@ class ExploreConfig(_Section):
         2 * 2**30, description="CPU only; on CUDA the device memory is the budget"
     )
     max_probes: PositiveInt = Field(12, description="measurements the search may spend")
-    max_minutes: float = Field(10.0, gt=0, description="wall-clock budget of the search")
-    activation_checkpointing: list[bool] = Field(default_factory=lambda: [False, True], min_length=1)
-    compile: list[bool] = Field(default_factory=lambda: [False], min_length=1)
-    warmup_steps: PositiveInt = 1
-    timed_steps: PositiveInt = 3
+    max_minutes: float = Field(
+        5.0, gt=0, description="wall-clock budget of the search (a probe started in time may finish after it)"
+    )
+    activation_checkpointing: list[bool] = Field(
+        default_factory=lambda: [False, True],
+        min_length=1,
+        description="settings to search; the first is searched from micro batch 1, the others from its frontier",
+    )
+    compile: list[bool] = Field(
+        default_factory=lambda: [False], min_length=1, description="torch.compile settings to search"
+    )
+    warmup_steps: PositiveInt = Field(1, description="untimed passes at the start of each probe")
+    timed_steps: PositiveInt = Field(3, description="timed passes of each probe, at least")
+    min_timed_s: float = Field(
+        0.3,
+        ge=0,
+        description="more timed passes until they add up to this many seconds (short passes are noisy)",
+    )
+    max_micro_batch_size: PositiveInt | None = Field(
+        None,
+        description="largest micro batch the search tries (default: batch.global_batch_size, "
+        "since a micro batch never exceeds the global batch)",
+    )
+    probe_timeout_s: float = Field(
+        120.0, gt=0, description="a probe still running after this is killed and recorded as not fitting"
+    )
     accumulation_multipliers: list[PositiveInt] = Field(
         default_factory=lambda: [2, 4, 8, 16],
         description="effective-batch study at the recommended micro batch",
     )
+    study_train_steps: int = Field(
+        8,
+        ge=0,
+        description="optimizer steps before the study measures (an untrained model's noise says little)",
+    )
+    study_measure_batches: PositiveInt = Field(
+        2, description="batches measured per accumulation multiplier in the study"
+    )
+    study_timeout_s: float = Field(300.0, gt=0, description="the study process is killed after this")
 
 
 class RLConfig(_Section):

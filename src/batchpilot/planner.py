@@ -76,6 +76,23 @@ def resolve_micro_batch_size(config: Config, override: int | None) -> int:
     return config.batch.micro_batch_size
 
 
+def micro_batch_from_explore(explore: dict[str, Any]) -> tuple[int, str | None]:
+    """The micro batch a plan takes from explore.json, and a note when it is not the fastest measured.
+
+    The fastest size may not fit every ramp-up stage; explore then names the fastest one that does
+    (`plan_compatible_micro_batch_size`), and that is the one to plan with.
+    """
+    recommendation = explore["recommendation"]
+    fastest = int(recommendation["micro_batch_size"])
+    compatible = recommendation.get("plan_compatible_micro_batch_size")
+    if compatible is None or int(compatible) == fastest:
+        return fastest, None
+    return int(compatible), (
+        f"explore's fastest micro_batch_size={fastest} does not fit every stage of this ramp-up; planning with "
+        f"micro_batch_size={compatible}, the fastest measured size that does"
+    )
+
+
 def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
     """Validates every stage of the config's ramp-up and schedules its nodes."""
     return plan_stages(

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from batchpilot.config import Config, load_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan, dump_plan, resolve_micro_batch_size
+from batchpilot.planner import build_plan, dump_plan, micro_batch_from_explore, resolve_micro_batch_size
 from batchpilot.planning import CostEstimate, Plan, estimate_cost
 from batchpilot.planning.units import short_count
 
@@ -45,14 +45,20 @@ def register(subparsers: Any) -> None:
 
 
 def _from_explore(path: str) -> tuple[int, float | None]:
-    """(recommended micro batch, samples/s per device) from an explore.json."""
+    """(micro batch to plan with, its measured samples/s per device) from an explore.json."""
     try:
         data = json.loads(Path(path).read_text())
-        recommendation = data["recommendation"]
-        micro = int(recommendation["micro_batch_size"])
+        micro, note = micro_batch_from_explore(data)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise BatchpilotError("--explore", f"cannot read a recommendation from {path}: {error}") from None
-    throughput = recommendation.get("samples_per_s")
+    if note:
+        print(f"note: {note}")
+    measured = [
+        float(p["samples_per_s"])
+        for p in data.get("probes", [])
+        if p.get("fits") and p.get("micro_batch_size") == micro and p.get("samples_per_s")
+    ]
+    throughput = max(measured, default=None) or data["recommendation"].get("samples_per_s")
     return micro, float(throughput) if throughput else None
 
 

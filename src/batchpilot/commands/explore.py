@@ -1,0 +1,93 @@
+"""`batchpilot explore`: the fastest micro batch that fits one device, and the gradient noise scale."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from batchpilot.config import load_config
+from batchpilot.errors import BatchpilotError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "explore",
+        help="measure the fastest micro batch that fits one device, and the critical batch size",
+        description="Runs probes (one fresh process each) of micro batch x activation checkpointing, prints "
+        "a recommendation after every probe, then studies the effective batch at the recommended size. "
+        "Writes explore.json, explore.html and explore_metrics.json.",
+    )
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--output-dir", help="where the outputs go (default: runs/<name>/explore)")
+    parser.add_argument("--max-probes", type=int, help="overrides explore.max_probes")
+    parser.add_argument("--max-minutes", type=float, help="overrides explore.max_minutes")
+    parser.add_argument(
+        "--micro-batch-sizes",
+        help="probe exactly these sizes for every setting, e.g. 1,2,3,4 (an exhaustive sweep, no search)",
+    )
+    parser.add_argument("--no-study", action="store_true", help="skip the effective-batch study")
+    parser.add_argument(
+        "--memory-budget-bytes", help="overrides explore.memory_budget_bytes (e.g. 600MiB; CPU only)"
+    )
+    parser.set_defaults(handler=run)
+
+
+def parse_sizes(text: str | None) -> list[int] | None:
+    """`1,2,3` -> [1, 2, 3]; a one-line error otherwise."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BatchpilotError(
+            "--micro-batch-sizes", f"{text!r} is not a comma-separated list of integers", "e.g. 1,2,4,8"
+        ) from None
+    if not sizes or min(sizes) <= 0:
+        raise BatchpilotError("--micro-batch-sizes", f"needs positive integers, got {text!r}")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from batchpilot.explore import run_exploration
+    from batchpilot.planning.units import parse_bytes
+
+    config = load_config(args.config)
+    if args.memory_budget_bytes is not None:
+        budget = parse_bytes(args.memory_budget_bytes, field="--memory-budget-bytes")
+        config = config.model_copy(
+            update={"explore": config.explore.model_copy(update={"memory_budget_bytes": budget})}
+        )
+    output_dir = Path(args.output_dir or f"runs/{config.name}/explore")
+    result = run_exploration(
+        config=config,
+        output_dir=output_dir,
+        max_probes=args.max_probes,
+        max_minutes=args.max_minutes,
+        micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
+        study=not args.no_study,
+        echo=lambda line: print(line, flush=True),
+    )
+    _summary(result)
+    return 0
+
+
+def _summary(result: Any) -> None:
+    rec = result.recommendation
+    print(
+        f"\nexplore finished ({result.stopped_because}) after {len(result.probes)} probes in {result.elapsed_s:.0f} s"
+    )
+    print(rec.line().replace("current recommendation", "recommendation"))
+    for line in rec.reasoning + rec.plan_notes:
+        print(f"  {line}")
+    if result.noise_scale is not None:
+        noise = result.noise_scale
+        critical = f"{noise.critical_batch_size:,.0f}" if noise.critical_batch_size else "not measurable"
+        print(
+            f"critical batch size {critical}; recommended global batch "
+            f"{noise.recommended_global_batch_size or '-'}; LR scaling {noise.lr_scaling}"
+        )
+        for line in noise.reasoning:
+            print(f"  {line}")
+    for name in ("explore.json", "explore.html", "explore_metrics.json"):
+        print(f"wrote {result.output_dir / name}")

@@ -1,0 +1,132 @@
+"""What a probe is asked and what it reports: plain dataclasses that travel as one JSON line.
+
+No torch here: the parent process (the search) only reads these records; the probe process makes them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+RESULT_MARKER = "BATCHPILOT_PROBE_RESULT"
+"""The prefix of the one result line a probe or study process prints on stdout."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How the model runs: the knobs a probe varies besides the micro batch."""
+
+    activation_checkpointing: bool
+    compile: bool = False
+
+    def label(self) -> str:
+        """`activation checkpointing off` (plus `, compiled` when compiled)."""
+        text = f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
+        return text + (", compiled" if self.compile else "")
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Everything one probe process needs (sent as JSON on its stdin).
+
+    Attributes:
+        factory, model_args: `model.factory` and `model.args`.
+        data_uri, split, seq_len, seed, verify_checksums: the real training data to read.
+        micro_batch_size, activation_checkpointing, compile: the configuration measured.
+        warmup_steps: untimed steps first (allocation, lazy initialisation).
+        timed_steps: at least this many timed steps ...
+        min_timed_s: ... and more until the timed steps add up to this (short steps are noisy).
+        memory_budget_bytes: on CPU, a peak resident set above this does not fit.
+        precision: `train.precision` (auto, fp32, bf16).
+    """
+
+    factory: str
+    model_args: dict[str, Any]
+    data_uri: str
+    split: str
+    seq_len: int
+    seed: int
+    verify_checksums: bool
+    micro_batch_size: int
+    activation_checkpointing: bool
+    compile: bool
+    warmup_steps: int
+    timed_steps: int
+    min_timed_s: float
+    memory_budget_bytes: int
+    precision: str = "auto"
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.activation_checkpointing, self.compile)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ProbeRequest:
+        return cls(**json.loads(text))
+
+
+@dataclass
+class ProbeResult:
+    """One measurement; `fits` is False when it ran out of memory, exceeded the budget, crashed or hung.
+
+    Attributes:
+        step_time_s: median time of one forward + backward pass of one micro batch (the optimizer step
+            is left out: its cost is per global batch, the same whatever the micro batch).
+        step_times_s: every timed pass, for the noise estimate.
+        repeats: number of timed passes.
+        error: why it does not fit (None when it fits).
+        user_error: a problem with the user's input (model factory, dataset) that no other probe can
+            avoid; the search stops with this one line.
+        device: `cpu` or `cuda`.
+        duration_s: wall-clock time of the probe process.
+    """
+
+    micro_batch_size: int
+    activation_checkpointing: bool
+    compile: bool
+    fits: bool
+    peak_memory_bytes: int | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    repeats: int = 0
+    error: str | None = None
+    user_error: str | None = None
+    device: str = "cpu"
+    duration_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.activation_checkpointing, self.compile)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProbeResult:
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    def public(self) -> dict[str, Any]:
+        """The explore.json form (the DESIGN.md contract keys first)."""
+        record = asdict(self)
+        record.pop("user_error")
+        return record
+
+
+def timing_from_steps(*, step_times_s: list[float], micro_batch_size: int, seq_len: int) -> dict[str, Any]:
+    """step_time_s (median), tokens/s and samples/s of one micro batch from its timed passes."""
+    median_s = statistics.median(step_times_s)
+    return {
+        "step_time_s": median_s,
+        "tokens_per_s": micro_batch_size * seq_len / median_s,
+        "samples_per_s": micro_batch_size / median_s,
+        "repeats": len(step_times_s),
+        "step_times_s": list(step_times_s),
+    }

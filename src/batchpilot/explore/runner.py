@@ -1,0 +1,309 @@
+"""`run_exploration`: the search loop with its budgets, interim recommendations, the study and the outputs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchpilot.config import Config
+from batchpilot.data.storage import open_storage
+from batchpilot.errors import BatchpilotError
+from batchpilot.explore.process import run_probe
+from batchpilot.explore.recommend import Recommendation, Topology, plan_notes, recommend
+from batchpilot.explore.records import ProbeRequest, ProbeResult, Setting
+from batchpilot.explore.search import Candidate, SearchState, next_probe
+from batchpilot.explore.study import NoiseScaleReport, StudyRequest, advise, run_study
+
+Measure = Callable[[ProbeRequest], ProbeResult]
+
+
+@dataclass
+class ExploreResult:
+    """What `run_exploration` found and where it wrote it."""
+
+    probes: list[ProbeResult]
+    recommendation: Recommendation
+    noise_scale: NoiseScaleReport | None
+    output_dir: Path
+    elapsed_s: float
+    stopped_because: str
+
+
+def probe_request(*, config: Config, micro_batch_size: int, setting: Setting) -> ProbeRequest:
+    """The probe of one configuration on the config's model and real data."""
+    explore = config.explore
+    return ProbeRequest(
+        factory=config.model.factory,
+        model_args=dict(config.model.args),
+        data_uri=config.data.uri,
+        split=config.data.split,
+        seq_len=config.data.seq_len,
+        seed=config.train.seed,
+        verify_checksums=config.data.verify_checksums,
+        micro_batch_size=micro_batch_size,
+        activation_checkpointing=setting.activation_checkpointing,
+        compile=setting.compile,
+        warmup_steps=explore.warmup_steps,
+        timed_steps=explore.timed_steps,
+        min_timed_s=explore.min_timed_s,
+        memory_budget_bytes=explore.memory_budget_bytes,
+        precision=config.train.precision,
+    )
+
+
+def settings_of(config: Config) -> list[Setting]:
+    """Activation checkpointing x compile, in the config's order (the first is searched from 1)."""
+    return [
+        Setting(activation_checkpointing=ac, compile=compiled)
+        for compiled, ac in itertools.product(
+            dict.fromkeys(config.explore.compile), dict.fromkeys(config.explore.activation_checkpointing)
+        )
+    ]
+
+
+def check_dataset(uri: str) -> None:
+    """A missing dataset is one clear error before any probe (never synthetic data)."""
+    storage = open_storage(uri)
+    if not storage.exists("manifest.json"):
+        raise BatchpilotError(
+            "data.uri",
+            f"{uri} holds no shard set (no manifest.json), and explore measures on real data",
+            f"run: batchpilot data prepare ... --out {uri} (or --demo for the demo set)",
+        )
+
+
+def describe(result: ProbeResult) -> str:
+    """`micro_batch_size=8, activation checkpointing off: fits, peak 331 MiB, 19.3 ms/pass, 52,925 tokens/s`."""
+    head = f"micro_batch_size={result.micro_batch_size}, {result.setting.label()}"
+    peak = f"peak {result.peak_memory_bytes / 2**20:,.0f} MiB" if result.peak_memory_bytes else "peak unknown"
+    if result.fits and result.step_time_s and result.tokens_per_s:
+        return f"{head}: fits, {peak}, {result.step_time_s * 1000:,.1f} ms/pass, {result.tokens_per_s:,.0f} tokens/s"
+    return f"{head}: does not fit ({result.error}; {peak})"
+
+
+def _fail_at_smallest(state: SearchState, budget_bytes: int) -> BatchpilotError:
+    """The error when no setting fits even the smallest size: the budget, or a broken model/factory."""
+    failures = [r for r in state.results if not r.fits]
+    over = [r for r in failures if r.error and "memory" in r.error]
+    if over and len(over) == len(failures):
+        needed = min(r.peak_memory_bytes or 0 for r in over)
+        return BatchpilotError(
+            "explore.memory_budget_bytes",
+            f"no setting fits even micro_batch_size={min(r.micro_batch_size for r in over)} within "
+            f"{budget_bytes:,} bytes (a probe reached {needed:,})",
+            "raise the budget, or use a smaller model",
+        )
+    first = failures[0] if failures else None
+    reason = first.error if first else "no probe ran"
+    return BatchpilotError(
+        "model.factory",
+        f"the model could not train even at micro_batch_size={first.micro_batch_size if first else 1}: {reason}",
+        "check that model.factory builds a model whose forward takes token ids [batch, seq] and returns logits",
+    )
+
+
+def _user_error(line: str) -> BatchpilotError:
+    """A probe's one-line user error (`field: problem (fix: ...)`) as the same BatchpilotError."""
+    field, _, rest = line.partition(": ")
+    problem, _, fix = (
+        rest.rpartition(" (fix: ") if rest.endswith(")") and " (fix: " in rest else (rest, "", "")
+    )
+    return BatchpilotError(field, problem, fix[:-1] if fix else None)
+
+
+def _explicit_candidates(state: SearchState, sizes: Sequence[int]) -> Candidate | None:
+    """The next (setting, size) of an explicit sweep; sizes above one that did not fit are skipped."""
+    for setting in state.settings:
+        limit = state.smallest_not_fitting(setting)
+        for micro in sizes:
+            if (limit is None or micro < limit) and not state.probed(setting, micro):
+                return Candidate(setting, micro, "sweep")
+    return None
+
+
+def search_micro_batch(
+    *,
+    config: Config,
+    max_probes: int,
+    max_minutes: float,
+    micro_batch_sizes: Sequence[int] | None,
+    measure: Measure,
+    echo: Callable[[str], None],
+) -> tuple[SearchState, Recommendation, str]:
+    """Probes until the search converges or a budget runs out; echoes each probe and recommendation."""
+    explore = config.explore
+    state = SearchState(
+        settings=settings_of(config),
+        max_micro_batch_size=explore.max_micro_batch_size or config.batch.global_batch_size,
+        seq_len=config.data.seq_len,
+    )
+    deadline_s = time.monotonic() + max_minutes * 60
+    stopped = "max_probes"
+    while len(state.results) < max_probes:
+        if time.monotonic() > deadline_s:
+            stopped = "max_minutes"
+            break
+        candidate = _explicit_candidates(state, micro_batch_sizes) if micro_batch_sizes else next_probe(state)
+        if candidate is None:
+            stopped = "converged" if not micro_batch_sizes else "swept"
+            break
+        result = measure(
+            probe_request(
+                config=config, micro_batch_size=candidate.micro_batch_size, setting=candidate.setting
+            )
+        )
+        if result.user_error:
+            raise _user_error(result.user_error)
+        state.add(result)
+        echo(f"probe {len(state.results)}/{max_probes} ({candidate.phase}): {describe(result)}")
+        current = recommend(state)
+        if current is not None:
+            echo(current.line())
+    recommendation = recommend(state)
+    if recommendation is None:
+        raise _fail_at_smallest(state, explore.memory_budget_bytes)
+    return state, recommendation, stopped
+
+
+def _study(
+    *, config: Config, recommendation: Recommendation, echo: Callable[[str], None]
+) -> NoiseScaleReport:
+    explore = config.explore
+    micro = recommendation.micro_batch_size
+    multipliers = list(explore.accumulation_multipliers)
+    echo(
+        f"effective-batch study at micro_batch_size={micro}: accumulating "
+        f"{', '.join(f'{k}x' for k in multipliers)} after {explore.study_train_steps} training step(s)"
+    )
+    setting = Setting(recommendation.activation_checkpointing, recommendation.compile)
+    request = StudyRequest(
+        probe=probe_request(config=config, micro_batch_size=micro, setting=setting),
+        multipliers=multipliers,
+        measure_batches=explore.study_measure_batches,
+        train_steps=explore.study_train_steps,
+        lr=config.train.lr,
+    )
+    per_multiplier = run_study(request=request, timeout_s=explore.study_timeout_s)
+    for row in per_multiplier:
+        noise = f"{row.noise_scale:,.0f}" if row.noise_scale else "not measurable"
+        echo(
+            f"  {row.multiplier:>2}x (global batch {row.global_batch_size}): noise scale {noise}, "
+            f"gradient norm {row.grad_norm:.4f}, coherence {row.coherence:.3f}"
+        )
+    return advise(
+        per_multiplier=per_multiplier,
+        micro_batch_size=micro,
+        configured_global_batch_size=config.batch.global_batch_size,
+        devices_per_node=config.cluster.devices_per_node,
+        min_nodes=config.cluster.min_nodes,
+        max_nodes=config.cluster.max_nodes,
+        train_steps=explore.study_train_steps,
+    )
+
+
+def _check_inputs(
+    *, config: Config, max_probes: int, max_minutes: float, sizes: Sequence[int] | None
+) -> None:
+    if max_probes <= 0:
+        raise BatchpilotError("--max-probes", f"must be positive, got {max_probes}")
+    if max_minutes <= 0:
+        raise BatchpilotError("--max-minutes", f"must be positive, got {max_minutes}")
+    if sizes is not None and (not sizes or min(sizes) <= 0):
+        raise BatchpilotError("--micro-batch-sizes", f"must be positive integers, got {list(sizes)}")
+    if any(k < 2 for k in config.explore.accumulation_multipliers):
+        raise BatchpilotError(
+            "explore.accumulation_multipliers",
+            f"{config.explore.accumulation_multipliers} has a value below 2; the noise scale compares two batch sizes",
+            "use multipliers of at least 2, e.g. [2, 4, 8, 16]",
+        )
+    check_dataset(config.data.uri)
+
+
+def run_exploration(
+    *,
+    config: Config,
+    output_dir: Path,
+    max_probes: int | None = None,
+    max_minutes: float | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    study: bool = True,
+    measure: Measure | None = None,
+    echo: Callable[[str], None] = print,
+) -> ExploreResult:
+    """Finds the fastest micro batch that fits one device, studies the effective batch, writes the outputs.
+
+    Args:
+        config: the validated config (model, data, batch and cluster for the plan notes, explore budgets).
+        output_dir: explore.json, explore.html and explore_metrics.json are written here, atomically.
+        max_probes, max_minutes: override explore.max_probes / explore.max_minutes.
+        micro_batch_sizes: probe exactly these sizes for every setting (an exhaustive sweep) instead of
+            searching; sizes above one that does not fit are skipped.
+        study: run the effective-batch study (noise_scale is None without it).
+        measure: runs one probe (default: a fresh process with explore.probe_timeout_s).
+        echo: receives every progress line.
+
+    Raises:
+        BatchpilotError: a missing dataset, a broken model factory, a budget nothing fits in, a failed study.
+    """
+    from batchpilot.explore.report import write_outputs
+
+    started = time.monotonic()
+    probes = max_probes if max_probes is not None else config.explore.max_probes
+    minutes = max_minutes if max_minutes is not None else config.explore.max_minutes
+    _check_inputs(config=config, max_probes=probes, max_minutes=minutes, sizes=micro_batch_sizes)
+    timeout_s = config.explore.probe_timeout_s
+    state, recommendation, stopped = search_micro_batch(
+        config=config,
+        max_probes=probes,
+        max_minutes=minutes,
+        micro_batch_sizes=sorted(set(micro_batch_sizes)) if micro_batch_sizes else None,
+        measure=measure or (lambda request: run_probe(request=request, timeout_s=timeout_s)),
+        echo=echo,
+    )
+    plan_notes(recommendation=recommendation, state=state, topology=topology_of(config))
+    noise, study_error = None, None
+    if study:
+        try:
+            noise = _study(config=config, recommendation=recommendation, echo=echo)
+        except BatchpilotError as error:
+            study_error = error
+    result = ExploreResult(
+        probes=state.results,
+        recommendation=recommendation,
+        noise_scale=noise,
+        output_dir=output_dir,
+        elapsed_s=time.monotonic() - started,
+        stopped_because=stopped,
+    )
+    write_outputs(
+        result=result, state=state, config=config, study_error=str(study_error) if study_error else None
+    )
+    if study_error is not None:
+        raise study_error
+    return result
+
+
+def plan_error(config: Config, micro_batch_size: int) -> str | None:
+    """Why the config's ramp-up cannot use this micro batch (None: every stage fits)."""
+    from batchpilot.planner import build_plan
+
+    try:
+        build_plan(config, micro_batch_size=micro_batch_size)
+    except BatchpilotError as error:
+        return str(error)
+    return None
+
+
+def topology_of(config: Config) -> Topology:
+    return Topology(
+        stage_error=lambda micro: plan_error(config, micro),
+        global_batch_size=config.batch.global_batch_size,
+        devices_per_node=config.cluster.devices_per_node,
+        min_nodes=config.cluster.min_nodes,
+        max_nodes=config.cluster.max_nodes,
+        pipeline_parallel_size=config.batch.pipeline_parallel_size,
+        tensor_parallel_size=config.batch.tensor_parallel_size,
+    )

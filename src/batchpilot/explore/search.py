@@ -1,0 +1,275 @@
+"""The micro-batch search: grow until it no longer fits, bisect the memory frontier, then probe where
+the measured throughput curve says a faster size may still hide, and re-measure the leaders.
+
+Pure Python (no torch, no processes): the caller measures; `next_probe` only looks at the results so far,
+so the search is a function of what was measured and can be tested with a synthetic device.
+
+Where may a faster size hide? Between two probed sizes `a < b` (throughput `f(a)`, `f(b)`):
+- the time of a pass never shrinks when the micro batch grows, so `f(x) <= f(a) * x / a` for `x > a`;
+- if throughput is concave in the micro batch (it rises, saturates, then may fall), `f` inside the gap
+  lies below the lines that extend the neighbouring segments on both sides.
+The smallest of these lines bounds each unprobed size; the search probes the middle of the gap with
+the highest bound until no gap promises more than `REFINE_TOLERANCE` over the best measured size. The
+same bound tells the confidence score how much faster an unprobed size could plausibly be.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from batchpilot.explore.records import ProbeResult, Setting
+
+FRONTIER_TOLERANCE = 0.25
+"""Bisect the memory frontier until the largest fitting size is within 25% of the smallest that does not."""
+REFINE_TOLERANCE = 0.02
+"""Gaps whose bound promises less than 2% over the best measured size are not worth a probe."""
+EQUIVALENCE = 0.03
+"""The confidence is about being within 3% of the fastest fitting micro batch."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """All fitting probes of one (setting, micro batch), pooled.
+
+    Attributes:
+        tokens_per_s: from the median of every timed pass of every probe of this point.
+        rel_noise: relative standard error of that throughput (within-probe spread, plus the measured
+            between-process spread when repeats exist).
+    """
+
+    setting: Setting
+    micro_batch_size: int
+    tokens_per_s: float
+    samples_per_s: float
+    step_time_s: float
+    rel_noise: float
+    num_probes: int
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The next probe: a setting, a micro batch and the phase that chose it."""
+
+    setting: Setting
+    micro_batch_size: int
+    phase: str
+
+
+def _rel_within_noise(times_s: Sequence[float]) -> float:
+    """Relative standard error of the median pass time (1.4826 MAD / median / sqrt(n))."""
+    if len(times_s) < 2:
+        return 0.5
+    median = statistics.median(times_s)
+    mad = statistics.median(abs(t - median) for t in times_s)
+    return 1.4826 * mad / median / math.sqrt(len(times_s))
+
+
+class SearchState:
+    """The probes so far and what they say about each setting."""
+
+    def __init__(self, *, settings: Sequence[Setting], max_micro_batch_size: int, seq_len: int) -> None:
+        if not settings:
+            raise ValueError("at least one setting")
+        self.settings = list(settings)
+        self.max_micro_batch_size = max_micro_batch_size
+        self.seq_len = seq_len
+        self.results: list[ProbeResult] = []
+        self._by_key: dict[tuple[Setting, int], list[ProbeResult]] = {}
+        self._points: dict[tuple[Setting, bool], list[Point]] = {}
+
+    def add(self, result: ProbeResult) -> None:
+        self.results.append(result)
+        self._by_key.setdefault((result.setting, result.micro_batch_size), []).append(result)
+        self._points.clear()
+
+    def probed(self, setting: Setting, micro: int) -> list[ProbeResult]:
+        return self._by_key.get((setting, micro), [])
+
+    def smallest_not_fitting(self, setting: Setting) -> int | None:
+        sizes = [r.micro_batch_size for r in self.results if r.setting == setting and not r.fits]
+        return min(sizes, default=None)
+
+    def between_process_noise(self) -> float | None:
+        """RMS relative spread of one probe's throughput between repeated probes (None: no repeats)."""
+        spreads = []
+        for setting in self.settings:
+            for point in self.points(setting, with_between=False):
+                runs = [r.step_time_s for r in self.probed(setting, point.micro_batch_size) if r.fits]
+                if len(runs) >= 2:
+                    values = [t for t in runs if t]
+                    spreads.append(statistics.stdev(values) / statistics.mean(values))
+        return math.sqrt(statistics.mean(s * s for s in spreads)) if spreads else None
+
+    def points(self, setting: Setting, *, with_between: bool = True) -> list[Point]:
+        """Fitting sizes of `setting` below its smallest non-fitting one, ascending."""
+        key = (setting, with_between)
+        if key not in self._points:
+            self._points[key] = self._compute_points(setting, with_between=with_between)
+        return self._points[key]
+
+    def _compute_points(self, setting: Setting, *, with_between: bool) -> list[Point]:
+        limit = self.smallest_not_fitting(setting) or math.inf
+        between = self.between_process_noise() if with_between else None
+        sizes = sorted({r.micro_batch_size for r in self.results if r.setting == setting and r.fits})
+        points = []
+        for micro in (m for m in sizes if m < limit):
+            runs = [r for r in self.probed(setting, micro) if r.fits]
+            times_s = [t for r in runs for t in r.step_times_s] or [r.step_time_s or 0.0 for r in runs]
+            step_s = statistics.median(times_s)
+            noise = _rel_within_noise(times_s)
+            if between is not None:
+                noise = math.sqrt(noise**2 + between**2 / len(runs))
+            points.append(
+                Point(
+                    setting=setting,
+                    micro_batch_size=micro,
+                    tokens_per_s=micro * self.seq_len / step_s,
+                    samples_per_s=micro / step_s,
+                    step_time_s=step_s,
+                    rel_noise=noise,
+                    num_probes=len(runs),
+                    peak_memory_bytes=max(r.peak_memory_bytes or 0 for r in runs),
+                )
+            )
+        return points
+
+    def all_points(self) -> list[Point]:
+        return [p for s in self.settings for p in self.points(s)]
+
+    def best(self) -> Point | None:
+        return max(self.all_points(), key=lambda p: p.tokens_per_s, default=None)
+
+    def base(self) -> ProbeResult | None:
+        """The first probe that fits: the reference of every speed-up."""
+        return next((r for r in self.results if r.fits), None)
+
+
+def _anchor(state: SearchState, setting: Setting) -> int:
+    """Where a setting's growth starts: 1 for the first setting that fits, else near that setting's frontier.
+
+    A second setting (activation checkpointing, compile) only matters where it differs: at the first
+    setting's largest fitting size and beyond, so it starts there instead of at 1.
+    """
+    for primary in state.settings:
+        if primary == setting:
+            return 1
+        points = state.points(primary)
+        if points:
+            return max(p.micro_batch_size for p in points)
+    return 1
+
+
+def _grow(state: SearchState, setting: Setting) -> Candidate | None:
+    points = state.points(setting)
+    limit = state.smallest_not_fitting(setting)
+    if not points:
+        if limit is None:
+            return Candidate(setting, min(_anchor(state, setting), state.max_micro_batch_size), "grow")
+        return Candidate(setting, limit // 2, "grow") if limit > 1 else None
+    largest = points[-1].micro_batch_size
+    if limit is None and largest < state.max_micro_batch_size:
+        return Candidate(setting, min(2 * largest, state.max_micro_batch_size), "grow")
+    return None
+
+
+def _frontier(state: SearchState, setting: Setting) -> Candidate | None:
+    points = state.points(setting)
+    limit = state.smallest_not_fitting(setting)
+    if not points or limit is None:
+        return None
+    largest = points[-1].micro_batch_size
+    if limit - largest > max(1, math.ceil(largest * FRONTIER_TOLERANCE)):
+        return Candidate(setting, (largest + limit) // 2, "frontier")
+    return None
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Unprobed sizes `(low, high)` exclusive of one setting, and the highest throughput they may reach."""
+
+    setting: Setting
+    low: int
+    high: int
+    bound_tokens_per_s: float
+
+
+def _line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
+    """(slope, intercept) of the line through two points."""
+    slope = (y1 - y0) / (x1 - x0)
+    return slope, y0 - slope * x0
+
+
+def _gap_bound(points: list[Point], index: int, high: int) -> float:
+    """Highest throughput an unprobed size in (points[index], high) may have (see the module docstring)."""
+    a = points[index]
+    lines = [(a.tokens_per_s / a.micro_batch_size, 0.0)]  # f(x) <= f(a) x / a
+    if index >= 1:
+        p = points[index - 1]
+        lines.append(_line(p.micro_batch_size, p.tokens_per_s, a.micro_batch_size, a.tokens_per_s))
+    if index + 2 < len(points):
+        b, c = points[index + 1], points[index + 2]
+        lines.append(_line(b.micro_batch_size, b.tokens_per_s, c.micro_batch_size, c.tokens_per_s))
+    candidates = {a.micro_batch_size + 1, high - 1}
+    for first in range(len(lines)):
+        for second in range(first + 1, len(lines)):
+            (s1, c1), (s2, c2) = lines[first], lines[second]
+            if s1 != s2:
+                crossing = (c2 - c1) / (s1 - s2)
+                candidates.update({math.floor(crossing), math.ceil(crossing)})
+    inside = [x for x in candidates if a.micro_batch_size < x < high]
+    return max(min(s * x + c for s, c in lines) for x in inside)
+
+
+def gaps(state: SearchState) -> list[Gap]:
+    """Every range of unprobed sizes below each setting's memory limit (and the size cap), with bounds."""
+    found = []
+    for setting in state.settings:
+        points = state.points(setting)
+        limit = state.smallest_not_fitting(setting)
+        edges = [p.micro_batch_size for p in points] + [limit or state.max_micro_batch_size + 1]
+        for index in range(len(points)):
+            low, high = edges[index], edges[index + 1]
+            if high - low >= 2:
+                found.append(Gap(setting, low, high, _gap_bound(points, index, high)))
+    return found
+
+
+def _refine(state: SearchState) -> Candidate | None:
+    best = state.best()
+    promising = [
+        g for g in gaps(state) if best and g.bound_tokens_per_s > best.tokens_per_s * (1 + REFINE_TOLERANCE)
+    ]
+    if not promising:
+        return None
+    gap = max(promising, key=lambda g: g.bound_tokens_per_s)
+    return Candidate(gap.setting, (gap.low + gap.high) // 2, "refine")
+
+
+def _repeat(state: SearchState) -> Candidate | None:
+    """Re-measures the best point, then a runner-up that timing noise cannot tell apart from it."""
+    points = sorted(state.all_points(), key=lambda p: p.tokens_per_s, reverse=True)
+    if not points:
+        return None
+    best = points[0]
+    if best.num_probes < 2:
+        return Candidate(best.setting, best.micro_batch_size, "repeat")
+    for other in points[1:3]:
+        spread = math.hypot(best.rel_noise, other.rel_noise)
+        close = (best.tokens_per_s - other.tokens_per_s) / best.tokens_per_s < 2 * spread
+        if close and other.num_probes < 2:
+            return Candidate(other.setting, other.micro_batch_size, "repeat")
+    return None
+
+
+def next_probe(state: SearchState) -> Candidate | None:
+    """The next measurement worth making, or None when the search has converged."""
+    for phase in (_grow, _frontier):
+        for setting in state.settings:
+            candidate = phase(state, setting)
+            if candidate is not None:
+                return candidate
+    return _refine(state) or _repeat(state)

@@ -1,0 +1,286 @@
+"""The effective-batch study: at the recommended micro batch, accumulate 2x, 4x, 8x, 16x micro-batches
+and measure the gradient noise scale (the critical batch size), the gradient norm and the coherence.
+
+It runs in a fresh process too (`python -m batchpilot.explore.study`, JSON on stdin, one result line).
+The model first trains `train_steps` optimizer steps on real data (the noise scale of an untrained model
+says little), then, with the parameters frozen, every multiplier `k` measures `measure_batches` batches
+of `k` micro-batches: from the micro-batch gradients `g_i` (batch `m`) and their mean (batch `k m`),
+`noise_terms` (McCandlish et al. 2018) gives unbiased |G|^2 and S; B_simple = mean S / mean |G|^2.
+Coherence is the cosine between the mean gradients of the two halves of the `k` micro-batches: close to
+0 when noise dominates a batch of `k m / 2`, close to 1 when the signal does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.explore.process import run_child
+from batchpilot.explore.records import RESULT_MARKER, ProbeRequest
+from batchpilot.planning.nodes import nearest_valid_batch_sizes
+
+
+@dataclass(frozen=True)
+class StudyRequest:
+    """The probe setup at the recommended size, plus what the study measures."""
+
+    probe: ProbeRequest
+    multipliers: list[int]
+    measure_batches: int
+    train_steps: int
+    lr: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> StudyRequest:
+        data = json.loads(text)
+        return cls(**{**data, "probe": ProbeRequest(**data["probe"])})
+
+
+@dataclass
+class MultiplierResult:
+    """One accumulation multiplier: batch `multiplier x micro_batch_size`."""
+
+    multiplier: int
+    global_batch_size: int
+    noise_scale: float | None
+    g2: float
+    s: float
+    grad_norm: float
+    coherence: float
+
+
+def _measure_multiplier(
+    session: Any, request: StudyRequest, *, multiplier: int, consumed: int
+) -> dict[str, Any]:
+    """|G|^2, S, gradient norm and coherence of `measure_batches` batches of `multiplier` micro-batches."""
+    import torch
+    from torch.nn import functional as F
+
+    from batchpilot.train.noise import noise_terms
+    from batchpilot.train.step import micro_batch_loss
+
+    micro, params = request.probe.micro_batch_size, [p for p in session.model.parameters() if p.requires_grad]
+    g2s, ss, norms, cosines = [], [], [], []
+    for _ in range(request.measure_batches):
+        batches = session.loader.micro_batches(
+            consumed_samples=consumed,
+            global_batch_size=micro * multiplier,
+            micro_batch_size=micro,
+            gradient_accumulation_steps=multiplier,
+        )
+        consumed += micro * multiplier
+        halves = [torch.zeros(sum(p.numel() for p in params)) for _ in range(2)]
+        small_sq = 0.0
+        for index, batch in enumerate(batches):
+            session.model.zero_grad(set_to_none=True)
+            micro_batch_loss(session.model, batch.to(session.device), session.autocast()).backward()
+            grad = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+            )
+            grad = grad.detach().float().cpu()
+            small_sq += float(grad.pow(2).sum()) / multiplier
+            halves[0 if index < multiplier // 2 else 1] += grad
+        big = (halves[0] + halves[1]) / multiplier
+        g2, s = noise_terms(
+            small_sq_norm=small_sq,
+            big_sq_norm=float(big.pow(2).sum()),
+            b_small=micro,
+            b_big=micro * multiplier,
+        )
+        g2s.append(g2)
+        ss.append(s)
+        norms.append(float(big.norm()))
+        cosines.append(float(F.cosine_similarity(halves[0], halves[1], dim=0)))
+    session.model.zero_grad(set_to_none=True)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    g2, s = mean(g2s), mean(ss)
+    return asdict(
+        MultiplierResult(
+            multiplier=multiplier,
+            global_batch_size=micro * multiplier,
+            noise_scale=s / g2 if g2 > 0 and s > 0 else None,
+            g2=g2,
+            s=s,
+            grad_norm=mean(norms),
+            coherence=mean(cosines),
+        )
+    )
+
+
+def measure_study(request: StudyRequest) -> dict[str, Any]:
+    """Runs the study in this process: {per_multiplier: [...]} or {error} / {user_error}."""
+    import torch
+
+    from batchpilot.explore.probe import open_session
+
+    micro = request.probe.micro_batch_size
+    try:
+        with open_session(request.probe) as session:
+            for group in session.optimizer.param_groups:
+                group["lr"] = request.lr
+            for step in range(request.train_steps):
+                (batch,) = session.loader.micro_batches(
+                    consumed_samples=step * micro,
+                    global_batch_size=micro,
+                    micro_batch_size=micro,
+                    gradient_accumulation_steps=1,
+                )
+                from batchpilot.train.step import micro_batch_loss
+
+                micro_batch_loss(session.model, batch.to(session.device), session.autocast()).backward()
+                session.optimizer.step()
+                session.optimizer.zero_grad(set_to_none=True)
+            consumed = request.train_steps * micro
+            results = []
+            for multiplier in request.multipliers:
+                results.append(
+                    _measure_multiplier(session, request, multiplier=multiplier, consumed=consumed)
+                )
+                consumed += micro * multiplier * request.measure_batches
+            return {"per_multiplier": results}
+    except BatchpilotError as error:
+        return {"user_error": str(error)}
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "CUDA out of memory"}
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]}
+
+
+def main() -> int:
+    request = StudyRequest.from_json(sys.stdin.read())
+    result = measure_study(request)
+    sys.stdout.write(f"\n{RESULT_MARKER} {json.dumps(result)}\n")
+    sys.stdout.flush()
+    return 0
+
+
+def run_study(*, request: StudyRequest, timeout_s: float) -> list[MultiplierResult]:
+    """The study in a fresh process; a failure is one line naming explore.accumulation_multipliers."""
+    data, reason = run_child(
+        module="batchpilot.explore.study", payload=request.to_json(), timeout_s=timeout_s
+    )
+    if data is not None and data.get("user_error"):
+        raise BatchpilotError("explore", f"the effective-batch study failed: {data['user_error']}")
+    if data is None or "per_multiplier" not in data:
+        problem = reason if data is None else data.get("error", "no result")
+        raise BatchpilotError(
+            "explore.accumulation_multipliers",
+            f"the effective-batch study at micro_batch_size={request.probe.micro_batch_size} failed: {problem}",
+            "raise explore.study_timeout_s, use smaller multipliers, or pass --no-study",
+        )
+    return [MultiplierResult(**item) for item in data["per_multiplier"]]
+
+
+@dataclass
+class NoiseScaleReport:
+    """The explore.json `noise_scale` section."""
+
+    critical_batch_size: float | None
+    per_multiplier: list[MultiplierResult]
+    recommended_global_batch_size: int | None
+    lr_scaling: str
+    reasoning: list[str] = field(default_factory=list)
+    micro_batch_size: int = 0
+    train_steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pooled_noise_scale(per_multiplier: list[MultiplierResult]) -> float | None:
+    """B_simple from |G|^2 and S averaged over every multiplier (None when either is not positive)."""
+    g2 = sum(r.g2 for r in per_multiplier) / len(per_multiplier)
+    s = sum(r.s for r in per_multiplier) / len(per_multiplier)
+    return s / g2 if g2 > 0 and s > 0 else None
+
+
+def _nearest_valid(
+    batch: float, *, micro_batch_size: int, devices_per_node: int, min_nodes: int, max_nodes: int
+) -> int:
+    """The global batch closest to `batch` that some node count splits into whole micro-batches."""
+    below, above = nearest_valid_batch_sizes(
+        max(1, round(batch)),
+        node_range=range(min_nodes, max_nodes + 1),
+        micro_batch_size=micro_batch_size,
+        devices_per_node=devices_per_node,
+        pp=1,
+        tp=1,
+    )
+    options = [b for b in (below, above) if b is not None]
+    assert options, "a micro batch always has a valid multiple"
+    return min(options, key=lambda b: (abs(b - batch), -b))
+
+
+def advise(
+    *,
+    per_multiplier: list[MultiplierResult],
+    micro_batch_size: int,
+    configured_global_batch_size: int,
+    devices_per_node: int,
+    min_nodes: int,
+    max_nodes: int,
+    train_steps: int,
+) -> NoiseScaleReport:
+    """The critical batch size, a target global batch near it that the cluster can split, and an LR rule."""
+    critical = pooled_noise_scale(per_multiplier)
+    report = NoiseScaleReport(
+        critical_batch_size=critical,
+        per_multiplier=per_multiplier,
+        recommended_global_batch_size=None,
+        lr_scaling="none",
+        micro_batch_size=micro_batch_size,
+        train_steps=train_steps,
+    )
+    measured_at = (
+        f"measured at micro_batch_size={micro_batch_size} after {train_steps} training step(s), pooled over "
+        f"accumulation {', '.join(f'{r.multiplier}x' for r in per_multiplier)}"
+    )
+    if critical is None:
+        report.reasoning = [
+            f"the gradient noise scale is not measurable here ({measured_at}): |G|^2 or S came out "
+            "non-positive, i.e. the gradient noise swamps the signal at these batch sizes",
+            "keep the configured global batch and train.lr_scaling; watch noise_scale in metrics.jsonl",
+        ]
+        return report
+    target = _nearest_valid(
+        critical,
+        micro_batch_size=micro_batch_size,
+        devices_per_node=devices_per_node,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+    )
+    report.recommended_global_batch_size = target
+    ratio = configured_global_batch_size / critical
+    report.lr_scaling = "sqrt" if configured_global_batch_size <= 2 * critical else "none"
+    optimal_lr_ratio = (1 + critical / micro_batch_size) / (1 + critical / configured_global_batch_size)
+    report.reasoning = [
+        f"critical batch size (B_simple, McCandlish et al. 2018) ~ {critical:,.0f} samples, {measured_at}; "
+        "it usually grows as the loss falls, so treat it as a lower estimate and watch noise_scale in "
+        "metrics.jsonl",
+        f"below it, doubling the global batch nearly halves the optimizer steps; above it, each doubling "
+        f"buys less and costs more compute: target global batch {target} (the nearest size that "
+        f"micro_batch_size={micro_batch_size} x devices x accumulation can make)",
+        f"the configured global_batch_size {configured_global_batch_size} is {ratio:.2f}x the critical batch",
+        f"LR scaling: {report.lr_scaling}: "
+        + (
+            "the configured batches stay in the noise-dominated range (at most 2x the critical batch), where "
+            "the best LR still grows with the batch; for Adam-type optimizers such as batchpilot's AdamW "
+            "about as its square root"
+            if report.lr_scaling == "sqrt"
+            else "the configured batch is well above the critical batch, where the best LR stops growing "
+            "with the batch, so a batch-scaled LR would overshoot"
+        )
+        + f" (for SGD the same model predicts the best LR at the target {optimal_lr_ratio:.2f}x that at "
+        f"micro_batch_size={micro_batch_size})",
+    ]
+    return report
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

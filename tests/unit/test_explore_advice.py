@@ -1,0 +1,169 @@
+"""Plan notes of a recommendation, the study's advice, and the probe process runner (timeouts, crashes)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from batchpilot.explore.process import run_child
+from batchpilot.explore.recommend import Recommendation, Topology, plan_notes
+from batchpilot.explore.records import RESULT_MARKER, ProbeResult, Setting
+from batchpilot.explore.search import SearchState
+from batchpilot.explore.study import MultiplierResult, advise
+
+
+def state_with(sizes_tokens_per_s: dict[int, float]) -> SearchState:
+    state = SearchState(settings=[Setting(False)], max_micro_batch_size=128, seq_len=10)
+    for micro, tokens_per_s in sizes_tokens_per_s.items():
+        step_s = micro * 10 / tokens_per_s
+        state.add(
+            ProbeResult(
+                micro_batch_size=micro,
+                activation_checkpointing=False,
+                compile=False,
+                fits=True,
+                step_time_s=step_s,
+                step_times_s=[step_s] * 3,
+            )
+        )
+    return state
+
+
+def recommendation(micro: int, tokens_per_s: float) -> Recommendation:
+    return Recommendation(
+        micro_batch_size=micro,
+        activation_checkpointing=False,
+        compile=False,
+        estimated_speedup=2.0,
+        confidence=80,
+        samples_per_s=tokens_per_s / 10,
+        tokens_per_s=tokens_per_s,
+        peak_memory_bytes=1,
+        base_micro_batch_size=1,
+    )
+
+
+def test_a_micro_batch_that_does_not_divide_the_plan_gets_nearby_global_batches_and_an_alternative():
+    state = state_with({8: 900.0, 24: 1000.0})
+    rec = recommendation(24, 1000.0)
+    plan_notes(
+        recommendation=rec, state=state, topology=Topology(64, devices_per_node=1, min_nodes=1, max_nodes=2)
+    )
+    assert (
+        "micro_batch_size=24 does not divide global_batch_size 64 / data_parallel_size 2" in rec.plan_notes[0]
+    )
+    assert "nearby valid global batch sizes for it: 48 or 72" in rec.plan_notes[0]
+    assert "micro_batch_size=8" in rec.plan_notes[1] and "0.90x" in rec.plan_notes[1]
+    assert rec.plan_compatible_micro_batch_size == 8
+
+
+def test_a_dividing_micro_batch_reports_the_accumulation():
+    rec = recommendation(8, 900.0)
+    plan_notes(
+        recommendation=rec,
+        state=state_with({8: 900.0}),
+        topology=Topology(64, devices_per_node=1, min_nodes=1, max_nodes=2),
+    )
+    assert rec.plan_notes == [
+        "micro_batch_size=8 divides global_batch_size 64 / data_parallel_size 2 = 32: "
+        "gradient_accumulation_steps 4 in the final stage"
+    ]
+
+
+def multipliers(*, g2: float, trace: float, micro: int) -> list[MultiplierResult]:
+    return [
+        MultiplierResult(
+            multiplier=k,
+            global_batch_size=k * micro,
+            noise_scale=trace / g2,
+            g2=g2,
+            s=trace,
+            grad_norm=1.0,
+            coherence=0.5,
+        )
+        for k in (2, 4, 8, 16)
+    ]
+
+
+def test_advice_targets_a_valid_global_batch_near_the_critical_batch():
+    report = advise(
+        per_multiplier=multipliers(g2=2.0, trace=200.0, micro=8),
+        micro_batch_size=8,
+        configured_global_batch_size=64,
+        devices_per_node=1,
+        min_nodes=1,
+        max_nodes=2,
+        train_steps=4,
+    )
+    assert report.critical_batch_size == pytest.approx(100.0)
+    assert report.recommended_global_batch_size == 104  # 96 and 104 are both 4 away: the larger wins
+    assert report.lr_scaling == "sqrt"
+    assert any("0.64x the critical batch" in line for line in report.reasoning)
+
+
+def test_advice_above_the_critical_batch_stops_scaling_the_lr():
+    report = advise(
+        per_multiplier=multipliers(g2=10.0, trace=100.0, micro=4),
+        micro_batch_size=4,
+        configured_global_batch_size=256,
+        devices_per_node=1,
+        min_nodes=1,
+        max_nodes=1,
+        train_steps=0,
+    )
+    assert report.recommended_global_batch_size == 12 and report.lr_scaling == "none"
+
+
+def test_an_unmeasurable_noise_scale_says_so_instead_of_guessing():
+    report = advise(
+        per_multiplier=multipliers(g2=-1.0, trace=5.0, micro=4),
+        micro_batch_size=4,
+        configured_global_batch_size=64,
+        devices_per_node=1,
+        min_nodes=1,
+        max_nodes=1,
+        train_steps=0,
+    )
+    assert report.critical_batch_size is None and report.recommended_global_batch_size is None
+    assert "not measurable" in report.reasoning[0]
+
+
+@pytest.fixture
+def child_module(tmp_path, monkeypatch):
+    def write(body: str) -> str:
+        (tmp_path / "fake_probe.py").write_text(textwrap.dedent(body))
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        return "fake_probe"
+
+    return write
+
+
+def test_a_hanging_probe_is_killed_at_its_timeout(child_module):
+    module = child_module("import time\ntime.sleep(60)\n")
+    data, reason = run_child(module=module, payload="{}", timeout_s=1.0)
+    assert data is None and reason.startswith("timed out after 1 s")
+
+
+def test_a_crashing_probe_reports_its_last_error_line(child_module):
+    module = child_module(
+        "import sys\nprint('Traceback ...', file=sys.stderr)\nprint('RuntimeError: bad', file=sys.stderr)\nsys.exit(3)\n"
+    )
+    data, reason = run_child(module=module, payload="{}", timeout_s=30)
+    assert data is None and reason == "the probe process exited with 3: RuntimeError: bad"
+
+
+def test_only_the_marked_line_is_the_result(child_module):
+    module = child_module(
+        f"import sys, json\nprint('model chatter {{\"fits\": false}}')\nprint('{RESULT_MARKER} ' + json.dumps(json.loads(sys.stdin.read())))\n"
+    )
+    data, _ = run_child(module=module, payload='{"fits": true}', timeout_s=30)
+    assert data == {"fits": True}
+
+
+def test_a_killed_probe_names_the_signal(child_module):
+    module = child_module("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    data, reason = run_child(module=module, payload="{}", timeout_s=30)
+    assert data is None and "killed by SIGKILL" in reason
+    assert sys.platform.startswith("linux")

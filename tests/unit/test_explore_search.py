@@ -1,0 +1,189 @@
+"""The micro-batch search against a synthetic device: few probes, the fastest size, honest confidence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchpilot.config import parse_config
+from batchpilot.errors import BatchpilotError
+from batchpilot.explore.records import ProbeRequest, ProbeResult
+from batchpilot.explore.runner import search_micro_batch
+from helpers import tiny_config
+
+SEQ_LEN = 32
+
+
+def device(
+    *, peak_at: int, frontier: int, ac_frontier: int, ac_cost: float = 1.3, crash_at: set[int] = frozenset()
+):
+    """A fake device: throughput rises, peaks at `peak_at` (not a power of two), then falls; memory ends
+    at `frontier` (activation checkpointing off) or `ac_frontier` (on, `ac_cost` slower per sample)."""
+
+    def measure(request: ProbeRequest) -> ProbeResult:
+        micro, ac = request.micro_batch_size, request.activation_checkpointing
+        result = ProbeResult(micro_batch_size=micro, activation_checkpointing=ac, compile=False, fits=False)
+        result.peak_memory_bytes = 100 + micro * (1 if ac else 3)
+        if micro in crash_at:
+            result.error = "RuntimeError: boom"
+            return result
+        if micro > (ac_frontier if ac else frontier):
+            result.error = "peak resident memory exceeds explore.memory_budget_bytes"
+            return result
+        efficiency = micro / (micro + 4) * (1 - 0.004 * abs(micro - peak_at))
+        step_s = micro * SEQ_LEN / (1000 * efficiency) * (ac_cost if ac else 1.0)
+        times = [step_s * (1 + 0.002 * ((i % 3) - 1)) for i in range(5)]
+        result.fits = True
+        result.step_time_s = sorted(times)[2]
+        result.tokens_per_s = micro * SEQ_LEN / result.step_time_s
+        result.samples_per_s = micro / result.step_time_s
+        result.step_times_s = times
+        result.repeats = len(times)
+        return result
+
+    return measure
+
+
+def config(**explore):
+    raw = tiny_config(data_uri="file:///nowhere", checkpoint_uri="file:///nowhere/ckpt")
+    raw["batch"]["global_batch_size"] = 256
+    raw["explore"] = {"max_probes": 40, **explore}
+    return parse_config(raw)
+
+
+def search(measure, *, sizes=None, **explore):
+    lines: list[str] = []
+    state, recommendation, stopped = search_micro_batch(
+        config=config(**explore),
+        max_probes=config(**explore).explore.max_probes,
+        max_minutes=5,
+        micro_batch_sizes=sizes,
+        measure=measure,
+        echo=lines.append,
+    )
+    return state, recommendation, stopped, lines
+
+
+def exhaustive(measure, upper: int) -> tuple[int, float]:
+    """(probes, best tokens/s) of a sweep of every size of both settings up to the first that does not fit."""
+    probes, best = 0, 0.0
+    for ac in (False, True):
+        for micro in range(1, upper + 1):
+            probes += 1
+            result = measure(_request(micro, ac))
+            if not result.fits:
+                break
+            best = max(best, result.tokens_per_s)
+    return probes, best
+
+
+def _request(micro: int, ac: bool) -> ProbeRequest:
+    return ProbeRequest(
+        factory="f:g",
+        model_args={},
+        data_uri="file:///x",
+        split="train",
+        seq_len=SEQ_LEN,
+        seed=0,
+        verify_checksums=False,
+        micro_batch_size=micro,
+        activation_checkpointing=ac,
+        compile=False,
+        warmup_steps=1,
+        timed_steps=3,
+        min_timed_s=0.0,
+        memory_budget_bytes=1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("peak_at", "frontier", "ac_frontier"), [(40, 100, 220), (150, 90, 200), (23, 256, 256), (6, 50, 120)]
+)
+def test_search_is_within_3_percent_of_an_exhaustive_sweep_with_at_most_40_percent_of_its_probes(
+    peak_at, frontier, ac_frontier
+):
+    measure = device(peak_at=peak_at, frontier=frontier, ac_frontier=ac_frontier)
+    sweep_probes, best_tokens_per_s = exhaustive(measure, 256)
+    state, recommendation, stopped, _ = search(measure)
+    assert stopped == "converged"
+    assert recommendation.tokens_per_s >= 0.97 * best_tokens_per_s
+    assert len(state.results) <= 0.4 * sweep_probes
+
+
+def test_the_fastest_size_need_not_be_a_power_of_two_and_the_search_finds_it():
+    measure = device(peak_at=40, frontier=100, ac_frontier=220)
+    state, recommendation, _, _ = search(measure)
+    assert recommendation.micro_batch_size not in {2**k for k in range(10)}
+    assert recommendation.activation_checkpointing is False
+    phases = [r.micro_batch_size for r in state.results[:8]]
+    assert phases[:8] == [1, 2, 4, 8, 16, 32, 64, 128]  # grow until it no longer fits
+
+
+def test_activation_checkpointing_wins_when_it_fits_a_faster_size():
+    # Without checkpointing only 12 fit; with it (10% slower per sample) the 150 peak fits.
+    measure = device(peak_at=150, frontier=12, ac_frontier=200, ac_cost=1.1)
+    state, recommendation, _, _ = search(measure)
+    assert recommendation.activation_checkpointing is True
+    assert recommendation.micro_batch_size > 12
+    first_ac = next(r for r in state.results if r.activation_checkpointing)
+    assert first_ac.micro_batch_size >= 8  # starts near the frontier, not at 1
+
+
+def test_every_probe_prints_a_recommendation_line_with_speedup_and_confidence():
+    _, recommendation, _, lines = search(device(peak_at=40, frontier=100, ac_frontier=220))
+    interim = [line for line in lines if line.startswith("current recommendation:")]
+    assert len(interim) == len([line for line in lines if line.startswith("probe ")])
+    assert "micro_batch_size=1 (activation checkpointing off), estimated 1.00x the base" in interim[0]
+    assert interim[-1] == recommendation.line()
+    confidences = [int(line.rsplit("confidence ", 1)[1].split("/")[0]) for line in interim]
+    assert all(0 <= c <= 99 for c in confidences)
+    assert confidences[-1] > confidences[0]
+
+
+def test_confidence_stays_low_when_the_budget_stops_the_search_early():
+    _, early, stopped, _ = search(device(peak_at=40, frontier=100, ac_frontier=220), max_probes=4)
+    _, full, _, _ = search(device(peak_at=40, frontier=100, ac_frontier=220))
+    assert stopped == "max_probes"
+    assert early.confidence < 50 < full.confidence <= 99
+
+
+def test_a_crashing_probe_does_not_fit_and_the_search_goes_on():
+    measure = device(peak_at=40, frontier=100, ac_frontier=220, crash_at={64})
+    state, recommendation, _, lines = search(measure)
+    crashed = [r for r in state.results if r.micro_batch_size == 64 and not r.activation_checkpointing]
+    assert crashed and not crashed[0].fits and crashed[0].error == "RuntimeError: boom"
+    assert any("does not fit (RuntimeError: boom" in line for line in lines)
+    assert recommendation.micro_batch_size < 64 and len(state.results) > 8
+
+
+def test_an_impossible_budget_is_one_clear_error():
+    with pytest.raises(
+        BatchpilotError, match=r"explore.memory_budget_bytes: no setting fits even micro_batch_size=1"
+    ):
+        search(device(peak_at=4, frontier=0, ac_frontier=0))
+
+
+def test_a_model_that_crashes_at_every_size_names_the_factory():
+    with pytest.raises(BatchpilotError, match=r"model.factory: .*micro_batch_size=1: RuntimeError: boom"):
+        search(device(peak_at=4, frontier=10, ac_frontier=10, crash_at=set(range(1, 300))))
+
+
+def test_explicit_sizes_sweep_every_setting_and_skip_sizes_past_the_frontier():
+    state, _, stopped, _ = search(
+        device(peak_at=6, frontier=5, ac_frontier=8), sizes=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    )
+    probed = [(r.activation_checkpointing, r.micro_batch_size) for r in state.results]
+    assert stopped == "swept"
+    assert probed == [(False, m) for m in range(1, 7)] + [(True, m) for m in range(1, 10)]
+
+
+def test_recommended_speedup_is_relative_to_the_base_probe():
+    _, recommendation, _, _ = search(device(peak_at=40, frontier=100, ac_frontier=220))
+    base = 1 / (1 + 4) * (1 - 0.004 * 39)
+    best = (
+        recommendation.micro_batch_size
+        / (recommendation.micro_batch_size + 4)
+        * (1 - 0.004 * abs(recommendation.micro_batch_size - 40))
+    )
+    assert math.isclose(recommendation.estimated_speedup, best / base, rel_tol=0.01)
