@@ -1,11 +1,14 @@
 """Launch a stage's trainers through torchx: one AppDef built from the plan's stage.
 
 The embedded default is torchx's `local_cwd` scheduler: a "node" is a torchrun agent with
-`devices_per_node` processes on this machine, all joined over gloo on loopback.
+`devices_per_node` processes on this machine, all joined over gloo on loopback. On GKE the same
+stage becomes a JobSet (batchpilot's `jobset` torchx scheduler) or a Volcano Job (torchx `kubernetes`),
+one pod per node, placed on the node pool by its label.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -13,15 +16,31 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
-from batchpilot.planning import Stage
+from batchpilot.planning import Plan, Stage
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def launch_stage(plan: Plan, stage: str) -> Stage:
+    """The stage `--stage` names: an index or `final` (`all` is for `batchpilot train` only)."""
+    if stage == "all":
+        raise BatchpilotError(
+            "--stage", "launch runs one stage at its planned size", "give a stage index or final"
+        )
+    if stage == "final":
+        return plan.stages[-1]
+    if not stage.isdigit() or int(stage) >= len(plan.stages):
+        raise BatchpilotError(
+            "--stage", f"{stage!r} is not a stage of this plan", f"use 0..{len(plan.stages) - 1} or final"
+        )
+    return plan.stages[int(stage)]
 
 
 @dataclass(frozen=True)
@@ -141,3 +160,180 @@ def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> Non
         if PREEMPTED_LOG_MARKER in line:
             seen.add(PREEMPTED_LOG_MARKER)
         print(line, end="" if line.endswith("\n") else "\n", flush=True)
+
+
+# --- GKE: the same stage as a JobSet or a Volcano Job -------------------------------------------
+
+TRAINER_DIR = "/tmp/batchpilot"
+"""Inside a trainer pod: where the config and plan are written (the root filesystem is read-only)."""
+RDZV_PORT = 29500
+# torchx writes memMB as Kubernetes "M" (10^6 bytes), so bytes convert with the decimal megabyte.
+MEGABYTE = 10**6
+
+
+def cluster_launch_spec(
+    *,
+    run_name: str,
+    stage: Stage,
+    devices_per_node: int,
+    config_text: str,
+    plan_text: str,
+    audit: bool = False,
+) -> LaunchSpec:
+    """The stage's spec for pods: the config and plan travel as environment variables, written to files first.
+
+    The launching process (a pipeline task or a laptop) holds the files; pods do not share its disk.
+    Metrics and logs under `output_dir` stay in the pod; checkpoints go to `train.checkpoint_uri`.
+    """
+    spec = stage_launch_spec(
+        run_name=run_name,
+        stage=stage,
+        devices_per_node=devices_per_node,
+        config_path=f"{TRAINER_DIR}/config.yaml",
+        plan_path=f"{TRAINER_DIR}/plan.json",
+        output_dir=f"{TRAINER_DIR}/out",
+        audit=audit,
+    )
+    # Compact JSON: the plan rides in the pod spec, which the API server stores whole.
+    compact_plan = json.dumps(json.loads(plan_text), separators=(",", ":"))
+    env = {"BATCHPILOT_CONFIG_YAML": config_text, "BATCHPILOT_PLAN_JSON": compact_plan}
+    return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env)
+
+
+def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig):
+    """A torchx AppDef for `spec` on GKE: image, resources, node selector, tolerations, env."""
+    from torchx.components.dist import torchrun
+    from torchx.specs.overlays import set_overlay
+
+    from batchpilot.cluster.placement import trainer_pod_overlay
+
+    if not cluster.image:
+        raise BatchpilotError("cluster.image", "is required when cluster.backend is gke", "set cluster.image")
+    gpus = spec.processes_per_node if cluster.accelerator_type else 0
+    appdef = torchrun(
+        *spec.trainer_args,
+        m="batchpilot",
+        name=spec.name,
+        image=cluster.image,
+        j=f"{spec.num_nodes}x{spec.processes_per_node}",
+        cpu=cluster.cpu_per_node or 0,
+        gpu=gpus,
+        memMB=(cluster.memory_per_node_bytes or 0) // MEGABYTE,
+        env={"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **cluster.env, **spec.env},
+        rdzv_port=RDZV_PORT,
+        tee=3,
+    )
+    role = appdef.roles[0]
+    assert role.args[0] == "-c", role.args  # torchrun's component runs one bash command line
+    write_inputs = (
+        f'mkdir -p {TRAINER_DIR} && printf "%s" "$BATCHPILOT_CONFIG_YAML" > {TRAINER_DIR}/config.yaml && '
+        f'printf "%s" "$BATCHPILOT_PLAN_JSON" > {TRAINER_DIR}/plan.json && '
+    )
+    role.args = ["-c", write_inputs + role.args[1]]
+    set_overlay(role, "kubernetes", "V1Pod", trainer_pod_overlay(cluster))
+    return appdef
+
+
+def cluster_runner():
+    """A torchx Runner that knows the `jobset` scheduler whether or not its entry point is installed."""
+    from torchx.runner import Runner
+    from torchx.schedulers import get_scheduler_factories
+
+    from batchpilot.cluster import jobset
+
+    factories = {"jobset": jobset.create_scheduler, **get_scheduler_factories()}
+    return Runner("batchpilot", factories)
+
+
+def cluster_scheduler(cluster: ClusterConfig) -> tuple[str, dict[str, object]]:
+    """(torchx scheduler name, its run config) for `cluster.launcher`."""
+    if cluster.launcher == "jobset":
+        cfg: dict[str, object] = {"namespace": cluster.namespace, "service_account": cluster.service_account}
+        if cluster.kueue_queue:
+            cfg["queue"] = cluster.kueue_queue
+        return "jobset", cfg
+    if cluster.kueue_queue:
+        raise BatchpilotError(
+            "cluster.kueue_queue", "applies to the jobset launcher only", "remove it, or use launcher jobset"
+        )
+    # validate_spec would ask the API server for a dry-run create; submission validates anyway.
+    return "kubernetes", {
+        "namespace": cluster.namespace,
+        "queue": cluster.volcano_queue,
+        "service_account": cluster.service_account,
+        "validate_spec": False,
+    }
+
+
+def render_cluster_job(runner, appdef, *, cluster: ClusterConfig):
+    """The torchx dry-run of `appdef` with hardened containers; `.request` is what would be created."""
+    from batchpilot.cluster.placement import harden_containers
+
+    scheduler, cfg = cluster_scheduler(cluster)
+    info = runner.dryrun(appdef, scheduler, cfg=cfg)
+    resource = info.request.resource
+    if scheduler == "kubernetes":
+        from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
+
+        # torchx leaves V1Pod objects in the Volcano Job; plain dicts serialise and validate alike.
+        resource = info.request.resource = sanitize_for_serialization(resource)
+        resource["metadata"]["namespace"] = cluster.namespace
+        for task in resource["spec"]["tasks"]:
+            harden_containers(task["template"]["spec"])
+    return info
+
+
+def cluster_job_yaml(info) -> str:
+    """The rendered JobSet or Volcano Job as YAML."""
+    import yaml
+
+    return yaml.safe_dump(info.request.resource, sort_keys=False)
+
+
+def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, dryrun: bool = False) -> int:
+    """Submits the stage to GKE, streams every node's log, returns 0, 75 (preempted) or 1.
+
+    With `dryrun`, prints the object that would be created and makes no API call.
+    """
+    from torchx.specs import AppState
+
+    runner = cluster_runner()
+    appdef = cluster_appdef(spec, cluster=cluster)
+    info = render_cluster_job(runner, appdef, cluster=cluster)
+    if dryrun:
+        print(cluster_job_yaml(info), end="", flush=True)
+        return 0
+    handle = runner.schedule(info)
+    print(
+        f"[batchpilot] launched {spec.name}: {spec.num_nodes} node(s) x {spec.processes_per_node} process(es) "
+        f"via {cluster.launcher} ({handle})",
+        flush=True,
+    )
+    role = appdef.roles[0].name
+    seen: set[str] = set()
+    streams = [
+        threading.Thread(target=_stream, args=(runner, handle, role, k, seen), daemon=True)
+        for k in range(spec.num_nodes)
+    ]
+    try:
+        for thread in streams:
+            thread.start()
+        status = runner.wait(handle, wait_interval=10)
+        for thread in streams:
+            thread.join(timeout=30)
+    except KeyboardInterrupt:
+        runner.cancel(handle)
+        raise
+    finally:
+        runner.close()
+    if status is None:
+        raise BatchpilotError(spec.name, f"the job {handle} disappeared before it finished")
+    if status.state == AppState.SUCCEEDED:
+        return 0
+    if PREEMPTED_LOG_MARKER in seen:
+        print(
+            f"[batchpilot] {spec.name} was preempted after checkpointing: exit {EXIT_PREEMPTED}", flush=True
+        )
+        return EXIT_PREEMPTED
+    print(f"[batchpilot] {spec.name} failed ({status.state}): {status.msg}", file=sys.stderr, flush=True)
+    return 1

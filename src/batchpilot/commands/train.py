@@ -9,7 +9,7 @@ from typing import Any
 from batchpilot.config import Config, load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planner import build_plan, load_plan
-from batchpilot.planning import Plan
+from batchpilot.planning import Plan, Stage
 
 
 def register(subparsers: Any) -> None:
@@ -23,10 +23,16 @@ def register(subparsers: Any) -> None:
     train.set_defaults(handler=run_train)
     launch = subparsers.add_parser(
         "launch",
-        help="run a stage on its planned node count through torchx (local_cwd: a node = local processes)",
+        help="run a stage on its planned node count through torchx (local_cwd: a node = local processes; "
+        "gke: a JobSet or Volcano Job)",
     )
     _common(launch)
     launch.add_argument("--log-dir", help="torchx log folder (default: OUTPUT_DIR/torchx)")
+    launch.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="gke: print the JobSet or Volcano Job as YAML and exit, without any API call",
+    )
     launch.set_defaults(handler=run_launch)
 
 
@@ -75,20 +81,17 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from batchpilot.cluster.launch import run_local, stage_launch_spec
-    from batchpilot.train.trainer import select_stages
+    # No trainer import here: a launcher (a pipeline task, a laptop) needs no torch.
+    from batchpilot.cluster.launch import launch_stage, run_local, stage_launch_spec
 
     config, plan = load_config_and_plan(args.config, args.plan)
-    if config.cluster.backend != "local":
+    stage = launch_stage(plan, args.stage)
+    if config.cluster.backend == "gke":
+        return _launch_gke(args, config, stage)
+    if args.dryrun:
         raise BatchpilotError(
-            "cluster.backend",
-            f"`batchpilot launch` runs local stages; {config.cluster.backend!r} stages run in the pipeline",
+            "--dryrun", "renders the JobSet or Volcano Job of a gke config", "this config's backend is local"
         )
-    if args.stage == "all":
-        raise BatchpilotError(
-            "--stage", "launch runs one stage at its planned size", "give a stage index or final"
-        )
-    stage = select_stages(plan, args.stage)[0]
     output_dir = _output_dir(args, config)
     spec = stage_launch_spec(
         run_name=config.name,
@@ -100,3 +103,26 @@ def run_launch(args: argparse.Namespace) -> int:
         audit=args.audit,
     )
     return run_local(spec, log_dir=Path(args.log_dir) if args.log_dir else output_dir / "torchx")
+
+
+def _launch_gke(args: argparse.Namespace, config: Config, stage: Stage) -> int:
+    """Submits (or with --dryrun, prints) the stage's JobSet or Volcano Job; returns the trainers' exit code."""
+    from batchpilot.cluster.gke import require_gke_settings
+    from batchpilot.cluster.launch import cluster_launch_spec, run_cluster
+
+    require_gke_settings(config.cluster)
+    if args.output_dir or args.log_dir:
+        raise BatchpilotError(
+            "--output-dir" if args.output_dir else "--log-dir",
+            "applies to local launches; gke trainers write checkpoints to train.checkpoint_uri",
+            "remove the option",
+        )
+    spec = cluster_launch_spec(
+        run_name=config.name,
+        stage=stage,
+        devices_per_node=config.cluster.devices_per_node,
+        config_text=Path(args.config).read_text(),
+        plan_text=Path(args.plan).read_text(),
+        audit=args.audit,
+    )
+    return run_cluster(spec, cluster=config.cluster, dryrun=args.dryrun)

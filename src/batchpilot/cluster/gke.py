@@ -1,0 +1,315 @@
+"""A GKE node pool as a `NodePool`: the Container API resizes it, the Kubernetes API says when it is ready.
+
+Modes (`cluster.pool_mode`):
+- `resize`: `setSize` to the stage's node count. GKE's node count is per zone, so a pool spanning
+  k zones is sized `num_nodes / k` and `num_nodes` must be a multiple of k.
+- `autoscale`: `setAutoscaling` with total bounds `[idle_nodes, num_nodes]`; the cluster autoscaler adds
+  nodes when the job's pods are pending and removes them when they are idle.
+- `static`: the pool is never changed; resizing only checks that it already has the nodes.
+
+A write that meets another operation on the cluster ("incompatible operation", "currently ...
+please wait and try again", or the concurrent-operations quota) is retried with backoff; a refused
+permission or a missing pool is one clear error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from batchpilot.cluster.readiness import PoolNodes, kube_api_client
+from batchpilot.config import ClusterConfig
+from batchpilot.errors import BatchpilotError
+
+GKE_REQUIRED = ("project", "location", "cluster_name", "node_pool", "image")
+
+
+def require_gke_settings(cluster: ClusterConfig) -> None:
+    """Raises naming the first gke setting the config lacks."""
+    for name in GKE_REQUIRED:
+        if not getattr(cluster, name):
+            raise BatchpilotError(
+                f"cluster.{name}", "is required when cluster.backend is gke", f"set cluster.{name}"
+            )
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """The resource names of one GKE node pool."""
+
+    project: str
+    location: str
+    cluster: str
+    node_pool: str
+
+    @property
+    def name(self) -> str:
+        return f"projects/{self.project}/locations/{self.location}/clusters/{self.cluster}/nodePools/{self.node_pool}"
+
+    def operation_name(self, operation: str) -> str:
+        """The full name of an operation that the API returned by its short id."""
+        if operation.startswith("projects/"):
+            return operation
+        return f"projects/{self.project}/locations/{self.location}/operations/{operation}"
+
+
+def container_client(**kwargs: Any) -> Any:
+    """A Container API client (Application Default Credentials unless `credentials` is given)."""
+    return _container_v1().ClusterManagerClient(**kwargs)
+
+
+def _container_v1() -> Any:
+    """google.cloud.container_v1, imported by name: a static `from google.cloud import ...` of this
+    typed package makes mypy resolve `google.cloud` to it alone and lose the untyped siblings
+    (google.cloud.storage) that other modules import."""
+    return importlib.import_module("google.cloud.container_v1")
+
+
+def gke_node_pool(cluster: ClusterConfig) -> GkeNodePool:
+    """The pool of `cluster` with real clients: Container API (ADC) and Kubernetes (in-cluster/kubeconfig)."""
+    require_gke_settings(cluster)
+    assert cluster.project and cluster.location and cluster.cluster_name and cluster.node_pool
+    return GkeNodePool(
+        client=container_client(),
+        pool=PoolRef(cluster.project, cluster.location, cluster.cluster_name, cluster.node_pool),
+        pool_mode=cluster.pool_mode,
+        idle_nodes=cluster.idle_nodes,
+        nodes=PoolNodes(
+            api_client=kube_api_client(),
+            node_pool=cluster.node_pool,
+            gpus_per_node=cluster.devices_per_node if cluster.accelerator_type else 0,
+        ),
+        operation_timeout_s=cluster.operation_timeout_s,
+    )
+
+
+def is_concurrent_operation(error: BaseException) -> bool:
+    """True for the errors GKE returns while another operation holds the cluster (worth retrying)."""
+    from google.api_core import exceptions
+
+    if isinstance(error, exceptions.TooManyRequests):
+        return True  # the per-cluster concurrent operations quota
+    # gRPC raises FAILED_PRECONDITION as FailedPrecondition; REST maps its HTTP 400 to BadRequest.
+    retryable = (
+        exceptions.FailedPrecondition | exceptions.BadRequest | exceptions.Aborted | exceptions.Conflict
+    )
+    if not isinstance(error, retryable):
+        return False
+    message = str(error).lower()
+    return "incompatible operation" in message or ("operation" in message and "try again" in message)
+
+
+class _OperationRunning(Exception):
+    """Raised by one poll while the operation is not DONE, so that a google-api-core Retry polls again."""
+
+
+class GkeNodePool:
+    """A GKE node pool behind the `NodePool` interface (see the module docstring for the modes)."""
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        pool: PoolRef,
+        pool_mode: str,
+        idle_nodes: int,
+        nodes: PoolNodes,
+        operation_timeout_s: float,
+        retry_initial_s: float = 5.0,
+        retry_maximum_s: float = 60.0,
+        poll_initial_s: float = 2.0,
+        poll_maximum_s: float = 15.0,
+        ready_poll_interval_s: float = 10.0,
+    ) -> None:
+        self.client = client
+        self.pool = pool
+        self.pool_mode = pool_mode
+        self.idle_nodes = idle_nodes
+        self.nodes = nodes
+        self.operation_timeout_s = operation_timeout_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_maximum_s = retry_maximum_s
+        self.poll_initial_s = poll_initial_s
+        self.poll_maximum_s = poll_maximum_s
+        self.ready_poll_interval_s = ready_poll_interval_s
+
+    def zones(self) -> list[str]:
+        """The zones the pool's nodes live in (node counts in setSize are per zone)."""
+        node_pool = self._call("get node pool", self.client.get_node_pool, {"name": self.pool.name})
+        if not node_pool.locations:
+            raise BatchpilotError("cluster.node_pool", f"GKE reports no zones for {self.pool.name}")
+        return list(node_pool.locations)
+
+    def current_size(self) -> int:
+        """Nodes of the pool registered with Kubernetes, whatever their state."""
+        return len(self.nodes.states())
+
+    def resize(self, num_nodes: int) -> None:
+        """Sets the size (resize), the autoscaler bounds (autoscale), or checks capacity (static)."""
+        if num_nodes < 0:
+            raise BatchpilotError("--nodes", f"{num_nodes} is negative", "give 0 or more nodes")
+        if self.pool_mode == "resize":
+            self._set_size(num_nodes)
+        elif self.pool_mode == "autoscale":
+            self._set_autoscaling(num_nodes)
+        elif self.pool_mode == "static":
+            self._check_static(num_nodes)
+        else:
+            raise BatchpilotError("cluster.pool_mode", f"unknown mode {self.pool_mode!r}")
+
+    def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
+        """Waits for `num_nodes` usable nodes; in autoscale mode checks the bounds admit them instead.
+
+        An autoscaled pool only grows when pods are pending, so waiting for nodes before the job
+        exists would wait for ever; the launcher's pods wait for their nodes instead.
+        """
+        if self.pool_mode == "autoscale":
+            self._check_autoscaling_admits(num_nodes)
+            print(
+                f"[batchpilot] {self.pool.node_pool}: autoscaling admits {num_nodes} node(s); the cluster "
+                "autoscaler adds them when the job's pods are pending",
+                flush=True,
+            )
+            return
+        if num_nodes == 0:
+            return
+        self.nodes.wait(num_nodes, timeout_s=timeout_s, poll_interval_s=self.ready_poll_interval_s)
+
+    def describe(self) -> str:
+        """Pool name, mode, zones and node states."""
+        usable, problems = self.nodes.usable()
+        zones = self.zones()
+        return (
+            f"gke pool {self.pool.name} (mode {self.pool_mode}, zones {', '.join(zones)}): "
+            f"{len(usable) + len(problems)} node(s), {len(usable)} usable"
+            + (f"; {'; '.join(problems)}" if problems else "")
+        )
+
+    def _set_size(self, num_nodes: int) -> None:
+        zones = self.zones()
+        if num_nodes % len(zones):
+            raise BatchpilotError(
+                "cluster.node_pool",
+                f"{num_nodes} node(s) cannot be spread over the pool's {len(zones)} zones "
+                f"({', '.join(zones)}): GKE sizes a pool per zone",
+                "use a single-zone pool, node counts that are multiples of the zone count, or pool_mode autoscale",
+            )
+        container_v1 = _container_v1()
+        request = container_v1.SetNodePoolSizeRequest(name=self.pool.name, node_count=num_nodes // len(zones))
+        operation = self._call("resize", self.client.set_node_pool_size, request)
+        self._wait_operation(operation, what=f"resize to {num_nodes} node(s)")
+
+    def _set_autoscaling(self, num_nodes: int) -> None:
+        container_v1 = _container_v1()
+        low = min(self.idle_nodes, num_nodes)
+        # total_* bounds count the whole pool, so no per-zone arithmetic is needed here.
+        autoscaling = container_v1.NodePoolAutoscaling(
+            enabled=True, total_min_node_count=low, total_max_node_count=num_nodes
+        )
+        request = container_v1.SetNodePoolAutoscalingRequest(name=self.pool.name, autoscaling=autoscaling)
+        operation = self._call("set autoscaling", self.client.set_node_pool_autoscaling, request)
+        self._wait_operation(operation, what=f"autoscaling bounds [{low}, {num_nodes}]")
+
+    def _check_autoscaling_admits(self, num_nodes: int) -> None:
+        node_pool = self._call("get node pool", self.client.get_node_pool, {"name": self.pool.name})
+        scaling = node_pool.autoscaling
+        zones = max(len(node_pool.locations), 1)
+        maximum = scaling.total_max_node_count or scaling.max_node_count * zones
+        if not scaling.enabled or maximum < num_nodes:
+            raise BatchpilotError(
+                "cluster.pool_mode",
+                f"{self.pool.node_pool} autoscaling is {'on' if scaling.enabled else 'off'} with at most "
+                f"{maximum} node(s); {num_nodes} are needed",
+                f"run `batchpilot pool resize --nodes {num_nodes}` (autoscale mode sets the bounds)",
+            )
+
+    def _check_static(self, num_nodes: int) -> None:
+        have = self.current_size()
+        if have < num_nodes:
+            raise BatchpilotError(
+                "cluster.pool_mode",
+                f"static pool {self.pool.node_pool} has {have} node(s), {num_nodes} are needed; "
+                "static mode never resizes",
+                "resize the pool yourself, or use pool_mode resize or autoscale",
+            )
+        print(
+            f"[batchpilot] {self.pool.node_pool}: static pool not resized; it has {have} node(s) "
+            f"for {num_nodes} needed",
+            flush=True,
+        )
+
+    def _call(self, what: str, method: Any, request: Any) -> Any:
+        """Calls the Container API, retrying while another operation holds the cluster."""
+        from google.api_core import exceptions
+        from google.api_core.retry import Retry
+
+        def note(error: BaseException) -> None:
+            print(f"[batchpilot] {what}: {error}; retrying", file=sys.stderr, flush=True)
+
+        retry = Retry(
+            predicate=is_concurrent_operation,
+            initial=self.retry_initial_s,
+            maximum=self.retry_maximum_s,
+            multiplier=2.0,
+            timeout=self.operation_timeout_s,
+            on_error=note,
+        )
+        try:
+            return method(request=request, retry=retry)
+        except (exceptions.PermissionDenied, exceptions.Forbidden) as error:  # gRPC, REST
+            raise BatchpilotError(
+                "cluster.project",
+                f"GKE refused to {what} {self.pool.name}: {error.message}",
+                "give the caller's service account container.clusters.get/update "
+                "(e.g. roles/container.clusterAdmin) on the project",
+            ) from None
+        except exceptions.NotFound as error:
+            raise BatchpilotError(
+                "cluster.node_pool", f"{self.pool.name} was not found: {error.message}"
+            ) from None
+        except exceptions.RetryError as error:
+            raise BatchpilotError(
+                "cluster.operation_timeout_s",
+                f"{what} {self.pool.name}: another operation kept the cluster busy for "
+                f"{self.operation_timeout_s:g}s ({error.cause})",
+                "wait for the cluster's operations to finish, or raise cluster.operation_timeout_s",
+            ) from None
+
+    def _wait_operation(self, operation: Any, *, what: str) -> None:
+        """Polls the operation until DONE (google-api-core Retry with backoff); raises on its error."""
+        from google.api_core import exceptions
+        from google.api_core.retry import Retry, if_exception_type
+
+        container_v1 = _container_v1()
+        name = self.pool.operation_name(operation.name)
+        done_status = container_v1.Operation.Status.DONE
+
+        def poll() -> Any:
+            current = self.client.get_operation(name=name)
+            if current.status != done_status:
+                raise _OperationRunning(current.status.name)
+            return current
+
+        retry = Retry(
+            predicate=if_exception_type(_OperationRunning, exceptions.ServiceUnavailable),
+            initial=self.poll_initial_s,
+            maximum=self.poll_maximum_s,
+            multiplier=1.5,
+            timeout=self.operation_timeout_s,
+        )
+        try:
+            done = retry(poll)()
+        except exceptions.RetryError:
+            raise BatchpilotError(
+                "cluster.operation_timeout_s",
+                f"{what} of {self.pool.node_pool}: operation {name} not done after {self.operation_timeout_s:g}s",
+                "check the operation in the console, or raise cluster.operation_timeout_s",
+            ) from None
+        message = done.error.message if done.error and done.error.code else done.status_message
+        if message:
+            raise BatchpilotError(
+                "cluster.node_pool", f"{what} of {self.pool.node_pool} failed: {message} ({name})"
+            )
+        print(f"[batchpilot] {self.pool.node_pool}: {what} done ({name})", flush=True)

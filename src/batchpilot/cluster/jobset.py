@@ -1,0 +1,301 @@
+"""A torchx scheduler that runs an AppDef as a JobSet (jobset.x-k8s.io/v1alpha2), the GKE standard.
+
+Each role becomes one replicated Job of `num_replicas` indexed pods (one pod per node); the JobSet's
+headless service gives pod 0 a stable DNS name that torchrun's c10d rendezvous uses. With a Kueue
+queue the JobSet carries the `kueue.x-k8s.io/queue-name` label and Kueue admits it as one unit.
+
+Registered as the torchx scheduler `jobset` through the `torchx.schedulers` entry point
+(`create_scheduler`); batchpilot's launcher also passes the factory to its Runner directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import yaml
+from torchx.schedulers.api import (
+    DescribeAppResponse,
+    ListAppResponse,
+    Scheduler,
+    Stream,
+    StructuredOpts,
+    filter_regex,
+    split_lines,
+)
+from torchx.schedulers.ids import make_unique
+from torchx.specs.api import AppDef, AppDryRunInfo, AppState, CfgVal, Role, macros, runopts
+from torchx.specs.overlays import apply_overlay, get_overlay
+from torchx.util.strings import normalize_str
+
+from batchpilot.cluster.placement import harden_containers
+
+GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+RANK0_ENV = "TORCHX_RANK0_HOST"
+MAX_HOSTNAME = 63
+
+
+@dataclass
+class JobSetOpts(StructuredOpts):
+    """Run options of the `jobset` scheduler."""
+
+    namespace: str = "default"
+    """Kubernetes namespace of the JobSet."""
+
+    queue: str | None = None
+    """Kueue LocalQueue to submit to (adds the kueue.x-k8s.io/queue-name label); none: no Kueue."""
+
+    service_account: str | None = None
+    """Service account of the pods (a role's pod overlay may also set it)."""
+
+    priority_class: str | None = None
+    """PriorityClass of the pods."""
+
+    max_restarts: int = 0
+    """Times the whole JobSet is recreated after a failure (JobSet failurePolicy.maxRestarts)."""
+
+
+@dataclass
+class JobSetRequest:
+    """The JobSet object to create."""
+
+    resource: dict[str, Any]
+
+    def __str__(self) -> str:
+        return yaml.safe_dump(self.resource, sort_keys=False)
+
+
+def _replicated_job(
+    *, app_name: str, role: Role, role_index: int, rank0_host: str, opts: JobSetOpts
+) -> dict[str, Any]:
+    """One role as a replicated Job: `num_replicas` indexed pods, each a torchrun node."""
+    from torchx.schedulers.kubernetes_scheduler import pod_labels, role_to_pod, sanitize_for_serialization
+
+    values = macros.Values(
+        img_root="",
+        app_id=app_name,
+        # Pods of one Job share a template; the shell entrypoint expands the Job's completion index.
+        replica_id="${JOB_COMPLETION_INDEX}",
+        rank0_env=RANK0_ENV,
+    )
+    replica_role = values.apply(role)
+    replica_role.env[RANK0_ENV] = rank0_host
+    pod = role_to_pod(normalize_str(role.name), replica_role, opts.service_account)
+    rendered: dict[str, Any] = sanitize_for_serialization(pod)
+    if overlay := get_overlay(role, "kubernetes", "V1Pod"):
+        apply_overlay(rendered, overlay)
+    labels = pod_labels(
+        app=AppDef(name=app_name), role_idx=role_index, role=role, replica_id=0, app_id=app_name
+    )
+    labels.pop("torchx.pytorch.org/replica-id")  # one template for every replica
+    rendered.setdefault("metadata", {}).setdefault("labels", {}).update(labels)
+    spec = rendered["spec"]
+    if opts.priority_class:
+        spec["priorityClassName"] = opts.priority_class
+    harden_containers(spec)
+    return {
+        "name": normalize_str(role.name),
+        "replicas": 1,
+        "template": {
+            "spec": {
+                "parallelism": role.num_replicas,
+                "completions": role.num_replicas,
+                "completionMode": "Indexed",
+                # A failed node fails the Job at once; restarts are the JobSet's (all nodes together).
+                "backoffLimit": 0,
+                "template": {"metadata": rendered["metadata"], "spec": spec},
+            }
+        },
+    }
+
+
+def app_to_jobset(app: AppDef, opts: JobSetOpts, *, name: str | None = None) -> dict[str, Any]:
+    """The JobSet object running `app` (pure: no API call)."""
+    jobset_name = name or normalize_str(make_unique(app.name))
+    first = normalize_str(app.roles[0].name)
+    # Indexed pods of a JobSet are named <jobset>-<replicated job>-<job index>-<pod index>.
+    longest = max(f"{jobset_name}-{normalize_str(r.name)}-0-{r.num_replicas - 1}" for r in app.roles)
+    if len(longest) > MAX_HOSTNAME:
+        raise ValueError(
+            f"pod hostname {longest!r} has {len(longest)} characters (limit {MAX_HOSTNAME}); shorten the app name"
+        )
+    rank0_host = f"{jobset_name}-{first}-0-0.{jobset_name}"
+    metadata: dict[str, Any] = {"name": jobset_name, "namespace": opts.namespace, "labels": {}}
+    if opts.queue:
+        metadata["labels"][KUEUE_QUEUE_LABEL] = opts.queue
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "JobSet",
+        "metadata": metadata,
+        "spec": {
+            "network": {"enableDNSHostnames": True, "subdomain": jobset_name},
+            "failurePolicy": {"maxRestarts": opts.max_restarts},
+            "successPolicy": {"operator": "All"},
+            # Kueue starts a queued JobSet by unsuspending it; without Kueue it starts at once.
+            "suspend": bool(opts.queue),
+            "replicatedJobs": [
+                _replicated_job(
+                    app_name=jobset_name, role=role, role_index=i, rank0_host=rank0_host, opts=opts
+                )
+                for i, role in enumerate(app.roles)
+            ],
+        },
+    }
+
+
+def jobset_state(status: Mapping[str, Any] | None) -> AppState:
+    """The torchx state of a JobSet status (terminal conditions first, then active jobs)."""
+    if not status:
+        return AppState.PENDING
+    terminal = status.get("terminalState")
+    conditions = {c.get("type"): c.get("status") == "True" for c in status.get("conditions", [])}
+    if terminal == "Completed" or conditions.get("Completed"):
+        return AppState.SUCCEEDED
+    if terminal == "Failed" or conditions.get("Failed"):
+        return AppState.FAILED
+    if conditions.get("Suspended"):
+        return AppState.PENDING
+    jobs = status.get("replicatedJobsStatus", [])
+    if any(job.get("active", 0) or job.get("ready", 0) for job in jobs):
+        return AppState.RUNNING
+    return AppState.PENDING
+
+
+class JobSetScheduler(Scheduler[JobSetOpts]):
+    """torchx scheduler `jobset`: submit, describe, list, cancel and stream the logs of JobSets."""
+
+    def __init__(self, session_name: str, client: Any = None, pod_wait_s: float = 600.0) -> None:
+        super().__init__("jobset", session_name)
+        self._client = client
+        self.pod_wait_s = pod_wait_s
+
+    def _api_client(self) -> Any:
+        if self._client is None:
+            from batchpilot.cluster.readiness import kube_api_client
+
+            self._client = kube_api_client()
+        return self._client
+
+    def _objects(self) -> Any:
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self._api_client())
+
+    def _core(self) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self._api_client())
+
+    def _run_opts(self) -> runopts:
+        return JobSetOpts.as_runopts()
+
+    def _submit_dryrun(self, app: AppDef, cfg: JobSetOpts) -> AppDryRunInfo[JobSetRequest, JobSetOpts]:
+        return AppDryRunInfo(JobSetRequest(app_to_jobset(app, cfg)), str)
+
+    def _validate(self, app: AppDef, scheduler: str, cfg: JobSetOpts) -> None:
+        pass  # the API server validates the JobSet against its CRD schema on create
+
+    def schedule(self, dryrun_info: AppDryRunInfo[JobSetRequest, JobSetOpts]) -> str:
+        resource = dryrun_info.request.resource
+        namespace = resource["metadata"]["namespace"]
+        created = self._objects().create_namespaced_custom_object(
+            group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, body=resource
+        )
+        return f"{namespace}:{created['metadata']['name']}"
+
+    def describe(self, app_id: str) -> DescribeAppResponse | None:
+        from kubernetes.client.rest import ApiException
+
+        namespace, name = app_id.split(":")
+        try:
+            jobset = self._objects().get_namespaced_custom_object(
+                group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name=name
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        status = jobset.get("status")
+        message = "; ".join(
+            str(c.get("message", "")) for c in (status or {}).get("conditions", []) if c.get("message")
+        )
+        return DescribeAppResponse(app_id=app_id, state=jobset_state(status), msg=message)
+
+    def list(self, cfg: Mapping[str, CfgVal] | None = None) -> list[ListAppResponse]:
+        namespace = str((cfg or {}).get("namespace") or "default")
+        found = self._objects().list_namespaced_custom_object(
+            group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL
+        )
+        return [
+            ListAppResponse(
+                app_id=f"{namespace}:{item['metadata']['name']}", state=jobset_state(item.get("status"))
+            )
+            for item in found.get("items", [])
+        ]
+
+    def _cancel_existing(self, app_id: str) -> None:
+        namespace, name = app_id.split(":")
+        # Background propagation deletes the Jobs and pods too; pods get their grace period (SIGTERM).
+        self._objects().delete_namespaced_custom_object(
+            group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name=name,
+            propagation_policy="Background",
+        )  # fmt: skip
+
+    def log_iter(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+    ) -> Iterable[str]:
+        """Lines of node `k` of `role_name`; with `should_tail`, waits for the pod and follows it."""
+        if until is not None:
+            raise ValueError("the Kubernetes log API cannot stop at a time (until)")
+        if streams not in (None, Stream.COMBINED):
+            raise ValueError("the jobset scheduler only has the COMBINED log stream")
+        namespace, name = app_id.split(":")
+        pod = self._find_pod(namespace, name, normalize_str(role_name), k, wait=should_tail)
+        if pod is None:
+            return iter(())
+        args: dict[str, Any] = {"name": pod, "namespace": namespace}
+        if since is not None:
+            args["since_seconds"] = max(int((datetime.now() - since).total_seconds()), 1)
+        lines = (
+            self._follow(args) if should_tail else split_lines(self._core().read_namespaced_pod_log(**args))
+        )
+        return filter_regex(regex, lines) if regex else lines
+
+    def _follow(self, args: dict[str, Any]) -> Iterator[str]:
+        from kubernetes import watch
+
+        for line in watch.Watch().stream(self._core().read_namespaced_pod_log, **args):
+            yield f"{line}\n"
+
+    def _find_pod(self, namespace: str, name: str, role: str, k: int, *, wait: bool) -> str | None:
+        """The name of node k's pod once it has started (a Pending pod has no log to read yet)."""
+        selector = f"{JOBSET_NAME_LABEL}={name},{REPLICATED_JOB_LABEL}={role},{COMPLETION_INDEX_LABEL}={k}"
+        deadline = time.monotonic() + (self.pod_wait_s if wait else 0.0)
+        while True:
+            pods = self._core().list_namespaced_pod(namespace=namespace, label_selector=selector).items
+            started = [p for p in pods if p.status and p.status.phase not in (None, "Pending")]
+            if started:
+                return str(started[-1].metadata.name)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(2.0)
+
+
+def create_scheduler(session_name: str, client: Any = None, **kwargs: Any) -> JobSetScheduler:
+    """The torchx scheduler factory (entry point `torchx.schedulers: jobset`)."""
+    return JobSetScheduler(session_name=session_name, client=client)

@@ -1,0 +1,177 @@
+"""Node pools behind one small interface: resize, wait until ready, current size, describe.
+
+Two implementations:
+- `LocalNodePool` (backend `local`): a "node" is a group of `devices_per_node` processes on this
+  machine. The pool size is recorded in a small JSON file so that `batchpilot pool` and the pipeline
+  steps (separate processes) agree on it; resizing checks that this machine can host the processes.
+- `GkeNodePool` (backend `gke`, in `batchpilot.cluster.gke`): a GKE node pool through the Container API,
+  with node readiness read from the Kubernetes API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from batchpilot.config import ClusterConfig, Config
+from batchpilot.errors import BatchpilotError
+
+
+@runtime_checkable
+class NodePool(Protocol):
+    """Where a stage's trainers run: a set of identical nodes whose count batchpilot controls."""
+
+    def current_size(self) -> int:
+        """The number of nodes the pool has now."""
+        ...
+
+    def resize(self, num_nodes: int) -> None:
+        """Asks for `num_nodes` nodes; returns when the request is done (not when nodes are ready)."""
+        ...
+
+    def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
+        """Returns when `num_nodes` nodes can run trainers; raises saying what is missing on timeout."""
+        ...
+
+    def describe(self) -> str:
+        """One line: which pool, its size and its mode."""
+        ...
+
+
+def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> NodePool:
+    """The node pool of `config.cluster.backend`.
+
+    Args:
+        config: the whole config (the run name locates the local pool's state file).
+        state_path: local backend only: overrides `cluster.pool_state_path`.
+    """
+    cluster = config.cluster
+    if cluster.backend == "local":
+        warn_ignored_gke_settings(cluster)
+        path = state_path or cluster.pool_state_path or f"runs/{config.name}/pool.json"
+        return LocalNodePool(
+            state_path=Path(path),
+            devices_per_node=cluster.devices_per_node,
+            max_nodes=cluster.max_nodes,
+        )
+    if state_path is not None:
+        raise BatchpilotError("--pool-state", "only the local backend keeps its pool size in a file")
+    from batchpilot.cluster.gke import gke_node_pool
+
+    return gke_node_pool(cluster)
+
+
+_GKE_ONLY = ("project", "location", "cluster_name", "node_pool", "accelerator_type", "kueue_queue")
+
+
+def warn_ignored_gke_settings(cluster: ClusterConfig) -> None:
+    """Says which gke-only settings a local run ignores (they stay valid for a later gke run)."""
+    ignored = [name for name in _GKE_ONLY if getattr(cluster, name)]
+    if ignored and cluster.pool_mode != "resize":
+        ignored.append("pool_mode")
+    if ignored:
+        print(
+            f"[batchpilot] warning: cluster.backend is local; ignoring gke settings {', '.join(ignored)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (the affinity mask, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class LocalNodePool:
+    """A pool of local "nodes", each `devices_per_node` processes; its size lives in a JSON file.
+
+    The file is what makes a resize observable: `wait_ready` and `current_size`, possibly in another
+    process, read it back. A node costs one CPU per process, so a size this machine cannot host is
+    refused instead of being recorded.
+    """
+
+    def __init__(self, *, state_path: Path, devices_per_node: int, max_nodes: int) -> None:
+        self.state_path = state_path
+        self.devices_per_node = devices_per_node
+        self.max_nodes = max_nodes
+
+    def current_size(self) -> int:
+        """The recorded size; 0 when the pool was never resized (nothing runs yet)."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as error:
+            raise BatchpilotError(
+                "cluster.pool_state_path",
+                f"cannot read the local pool state {self.state_path}: {error}",
+                "delete the file and resize the pool again",
+            ) from None
+        num_nodes = state.get("num_nodes")
+        if not isinstance(num_nodes, int) or num_nodes < 0:
+            raise BatchpilotError(
+                "cluster.pool_state_path",
+                f"{self.state_path} holds no valid num_nodes",
+                "delete the file and resize the pool again",
+            )
+        return num_nodes
+
+    def resize(self, num_nodes: int) -> None:
+        """Records `num_nodes` after checking that this machine can run that many processes."""
+        self._check_capacity(num_nodes)
+        state = {
+            "num_nodes": num_nodes,
+            "devices_per_node": self.devices_per_node,
+            "updated_unix_s": round(time.time(), 3),
+        }
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a concurrent reader sees the old or the new size, never half a file.
+        temporary = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(state, indent=2) + "\n")
+        temporary.replace(self.state_path)
+
+    def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
+        """Local nodes are ready as soon as they are recorded; raises when fewer are recorded.
+
+        `timeout_s` is accepted for the protocol: nothing here is waited for, the check is immediate.
+        """
+        del timeout_s
+        self._check_capacity(num_nodes)
+        recorded = self.current_size()
+        if recorded < num_nodes:
+            raise BatchpilotError(
+                "cluster",
+                f"the local pool has {recorded} node(s) recorded in {self.state_path}, {num_nodes} are needed",
+                f"run `batchpilot pool resize --nodes {num_nodes}` first",
+            )
+
+    def describe(self) -> str:
+        """The recorded size, the state file and this machine's CPU count."""
+        size = self.current_size()
+        return (
+            f"local pool: {size} node(s) x {self.devices_per_node} process(es) "
+            f"(state {self.state_path}; this machine has {available_cpus()} CPU(s))"
+        )
+
+    def _check_capacity(self, num_nodes: int) -> None:
+        if num_nodes < 0:
+            raise BatchpilotError("--nodes", f"{num_nodes} is negative", "give 0 or more nodes")
+        if num_nodes > self.max_nodes:
+            raise BatchpilotError(
+                "--nodes",
+                f"{num_nodes} node(s) exceed cluster.max_nodes ({self.max_nodes})",
+                "raise cluster.max_nodes or ask for fewer nodes",
+            )
+        needed = num_nodes * self.devices_per_node
+        cpus = available_cpus()
+        if needed > cpus:
+            raise BatchpilotError(
+                "cluster.devices_per_node",
+                f"{num_nodes} local node(s) x {self.devices_per_node} process(es) = {needed} processes, "
+                f"but this machine has {cpus} CPU(s)",
+                "use fewer nodes or devices_per_node, or the gke backend",
+            )

@@ -1,0 +1,88 @@
+"""Where trainer pods go on GKE: node selector, tolerations and the pod settings every launcher shares.
+
+The pipeline reuses `gpu_node_selector` and `gpu_tolerations` to place KFP tasks on the same pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchpilot.cluster.readiness import GKE_NODE_POOL_LABEL, GPU_RESOURCE
+from batchpilot.config import ClusterConfig, Config
+
+GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+# Trainers checkpoint on SIGTERM (exit 75); a scale-down must not evict them to save a node.
+SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+# The image's non-root user (see the Dockerfile).
+TRAINER_UID = 1000
+# Seconds between SIGTERM and SIGKILL: room to finish the micro batch and write a checkpoint.
+TERMINATION_GRACE_S = 120
+
+
+def _cluster(config: Config | ClusterConfig) -> ClusterConfig:
+    return config.cluster if isinstance(config, Config) else config
+
+
+def gpu_node_selector(config: Config | ClusterConfig) -> dict[str, str]:
+    """Node labels a trainer pod requires: the pool, its accelerator type, then `cluster.node_selector`."""
+    cluster = _cluster(config)
+    selector: dict[str, str] = {}
+    if cluster.node_pool:
+        selector[GKE_NODE_POOL_LABEL] = cluster.node_pool
+    if cluster.accelerator_type:
+        selector[GKE_ACCELERATOR_LABEL] = cluster.accelerator_type
+    selector.update(cluster.node_selector)
+    return selector
+
+
+def gpu_tolerations(config: Config | ClusterConfig) -> list[dict[str, Any]]:
+    """The GPU taint GKE puts on accelerator nodes (when the pool has GPUs), then `cluster.tolerations`."""
+    cluster = _cluster(config)
+    tolerations: list[dict[str, Any]] = []
+    if cluster.accelerator_type:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    tolerations.extend(dict(item) for item in cluster.tolerations)
+    return tolerations
+
+
+def trainer_pod_overlay(cluster: ClusterConfig) -> dict[str, Any]:
+    """Pod-level fields of a trainer (torchx `kubernetes`/`V1Pod` overlay, honoured by both launchers)."""
+    return {
+        "metadata": {"annotations": {SAFE_TO_EVICT_ANNOTATION: "false"}},
+        "spec": {
+            "nodeSelector": gpu_node_selector(cluster),
+            "tolerations": gpu_tolerations(cluster),
+            "serviceAccountName": cluster.service_account,
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": TRAINER_UID,
+                "runAsGroup": TRAINER_UID,
+                "fsGroup": TRAINER_UID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
+        },
+    }
+
+
+def harden_containers(pod_spec: dict[str, Any]) -> None:
+    """Container-level settings torchx leaves open: no privilege escalation, read-only root, a writable /tmp.
+
+    Applied to rendered pod specs (camelCase dicts) because torchx names containers per replica,
+    which a name-keyed overlay cannot address.
+    """
+    for container in pod_spec.get("containers", []):
+        context = container.setdefault("securityContext", {})
+        if context.get("privileged"):
+            continue  # a device mount asked for it explicitly; do not contradict it
+        context.update(
+            {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }
+        )
+        mounts = container.setdefault("volumeMounts", [])
+        if not any(mount.get("mountPath") == "/tmp" for mount in mounts):
+            mounts.append({"name": "tmp", "mountPath": "/tmp"})

@@ -1,0 +1,150 @@
+"""Node readiness through the Kubernetes API: which nodes of a pool can run a trainer now.
+
+A node counts when it is Ready, not cordoned, and (for GPU pools) advertises the expected number of
+allocatable GPUs: a GPU node is Ready some time before the device plugin publishes its GPUs, and a
+trainer scheduled in that window would wait or land short of devices.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batchpilot.errors import BatchpilotError
+
+GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What readiness needs to know about one node."""
+
+    name: str
+    ready: bool
+    cordoned: bool
+    allocatable_gpus: int
+
+    def problem(self, *, gpus_per_node: int) -> str | None:
+        """Why this node cannot take a trainer, or None when it can."""
+        if not self.ready:
+            return f"{self.name} is not Ready"
+        if self.cordoned:
+            return f"{self.name} is cordoned"
+        if self.allocatable_gpus < gpus_per_node:
+            return f"{self.name} has {self.allocatable_gpus} of {gpus_per_node} {GPU_RESOURCE} allocatable"
+        return None
+
+
+def kube_api_client() -> Any:
+    """A Kubernetes ApiClient: in-cluster service account first (pipeline pods), then kubeconfig."""
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        try:
+            # KUBECONFIG is read now: the kubernetes package reads it once, at its import.
+            config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
+        except (config.ConfigException, OSError) as error:
+            raise BatchpilotError(
+                "cluster",
+                f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({error})",
+                "run `gcloud container clusters get-credentials CLUSTER` or run inside the cluster",
+            ) from None
+    return client.ApiClient(configuration)
+
+
+def _node_state(node: Any) -> NodeState:
+    conditions = (node.status.conditions or []) if node.status else []
+    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    allocatable = (node.status.allocatable or {}) if node.status else {}
+    return NodeState(
+        name=node.metadata.name,
+        ready=ready,
+        cordoned=bool(node.spec and node.spec.unschedulable),
+        allocatable_gpus=int(allocatable.get(GPU_RESOURCE, "0")),
+    )
+
+
+class PoolNodes:
+    """The nodes of one node pool, read from the Kubernetes API by their pool label."""
+
+    def __init__(self, *, api_client: Any, node_pool: str, gpus_per_node: int) -> None:
+        from kubernetes import client
+
+        self._core = client.CoreV1Api(api_client)
+        self.node_pool = node_pool
+        self.gpus_per_node = gpus_per_node
+
+    def states(self) -> list[NodeState]:
+        """Every node carrying the pool label, whatever its state."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            nodes = self._core.list_node(label_selector=f"{GKE_NODE_POOL_LABEL}={self.node_pool}")
+        except ApiException as error:
+            if error.status in (401, 403):
+                raise BatchpilotError(
+                    "cluster.service_account",
+                    f"the Kubernetes API refused to list nodes ({error.status} {error.reason})",
+                    "grant `list` on nodes (the chart's ClusterRole does)",
+                ) from None
+            raise
+        return sorted((_node_state(node) for node in nodes.items), key=lambda node: node.name)
+
+    def usable(self) -> tuple[list[NodeState], list[str]]:
+        """(nodes that can take a trainer, one problem line per node that cannot)."""
+        usable, problems = [], []
+        for node in self.states():
+            problem = node.problem(gpus_per_node=self.gpus_per_node)
+            if problem is None:
+                usable.append(node)
+            else:
+                problems.append(problem)
+        return usable, problems
+
+    def wait(
+        self,
+        num_nodes: int,
+        *,
+        timeout_s: float,
+        poll_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> list[NodeState]:
+        """Polls until `num_nodes` nodes are usable; on timeout raises saying what is missing."""
+        deadline = clock() + timeout_s
+        while True:
+            usable, problems = self.usable()
+            if len(usable) >= num_nodes:
+                return usable
+            if clock() >= deadline:
+                raise BatchpilotError(
+                    "cluster.ready_timeout_s",
+                    self.shortfall(
+                        num_nodes=num_nodes, usable=usable, problems=problems, timeout_s=timeout_s
+                    ),
+                    f"check `kubectl describe nodes -l {GKE_NODE_POOL_LABEL}={self.node_pool}`, or raise "
+                    "cluster.ready_timeout_s",
+                )
+            sleep(min(poll_interval_s, max(deadline - clock(), 0.0)))
+
+    def shortfall(
+        self, *, num_nodes: int, usable: list[NodeState], problems: list[str], timeout_s: float
+    ) -> str:
+        """One line: how many nodes are usable, and why each of the others is not."""
+        unregistered = num_nodes - len(usable) - len(problems)
+        parts = list(problems)
+        if unregistered > 0:
+            parts.append(f"{unregistered} node(s) not registered with Kubernetes yet")
+        return (
+            f"node pool {self.node_pool!r}: {len(usable)} of {num_nodes} node(s) usable after "
+            f"{timeout_s:g}s; {'; '.join(parts)}"
+        )

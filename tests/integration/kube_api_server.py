@@ -1,0 +1,206 @@
+"""A local server speaking the few Kubernetes API routes batchpilot uses, for the real `kubernetes` client.
+
+Routes:
+- `GET /api/v1/nodes?labelSelector=k=v`: the node list; `node_snapshots` scripts how it changes
+  (each list call serves the next snapshot, the last one stays).
+- JobSets (`/apis/jobset.x-k8s.io/v1alpha2/namespaces/NS/jobsets[/NAME]`): create, get, delete;
+  `jobset_statuses` scripts the status each get returns (the last one stays).
+- Pods (`/api/v1/namespaces/NS/pods?labelSelector=...`) and their logs (`.../pods/NAME/log`).
+
+Every request is recorded with its JSON body so tests can check what the real client sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/"
+
+
+def node(
+    name: str, *, pool: str, ready: bool = True, cordoned: bool = False, gpus: int = 0
+) -> dict[str, Any]:
+    """A Node object as the API serves it (only the fields readiness reads, plus the pool label)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"cloud.google.com/gke-nodepool": pool}},
+        "spec": {"unschedulable": True} if cordoned else {},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "allocatable": {"cpu": "8", "memory": "32Gi", **({"nvidia.com/gpu": str(gpus)} if gpus else {})},
+        },
+    }
+
+
+def pod(name: str, *, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "trainer", "image": "x"}]},
+        "status": {"phase": "Running"},
+    }
+
+
+@dataclass
+class KubeState:
+    node_snapshots: list[list[dict[str, Any]]] = field(default_factory=lambda: [[]])
+    node_lists: int = 0
+    jobsets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    jobset_statuses: list[dict[str, Any]] = field(default_factory=list)
+    jobset_gets: int = 0
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    logs: dict[str, str] = field(default_factory=dict)
+    node_logs: dict[int, str] = field(default_factory=dict)  # log text of node k's pod, once created
+    requests: list[tuple[str, str, dict[str, list[str]], Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _selected(obj: dict[str, Any], selector: str) -> bool:
+    labels = obj["metadata"].get("labels", {})
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    state: KubeState
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _reply(self, code: int, payload: Any, *, text: bool = False) -> None:
+        data = payload.encode() if text else json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain" if text else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _record(self) -> tuple[str, dict[str, list[str]], Any]:
+        parts = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        query = parse_qs(parts.query)
+        with self.state.lock:
+            self.state.requests.append((self.command, parts.path, query, body))
+        return parts.path, query, body
+
+    def do_GET(self) -> None:
+        path, query, _ = self._record()
+        selector = query.get("labelSelector", [""])[0]
+        with self.state.lock:
+            state = self.state
+            if path == "/api/v1/nodes":
+                snapshot = state.node_snapshots[min(state.node_lists, len(state.node_snapshots) - 1)]
+                state.node_lists += 1
+                items = [n for n in snapshot if _selected(n, selector)]
+                return self._reply(
+                    200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
+                )
+            if path.startswith(JOBSETS):
+                name = path.rsplit("/", 1)[-1]
+                if name not in state.jobsets:
+                    return self._reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
+                if state.jobset_statuses:
+                    index = min(state.jobset_gets, len(state.jobset_statuses) - 1)
+                    state.jobsets[name]["status"] = state.jobset_statuses[index]
+                state.jobset_gets += 1
+                return self._reply(200, state.jobsets[name])
+            if path.endswith("/log"):
+                name = path.split("/")[-2]
+                return self._reply(200, state.logs.get(name, ""), text=True)
+            if path.endswith("/pods"):
+                items = [p for p in state.pods if _selected(p, selector)]
+                return self._reply(
+                    200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
+                )
+        self._reply(404, _status(404, "NotFound", f"no route {path}"))
+
+    def do_POST(self) -> None:
+        path, _, body = self._record()
+        if not path.startswith(JOBSETS):
+            return self._reply(404, _status(404, "NotFound", f"no route {path}"))
+        name = body["metadata"]["name"]
+        with self.state.lock:
+            if name in self.state.jobsets:
+                return self._reply(409, _status(409, "AlreadyExists", f'jobsets "{name}" already exists'))
+            self.state.jobsets[name] = body
+            self._start_pods(body)
+        self._reply(201, body)
+
+    def _start_pods(self, jobset: dict[str, Any]) -> None:
+        """Plays the JobSet controller: one Running pod per node, labelled as the controller labels them."""
+        name = jobset["metadata"]["name"]
+        for replicated in jobset["spec"]["replicatedJobs"]:
+            for index in range(replicated["template"]["spec"]["parallelism"]):
+                pod_name = f"{name}-{replicated['name']}-0-{index}-abcde"
+                labels = {
+                    "jobset.sigs.k8s.io/jobset-name": name,
+                    "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+                    "batch.kubernetes.io/job-completion-index": str(index),
+                }
+                self.state.pods.append(pod(pod_name, labels=labels))
+                self.state.logs[pod_name] = self.state.node_logs.get(index, "")
+
+    def do_DELETE(self) -> None:
+        path, _, _ = self._record()
+        name = path.rsplit("/", 1)[-1]
+        with self.state.lock:
+            found = self.state.jobsets.pop(name, None)
+        if found is None:
+            return self._reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
+        self._reply(200, _status(200, "Success", "deleted"))
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
+
+
+@dataclass
+class KubeServer:
+    server: ThreadingHTTPServer
+    state: KubeState
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def api_client(self) -> Any:
+        """A real `kubernetes` ApiClient talking to this server."""
+        from kubernetes import client
+
+        configuration = client.Configuration()
+        configuration.host = self.endpoint
+        return client.ApiClient(configuration)
+
+
+@contextlib.contextmanager
+def kube_server_running() -> Iterator[KubeServer]:
+    state = KubeState()
+    handler = type("Handler", (_Handler,), {"state": state})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield KubeServer(server, state)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,119 @@
+"""The `jobset` torchx scheduler and `batchpilot launch` on gke, through the real kubernetes client.
+
+A local server plays the Kubernetes API and the JobSet controller (it starts one pod per node when a
+JobSet is created, with the labels the controller sets, and serves scripted statuses and logs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from kube_api_server import KubeServer, kube_server_running
+
+from batchpilot.cli import main
+from batchpilot.cluster.jobset import JobSetScheduler
+from batchpilot.config import parse_config
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
+from batchpilot.planner import build_plan, dump_plan
+
+COMPLETED = {
+    "conditions": [{"type": "Completed", "status": "True", "message": "jobset completed successfully"}]
+}
+FAILED = {
+    "terminalState": "Failed",
+    "conditions": [{"type": "Failed", "status": "True", "message": "pod failed"}],
+}
+RUNNING = {"replicatedJobsStatus": [{"name": "batchpilot", "active": 2, "ready": 2}]}
+
+
+@pytest.fixture
+def kube(tmp_path, monkeypatch) -> Iterator[KubeServer]:
+    with kube_server_running() as server:
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "local", "cluster": {"server": server.endpoint}}],
+            "users": [{"name": "me", "user": {"token": "unused"}}],
+            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
+            "current-context": "local",
+        }
+        (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield server
+
+
+def write_inputs(folder: Path) -> tuple[str, str]:
+    config = {
+        "name": "ramp",
+        "data": {"uri": "gs://bucket/data", "seq_len": 128},
+        "cluster": {
+            "backend": "gke", "devices_per_node": 1, "max_nodes": 2, "project": "p", "location": "l",
+            "cluster_name": "c", "node_pool": "gpu", "image": "registry.example/batchpilot:0.1.0",
+        },
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+        "train": {"total_samples": 64, "lr": 1e-3, "checkpoint_uri": "gs://bucket/ckpt"},
+    }  # fmt: skip
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    parsed = parse_config(config)
+    (folder / "plan.json").write_text(dump_plan(parsed, build_plan(parsed, micro_batch_size=4)))
+    return str(folder / "config.yaml"), str(folder / "plan.json")
+
+
+def launch(folder: Path) -> int:
+    config, plan = write_inputs(folder)
+    return main(["launch", "--config", config, "--plan", plan, "--stage", "final"])
+
+
+def test_launch_creates_the_jobset_streams_every_node_and_returns_0(kube, tmp_path, capsys):
+    kube.state.jobset_statuses = [COMPLETED]
+    kube.state.node_logs = {0: "[rank 0] step 1 loss 5.1\n", 1: "[rank 1] step 1\n"}
+    assert launch(tmp_path) == 0
+    (created,) = [body for method, path, _, body in kube.state.requests if method == "POST"]
+    assert created["kind"] == "JobSet" and created["metadata"]["namespace"] == "batchpilot"
+    creates = [path for method, path, _, _ in kube.state.requests if method == "POST"]
+    assert creates == ["/apis/jobset.x-k8s.io/v1alpha2/namespaces/batchpilot/jobsets"]
+    out = capsys.readouterr().out
+    assert "via jobset (jobset://batchpilot/batchpilot:ramp-final-" in out
+    assert "[rank 0] step 1 loss 5.1" in out and "[rank 1] step 1" in out
+
+
+def test_a_failed_jobset_whose_log_says_preempted_exits_75(kube, tmp_path, capsys):
+    kube.state.jobset_statuses = [FAILED]
+    kube.state.node_logs = {1: f"[rank 1] SIGTERM: checkpoint written\n{PREEMPTED_LOG_MARKER}\n"}
+    assert launch(tmp_path) == EXIT_PREEMPTED
+    assert "was preempted after checkpointing" in capsys.readouterr().out
+
+
+def test_a_failed_jobset_exits_1_with_the_controller_message(kube, tmp_path, capsys):
+    kube.state.jobset_statuses = [FAILED]
+    assert launch(tmp_path) == 1
+    assert "failed (FAILED): pod failed" in capsys.readouterr().err
+
+
+def test_scheduler_describe_follows_the_status_and_cancel_deletes(kube, tmp_path):
+    from torchx.runner import Runner
+    from torchx.specs import AppDef, AppState, Role
+
+    client = kube.api_client()
+    runner = Runner(
+        "test", {"jobset": lambda session_name, **_: JobSetScheduler(session_name, client=client)}
+    )
+    app = AppDef(name="echo", roles=[Role(name="echo", image="busybox", entrypoint="echo", num_replicas=2)])
+    kube.state.jobset_statuses = [{}, RUNNING, COMPLETED]
+    handle = runner.run(app, scheduler="jobset", cfg={"namespace": "ns", "queue": "lm"})
+    states = [runner.status(handle).state for _ in range(3)]
+    assert states == [AppState.PENDING, AppState.RUNNING, AppState.SUCCEEDED]
+    (created,) = kube.state.jobsets.values()
+    assert created["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "lm"}
+    kube.state.jobset_statuses = [RUNNING]  # a finished job is not cancelled
+    runner.cancel(handle)
+    assert not kube.state.jobsets
+    assert (
+        "DELETE",
+        f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets/{created['metadata']['name']}",
+    ) in [(method, path) for method, path, _, _ in kube.state.requests]
+    assert runner.status(handle) is None or runner.status(handle).state == AppState.UNKNOWN

@@ -1,0 +1,236 @@
+"""What `batchpilot launch --dryrun` renders for GKE: a JobSet or a Volcano Job, validated against schemas.
+
+The CRD schemas come from ../shared/schemas (published JobSet and Volcano CRDs); the pod templates
+inside are checked with kubernetes-validate --strict as the Job/Pod objects the controllers create.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchpilot.cli import main
+from batchpilot.cluster.jobset import JobSetOpts, app_to_jobset, jobset_state
+from batchpilot.cluster.launch import cluster_appdef, cluster_launch_spec
+from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
+from batchpilot.config import parse_config
+from batchpilot.planner import build_plan, dump_plan
+from helpers import REPO
+
+SCHEMAS = REPO.parent / "shared" / "schemas"
+K8S_VERSION = "1.30.0"
+
+
+@functools.cache
+def _load_crd(path: Path) -> dict:
+    # The C loader: the CRDs are large and the pure-Python loader takes seconds.
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def crd_schema(filename: str) -> dict:
+    path = SCHEMAS / filename
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the published CRD schemas live next to the repo (../shared/schemas)")
+    return _load_crd(path)
+
+
+def validate_crd(obj: dict, filename: str) -> None:
+    import jsonschema
+
+    # Draft 7 covers what the CRDs' OpenAPI v3 schemas use; jsonschema.validate would first
+    # meta-validate the large schema, which costs seconds per call.
+    jsonschema.Draft7Validator(crd_schema(filename)).validate(obj)
+
+
+def validate_k8s(obj: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def gke_config(**cluster: object) -> dict:
+    return {
+        "name": "ramp",
+        "data": {"uri": "gs://bucket/data", "seq_len": 128},
+        "cluster": {
+            "backend": "gke",
+            "devices_per_node": 8,
+            "max_nodes": 4,
+            "project": "proj",
+            "location": "us-central1",
+            "cluster_name": "train",
+            "node_pool": "h100",
+            "accelerator_type": "nvidia-h100-80gb",
+            "image": "registry.example/batchpilot:0.1.0",
+            "cpu_per_node": 200,
+            "memory_per_node_bytes": "1000GB",
+            "tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"}
+            ],
+            "node_selector": {"team": "lm"},
+            **cluster,
+        },
+        "batch": {"global_batch_size": 512, "micro_batch_size": 4, "schedule": "0:128 1K:256 2K:512"},
+        "train": {"total_samples": 8192, "lr": 3e-4, "checkpoint_uri": "gs://bucket/ckpt"},
+    }
+
+
+def launch_in_process(*argv: str) -> tuple[int, str, str]:
+    """`batchpilot launch ARGV` in this process (the imports are paid once): (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["launch", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def write_inputs(folder: Path, config: dict) -> tuple[str, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    plan = build_plan(parse_config(config), micro_batch_size=config["batch"]["micro_batch_size"])
+    (folder / "plan.json").write_text(dump_plan(parse_config(config), plan))
+    return str(folder / "config.yaml"), str(folder / "plan.json")
+
+
+def dryrun(tmp_path: Path, stage: str, **cluster: object) -> dict:
+    config, plan = write_inputs(tmp_path, gke_config(**cluster))
+    code, out, err = launch_in_process("--config", config, "--plan", plan, "--stage", stage, "--dryrun")
+    assert code == 0, err
+    return yaml.safe_load(out)
+
+
+@pytest.fixture(scope="module")
+def jobset(tmp_path_factory) -> dict:
+    return dryrun(tmp_path_factory.mktemp("jobset"), "final", kueue_queue="lm-queue")
+
+
+@pytest.fixture(scope="module")
+def volcano(tmp_path_factory) -> dict:
+    return dryrun(tmp_path_factory.mktemp("volcano"), "0", launcher="volcano")
+
+
+def test_the_jobset_validates_against_the_published_crd(jobset):
+    validate_crd(jobset, "jobset.x-k8s.io_jobsets.yaml")
+    broken = copy.deepcopy(jobset)
+    broken["spec"]["replicatedJobs"][0]["replicas"] = "one"
+    with pytest.raises(Exception, match="is not of type 'integer'"):
+        validate_crd(broken, "jobset.x-k8s.io_jobsets.yaml")
+
+
+def test_the_jobset_job_template_is_a_valid_kubernetes_job(jobset):
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "x"},
+        "spec": replicated["template"]["spec"],
+    }
+    validate_k8s(job)
+
+
+def test_the_jobset_runs_the_final_stage_on_its_nodes_with_placement_and_kueue(jobset):
+    assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "lm-queue"
+    assert jobset["spec"]["suspend"] is True  # Kueue admits it
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == 4 and job["completionMode"] == "Indexed"
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-nodepool": "h100",
+        "cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
+        "team": "lm",
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    (container,) = pod["containers"]
+    assert container["image"] == "registry.example/batchpilot:0.1.0"
+    assert container["resources"]["limits"] == {"cpu": "200000m", "memory": "1000000M", "nvidia.com/gpu": "8"}
+    command = container["command"][-1]
+    assert "--nnodes 4 --nproc_per_node 8" in command and "--stage 2" in command  # final = stage 2
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    name = jobset["metadata"]["name"]
+    assert env["TORCHX_RANK0_HOST"] == f"{name}-batchpilot-0-0.{name}"
+    assert yaml.safe_load(env["BATCHPILOT_CONFIG_YAML"])["cluster"]["node_pool"] == "h100"
+
+
+def test_trainer_pods_run_non_root_read_only_without_escalation(jobset, volcano):
+    pods = [jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]]
+    pods += [task["template"]["spec"] for task in volcano["spec"]["tasks"]]
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["serviceAccountName"] == "batchpilot"
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+            assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_the_volcano_job_validates_and_has_one_task_per_node(volcano):
+    validate_crd(volcano, "batch.volcano.sh_jobs.yaml")
+    assert volcano["metadata"]["namespace"] == "batchpilot" and volcano["spec"]["queue"] == "default"
+    assert len(volcano["spec"]["tasks"]) == 4  # stage 0: 128 samples = micro batch 4 x 8 GPUs x 4 nodes
+    for task in volcano["spec"]["tasks"]:
+        validate_k8s({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, **task["template"]})
+
+
+def test_dryrun_of_a_local_config_and_missing_gke_settings_are_one_line_errors(tmp_path):
+    local = gke_config(backend="local")
+    local["cluster"] = {"backend": "local", "max_nodes": 2}
+    config, plan = write_inputs(tmp_path / "local", local)
+    code, _, err = launch_in_process("--config", config, "--plan", plan, "--stage", "0", "--dryrun")
+    assert code == 2 and err.startswith("batchpilot: error: --dryrun:")
+    config, plan = write_inputs(tmp_path / "gke", gke_config(image=None))
+    code, _, err = launch_in_process("--config", config, "--plan", plan, "--stage", "0", "--dryrun")
+    assert code == 2
+    assert err.strip() == (
+        "batchpilot: error: cluster.image: is required when cluster.backend is gke (fix: set cluster.image)"
+    )
+
+
+def test_placement_helpers_for_kfp_tasks():
+    config = parse_config(gke_config())
+    assert gpu_node_selector(config)["cloud.google.com/gke-nodepool"] == "h100"
+    assert gpu_node_selector(config.cluster) == gpu_node_selector(config)
+    assert gpu_tolerations(config)[0] == {
+        "key": "nvidia.com/gpu",
+        "operator": "Exists",
+        "effect": "NoSchedule",
+    }
+    cpu_only = parse_config(gke_config(accelerator_type=None, tolerations=[], node_selector={}))
+    assert gpu_node_selector(cpu_only) == {"cloud.google.com/gke-nodepool": "h100"}
+    assert gpu_tolerations(cpu_only) == []
+
+
+def test_a_name_too_long_for_pod_hostnames_is_refused():
+    from batchpilot.planning import Stage
+
+    config = parse_config(gke_config())
+    stage = Stage(0, "stage-0", 128, 0, 1024, 4, 32, 4, 1, 3e-4, 8, 32, 128, 4, False)
+    spec = cluster_launch_spec(
+        run_name="r" * 60, stage=stage, devices_per_node=8, config_text="x: 1", plan_text="{}"
+    )
+    appdef = cluster_appdef(spec, cluster=config.cluster)
+    with pytest.raises(ValueError, match="limit 63"):
+        app_to_jobset(appdef, JobSetOpts(namespace="ns"))
+
+
+@pytest.mark.parametrize(
+    ("status", "state"),
+    [
+        (None, "PENDING"),
+        ({"conditions": [{"type": "Completed", "status": "True"}]}, "SUCCEEDED"),
+        ({"terminalState": "Failed"}, "FAILED"),
+        ({"conditions": [{"type": "Suspended", "status": "True"}]}, "PENDING"),
+        ({"replicatedJobsStatus": [{"name": "t", "active": 2}]}, "RUNNING"),
+        ({"conditions": [{"type": "Completed", "status": "False"}]}, "PENDING"),
+    ],
+)
+def test_jobset_status_maps_to_torchx_states(status, state):
+    assert jobset_state(status).name == state
