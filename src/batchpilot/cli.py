@@ -17,9 +17,12 @@ from batchpilot.errors import BatchpilotError
 # `register(subparsers) -> None` and sets `handler` on its parser (a function taking the parsed args).
 COMMAND_MODULES = (
     "batchpilot.commands.plan",
+    "batchpilot.commands.explore",
     "batchpilot.commands.config",
     "batchpilot.commands.train",
+    "batchpilot.commands.run",
     "batchpilot.commands.data",
+    "batchpilot.commands.pool",
 )
 
 

@@ -1,0 +1,1 @@
+"""Thin KFP components for batchpilot (see ops.py)."""

@@ -1,0 +1,1 @@
+"""The batchpilot Kubeflow pipeline and its compiler."""

@@ -1,0 +1,103 @@
+"""The whole pipeline locally (kfp.local), as `batchpilot run --local` runs it: the main job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchpilot.train.metrics import read_metrics
+from helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def run_pipeline(
+    config: dict, output: Path, *args: str, cpus: int | None = None
+) -> subprocess.CompletedProcess:
+    config_path = output.parent / f"{output.name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchpilot",
+        "run",
+        "--local",
+        "--config",
+        str(config_path),
+        "--output",
+        str(output),
+    ]
+    preexec = (lambda: os.sched_setaffinity(0, set(range(cpus)))) if cpus else None
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=1200, check=False, preexec_fn=preexec
+    )
+
+
+def demo_config(data_uri: str) -> dict:
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["data"]["uri"] = data_uri
+    return config
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_data_uri, tmp_path_factory):
+    output = tmp_path_factory.mktemp("e2e") / "run"
+    result = run_pipeline(demo_config(demo_data_uri), output)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    return output, result
+
+
+def test_demo_goes_through_explore_plan_stages_and_final(demo_run):
+    output, result = demo_run
+    explore = json.loads((output / "explore" / "explore.json").read_text())
+    plan = json.loads((output / "plan.json").read_text())
+    assert plan["micro_batch_size"] == explore["recommendation"]["micro_batch_size"]
+    stages = plan["stages"]
+    assert len([s for s in stages if not s["is_final"]]) >= 3 and stages[-1]["is_final"]
+    assert len({s["num_nodes"] for s in stages}) >= 2, stages
+    records = read_metrics(output / "metrics.jsonl")
+    assert [r["stage"] for r in records] == sorted(r["stage"] for r in records)
+    assert {r["stage"] for r in records} == {s["index"] for s in stages}
+    assert {(r["stage"], r["world_size"]) for r in records} == {(s["index"], s["num_nodes"]) for s in stages}
+    assert records[-1]["consumed_samples"] == plan["trained_samples"]
+    first, last = sum(r["loss"] for r in records[:5]) / 5, sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert "[batchpilot] done in" in result.stdout
+
+
+def test_demo_leaves_report_checkpoints_and_a_scaled_down_pool(demo_run):
+    output, _ = demo_run
+    report = (output / "report.html").read_text()
+    assert "Loss" in report and "Batch-size ramp" in report and "data:image/png;base64," in report
+    assert "| final |" in (output / "plan.md").read_text()
+    assert (output / "ckpt" / "latest").exists()
+    assert json.loads((output / "pool.json").read_text())["num_nodes"] == 0
+
+
+def test_a_failing_stage_still_scales_the_pool_down(demo_data_uri, tmp_path):
+    """The final stage needs 3 local nodes on a machine limited to 2 CPUs: its resize fails."""
+    config = demo_config(demo_data_uri)
+    config["cluster"]["max_nodes"] = 3
+    config["batch"] = {"global_batch_size": 48, "micro_batch_size": 16, "schedule": "0:16 64:32 128:48"}
+    config["train"]["total_samples"] = 256
+    config["train"]["warmup_samples"] = 0
+    # A short exploration: this test is about the failing stage.
+    config["explore"] = {"max_probes": 3, "accumulation_multipliers": [2], "study_train_steps": 1}
+    output = tmp_path / "run"
+    result = run_pipeline(config, output, "--micro-batch-size", "16", cpus=2)
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "the pipeline failed" in result.stderr
+    assert (
+        "3 local node(s) x 1 process(es) = 3 processes, but this machine has 2 CPU(s)"
+        in result.stdout + result.stderr
+    )
+    plan = json.loads((output / "plan.json").read_text())
+    assert [s["num_nodes"] for s in plan["stages"]] == [1, 2, 3]
+    assert json.loads((output / "pool.json").read_text())["num_nodes"] == 0  # the exit handler ran
+    assert read_metrics(output / "ckpt" / "metrics.jsonl")[-1]["stage"] == 1  # stages 0 and 1 trained
