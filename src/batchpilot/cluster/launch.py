@@ -15,6 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
@@ -110,7 +111,6 @@ def local_appdef(spec: LaunchSpec):
 def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
     """Runs the job with torchx `local_cwd`, streams its log lines, returns the exit code of the job."""
     from torchx.runner import get_runner
-    from torchx.specs import AppState
 
     appdef = local_appdef(spec)
     runner = get_runner()
@@ -122,7 +122,21 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
         f"via torchx local_cwd ({handle})",
         flush=True,
     )
-    role = appdef.roles[0].name
+    return follow(
+        runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=0.5,
+        where=f"logs under {log_dir}",
+    )  # fmt: skip
+
+
+def follow(
+    runner: Any, handle: str, *, spec: LaunchSpec, role: str, wait_interval_s: float, where: str
+) -> int:
+    """Streams every node's log lines until the job ends; returns 0, EXIT_PREEMPTED or 1.
+
+    torchrun exits 1 whatever its workers' codes were, so preemption is told by rank 0's log line.
+    """
+    from torchx.specs import AppState
+
     seen: set[str] = set()
     streams = [
         threading.Thread(target=_stream, args=(runner, handle, role, k, seen), daemon=True)
@@ -131,16 +145,16 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
     try:
         for thread in streams:
             thread.start()
-        status = runner.wait(handle, wait_interval=0.5)
+        status = runner.wait(handle, wait_interval=wait_interval_s)
         for thread in streams:
-            thread.join(timeout=10)
+            thread.join(timeout=30)
     except KeyboardInterrupt:
         runner.cancel(handle)
         raise
     finally:
         runner.close()
     if status is None:
-        raise BatchpilotError(spec.name, "torchx lost track of the job", f"see the logs under {log_dir}")
+        raise BatchpilotError(spec.name, f"the job {handle} disappeared before it finished", where)
     if status.state == AppState.SUCCEEDED:
         return 0
     if PREEMPTED_LOG_MARKER in seen:
@@ -148,9 +162,8 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
             f"[batchpilot] {spec.name} was preempted after checkpointing: exit {EXIT_PREEMPTED}", flush=True
         )
         return EXIT_PREEMPTED
-    print(
-        f"[batchpilot] {spec.name} failed ({status.state}); logs under {log_dir}", file=sys.stderr, flush=True
-    )
+    detail = f": {status.msg}" if status.msg and status.msg != "<NONE>" else ""
+    print(f"[batchpilot] {spec.name} failed ({status.state}){detail}; {where}", file=sys.stderr, flush=True)
     return 1
 
 
@@ -295,7 +308,6 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, dryrun: bool = Fals
 
     With `dryrun`, prints the object that would be created and makes no API call.
     """
-    from torchx.specs import AppState
 
     runner = cluster_runner()
     appdef = cluster_appdef(spec, cluster=cluster)
@@ -309,31 +321,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, dryrun: bool = Fals
         f"via {cluster.launcher} ({handle})",
         flush=True,
     )
-    role = appdef.roles[0].name
-    seen: set[str] = set()
-    streams = [
-        threading.Thread(target=_stream, args=(runner, handle, role, k, seen), daemon=True)
-        for k in range(spec.num_nodes)
-    ]
-    try:
-        for thread in streams:
-            thread.start()
-        status = runner.wait(handle, wait_interval=10)
-        for thread in streams:
-            thread.join(timeout=30)
-    except KeyboardInterrupt:
-        runner.cancel(handle)
-        raise
-    finally:
-        runner.close()
-    if status is None:
-        raise BatchpilotError(spec.name, f"the job {handle} disappeared before it finished")
-    if status.state == AppState.SUCCEEDED:
-        return 0
-    if PREEMPTED_LOG_MARKER in seen:
-        print(
-            f"[batchpilot] {spec.name} was preempted after checkpointing: exit {EXIT_PREEMPTED}", flush=True
-        )
-        return EXIT_PREEMPTED
-    print(f"[batchpilot] {spec.name} failed ({status.state}): {status.msg}", file=sys.stderr, flush=True)
-    return 1
+    return follow(
+        runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
+        where=f"see the job {handle} in namespace {cluster.namespace}",
+    )  # fmt: skip
