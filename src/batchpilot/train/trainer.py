@@ -298,6 +298,10 @@ class _Loop:
         if self.saved_step == self.step:
             return
         if self.ctx.is_main:
+            if self.metrics is not None:
+                # Before `latest` moves: the copy always covers the checkpoint's steps (a resume truncates
+                # the steps after it), even when the process dies between the two writes.
+                self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
             where = self.checkpointer.save(
                 step=self.step,
                 consumed_samples=self.consumed,
@@ -311,8 +315,6 @@ class _Loop:
                     "noise_scale_ema": self.noise.state_dict(),
                 },
             )
-            if self.metrics is not None:
-                self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
             log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}")
         self.ctx.barrier()
         self.saved_step = self.step
