@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from loopback_http import serving
+
 POOL = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools/([^/:]+)(:\w+)?$")
 OPERATION = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/operations/([^/]+)$")
 # The client asks for `$alt=json;enum-encoding=int`, so enums go out as their numbers
@@ -193,12 +195,5 @@ class ContainerServer:
 @contextlib.contextmanager
 def container_server_running() -> Iterator[ContainerServer]:
     state = ContainerState()
-    handler = type("Handler", (_Handler,), {"state": state})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serving(_Handler, state) as server:
         yield ContainerServer(server, state)
-    finally:
-        server.shutdown()
-        server.server_close()

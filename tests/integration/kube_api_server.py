@@ -21,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from loopback_http import serving
+
 JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/"
 
 
@@ -195,12 +197,5 @@ class KubeServer:
 @contextlib.contextmanager
 def kube_server_running() -> Iterator[KubeServer]:
     state = KubeState()
-    handler = type("Handler", (_Handler,), {"state": state})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with serving(_Handler, state) as server:
         yield KubeServer(server, state)
-    finally:
-        server.shutdown()
-        server.server_close()
