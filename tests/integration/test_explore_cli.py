@@ -73,6 +73,11 @@ def test_explore_writes_the_contract_files_and_prints_interim_recommendations(tm
     assert len(document["probes"]) == 5
     assert all(set(probe) >= CONTRACT_PROBE_KEYS for probe in document["probes"])
     assert [p["micro_batch_size"] for p in document["probes"][:3]] == [1, 2, 4]
+    # Every probe after the base (micro batch 1) timed the base's passes beside its own.
+    base, *others = document["probes"]
+    assert base["pair_ratios"] == [] and base["relative_throughput"] is None
+    for probe in (p for p in others if p["fits"]):
+        assert len(probe["pair_ratios"]) == probe["repeats"] and probe["relative_throughput"] > 0
     recommendation = document["recommendation"]
     assert set(recommendation) >= CONTRACT_RECOMMENDATION_KEYS
     assert 0 <= recommendation["confidence"] <= 99

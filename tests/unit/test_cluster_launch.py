@@ -17,9 +17,10 @@ import yaml
 
 from batchpilot.cli import main
 from batchpilot.cluster.jobset import JobSetOpts, app_to_jobset, jobset_state
-from batchpilot.cluster.launch import cluster_appdef, cluster_launch_spec
+from batchpilot.cluster.launch import cluster_appdef, cluster_launch_spec, local_trainer_threads
 from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
 from batchpilot.config import parse_config
+from batchpilot.errors import BatchpilotError
 from batchpilot.planner import build_plan, dump_plan
 from helpers import REPO
 
@@ -234,3 +235,13 @@ def test_a_name_too_long_for_pod_hostnames_is_refused():
 )
 def test_jobset_status_maps_to_torchx_states(status, state):
     assert jobset_state(status).name == state
+
+
+def test_local_trainers_and_probes_use_one_thread_unless_omp_num_threads_says_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert local_trainer_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert local_trainer_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(BatchpilotError, match="OMP_NUM_THREADS"):
+        local_trainer_threads()

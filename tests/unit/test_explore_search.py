@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.explore.records import ProbeRequest, ProbeResult
-from batchpilot.explore.runner import search_micro_batch
+from batchpilot.explore.records import ProbeRequest, ProbeResult, Setting
+from batchpilot.explore.runner import probe_request, search_micro_batch
 from helpers import tiny_config
 
 SEQ_LEN = 32
@@ -187,3 +188,54 @@ def test_recommended_speedup_is_relative_to_the_base_probe():
         * (1 - 0.004 * abs(recommendation.micro_batch_size - 40))
     )
     assert math.isclose(recommendation.estimated_speedup, best / base, rel_tol=0.01)
+
+
+def machine_with_moods(measure, *, seed: int, pairing: bool = True):
+    """`measure` on a shared machine whose speed drops by a third for a whole probe, at random.
+
+    With `pairing`, a probe given a reference also reports the per-pass ratio to it, which the mood
+    cannot change (both passes of a pair run in the same mood).
+    """
+    rng = random.Random(seed)
+
+    def moody(request: ProbeRequest) -> ProbeResult:
+        result = measure(request)
+        if not result.fits:
+            return result
+        slow = 1.5 if rng.random() < 0.5 else 1.0
+        result.step_times_s = [t * slow for t in result.step_times_s]
+        result.step_time_s = (result.step_time_s or 0.0) * slow
+        result.tokens_per_s = (result.tokens_per_s or 0.0) / slow
+        reference = request.reference_micro_batch_size
+        if pairing and reference is not None:
+            own = result.tokens_per_s * slow
+            base = measure(_request(reference, request.reference_activation_checkpointing)).tokens_per_s
+            result.pair_ratios = [own / base * (1 + 0.003 * (i % 3 - 1)) for i in range(5)]
+            result.relative_throughput = sorted(result.pair_ratios)[2]
+        return result
+
+    return moody
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pairing_with_the_base_keeps_the_search_within_3_percent_on_a_moody_machine(seed):
+    true = device(peak_at=40, frontier=100, ac_frontier=220)
+    _, best = exhaustive(true, 256)
+    _, recommendation, _, _ = search(machine_with_moods(true, seed=seed))
+    measured = true(_request(recommendation.micro_batch_size, recommendation.activation_checkpointing))
+    assert measured.tokens_per_s >= 0.97 * best
+
+
+def test_probes_are_paired_with_the_base_only_when_that_is_safe():
+    cfg = config()
+    base = ProbeResult(micro_batch_size=2, activation_checkpointing=False, compile=False, fits=True)
+    paired = probe_request(config=cfg, micro_batch_size=8, setting=Setting(True), reference=base)
+    assert (paired.reference_micro_batch_size, paired.reference_activation_checkpointing) == (2, False)
+    # Not with itself, not with a larger reference (it could raise the peak), not when compiled.
+    for micro, setting in ((2, Setting(False)), (1, Setting(False)), (8, Setting(False, compile=True))):
+        request = probe_request(config=cfg, micro_batch_size=micro, setting=setting, reference=base)
+        assert request.reference_micro_batch_size is None
+    assert (
+        probe_request(config=cfg, micro_batch_size=8, setting=Setting(False)).reference_micro_batch_size
+        is None
+    )

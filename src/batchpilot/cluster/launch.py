@@ -23,6 +23,18 @@ from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
 from batchpilot.planning import Plan, Stage
 
 
+def local_trainer_threads() -> int:
+    """CPU threads of each local trainer process (OMP_NUM_THREADS, 1 unless the user set it).
+
+    One process per "device" on a shared machine: more threads per process would only fight over the
+    same cores. Explore's probes use the same number, so they measure what a trainer will see.
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise BatchpilotError("OMP_NUM_THREADS", f"is {value!r}", "set it to a positive integer or unset it")
+    return int(value)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -94,7 +106,7 @@ def local_appdef(spec: LaunchSpec):
         # torchrun and this interpreter's packages must be found by the replicas.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "OMP_NUM_THREADS": str(local_trainer_threads()),
         **spec.env,
     }
     return torchrun(

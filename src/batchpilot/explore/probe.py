@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import sys
 import threading
 import time
@@ -64,6 +65,8 @@ class Session:
 def open_session(request: ProbeRequest) -> Iterator[Session]:
     """Opens the data and builds the model; user errors (dataset, factory) raise BatchpilotError."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and request.cpu_threads:
+        torch.set_num_threads(request.cpu_threads)
     torch.manual_seed(request.seed)
     loader = TokenLoader(
         uri=request.data_uri,
@@ -108,30 +111,58 @@ def _watch_memory(*, budget_bytes: int, result: ProbeResult, done: threading.Eve
             os._exit(0)
 
 
-def _timed_passes(session: Session, request: ProbeRequest) -> list[float]:
-    """Warm-up passes, then timed forward + backward passes (each followed by an untimed optimizer step)."""
+def _timed_passes(session: Session, request: ProbeRequest) -> tuple[list[float], list[float]]:
+    """Warm-up passes, then timed forward + backward passes (each followed by an untimed optimizer step).
+
+    Returns:
+        (pass times of the requested size, ratios of its throughput over the reference's pass next to
+        each of them; empty without a reference).
+    """
     micro = request.micro_batch_size
+    reference = request.reference_micro_batch_size
     times_s: list[float] = []
-    step = 0
-    while True:
-        timed = step - request.warmup_steps
-        if timed >= MAX_TIMED_STEPS or (timed >= request.timed_steps and sum(times_s) >= request.min_timed_s):
-            return times_s
+    ratios: list[float] = []
+    consumed = 0
+
+    def one_pass(size: int, checkpointing: bool) -> float:
+        nonlocal consumed
+        if reference is not None:
+            set_activation_checkpointing(session.model, checkpointing)
         (batch,) = session.loader.micro_batches(
-            consumed_samples=step * micro,
-            global_batch_size=micro,
-            micro_batch_size=micro,
+            consumed_samples=consumed,
+            global_batch_size=size,
+            micro_batch_size=size,
             gradient_accumulation_steps=1,
         )
+        consumed += size
         batch = batch.to(session.device)
         _synchronize(session.device)
         started = time.perf_counter()
         micro_batch_loss(session.model, batch, session.autocast()).backward()
         _synchronize(session.device)
-        if timed >= 0:
-            times_s.append(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
         session.optimizer.step()
         session.optimizer.zero_grad(set_to_none=True)
+        return elapsed
+
+    step = 0
+    while True:
+        timed = step - request.warmup_steps
+        if timed >= MAX_TIMED_STEPS or (timed >= request.timed_steps and sum(times_s) >= request.min_timed_s):
+            return times_s, ratios
+        # With a reference, the two passes of a pair alternate in order, so neither always goes first.
+        if reference is None:
+            elapsed = one_pass(micro, request.activation_checkpointing)
+        elif step % 2:
+            reference_s = one_pass(reference, request.reference_activation_checkpointing)
+            elapsed = one_pass(micro, request.activation_checkpointing)
+        else:
+            elapsed = one_pass(micro, request.activation_checkpointing)
+            reference_s = one_pass(reference, request.reference_activation_checkpointing)
+        if timed >= 0:
+            times_s.append(elapsed)
+            if reference is not None:
+                ratios.append((micro / elapsed) / (reference / reference_s))
         step += 1
 
 
@@ -161,7 +192,7 @@ def measure(request: ProbeRequest) -> ProbeResult:
                 watchdog.start()
             else:
                 torch.cuda.reset_peak_memory_stats(session.device)
-            times_s = _timed_passes(session, request)
+            times_s, ratios = _timed_passes(session, request)
             done.set()
             result.peak_memory_bytes = peak_memory_bytes(session.device)
             result.__dict__.update(
@@ -169,6 +200,9 @@ def measure(request: ProbeRequest) -> ProbeResult:
                     step_times_s=times_s, micro_batch_size=request.micro_batch_size, seq_len=request.seq_len
                 )
             )
+            result.pair_ratios = ratios
+            if ratios:
+                result.relative_throughput = statistics.median(ratios)
             over = session.device.type == "cpu" and result.peak_memory_bytes > request.memory_budget_bytes
             result.fits = not over
             if over:

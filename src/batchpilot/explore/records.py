@@ -40,6 +40,11 @@ class ProbeRequest:
         min_timed_s: ... and more until the timed steps add up to this (short steps are noisy).
         memory_budget_bytes: on CPU, a peak resident set above this does not fit.
         precision: `train.precision` (auto, fp32, bf16).
+        cpu_threads: on CPU, torch's intra-op threads (the local trainers' count); None = torch's default.
+        reference_micro_batch_size, reference_activation_checkpointing: the base probe's configuration;
+            when set, every timed pass is paired with a pass of it in the same process (see
+            `ProbeResult.pair_ratios`). None: no reference (the base probe itself, or another compile
+            setting than the reference's).
     """
 
     factory: str
@@ -57,6 +62,9 @@ class ProbeRequest:
     min_timed_s: float
     memory_budget_bytes: int
     precision: str = "auto"
+    cpu_threads: int | None = None
+    reference_micro_batch_size: int | None = None
+    reference_activation_checkpointing: bool = False
 
     @property
     def setting(self) -> Setting:
@@ -84,6 +92,11 @@ class ProbeResult:
             avoid; the search stops with this one line.
         device: `cpu` or `cuda`.
         duration_s: wall-clock time of the probe process.
+        pair_ratios: for each timed pass, this size's throughput over the reference's (the base probe's
+            configuration) measured right next to it. A shared machine's speed can change by a third for
+            seconds at a time; both passes of a pair see the same speed, so the ratio does not.
+        relative_throughput: the median of `pair_ratios` (1.0 for the base probe itself; None when the
+            probe had no reference).
     """
 
     micro_batch_size: int
@@ -100,6 +113,8 @@ class ProbeResult:
     device: str = "cpu"
     duration_s: float = 0.0
     step_times_s: list[float] = field(default_factory=list)
+    pair_ratios: list[float] = field(default_factory=list)
+    relative_throughput: float | None = None
 
     @property
     def setting(self) -> Setting:

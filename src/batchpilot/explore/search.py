@@ -35,7 +35,9 @@ class Point:
     """All fitting probes of one (setting, micro batch), pooled.
 
     Attributes:
-        tokens_per_s: from the median of every timed pass of every probe of this point.
+        tokens_per_s: the base probe's throughput times the median ratio to it measured pass by pass in
+            the same process, when the probes had that reference; else from the median of every timed
+            pass of every probe of this point.
         rel_noise: relative standard error of that throughput (within-probe spread, plus the measured
             between-process spread when repeats exist).
     """
@@ -98,11 +100,33 @@ class SearchState:
         spreads = []
         for setting in self.settings:
             for point in self.points(setting, with_between=False):
-                runs = [r.step_time_s for r in self.probed(setting, point.micro_batch_size) if r.fits]
+                runs = [r for r in self.probed(setting, point.micro_batch_size) if r.fits]
                 if len(runs) >= 2:
-                    values = [t for t in runs if t]
+                    values = [self.relative(r) or 1 / (r.step_time_s or math.inf) for r in runs]
                     spreads.append(statistics.stdev(values) / statistics.mean(values))
         return math.sqrt(statistics.mean(s * s for s in spreads)) if spreads else None
+
+    def base_tokens_per_s(self) -> float | None:
+        """The base configuration's typical throughput: the scale of every paired estimate.
+
+        Each paired probe also tells how fast the base ran at its moment (its own tokens/s over its
+        ratio); the median over the base probe and all of those is steadier than the base probe alone.
+        """
+        base = self.base()
+        if base is None or not base.tokens_per_s:
+            return None
+        implied = [
+            r.tokens_per_s / r.relative_throughput
+            for r in self.results
+            if r.fits and r.tokens_per_s and r.relative_throughput
+        ]
+        return statistics.median([base.tokens_per_s, *implied])
+
+    def relative(self, result: ProbeResult) -> float | None:
+        """Throughput over the base probe's, measured against it in the same process (see ProbeResult)."""
+        if result is self.base():
+            return 1.0
+        return result.relative_throughput
 
     def points(self, setting: Setting, *, with_between: bool = True) -> list[Point]:
         """Fitting sizes of `setting` below its smallest non-fitting one, ascending."""
@@ -116,11 +140,19 @@ class SearchState:
         between = self.between_process_noise() if with_between else None
         sizes = sorted({r.micro_batch_size for r in self.results if r.setting == setting and r.fits})
         points = []
+        base_tokens_per_s = self.base_tokens_per_s()
         for micro in (m for m in sizes if m < limit):
             runs = [r for r in self.probed(setting, micro) if r.fits]
             times_s = [t for r in runs for t in r.step_times_s] or [r.step_time_s or 0.0 for r in runs]
             step_s = statistics.median(times_s)
             noise = _rel_within_noise(times_s)
+            relatives = [self.relative(r) for r in runs]
+            if base_tokens_per_s and all(value is not None for value in relatives):
+                # Paired with the base in the same process: the machine's speed of the moment cancels.
+                ratios = [x for r in runs for x in r.pair_ratios] or [v for v in relatives if v is not None]
+                step_s = micro * self.seq_len / (statistics.median(ratios) * base_tokens_per_s)
+                if any(r.pair_ratios for r in runs):
+                    noise = _rel_within_noise([1 / x for x in ratios])
             if between is not None:
                 noise = math.sqrt(noise**2 + between**2 / len(runs))
             points.append(
