@@ -11,7 +11,7 @@ from batchpilot.explore.process import run_child
 from batchpilot.explore.recommend import Recommendation, Topology, plan_notes
 from batchpilot.explore.records import RESULT_MARKER, ProbeResult, Setting
 from batchpilot.explore.search import SearchState
-from batchpilot.explore.study import MultiplierResult, advise
+from batchpilot.explore.study import MultiplierResult, advise, format_samples
 
 
 def state_with(sizes_tokens_per_s: dict[int, float]) -> SearchState:
@@ -54,8 +54,23 @@ def test_a_micro_batch_that_does_not_divide_the_plan_gets_nearby_global_batches_
     assert (
         "micro_batch_size=24 does not divide global_batch_size 64 / data_parallel_size 2" in rec.plan_notes[0]
     )
-    assert "nearby valid global batch sizes for it: 48 or 72" in rec.plan_notes[0]
+    # The final stage runs on max_nodes (2 devices): multiples of 24 x 2 around 64.
+    assert "nearby valid global batch sizes for it: 48 or 96" in rec.plan_notes[0]
     assert "micro_batch_size=8" in rec.plan_notes[1] and "0.90x" in rec.plan_notes[1]
+    assert rec.plan_compatible_micro_batch_size == 8
+
+
+def test_the_plan_takes_a_larger_compatible_size_when_it_is_as_fast_within_the_noise():
+    topology = Topology(64, devices_per_node=1, min_nodes=1, max_nodes=2)
+    # 24 is fastest but does not divide 64 / 2 devices; of 8 and 16, which do, 16 is 1% slower than 8:
+    # timing cannot tell them apart, so the larger one is planned with.
+    rec = recommendation(24, 1100.0)
+    plan_notes(recommendation=rec, state=state_with({8: 1000.0, 16: 990.0, 24: 1100.0}), topology=topology)
+    assert rec.plan_compatible_micro_batch_size == 16
+    assert "or a larger one as fast within the timing noise" in rec.plan_notes[1]
+    # 10% slower is a real difference: the faster, smaller size stays.
+    rec = recommendation(24, 1100.0)
+    plan_notes(recommendation=rec, state=state_with({8: 1000.0, 16: 900.0, 24: 1100.0}), topology=topology)
     assert rec.plan_compatible_micro_batch_size == 8
 
 
@@ -167,3 +182,7 @@ def test_a_killed_probe_names_the_signal(child_module):
     data, reason = run_child(module=module, payload="{}", timeout_s=30)
     assert data is None and "killed by SIGKILL" in reason
     assert sys.platform.startswith("linux")
+
+
+def test_batch_sizes_are_printed_for_people_and_small_noise_scales_are_not_zero():
+    assert [format_samples(x) for x in (12345.6, 250.0, 48.2, 0.432)] == ["12,346", "250", "48", "0.43"]

@@ -121,6 +121,25 @@ def recommend(state: SearchState) -> Recommendation | None:
     )
 
 
+def plan_choice(compatible: list[Point]) -> Point | None:
+    """The micro batch a plan should use among those it can: the fastest, or a larger one as fast.
+
+    Sizes whose throughputs differ by less than `EQUIVALENCE` or by less than two standard errors of
+    the timing noise are equally fast as far as the measurements can tell; among those the largest wins,
+    because a larger micro batch needs fewer accumulation passes (less per-pass overhead) for the same
+    global batch.
+    """
+    fastest = max(compatible, key=lambda p: p.tokens_per_s, default=None)
+    if fastest is None:
+        return None
+
+    def as_fast(point: Point) -> bool:
+        tolerance = max(EQUIVALENCE, 2 * math.hypot(point.rel_noise, fastest.rel_noise))
+        return point.tokens_per_s >= fastest.tokens_per_s * (1 - tolerance)
+
+    return max((p for p in compatible if as_fast(p)), key=lambda p: (p.micro_batch_size, p.tokens_per_s))
+
+
 @dataclass(frozen=True)
 class Topology:
     """What the plan needs of a micro batch: the target batch and the devices it is split over."""
@@ -159,7 +178,7 @@ def plan_notes(*, recommendation: Recommendation, state: SearchState, topology: 
         topology.data_parallel_size,
     )
     compatible = [p for p in state.all_points() if topology.divides(p.micro_batch_size)]
-    fastest_compatible = max(compatible, key=lambda p: p.tokens_per_s, default=None)
+    fastest_compatible = plan_choice(compatible)
     recommendation.plan_compatible_micro_batch_size = (
         fastest_compatible.micro_batch_size if fastest_compatible else None
     )
@@ -172,7 +191,8 @@ def plan_notes(*, recommendation: Recommendation, state: SearchState, topology: 
         if fastest_compatible is not None:
             notes.append(
                 f"the plan uses micro_batch_size={fastest_compatible.micro_batch_size} "
-                f"({fastest_compatible.setting.label()}), the fastest measured size that fits every stage: "
+                f"({fastest_compatible.setting.label()}), the fastest measured size that fits every stage "
+                "(or a larger one as fast within the timing noise): "
                 f"{fastest_compatible.tokens_per_s / recommendation.tokens_per_s:.2f}x the recommendation's throughput"
             )
         recommendation.plan_notes = notes
@@ -185,7 +205,7 @@ def plan_notes(*, recommendation: Recommendation, state: SearchState, topology: 
         return
     below, above = nearest_valid_batch_sizes(
         target,
-        node_range=range(topology.min_nodes, topology.max_nodes + 1),
+        node_range=range(topology.max_nodes, topology.max_nodes + 1),  # the final stage's node count
         micro_batch_size=micro,
         devices_per_node=topology.devices_per_node,
         pp=topology.pipeline_parallel_size,
@@ -201,7 +221,8 @@ def plan_notes(*, recommendation: Recommendation, state: SearchState, topology: 
         ratio = fastest_compatible.tokens_per_s / recommendation.tokens_per_s
         notes.append(
             f"or keep global_batch_size {target} with micro_batch_size={fastest_compatible.micro_batch_size} "
-            f"({fastest_compatible.setting.label()}), the fastest measured size that divides it: "
+            f"({fastest_compatible.setting.label()}), the fastest measured size that divides it "
+            "(or a larger one as fast within the timing noise): "
             f"{ratio:.2f}x the recommendation's throughput"
         )
     recommendation.plan_notes = notes
