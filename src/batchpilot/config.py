@@ -340,7 +340,7 @@ class ExploreConfig(_Section):
         description="effective-batch study at the recommended micro batch",
     )
     study_train_steps: int = Field(
-        8,
+        50,
         ge=0,
         description="optimizer steps before the study measures (an untrained model's noise says little)",
     )

@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(result: Any) -> None:
+    from batchpilot.explore.study import format_samples
+
     rec = result.recommendation
     print(
         f"\nexplore finished ({result.stopped_because}) after {len(result.probes)} probes in {result.elapsed_s:.0f} s"
@@ -82,7 +84,9 @@ def _summary(result: Any) -> None:
         print(f"  {line}")
     if result.noise_scale is not None:
         noise = result.noise_scale
-        critical = f"{noise.critical_batch_size:,.0f}" if noise.critical_batch_size else "not measurable"
+        critical = (
+            format_samples(noise.critical_batch_size) if noise.critical_batch_size else "not measurable"
+        )
         print(
             f"critical batch size {critical}; recommended global batch "
             f"{noise.recommended_global_batch_size or '-'}; LR scaling {noise.lr_scaling}"

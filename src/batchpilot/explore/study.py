@@ -217,6 +217,11 @@ def _nearest_valid(
     return min(options, key=lambda b: (abs(b - batch), -b))
 
 
+def format_samples(value: float) -> str:
+    """A batch size in samples for people: `12,345`, `48`, `0.43` (small noise scales are not zero)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2g}"
+
+
 def advise(
     *,
     per_multiplier: list[MultiplierResult],
@@ -260,7 +265,7 @@ def advise(
     report.lr_scaling = "sqrt" if configured_global_batch_size <= 2 * critical else "none"
     optimal_lr_ratio = (1 + critical / micro_batch_size) / (1 + critical / configured_global_batch_size)
     report.reasoning = [
-        f"critical batch size (B_simple, McCandlish et al. 2018) ~ {critical:,.0f} samples, {measured_at}; "
+        f"critical batch size (B_simple, McCandlish et al. 2018) ~ {format_samples(critical)} samples, {measured_at}; "
         "it usually grows as the loss falls, so treat it as a lower estimate and watch noise_scale in "
         "metrics.jsonl",
         f"below it, doubling the global batch nearly halves the optimizer steps; above it, each doubling "
