@@ -106,8 +106,6 @@ def paired_throughput(
         (median tokens/s of the first, of the second, median of the per-pair ratios first / second).
     """
     from batchpilot.explore.probe import open_session
-    from batchpilot.models.factory import set_activation_checkpointing
-    from batchpilot.train.step import micro_batch_loss
 
     (micro_a, setting_a), (micro_b, setting_b) = sizes
     if setting_a.compile or setting_b.compile:
@@ -117,23 +115,9 @@ def paired_throughput(
     second: list[float] = []
     ratios: list[float] = []
     with open_session(request) as session:
-        consumed = 0
 
         def one_pass(micro: int, setting: Setting) -> float:
-            nonlocal consumed
-            set_activation_checkpointing(session.model, setting.activation_checkpointing)
-            (batch,) = session.loader.micro_batches(
-                consumed_samples=consumed,
-                global_batch_size=micro,
-                micro_batch_size=micro,
-                gradient_accumulation_steps=1,
-            )
-            consumed += micro
-            started = time.perf_counter()
-            micro_batch_loss(session.model, batch.to(session.device), session.autocast()).backward()
-            elapsed = time.perf_counter() - started
-            session.optimizer.step()
-            session.optimizer.zero_grad(set_to_none=True)
+            elapsed = session.timed_pass(micro, setting.activation_checkpointing)
             return micro * config.data.seq_len / elapsed
 
         one_pass(micro_a, setting_a)  # warm-up of both

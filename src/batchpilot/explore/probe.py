@@ -59,6 +59,31 @@ class Session:
     loader: TokenLoader
     device: torch.device
     autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+    consumed_samples: int = 0
+
+    def timed_pass(self, micro_batch_size: int, activation_checkpointing: bool | None = None) -> float:
+        """Seconds of one forward + backward pass on the next micro batch; then an untimed optimizer step.
+
+        `activation_checkpointing` switches the model first (None: leave it as it is).
+        """
+        if activation_checkpointing is not None:
+            set_activation_checkpointing(self.model, activation_checkpointing)
+        (batch,) = self.loader.micro_batches(
+            consumed_samples=self.consumed_samples,
+            global_batch_size=micro_batch_size,
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=1,
+        )
+        self.consumed_samples += micro_batch_size
+        batch = batch.to(self.device)
+        _synchronize(self.device)
+        started = time.perf_counter()
+        micro_batch_loss(self.model, batch, self.autocast()).backward()
+        _synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return elapsed
 
 
 @contextlib.contextmanager
@@ -122,28 +147,10 @@ def _timed_passes(session: Session, request: ProbeRequest) -> tuple[list[float],
     reference = request.reference_micro_batch_size
     times_s: list[float] = []
     ratios: list[float] = []
-    consumed = 0
 
     def one_pass(size: int, checkpointing: bool) -> float:
-        nonlocal consumed
-        if reference is not None:
-            set_activation_checkpointing(session.model, checkpointing)
-        (batch,) = session.loader.micro_batches(
-            consumed_samples=consumed,
-            global_batch_size=size,
-            micro_batch_size=size,
-            gradient_accumulation_steps=1,
-        )
-        consumed += size
-        batch = batch.to(session.device)
-        _synchronize(session.device)
-        started = time.perf_counter()
-        micro_batch_loss(session.model, batch, session.autocast()).backward()
-        _synchronize(session.device)
-        elapsed = time.perf_counter() - started
-        session.optimizer.step()
-        session.optimizer.zero_grad(set_to_none=True)
-        return elapsed
+        # Only a paired probe switches the model between its setting and the reference's.
+        return session.timed_pass(size, checkpointing if reference is not None else None)
 
     step = 0
     while True:
