@@ -173,6 +173,7 @@ def _probe_rows(document: dict[str, Any]) -> list[list[Any]]:
                 f"{peak / 2**20:,.0f}" if peak else "",
                 f"{probe['step_time_s'] * 1000:,.1f}" if probe["step_time_s"] else "",
                 f"{probe['tokens_per_s']:,.0f}" if probe["tokens_per_s"] else "",
+                f"{probe['relative_throughput']:.3f}" if probe.get("relative_throughput") else "",
                 probe["repeats"],
                 probe["error"] or "",
             ]
@@ -205,7 +206,18 @@ def explore_html(document: dict[str, Any], figures: list[tuple[str, str]]) -> st
         for title, png in figures
     )
     probes = _table(
-        ["#", "micro batch", "act. ckpt", "fits", "peak MiB", "ms/pass", "tokens/s", "timed passes", "error"],
+        [
+            "#",
+            "micro batch",
+            "act. ckpt",
+            "fits",
+            "peak MiB",
+            "ms/pass",
+            "tokens/s",
+            "x base, pass by pass",
+            "timed passes",
+            "error",
+        ],
         _probe_rows(document),
     )
     summary = (
@@ -222,7 +234,11 @@ def explore_html(document: dict[str, Any], figures: list[tuple[str, str]]) -> st
         f"<p><b>Recommendation:</b> {html.escape(summary)}</p>{_list(rec['reasoning'] + rec['plan_notes'])}"
         f"<p>{len(document['probes'])} probes on {html.escape(str(document['device']))}, stopped: "
         f"{html.escape(document['stopped_because'])}, {document['elapsed_s']:.0f} s</p>"
-        f"<h2>Throughput and memory</h2>{images}<h2>Probes</h2>{probes}"
+        f"<h2>Throughput and memory</h2>{images}"
+        "<p>The plotted throughput of a size is the base probe's tokens/s times the size's median ratio "
+        "to the base, timed pass by pass in the same process (a shared machine's changing speed cancels "
+        "out of the ratio); a probe's own tokens/s is in the table.</p>"
+        f"<h2>Probes</h2>{probes}"
         f"{_study_section(document['noise_scale'], document['study_error'])}</body></html>\n"
     )
 
