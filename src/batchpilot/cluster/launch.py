@@ -129,25 +129,27 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     handle = runner.run(appdef, scheduler="local_cwd", cfg={"log_dir": str(log_dir), "prepend_cwd": True})
     assert isinstance(handle, str)
-    print(
-        f"[batchpilot] launched {spec.name}: {spec.num_nodes} node(s) x {spec.processes_per_node} process(es) "
-        f"via torchx local_cwd ({handle})",
-        flush=True,
-    )
     return follow(
         runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=0.5,
-        where=f"logs under {log_dir}",
+        via="torchx local_cwd", where=f"logs under {log_dir}",
     )  # fmt: skip
 
 
 def follow(
-    runner: Any, handle: str, *, spec: LaunchSpec, role: str, wait_interval_s: float, where: str
+    runner: Any, handle: str, *, spec: LaunchSpec, role: str, wait_interval_s: float, via: str, where: str
 ) -> int:
-    """Streams every node's log lines until the job ends; returns 0, EXIT_PREEMPTED or 1.
+    """Says the job was launched `via` a launcher, streams every node's log lines until it ends; returns 0,
+    EXIT_PREEMPTED or 1.
 
     torchrun exits 1 whatever its workers' codes were, so preemption is told by rank 0's log line.
     """
     from torchx.specs import AppState
+
+    print(
+        f"[batchpilot] launched {spec.name}: {spec.num_nodes} node(s) x {spec.processes_per_node} process(es) "
+        f"via {via} ({handle})",
+        flush=True,
+    )
 
     seen: set[str] = set()
     streams = [
@@ -328,12 +330,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, dryrun: bool = Fals
         print(cluster_job_yaml(info), end="", flush=True)
         return 0
     handle = runner.schedule(info)
-    print(
-        f"[batchpilot] launched {spec.name}: {spec.num_nodes} node(s) x {spec.processes_per_node} process(es) "
-        f"via {cluster.launcher} ({handle})",
-        flush=True,
-    )
     return follow(
         runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
-        where=f"see the job {handle} in namespace {cluster.namespace}",
+        via=cluster.launcher, where=f"see the job {handle} in namespace {cluster.namespace}",
     )  # fmt: skip
