@@ -124,19 +124,9 @@ def measure_study(request: StudyRequest) -> dict[str, Any]:
         with open_session(request.probe) as session:
             for group in session.optimizer.param_groups:
                 group["lr"] = request.lr
-            for step in range(request.train_steps):
-                (batch,) = session.loader.micro_batches(
-                    consumed_samples=step * micro,
-                    global_batch_size=micro,
-                    micro_batch_size=micro,
-                    gradient_accumulation_steps=1,
-                )
-                from batchpilot.train.step import micro_batch_loss
-
-                micro_batch_loss(session.model, batch.to(session.device), session.autocast()).backward()
-                session.optimizer.step()
-                session.optimizer.zero_grad(set_to_none=True)
-            consumed = request.train_steps * micro
+            for _ in range(request.train_steps):
+                session.timed_pass(micro)  # a training step on the next micro batch
+            consumed = session.consumed_samples
             results = []
             for multiplier in request.multipliers:
                 results.append(
