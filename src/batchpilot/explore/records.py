@@ -27,8 +27,22 @@ class Setting:
         return text + (", compiled" if self.compile else "")
 
 
+class _Configuration:
+    """What a probe's request and its result share: the setting measured, and their JSON line."""
+
+    activation_checkpointing: bool
+    compile: bool
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.activation_checkpointing, self.compile)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
-class ProbeRequest:
+class ProbeRequest(_Configuration):
     """Everything one probe process needs (sent as JSON on its stdin).
 
     Attributes:
@@ -66,20 +80,13 @@ class ProbeRequest:
     reference_micro_batch_size: int | None = None
     reference_activation_checkpointing: bool = False
 
-    @property
-    def setting(self) -> Setting:
-        return Setting(self.activation_checkpointing, self.compile)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
     @classmethod
     def from_json(cls, text: str) -> ProbeRequest:
         return cls(**json.loads(text))
 
 
 @dataclass
-class ProbeResult:
+class ProbeResult(_Configuration):
     """One measurement; `fits` is False when it ran out of memory, exceeded the budget, crashed or hung.
 
     Attributes:
@@ -115,13 +122,6 @@ class ProbeResult:
     step_times_s: list[float] = field(default_factory=list)
     pair_ratios: list[float] = field(default_factory=list)
     relative_throughput: float | None = None
-
-    @property
-    def setting(self) -> Setting:
-        return Setting(self.activation_checkpointing, self.compile)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProbeResult:
