@@ -11,6 +11,7 @@ from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.explore.records import ProbeRequest, ProbeResult, Setting
 from batchpilot.explore.runner import probe_request, search_micro_batch
+from batchpilot.explore.search import SearchState
 from helpers import tiny_config
 
 SEQ_LEN = 32
@@ -239,3 +240,23 @@ def test_probes_are_paired_with_the_base_only_when_that_is_safe():
         probe_request(config=cfg, micro_batch_size=8, setting=Setting(False)).reference_micro_batch_size
         is None
     )
+
+
+def test_paired_and_unpaired_runs_of_one_size_are_not_mixed_in_the_noise_estimate():
+    # The base size measured again has no reference (it would be paired with itself): its repeats are
+    # compared by pass time, not a ratio of 1.0 against a throughput.
+    state = SearchState(settings=[Setting(False)], max_micro_batch_size=8, seq_len=SEQ_LEN)
+    for step_s in (0.010, 0.0101):
+        state.add(
+            ProbeResult(
+                micro_batch_size=1,
+                activation_checkpointing=False,
+                compile=False,
+                fits=True,
+                step_time_s=step_s,
+                tokens_per_s=SEQ_LEN / step_s,
+                step_times_s=[step_s] * 3,
+            )
+        )
+    assert state.between_process_noise() == pytest.approx(0.007, abs=0.001)
+    assert state.points(Setting(False))[0].tokens_per_s == pytest.approx(SEQ_LEN / 0.01005, rel=1e-3)

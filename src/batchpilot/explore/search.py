@@ -102,7 +102,7 @@ class SearchState:
             for point in self.points(setting, with_between=False):
                 runs = [r for r in self.probed(setting, point.micro_batch_size) if r.fits]
                 if len(runs) >= 2:
-                    values = [self.relative(r) or 1 / (r.step_time_s or math.inf) for r in runs]
+                    values = self.relatives(runs) or [1 / (r.step_time_s or math.inf) for r in runs]
                     spreads.append(statistics.stdev(values) / statistics.mean(values))
         return math.sqrt(statistics.mean(s * s for s in spreads)) if spreads else None
 
@@ -122,11 +122,12 @@ class SearchState:
         ]
         return statistics.median([base.tokens_per_s, *implied])
 
-    def relative(self, result: ProbeResult) -> float | None:
-        """Throughput over the base probe's, measured against it in the same process (see ProbeResult)."""
-        if result is self.base():
-            return 1.0
-        return result.relative_throughput
+    def relatives(self, runs: Sequence[ProbeResult]) -> list[float] | None:
+        """Each run's throughput over the base probe's, measured against it in the same process (see
+        ProbeResult); None unless every run has one, so paired and unpaired values are never mixed."""
+        base = self.base()
+        values = [1.0 if r is base else r.relative_throughput for r in runs]
+        return [v for v in values if v is not None] if None not in values else None
 
     def points(self, setting: Setting, *, with_between: bool = True) -> list[Point]:
         """Fitting sizes of `setting` below its smallest non-fitting one, ascending."""
@@ -146,10 +147,10 @@ class SearchState:
             times_s = [t for r in runs for t in r.step_times_s] or [r.step_time_s or 0.0 for r in runs]
             step_s = statistics.median(times_s)
             noise = _rel_within_noise(times_s)
-            relatives = [self.relative(r) for r in runs]
-            if base_tokens_per_s and all(value is not None for value in relatives):
+            relatives = self.relatives(runs)
+            if base_tokens_per_s and relatives:
                 # Paired with the base in the same process: the machine's speed of the moment cancels.
-                ratios = [x for r in runs for x in r.pair_ratios] or [v for v in relatives if v is not None]
+                ratios = [x for r in runs for x in r.pair_ratios] or relatives
                 step_s = micro * self.seq_len / (statistics.median(ratios) * base_tokens_per_s)
                 if any(r.pair_ratios for r in runs):
                     noise = _rel_within_noise([1 / x for x in ratios])
