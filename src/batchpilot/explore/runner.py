@@ -43,11 +43,13 @@ def probe_request(
     """
     explore = config.explore
     paired = (
-        reference is not None
+        reference
+        if reference is not None
         and not reference.compile
         and not setting.compile
         and reference.micro_batch_size <= micro_batch_size
         and (reference.micro_batch_size, reference.setting) != (micro_batch_size, setting)
+        else None
     )
     return ProbeRequest(
         factory=config.model.factory,
@@ -66,8 +68,8 @@ def probe_request(
         memory_budget_bytes=explore.memory_budget_bytes,
         precision=config.train.precision,
         cpu_threads=local_trainer_threads() if config.cluster.backend == "local" else None,
-        reference_micro_batch_size=reference.micro_batch_size if paired and reference else None,
-        reference_activation_checkpointing=bool(paired and reference and reference.activation_checkpointing),
+        reference_micro_batch_size=paired.micro_batch_size if paired else None,
+        reference_activation_checkpointing=paired.activation_checkpointing if paired else False,
     )
 
 
