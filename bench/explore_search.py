@@ -10,9 +10,9 @@ How the two are compared: on a shared virtual machine the CPU's speed jumps by a
 time, which one probe process cannot escape; the search and the sweep both rank sizes by their pass-by-
 pass ratio to the base probe (see docs/explore.md), which that drift does not move. The sweep's best is
 still the maximum of ~45 such estimates, biased upwards (the winner's curse). So at the end the
-recommended size and the sweep's best are measured directly against each other, in one process, pass by
-pass in alternation for `--paired-seconds`; the median of the per-pair ratios is checked against the
-target. The sweep's own estimate of the recommended size is printed beside it.
+recommended size and the sweep's best are measured directly against each other: one probe of the
+recommended size with the sweep's best as its reference, 200 pairs of passes in alternation; the median
+of the per-pair ratios is checked against the target. The sweep's own estimate of the recommended size is printed beside it.
 
 Run: .venv/bin/python bench/explore_search.py [--config src/batchpilot/configs/explore_bench.yaml]
 """
@@ -25,11 +25,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from batchpilot.config import Config, load_config
 from batchpilot.explore import run_exploration
-from batchpilot.explore.records import Setting
+from batchpilot.explore.probe import MAX_TIMED_STEPS
+from batchpilot.explore.process import run_probe
+from batchpilot.explore.recommend import Recommendation
+from batchpilot.explore.records import ProbeResult, Setting
 from batchpilot.explore.runner import probe_request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,9 +60,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "src/batchpilot/configs/explore_bench.yaml"))
     parser.add_argument("--max-sweep-size", type=int, default=256, help="the sweep stops here at the latest")
-    parser.add_argument(
-        "--paired-seconds", type=float, default=30.0, help="how long the two sizes are measured pass by pass"
-    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -80,63 +81,38 @@ def main() -> int:
             echo=progress("sweep"),
         )
         sweep_s = time.monotonic() - started
-        rec, best = search.recommendation, sweep.recommendation
-        head_to_head = paired_throughput(
-            config,
-            [
-                (rec.micro_batch_size, Setting(rec.activation_checkpointing, rec.compile)),
-                (best.micro_batch_size, Setting(best.activation_checkpointing, best.compile)),
-            ],
-            seconds=args.paired_seconds,
-        )
-    report(search=search, sweep=sweep, search_s=search_s, sweep_s=sweep_s, head_to_head=head_to_head)
+        paired = head_to_head(config, search.recommendation, sweep.recommendation)
+    report(search=search, sweep=sweep, search_s=search_s, sweep_s=sweep_s, paired=paired)
     return 0
 
 
-def paired_throughput(
-    config: Config, sizes: list[tuple[int, Setting]], *, seconds: float, min_pairs: int = 20
-) -> tuple[float, float, float]:
-    """Tokens/s of two (micro batch, setting) measured pass by pass in alternation, in one process.
+def head_to_head(config: Config, recommended: Recommendation, best: Recommendation) -> ProbeResult:
+    """The recommended size probed with the sweep's best as its reference: every timed pass of one is
+    paired with a pass of the other in the same fresh process (the probe's own pairing, MAX_TIMED_STEPS
+    pairs), so `relative_throughput` is recommended / best, free of the machine's drift.
 
-    Both sizes share the model, the data and every moment of the machine's state: a pair of passes takes
-    a fraction of a second, far less than the seconds a busy neighbour slows this CPU for, so the ratio
-    of each pair is free of that drift. The order inside a pair alternates too.
-
-    Returns:
-        (median tokens/s of the first, of the second, median of the per-pair ratios first / second).
+    The memory budget is lifted for this probe: both sizes fit alone, and only their speed is compared.
     """
-    from batchpilot.explore.probe import open_session
-
-    (micro_a, setting_a), (micro_b, setting_b) = sizes
-    if setting_a.compile or setting_b.compile:
-        raise SystemExit("the paired measurement does not switch torch.compile on and off")
-    request = probe_request(config=config, micro_batch_size=micro_a, setting=setting_a)
-    first: list[float] = []
-    second: list[float] = []
-    ratios: list[float] = []
-    with open_session(request) as session:
-
-        def one_pass(micro: int, setting: Setting) -> float:
-            elapsed = session.timed_pass(micro, setting.activation_checkpointing)
-            return micro * config.data.seq_len / elapsed
-
-        one_pass(micro_a, setting_a)  # warm-up of both
-        one_pass(micro_b, setting_b)
-        started = time.monotonic()
-        while time.monotonic() - started < seconds or len(ratios) < min_pairs:
-            if len(ratios) % 2:
-                b = one_pass(micro_b, setting_b)
-                a = one_pass(micro_a, setting_a)
-            else:
-                a = one_pass(micro_a, setting_a)
-                b = one_pass(micro_b, setting_b)
-            first.append(a)
-            second.append(b)
-            ratios.append(a / b)
-    return statistics.median(first), statistics.median(second), statistics.median(ratios)
+    if recommended.compile or best.compile:
+        raise SystemExit("the head-to-head does not pair compiled probes")
+    request = replace(
+        probe_request(
+            config=config,
+            micro_batch_size=recommended.micro_batch_size,
+            setting=Setting(recommended.activation_checkpointing),
+        ),
+        reference_micro_batch_size=best.micro_batch_size,
+        reference_activation_checkpointing=best.activation_checkpointing,
+        timed_steps=MAX_TIMED_STEPS,
+        memory_budget_bytes=4 * config.explore.memory_budget_bytes,
+    )
+    result = run_probe(request=request, timeout_s=config.explore.probe_timeout_s)
+    if not result.fits or result.relative_throughput is None:
+        raise SystemExit(f"the head-to-head probe failed: {result.error}")
+    return result
 
 
-def report(*, search, sweep, search_s: float, sweep_s: float, head_to_head) -> None:
+def report(*, search, sweep, search_s: float, sweep_s: float, paired: ProbeResult) -> None:
     rec, best = search.recommendation, sweep.recommendation
     # The sweep's own estimate of the recommended size, as a speed-up over its base (paired probes).
     at_recommended = [
@@ -171,14 +147,15 @@ def report(*, search, sweep, search_s: float, sweep_s: float, head_to_head) -> N
             "the sweep's own estimate of the recommended size / of its best = "
             f"{statistics.median(at_recommended) / best.estimated_speedup:.3f}"
         )
-    rec_tokens, best_tokens, ratio = head_to_head
+    ratio = paired.relative_throughput or 0.0
     same = (rec.micro_batch_size, rec.activation_checkpointing) == (
         best.micro_batch_size,
         best.activation_checkpointing,
     )
     print(
-        f"paired, pass by pass in one process: recommended {rec_tokens:,.0f} tokens/s vs sweep best "
-        f"{best_tokens:,.0f} (medians){' (the same size)' if same else ''}"
+        f"head-to-head, {len(paired.pair_ratios)} pairs of passes in one process: recommended "
+        f"{paired.tokens_per_s or 0:,.0f} tokens/s, {ratio:.3f}x the sweep best"
+        f"{' (the same size)' if same else ''}"
     )
     print(
         f"probes: search / sweep = {probe_ratio:.2f} (target <= 0.40): {'PASS' if probe_ratio <= 0.40 else 'FAIL'}"
