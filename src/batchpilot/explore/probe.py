@@ -180,12 +180,7 @@ def _synchronize(device: torch.device) -> None:
 
 def measure(request: ProbeRequest) -> ProbeResult:
     """Runs the probe in this process and returns its result (never raises for a failed measurement)."""
-    result = ProbeResult(
-        micro_batch_size=request.micro_batch_size,
-        activation_checkpointing=request.activation_checkpointing,
-        compile=request.compile,
-        fits=False,
-    )
+    result = ProbeResult.not_fitting(request)
     done = threading.Event()
     try:
         with open_session(request) as session:

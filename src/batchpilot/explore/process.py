@@ -68,15 +68,6 @@ def run_probe(*, request: ProbeRequest, timeout_s: float) -> ProbeResult:
     data, reason = run_child(
         module="batchpilot.explore.probe", payload=request.to_json(), timeout_s=timeout_s
     )
-    if data is None:
-        result = ProbeResult(
-            micro_batch_size=request.micro_batch_size,
-            activation_checkpointing=request.activation_checkpointing,
-            compile=request.compile,
-            fits=False,
-            error=reason,
-        )
-    else:
-        result = ProbeResult.from_dict(data)
+    result = ProbeResult.not_fitting(request, error=reason) if data is None else ProbeResult.from_dict(data)
     result.duration_s = time.perf_counter() - started
     return result

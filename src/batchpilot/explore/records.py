@@ -124,6 +124,17 @@ class ProbeResult(_Configuration):
     relative_throughput: float | None = None
 
     @classmethod
+    def not_fitting(cls, request: ProbeRequest, error: str | None = None) -> ProbeResult:
+        """A result of `request` that does not fit (yet: the probe fills it in as it measures)."""
+        return cls(
+            micro_batch_size=request.micro_batch_size,
+            activation_checkpointing=request.activation_checkpointing,
+            compile=request.compile,
+            fits=False,
+            error=error,
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProbeResult:
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
