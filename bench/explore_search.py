@@ -20,11 +20,14 @@ Run: .venv/bin/python bench/explore_search.py [--config src/batchpilot/configs/e
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,11 +52,21 @@ def demo_data(root: Path) -> str:
     return uri
 
 
-def progress(name: str):
-    """Probe lines on stderr, so a long sweep shows it is alive."""
-    return lambda line: (
-        print(f"[{name}] {line}", file=sys.stderr, flush=True) if line.startswith("probe ") else None
-    )
+@contextlib.contextmanager
+def progress(name: str) -> Iterator[None]:
+    """Explore's probe lines on stderr while the block runs, so a long sweep shows it is alive."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{name}] %(message)s"))
+    handler.addFilter(lambda record: record.getMessage().startswith("probe "))
+    logger = logging.getLogger("batchpilot.explore.runner")
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
 
 
 def main() -> int:
@@ -66,20 +79,19 @@ def main() -> int:
         config = load_config(args.config)
         config = config.model_copy(update={"data": config.data.model_copy(update={"uri": demo_data(root)})})
         started = time.monotonic()
-        search = run_exploration(
-            config=config, output_dir=root / "search", study=False, echo=progress("search")
-        )
+        with progress("search"):
+            search = run_exploration(config=config, output_dir=root / "search", study=False)
         search_s = time.monotonic() - started
         started = time.monotonic()
-        sweep = run_exploration(
-            config=config,
-            output_dir=root / "sweep",
-            max_probes=10_000,
-            max_minutes=120,
-            micro_batch_sizes=list(range(1, args.max_sweep_size + 1)),
-            study=False,
-            echo=progress("sweep"),
-        )
+        with progress("sweep"):
+            sweep = run_exploration(
+                config=config,
+                output_dir=root / "sweep",
+                max_probes=10_000,
+                max_minutes=120,
+                micro_batch_sizes=list(range(1, args.max_sweep_size + 1)),
+                study=False,
+            )
         sweep_s = time.monotonic() - started
         paired = head_to_head(config, search.recommendation, sweep.recommendation)
     report(search=search, sweep=sweep, search_s=search_s, sweep_s=sweep_s, paired=paired)

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from helpers import run_batchpilot
+
+
+@pytest.fixture(autouse=True)
+def _restore_batchpilot_logging():
+    """`batchpilot.cli.main` configures the `batchpilot` logger for a console (handlers, no propagation);
+    tests that call it in-process must not leave that behind for the next test's caplog."""
+    logger = logging.getLogger("batchpilot")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture(scope="session")

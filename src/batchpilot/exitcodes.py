@@ -1,8 +1,5 @@
 """Exit codes that mean something to whoever runs batchpilot (pipelines, launchers, schedulers)."""
 
-EXIT_USER_ERROR = 2
-"""Bad input: one line per problem on stderr, nothing changed."""
-
 EXIT_PREEMPTED = 75
 """EX_TEMPFAIL: the trainer got SIGTERM, checkpointed at a micro-batch boundary and stopped; run the same
 stage again to resume exactly."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,23 @@ from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 
 REF = PoolRef("proj", "us-central1", "train", "gpu")
+
+
+@pytest.fixture
+def batchpilot_log(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> pytest.LogCaptureFixture:
+    """caplog for the batchpilot loggers, also after a CLI call configured the console (which stops their
+    records from reaching the root logger)."""
+    logger = logging.getLogger("batchpilot")
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "handlers", [])
+    caplog.set_level(logging.INFO, logger="batchpilot")
+    return caplog
+
+
+def messages(log: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [record.getMessage() for record in log.records if record.levelno == level]
 
 
 @pytest.fixture
@@ -65,12 +83,12 @@ def test_a_size_that_does_not_split_over_the_zones_is_refused_before_any_write(c
     assert not [r for r in container.state.requests if r.method == "POST"]
 
 
-def test_a_concurrent_operation_is_retried_until_the_cluster_is_free(container, kube, capsys):
+def test_a_concurrent_operation_is_retried_until_the_cluster_is_free(container, kube, batchpilot_log):
     container.state.conflicts = 2
     make_pool(container, kube).resize(2)
     writes = [r for r in container.state.requests if r.method == "POST"]
     assert len(writes) == 3 and container.state.pools[REF.name]["nodeCountPerZone"] == 1
-    assert capsys.readouterr().err.count("retrying") == 2
+    assert sum(message.count("retrying") for message in messages(batchpilot_log, logging.WARNING)) == 2
 
 
 def test_a_permission_error_is_one_line_naming_the_permission(container, kube):
@@ -95,14 +113,16 @@ def test_an_unknown_pool_is_reported(container, kube):
         pool.resize(2)
 
 
-def test_autoscale_mode_sets_total_bounds_and_checks_them_when_waiting(container, kube, capsys):
+def test_autoscale_mode_sets_total_bounds_and_checks_them_when_waiting(container, kube, batchpilot_log):
     pool = make_pool(container, kube, mode="autoscale")
     pool.resize(6)
     (write,) = [r for r in container.state.requests if r.method == "POST"]
     assert write.path == f"/v1/{REF.name}:setAutoscaling"
     assert write.body == {"autoscaling": {"enabled": True, "totalMaxNodeCount": 6}}  # min 0 is the default
     pool.wait_ready(6, timeout_s=1)
-    assert "autoscaling admits 6 node(s)" in capsys.readouterr().out
+    assert any(
+        "autoscaling admits 6 node(s)" in message for message in messages(batchpilot_log, logging.INFO)
+    )
     with pytest.raises(BatchpilotError, match=r"at most 6 node\(s\); 8 are needed"):
         pool.wait_ready(8, timeout_s=1)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from batchpilot.logs import PREFIX
 from helpers import run_batchpilot, tiny_config
 
 CONTRACT_PROBE_KEYS = {
@@ -67,7 +68,9 @@ def explore(config_path: str, tmp_path: Path, *args: str, env: dict[str, str] | 
 def test_explore_writes_the_contract_files_and_prints_interim_recommendations(tmp_path, demo_data_uri):
     result = explore(explore_config(tmp_path, demo_data_uri), tmp_path)
     assert result.returncode == 0, result.stderr
-    interim = [line for line in result.stdout.splitlines() if line.startswith("current recommendation: ")]
+    interim = [
+        line for line in result.stdout.splitlines() if line.startswith(f"{PREFIX}current recommendation: ")
+    ]
     assert len(interim) == 5 and "estimated" in interim[0] and "/100" in interim[0]
     document = json.loads((tmp_path / "out" / "explore.json").read_text())
     assert len(document["probes"]) == 5

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchpilot.models.gpt import build
@@ -61,7 +62,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     )
     grads = gradients(rank=rank, world_size=world_size, micro=4)
     torch.save(grads, f"{out}.rank{rank}")
-    DistContext.from_env().close()
+    dist.destroy_process_group()
 
 
 def free_port() -> int:

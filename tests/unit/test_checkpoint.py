@@ -10,6 +10,7 @@ import torch
 from batchpilot.data.storage import PreconditionFailed, open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+from batchpilot.train.metrics import METRIC_KEYS, METRICS_OBJECT, MetricsLog, load_metrics, read_metrics
 
 
 def state(value: float) -> dict:
@@ -93,3 +94,20 @@ def test_interrupted_write_never_becomes_latest(tmp_path):
     assert checkpointer.load().consumed_samples == 16
     save(checkpointer, 3)  # the next successful save removes the interrupted folder
     assert step_folders(tmp_path) == ["000000003"]
+
+
+def metrics_record(step: int) -> dict:
+    return {**dict.fromkeys(METRIC_KEYS, 0.0), "step": step, "consumed_samples": step * 16}
+
+
+def test_metrics_beside_the_checkpoints_are_read_back_and_truncated_on_resume(tmp_path):
+    uri = f"file://{tmp_path}/ckpt"
+    assert load_metrics(uri) == []  # before the first checkpoint
+    log = MetricsLog(tmp_path / "out" / "metrics.jsonl")
+    for step in (1, 2, 3):
+        log.append(metrics_record(step))
+    open_storage(uri).write(METRICS_OBJECT, log.text().encode() + b"\n")  # a blank line is no record
+    assert [r["step"] for r in load_metrics(uri)] == [1, 2, 3]
+    log.truncate_to(32)  # a resume from the checkpoint at step 2
+    assert read_metrics(log.path) == [metrics_record(1), metrics_record(2)]
+    assert sorted(p.name for p in log.path.parent.iterdir()) == ["metrics.jsonl"]  # no temporary left

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,6 +14,19 @@ from batchpilot.cli import main
 from batchpilot.cluster.nodepool import LocalNodePool, NodePool, available_cpus, node_pool_for
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
+
+
+@pytest.fixture
+def batchpilot_log(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> pytest.LogCaptureFixture:
+    """caplog for the batchpilot loggers, also after a CLI call configured the console (which stops their
+    records from reaching the root logger)."""
+    logger = logging.getLogger("batchpilot")
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "handlers", [])
+    caplog.set_level(logging.INFO, logger="batchpilot")
+    return caplog
 
 
 def config_dict(**cluster: object) -> dict:
@@ -103,9 +117,10 @@ def test_pool_state_flag_overrides_the_config(tmp_path, capsys):
     assert json.loads(state.read_text())["num_nodes"] == 1
 
 
-def test_gke_settings_on_a_local_backend_are_reported_as_ignored(tmp_path, capsys):
+def test_gke_settings_on_a_local_backend_are_reported_as_ignored(tmp_path, batchpilot_log):
     node_pool_for(parse_config(config_dict(project="p", node_pool="gpu")), state_path=tmp_path / "s.json")
-    assert "ignoring gke settings project, node_pool" in capsys.readouterr().err
+    warnings = [r.getMessage() for r in batchpilot_log.records if r.levelno == logging.WARNING]
+    assert any("ignoring gke settings project, node_pool" in message for message in warnings)
 
 
 @pytest.mark.parametrize(

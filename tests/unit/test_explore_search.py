@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -54,16 +57,39 @@ def config(**explore):
     return parse_config(raw)
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged_lines(name: str) -> Iterator[list[str]]:
+    """The messages logger `name` logs at INFO and above while the block runs."""
+    handler = _Lines()
+    logger = logging.getLogger(name)
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
 def search(measure, *, sizes=None, **explore):
-    lines: list[str] = []
-    state, recommendation, stopped = search_micro_batch(
-        config=config(**explore),
-        max_probes=config(**explore).explore.max_probes,
-        max_minutes=5,
-        micro_batch_sizes=sizes,
-        measure=measure,
-        echo=lines.append,
-    )
+    with logged_lines("batchpilot.explore.runner") as lines:
+        state, recommendation, stopped = search_micro_batch(
+            config=config(**explore),
+            max_probes=config(**explore).explore.max_probes,
+            max_minutes=5,
+            micro_batch_sizes=sizes,
+            measure=measure,
+        )
     return state, recommendation, stopped, lines
 
 

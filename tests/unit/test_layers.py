@@ -1,41 +1,233 @@
-"""Layers stay clean: planning/ imports no torch, kfp or cloud client; components hold no logic."""
+"""Layers stay clean: every import of every module under src/batchpilot follows one table of rules.
+
+A module's package is the first name after `batchpilot.` (`batchpilot.train.step` -> `train`); a top-level
+module is its own package (`planner`, `workflow`, `files`, ...). Imports are read with `ast` at any depth,
+so function-local imports (the lazy ones) and `TYPE_CHECKING` imports count too.
+"""
+
+from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "batchpilot"
-FORBIDDEN_IN_PLANNING = ("torch", "kfp", "google", "kubernetes", "torchx", "numpy", "pydantic", "yaml")
+ROOT = "batchpilot"
+"""The package's own `__init__` (only `__version__`), a package of its own."""
+
+EVERYONE = frozenset({ROOT, "threads"})
+"""Standard library only (+ errors): any module may import these."""
+
+ALLOWED: dict[str, frozenset[str]] = {
+    ROOT: frozenset(),
+    "errors": frozenset(),
+    "files": frozenset({"errors"}),
+    "logs": frozenset({"errors"}),
+    "exitcodes": frozenset({"errors"}),
+    "threads": frozenset({"errors"}),
+    "planning": frozenset({"planning", "errors"}),
+    "config": frozenset({"config", "planning", "errors"}),
+    "models": frozenset({"models", "errors"}),
+    "data": frozenset({"data", "planning", "errors", "files", "logs"}),
+    "train": frozenset(
+        {"train", "data", "models", "planning", "config", "errors", "exitcodes", "files", "logs"}
+    ),
+    "explore": frozenset(
+        {"explore", "train", "data", "models", "planning", "planner", "config", "errors", "files", "logs"}
+    ),
+    "cluster": frozenset({"cluster", "config", "planning", "errors", "exitcodes", "files", "logs"}),
+    "planner": frozenset({"planner", "rundoc", "config", "planning", "errors", "files"}),
+    "rundoc": frozenset({"rundoc", "planner", "config", "planning", "errors", "files"}),
+    "report": frozenset({"report", "planning", "rundoc", "files", "logs", "errors"}),
+}
+"""Package -> the batchpilot packages it may import (besides EVERYONE)."""
+
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "workflow": frozenset({"kfp", "commands", "cli"}),
+    "kfp": frozenset({"commands", "cli"}),
+    "commands": frozenset(),
+    "cli": frozenset(),
+    "__main__": frozenset(),
+}
+"""The top layers: package -> the batchpilot packages it must not import (anything else goes)."""
+
+IMPORTED_ONLY_BY: dict[str, frozenset[str]] = {
+    # `python -m batchpilot` is the CLI's other entry point.
+    "cli": frozenset({"cli", "commands", "__main__"}),
+    "commands": frozenset({"cli", "commands"}),
+    "kfp": frozenset({"kfp", "commands", "cli"}),
+    "workflow": frozenset({"workflow", "kfp", "commands", "cli"}),
+}
+"""Package -> the only packages that may import it (nothing below it does)."""
+
+STANDARD_LIBRARY_ONLY = frozenset({ROOT, "errors", "files", "logs", "exitcodes", "threads", "planning"})
+"""Packages whose third-party imports must all be standard library."""
+
+THIRD_PARTY_FORBIDDEN: dict[str, frozenset[str]] = {"report": frozenset({"torch"})}
+
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+"""(module, imported batchpilot module) pairs allowed despite the table, each with its reason. An entry
+that no longer matches an import fails the test, so the list only shrinks."""
+
+HEAVY = ("torch", "kfp", "google.cloud", "kubernetes", "pydantic")
 
 
-def imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
+@dataclass(frozen=True)
+class Import:
+    module: str
+    """The importing module, e.g. `batchpilot.train.trainer`."""
+    name: str
+    """The imported module, resolved: `from batchpilot import workflow` -> `batchpilot.workflow`."""
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_of(module: str) -> str:
+    """`batchpilot.train.step` -> `train`, `batchpilot.planner` -> `planner`, `batchpilot` -> ROOT."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ROOT
+
+
+def is_module(name: str) -> bool:
+    """Whether a dotted batchpilot name is a module or package under src (not an attribute)."""
+    path = SRC.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(path: Path) -> list[Import]:
+    return imports_in(path.read_text(), module=module_name(path), is_package=path.name == "__init__.py")
+
+
+def imports_in(source: str, *, module: str, is_package: bool = False) -> list[Import]:
+    """Every import statement of a module's `source`, wherever it is."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+            found += [Import(module, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing module's package
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                name = submodule if base.startswith(ROOT) and is_module(submodule) else base
+                found.append(Import(module, name, node.lineno))
+    return found
 
 
-def test_planning_imports_only_the_standard_library_and_itself():
-    for path in sorted((SRC / "planning").glob("*.py")):
-        for name in imported_modules(path):
-            top = name.split(".")[0]
-            assert top not in FORBIDDEN_IN_PLANNING, f"{path.name} imports {name}"
-            if top == "batchpilot":
-                assert name.startswith(("batchpilot.planning", "batchpilot.errors")), (
-                    f"{path.name} imports {name}"
-                )
+def all_imports() -> list[Import]:
+    return [found for path in sorted(SRC.rglob("*.py")) for found in imports_of(path)]
+
+
+def violation(found: Import) -> str | None:
+    """The rule `found` breaks, in words, or None."""
+    source = package_of(found.module)
+    top = found.name.split(".")[0]
+    if top != ROOT:
+        if source in STANDARD_LIBRARY_ONLY and top not in sys.stdlib_module_names and top != "__future__":
+            return f"{source} imports the standard library only"
+        if top in THIRD_PARTY_FORBIDDEN.get(source, ()):
+            return f"{source} must not import {top}"
+        return None
+    target = package_of(found.name)
+    if source != target and source not in IMPORTED_ONLY_BY.get(target, {source}):
+        return f"only {sorted(IMPORTED_ONLY_BY[target])} may import {target}"
+    if source in ALLOWED:
+        if target not in ALLOWED[source] | EVERYONE:
+            return f"{source} may import only {sorted(ALLOWED[source] | EVERYONE)}"
+    elif source in FORBIDDEN:
+        if target in FORBIDDEN[source]:
+            return f"{source} must not import {sorted(FORBIDDEN[source])}"
+    else:
+        return f"no rule for package {source!r}: add it to ALLOWED or FORBIDDEN in {Path(__file__).name}"
+    return None
+
+
+def test_every_import_follows_the_layer_rules():
+    imports = all_imports()
+    broken = [
+        f"{found.module} (line {found.line}) imports {found.name}: {rule}"
+        for found in imports
+        if (rule := violation(found)) is not None and (found.module, found.name) not in EXCEPTIONS
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_every_exception_is_still_needed():
+    needed = {(found.module, found.name) for found in all_imports() if violation(found) is not None}
+    stale = [f"{module} -> {name}" for module, name in EXCEPTIONS if (module, name) not in needed]
+    assert not stale, f"remove these entries from EXCEPTIONS, they no longer apply: {stale}"
+
+
+def test_the_rules_catch_what_they_should():
+    # The table itself, on imports that would break it: each must name its rule.
+    cases = {
+        Import("batchpilot.train.trainer", "batchpilot.planner", 1): "train may import only",
+        Import("batchpilot.explore.runner", "batchpilot.cluster.launch", 1): "explore may import only",
+        Import("batchpilot.cluster.launch", "batchpilot.train.metrics", 1): "cluster may import only",
+        Import("batchpilot.planning.stages", "numpy", 1): "planning imports the standard library only",
+        Import("batchpilot.report", "torch", 1): "report must not import torch",
+        Import("batchpilot.workflow", "batchpilot.kfp.compile", 1): "only ['cli', 'commands', 'kfp']",
+        Import("batchpilot.kfp.compile", "batchpilot.commands.run", 1): "only ['cli', 'commands']",
+        Import("batchpilot.report", "batchpilot.workflow", 1): "only ['cli', 'commands', 'kfp', 'workflow']",
+        Import("batchpilot.newthing", "batchpilot.errors", 1): "no rule for package 'newthing'",
+    }
+    for found, rule in cases.items():
+        assert rule in (violation(found) or ""), found
+    assert violation(Import("batchpilot.train.checkpoint", "batchpilot.threads", 1)) is None
+    assert violation(Import("batchpilot.kfp.pipeline", "batchpilot.workflow", 1)) is None
+
+
+def test_imports_are_found_at_any_depth_and_resolved_to_modules():
+    source = """
+from typing import TYPE_CHECKING
+from batchpilot import __version__, workflow
+from . import checkpoint
+from .metrics import read_metrics
+if TYPE_CHECKING:
+    from batchpilot.planning import Plan
+def lazy():
+    import torch.distributed
+    from ..data import storage
+"""
+    names = sorted(found.name for found in imports_in(source, module="batchpilot.train.trainer"))
+    assert names == sorted(
+        [
+            "typing",
+            "batchpilot",
+            "batchpilot.workflow",
+            "batchpilot.train.checkpoint",
+            "batchpilot.train.metrics",
+            "batchpilot.planning",
+            "torch.distributed",
+            "batchpilot.data.storage",
+        ]
+    )
+    package = imports_in("from . import metrics", module="batchpilot.train", is_package=True)
+    assert [found.name for found in package] == ["batchpilot.train.metrics"]
+    assert package_of("batchpilot") == ROOT and package_of("batchpilot.train.step") == "train"
 
 
 def test_importing_planning_loads_no_heavy_module():
+    assert_loads_none_of(HEAVY, "batchpilot.planning")
+
+
+def test_metrics_readers_and_the_report_load_no_torch():
+    # Workflow code reads metrics and renders the report without torch installed in its image.
+    assert_loads_none_of(("torch",), "batchpilot.train.metrics", "batchpilot.report")
+
+
+def assert_loads_none_of(heavy: tuple[str, ...], *modules: str) -> None:
     code = (
-        "import sys, batchpilot.planning; "
-        "heavy = [m for m in ('torch', 'kfp', 'google.cloud', 'kubernetes', 'pydantic') if m in sys.modules]; "
-        "print(heavy)"
+        f"import sys, importlib; [importlib.import_module(m) for m in {list(modules)!r}]; "
+        f"print([m for m in {list(heavy)!r} if m in sys.modules])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

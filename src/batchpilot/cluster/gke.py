@@ -15,13 +15,15 @@ permission or a missing pool is one clear error.
 from __future__ import annotations
 
 import importlib
-import sys
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from batchpilot.cluster.readiness import PoolNodes, kube_api_client
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
+
+logger = logging.getLogger(__name__)
 
 GKE_REQUIRED = ("project", "location", "cluster_name", "node_pool", "image")
 
@@ -167,11 +169,11 @@ class GkeNodePool:
         """
         if self.pool_mode == "autoscale":
             self._check_autoscaling_admits(num_nodes)
-            print(
-                f"[batchpilot] {self.pool.node_pool}: autoscaling admits {num_nodes} node(s); the cluster "
-                "autoscaler adds them when the job's pods are pending",
-                flush=True,
-            )
+            logger.info(
+                "%s: autoscaling admits %d node(s); the cluster autoscaler adds them when the job's pods "
+                "are pending",
+                self.pool.node_pool, num_nodes,
+            )  # fmt: skip
             return
         if num_nodes == 0:
             return
@@ -234,10 +236,11 @@ class GkeNodePool:
                 "static mode never resizes",
                 "resize the pool yourself, or use pool_mode resize or autoscale",
             )
-        print(
-            f"[batchpilot] {self.pool.node_pool}: static pool not resized; it has {have} node(s) "
-            f"for {num_nodes} needed",
-            flush=True,
+        logger.info(
+            "%s: static pool not resized; it has %d node(s) for %d needed",
+            self.pool.node_pool,
+            have,
+            num_nodes,
         )
 
     def _call(self, what: str, method: Any, request: Any) -> Any:
@@ -246,7 +249,7 @@ class GkeNodePool:
         from google.api_core.retry import Retry
 
         def note(error: BaseException) -> None:
-            print(f"[batchpilot] {what}: {error}; retrying", file=sys.stderr, flush=True)
+            logger.warning("%s: %s; retrying", what, error)
 
         retry = Retry(
             predicate=is_concurrent_operation,
@@ -312,4 +315,4 @@ class GkeNodePool:
             raise BatchpilotError(
                 "cluster.node_pool", f"{what} of {self.pool.node_pool} failed: {message} ({name})"
             )
-        print(f"[batchpilot] {self.pool.node_pool}: {what} done ({name})", flush=True)
+        logger.info("%s: %s done (%s)", self.pool.node_pool, what, name)

@@ -11,14 +11,17 @@ Two implementations:
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from batchpilot.config import ClusterConfig, Config
 from batchpilot.errors import BatchpilotError
+from batchpilot.files import write_atomically
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -74,11 +77,7 @@ def warn_ignored_gke_settings(cluster: ClusterConfig) -> None:
     if ignored and cluster.pool_mode != "resize":
         ignored.append("pool_mode")
     if ignored:
-        print(
-            f"[batchpilot] warning: cluster.backend is local; ignoring gke settings {', '.join(ignored)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        logger.warning("cluster.backend is local; ignoring gke settings %s", ", ".join(ignored))
 
 
 def available_cpus() -> int:
@@ -128,11 +127,8 @@ class LocalNodePool:
             "devices_per_node": self.devices_per_node,
             "updated_unix_s": round(time.time(), 3),
         }
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so a concurrent reader sees the old or the new size, never half a file.
-        temporary = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(state, indent=2) + "\n")
-        temporary.replace(self.state_path)
+        # Atomic, so a concurrent reader sees the old or the new size, never half a file.
+        write_atomically(self.state_path, json.dumps(state, indent=2) + "\n")
 
     def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
         """Local nodes are ready as soon as they are recorded; raises when fewer are recorded.

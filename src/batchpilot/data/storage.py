@@ -175,6 +175,9 @@ class LocalStorage:
             raise ObjectNotFound(join_uri(self.uri, name)) from None
 
     def write(self, name: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        # Not `files.write_atomically`: between writing the temporary file and renaming it, this fsyncs it,
+        # checks the precondition under the name's lock and stamps the generation on it (set after the
+        # rename, a reader could pin a generation that then changes under it).
         path = self._path(name)
         tmp = path.with_name(f"{_HIDDEN_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:

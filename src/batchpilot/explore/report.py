@@ -7,30 +7,18 @@ import base64
 import html
 import io
 import json
-import os
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchpilot.config import Config
 from batchpilot.explore.records import Setting
 from batchpilot.explore.search import SearchState
+from batchpilot.files import write_atomically
 
 if TYPE_CHECKING:
     from batchpilot.explore.runner import ExploreResult
 
 EXPLORE_FORMAT_VERSION = 1
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Temp file + fsync + rename: a reader sees the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    tmp.replace(path)
 
 
 def frontier(state: SearchState) -> list[dict[str, Any]]:

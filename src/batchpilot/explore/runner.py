@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchpilot.cluster.launch import local_trainer_threads
 from batchpilot.config import Config
 from batchpilot.data.storage import open_storage
 from batchpilot.errors import BatchpilotError
@@ -17,6 +17,9 @@ from batchpilot.explore.recommend import Recommendation, Topology, plan_notes, r
 from batchpilot.explore.records import ProbeRequest, ProbeResult, Setting
 from batchpilot.explore.search import Candidate, SearchState, next_probe
 from batchpilot.explore.study import NoiseScaleReport, StudyRequest, advise, format_samples, run_study
+from batchpilot.threads import local_trainer_threads
+
+logger = logging.getLogger(__name__)
 
 Measure = Callable[[ProbeRequest], ProbeResult]
 
@@ -159,9 +162,8 @@ def search_micro_batch(
     max_minutes: float,
     micro_batch_sizes: Sequence[int] | None,
     measure: Measure,
-    echo: Callable[[str], None],
 ) -> tuple[SearchState, Recommendation, str]:
-    """Probes until the search converges or a budget runs out; echoes each probe and recommendation."""
+    """Probes until the search converges or a budget runs out; logs each probe and recommendation."""
     explore = config.explore
     state = SearchState(
         settings=settings_of(config),
@@ -189,26 +191,24 @@ def search_micro_batch(
         if result.user_error:
             raise _user_error(result.user_error)
         state.add(result)
-        echo(f"probe {len(state.results)}/{max_probes} ({candidate.phase}): {describe(result)}")
+        logger.info("probe %d/%d (%s): %s", len(state.results), max_probes, candidate.phase, describe(result))
         current = recommend(state)
         if current is not None:
-            echo(current.line())
+            logger.info(current.line())
     recommendation = recommend(state)
     if recommendation is None:
         raise _fail_at_smallest(state, explore.memory_budget_bytes)
     return state, recommendation, stopped
 
 
-def _study(
-    *, config: Config, recommendation: Recommendation, echo: Callable[[str], None]
-) -> NoiseScaleReport:
+def _study(*, config: Config, recommendation: Recommendation) -> NoiseScaleReport:
     explore = config.explore
     micro = recommendation.micro_batch_size
     multipliers = list(explore.accumulation_multipliers)
-    echo(
-        f"effective-batch study at micro_batch_size={micro}: accumulating "
-        f"{', '.join(f'{k}x' for k in multipliers)} after {explore.study_train_steps} training step(s)"
-    )
+    logger.info(
+        "effective-batch study at micro_batch_size=%d: accumulating %s after %d training step(s)",
+        micro, ", ".join(f"{k}x" for k in multipliers), explore.study_train_steps,
+    )  # fmt: skip
     setting = Setting(recommendation.activation_checkpointing, recommendation.compile)
     request = StudyRequest(
         probe=probe_request(config=config, micro_batch_size=micro, setting=setting),
@@ -220,10 +220,10 @@ def _study(
     per_multiplier = run_study(request=request, timeout_s=explore.study_timeout_s)
     for row in per_multiplier:
         noise = format_samples(row.noise_scale) if row.noise_scale else "not measurable"
-        echo(
-            f"  {row.multiplier:>2}x (global batch {row.global_batch_size}): noise scale {noise}, "
-            f"gradient norm {row.grad_norm:.4f}, coherence {row.coherence:.3f}"
-        )
+        logger.info(
+            "  %2dx (global batch %d): noise scale %s, gradient norm %.4f, coherence %.3f",
+            row.multiplier, row.global_batch_size, noise, row.grad_norm, row.coherence,
+        )  # fmt: skip
     return advise(
         per_multiplier=per_multiplier,
         micro_batch_size=micro,
@@ -262,7 +262,6 @@ def run_exploration(
     micro_batch_sizes: Sequence[int] | None = None,
     study: bool = True,
     measure: Measure | None = None,
-    echo: Callable[[str], None] = print,
 ) -> ExploreResult:
     """Finds the fastest micro batch that fits one device, studies the effective batch, writes the outputs.
 
@@ -274,7 +273,8 @@ def run_exploration(
             searching; sizes above one that does not fit are skipped.
         study: run the effective-batch study (noise_scale is None without it).
         measure: runs one probe (default: a fresh process with explore.probe_timeout_s).
-        echo: receives every progress line.
+
+    Every probe, interim recommendation and study row is logged at INFO (`batchpilot.explore.runner`).
 
     Raises:
         BatchpilotError: a missing dataset, a broken model factory, a budget nothing fits in, a failed study.
@@ -292,13 +292,12 @@ def run_exploration(
         max_minutes=minutes,
         micro_batch_sizes=sorted(set(micro_batch_sizes)) if micro_batch_sizes else None,
         measure=measure or (lambda request: run_probe(request=request, timeout_s=timeout_s)),
-        echo=echo,
     )
     plan_notes(recommendation=recommendation, state=state, topology=topology_of(config))
     noise, study_error = None, None
     if study:
         try:
-            noise = _study(config=config, recommendation=recommendation, echo=echo)
+            noise = _study(config=config, recommendation=recommendation)
         except BatchpilotError as error:
             study_error = error
     result = ExploreResult(

@@ -66,7 +66,3 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -1,11 +1,16 @@
-"""`metrics.jsonl`: one JSON line per optimizer step (the DESIGN.md contract), safe across resumes."""
+"""`metrics.jsonl`: one JSON line per optimizer step (the DESIGN.md contract), safe across resumes.
+
+Free of torch: workflow code that never trains reads metrics through `read_metrics` / `load_metrics`.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from batchpilot.data.storage import ObjectNotFound, open_storage
+from batchpilot.files import write_atomically
 
 METRICS_OBJECT = "metrics.jsonl"
 """Name of the copy kept beside the checkpoints (updated at every checkpoint), read by reports."""
@@ -43,17 +48,14 @@ class MetricsLog:
         """
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in kept if json.loads(line)["consumed_samples"] <= consumed_samples]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, self.path)
+        kept = [
+            record for record in read_metrics(self.path) if record["consumed_samples"] <= consumed_samples
+        ]
+        write_atomically(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def replace_with(self, text: str) -> None:
         """Replaces the file's records (e.g. with the copy kept beside the checkpoints)."""
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path)
+        write_atomically(self.path, text)
 
     def text(self) -> str:
         return self.path.read_text() if self.path.exists() else ""
@@ -65,6 +67,20 @@ class MetricsLog:
             file.write(json.dumps(record) + "\n")
 
 
+def parse_metrics(text: str) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl text: one JSON object per non-blank line."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """All records of a local metrics.jsonl file."""
+    return parse_metrics(Path(path).read_text())
+
+
+def load_metrics(checkpoint_uri: str) -> list[dict[str, Any]]:
+    """The records of the copy kept beside the checkpoints at `checkpoint_uri` ([] before the first one)."""
+    try:
+        text = open_storage(checkpoint_uri).read(METRICS_OBJECT).decode()
+    except ObjectNotFound:
+        return []
+    return parse_metrics(text)

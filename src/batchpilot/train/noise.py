@@ -12,7 +12,7 @@ The trainer gets the two norms for free: `g_small` is each rank's local gradient
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def noise_terms(*, small_sq_norm: float, big_sq_norm: float, b_small: int, b_big: int) -> tuple[float, float]:
@@ -32,7 +32,6 @@ class NoiseScaleEMA:
     _g2: float = 0.0
     _s: float = 0.0
     _weight: float = 0.0
-    history: list[float] = field(default_factory=list)
 
     def update(self, *, small_sq_norm: float, big_sq_norm: float, b_small: int, b_big: int) -> float | None:
         g2, s = noise_terms(
@@ -41,10 +40,7 @@ class NoiseScaleEMA:
         self._g2 = self.decay * self._g2 + (1 - self.decay) * g2
         self._s = self.decay * self._s + (1 - self.decay) * s
         self._weight = self.decay * self._weight + (1 - self.decay)
-        value = self.value
-        if value is not None:
-            self.history.append(value)
-        return value
+        return self.value
 
     def state_dict(self) -> dict[str, float]:
         """The moving averages, for checkpoints (the estimate continues exactly after a resume)."""

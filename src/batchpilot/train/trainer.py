@@ -8,6 +8,7 @@ training (stage, batch, accumulation, LR, data order) is a function of `consumed
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import resource
 import signal
@@ -27,7 +28,6 @@ from batchpilot.data.sampling import rank_micro_batches
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
 from batchpilot.models.factory import build_model, set_activation_checkpointing
-from batchpilot.planner import lr_schedule
 from batchpilot.planning import LRSchedule, Plan, Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
@@ -35,11 +35,14 @@ from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.step import StepOutcome, accumulate_gradients, wrap_model
 
+logger = logging.getLogger(__name__)
+
 
 def log(ctx: DistContext, message: str) -> None:
-    """A line on rank 0's stdout (the live progress and the stage's summary)."""
+    """Logs the live progress and the stage's summary at INFO, on rank 0 only (the other ranks would
+    repeat it)."""
     if ctx.is_main:
-        print(f"[batchpilot] {message}", flush=True)
+        logger.info(message)
 
 
 def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Optimizer:
@@ -431,7 +434,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         loader=loader,
         checkpointer=checkpointer,
         metrics=metrics,
-        lr=lr_schedule(config),
+        lr=plan.lr_schedule,
         consumed=consumed,
         step=checkpoint.step if checkpoint else 0,
         audit_dir=audit_dir,
