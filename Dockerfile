@@ -36,11 +36,8 @@ RUN pip install "${TORCH_REQUIREMENT}" \
     && rm -rf /tmp/wheels /tmp/constraints.txt
 RUN test -n "${VERSION}" || { echo "build with --build-arg VERSION=<package version>" >&2; exit 1; } \
     && python -c "import sys, batchpilot; v = batchpilot.__version__; sys.exit(0 if v == '${VERSION}' else f'VERSION ${VERSION} is not the package version {v}')"
-# The pipeline definition and its thin components live beside the package in the source tree; the
-# chart's upload Job compiles them here, and `batchpilot run` imports them from PYTHONPATH.
-COPY pipelines /opt/batchpilot/pipelines
-COPY components /opt/batchpilot/components
-ENV PYTHONPATH=/opt/batchpilot
+# The pipeline and its components are part of the package: `batchpilot compile` and `batchpilot submit`
+# work from the installed wheel (the chart's upload Job runs `batchpilot compile`).
 # A fixed non-root uid: the chart's pods and the trainer pods run as 1000 with a read-only root
 # filesystem and an emptyDir on /tmp (HOME), so nothing here needs to be writable.
 RUN groupadd --gid 1000 batchpilot && useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp batchpilot

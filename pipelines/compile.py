@@ -1,60 +1,37 @@
-"""Compile the batchpilot pipeline for a config: `python pipelines/compile.py [--config FILE] [--output FILE]`.
+"""Compile the batchpilot pipeline: `python pipelines/compile.py [--config FILE] [--output FILE] [--image IMAGE]`.
 
-The output is deterministic (same config, same bytes); the compiled YAML of the example configs is
-checked in under pipelines/compiled/ and a test fails when it drifts from the source.
+A thin entry point over `batchpilot compile` (the pipeline lives in the package, `batchpilot.kfp`).
+Without --config it recompiles every example config into pipelines/compiled/ (checked in; a test fails
+when they drift from the source).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere: components/ and pipelines/ live here
-    sys.path.insert(0, str(REPO))
+from batchpilot.cli import main as batchpilot_main
+from batchpilot.kfp.compile import EXAMPLE_CONFIGS, EXAMPLES
 
-EXAMPLES = ("demo.yaml", "nemo_gpt3_5b.yaml", "maxtext_per_device.yaml")
-
-
-def compile_config(config_path: Path, output: Path, *, image: str | None = None) -> int:
-    """Compiles the pipeline for `config_path` into `output`; returns the number of stages."""
-    from kfp import compiler
-
-    from batchpilot.config import load_config
-    from pipelines.batchpilot_pipeline import DEFAULT_IMAGE, build_pipeline, num_stages
-
-    config = load_config(config_path)
-    pipeline = build_pipeline(config, image=image or DEFAULT_IMAGE)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(pipeline, str(output))
-    return num_stages(config)
+COMPILED = Path(__file__).resolve().parent / "compiled"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="config file (default: every example config in configs/)")
-    parser.add_argument("--output", help="output YAML (default: pipelines/compiled/<config name>.yaml)")
-    parser.add_argument(
-        "--image", help="the batchpilot image all components run (default: batchpilot:<version>)"
-    )
-    args = parser.parse_args(argv)
-    from batchpilot.errors import BatchpilotError
-
-    configs = [Path(args.config)] if args.config else [REPO / "configs" / name for name in EXAMPLES]
-    if args.output and len(configs) != 1:
-        parser.error("--output needs --config")
-    try:
-        for config in configs:
-            output = Path(args.output) if args.output else REPO / "pipelines" / "compiled" / config.name
-            count = compile_config(config, output, image=args.image)
-            print(f"compiled {config} -> {output} ({count} stage(s))")
-    except BatchpilotError as error:
-        for line in str(error).splitlines():
-            print(f"compile: error: {line}", file=sys.stderr)
-        return 2
+def main(argv: list[str]) -> int:
+    if (
+        "--config" in argv
+        or any(arg.startswith("--config=") for arg in argv)
+        or "-h" in argv
+        or "--help" in argv
+    ):
+        return batchpilot_main(["compile", *argv])
+    for name in EXAMPLES:
+        code = batchpilot_main(
+            ["compile", "--config", str(EXAMPLE_CONFIGS / name), "--output", str(COMPILED / name), *argv]
+        )
+        if code:
+            return code
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

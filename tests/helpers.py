@@ -47,15 +47,16 @@ def tiny_config(*, data_uri: str, checkpoint_uri: str, **overrides: object) -> d
     return config
 
 
-def write_config_and_plan(folder: Path, config: dict) -> tuple[str, str]:
-    """Writes config.yaml and plan.json (through the real `batchpilot plan`) into `folder`."""
+def write_plan(folder: Path, config: dict) -> str:
+    """Writes config.yaml and, through the real `batchpilot plan`, plan.json into `folder`; returns the
+    plan's path (the run document carries the config for `launch` and `train`)."""
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     plan_path = folder / "plan.json"
     result = run_batchpilot("plan", "--config", str(config_path), "--out", str(plan_path), "--force")
     assert result.returncode == 0, result.stderr
-    return str(config_path), str(plan_path)
+    return str(plan_path)
 
 
 def processes_with(marker: str) -> list[tuple[int, list[str], dict[str, str]]]:

@@ -1,6 +1,7 @@
 """The `batchpilot` command. Each subcommand lives in `batchpilot.commands.<name>` with a `register`.
 
 User errors (`BatchpilotError`) print one line per problem to stderr and exit 2, with no traceback.
+Library progress arrives through `logging` (see `batchpilot.logs`); the CLI shows it on stdout.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 from batchpilot import __version__
 from batchpilot.errors import BatchpilotError
+from batchpilot.logs import configure_console
 
 # Subcommand modules, in the order `batchpilot --help` lists them. Each defines
 # `register(subparsers) -> None` and sets `handler` on its parser (a function taking the parsed args).
@@ -21,6 +23,8 @@ COMMAND_MODULES = (
     "batchpilot.commands.config",
     "batchpilot.commands.train",
     "batchpilot.commands.run",
+    "batchpilot.commands.compile",
+    "batchpilot.commands.submit",
     "batchpilot.commands.data",
     "batchpilot.commands.pool",
 )
@@ -43,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_console()
     try:
         result = args.handler(args)
     except BatchpilotError as error:

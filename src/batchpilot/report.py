@@ -13,21 +13,38 @@ import re
 from pathlib import Path
 from typing import Any
 
-from batchpilot.planning import Plan
+from batchpilot.files import write_atomically
+from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.table import plan_table
+from batchpilot.rundoc import RunDocument
 
 
-def plan_markdown(plan: Plan) -> str:
-    """The stage table as Markdown (the KFP UI renders it)."""
+def plan_markdown(plan: Plan, cost: CostEstimate | None = None) -> str:
+    """The stage table as Markdown (the KFP UI renders it), with its footer lines."""
+    table = plan_table(plan, cost)
     lines = [
-        "| stage | global batch | samples | steps | nodes | data parallel | accumulation | lr |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| " + " | ".join(c.name for c in table.columns) + " |",
+        "| " + " | ".join("---" if c.align == "left" else "---:" for c in table.columns) + " |",
     ]
-    for s in plan.stages:
-        lines.append(
-            f"| {s.name} | {s.global_batch_size} | {s.start_sample:,} - {s.end_sample:,} | {s.num_steps:,} | "
-            f"{s.num_nodes} | {s.data_parallel_size} | {s.gradient_accumulation_steps} | {s.lr:.3g} |"
+    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
+    return "\n".join(lines) + "\n\n" + "\n\n".join(table.footer) + "\n"
+
+
+def plan_html(plan: Plan, cost: CostEstimate | None = None) -> str:
+    """The stage table as an HTML table, with its footer lines."""
+    table = plan_table(plan, cost)
+    head = "".join(f"<th>{html.escape(c.name)}</th>" for c in table.columns)
+    rows = "".join(
+        "<tr>"
+        + "".join(
+            f"<td style='text-align:{c.align}'>{html.escape(cell)}</td>"
+            for c, cell in zip(table.columns, row, strict=True)
         )
-    return "\n".join(lines) + f"\n\nmicro_batch_size = {plan.micro_batch_size}; {plan.num_steps:,} steps.\n"
+        + "</tr>"
+        for row in table.rows
+    )
+    footer = "".join(f"<li>{html.escape(line)}</li>" for line in table.footer)
+    return f"<table border='1' cellpadding='4'><tr>{head}</tr>{rows}</table><ul>{footer}</ul>"
 
 
 def _png(figure: Any) -> str:
@@ -78,8 +95,7 @@ def ramp_and_loss_figures(plan: Plan, records: list[dict[str, Any]]) -> list[tup
 
 def write_report(
     *,
-    plan: Plan,
-    run_name: str,
+    document: RunDocument,
     records: list[dict[str, Any]],
     explore: dict[str, Any] | None,
     html_path: Path,
@@ -87,7 +103,10 @@ def write_report(
     explore_html: Path | None = None,
 ) -> dict[str, float]:
     """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics."""
+    plan, cost = document.plan, document.cost
     summary: dict[str, float] = {"num_stages": len(plan.stages), "micro_batch_size": plan.micro_batch_size}
+    if cost is not None:
+        summary.update(estimated_hours=cost.duration_s / 3600, estimated_node_hours=cost.node_hours)
     if records:
         summary.update(
             final_loss=float(records[-1]["loss"]),
@@ -98,10 +117,10 @@ def write_report(
         noise = [r["noise_scale"] for r in records if r.get("noise_scale")]
         if noise:
             summary["noise_scale_last"] = float(noise[-1])
-    parts = [f"<h1>batchpilot run: {html.escape(run_name)}</h1>"]
+    parts = [f"<h1>batchpilot run: {html.escape(document.config.name)}</h1>"]
     if explore is not None:
         parts.append(_explore_section(explore, explore_html))
-    parts.append("<h2>Plan</h2>" + _plan_table_html(plan))
+    parts.append("<h2>Plan</h2>" + plan_html(plan, cost))
     for title, png in ramp_and_loss_figures(plan, records):
         parts.append(
             f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
@@ -109,28 +128,15 @@ def write_report(
     parts.append(
         "<h2>Summary</h2><ul>" + "".join(f"<li>{k}: {v:,.4g}</li>" for k, v in summary.items()) + "</ul>"
     )
-    html_path.parent.mkdir(parents=True, exist_ok=True)
-    html_path.write_text(
+    write_atomically(
+        html_path,
         "<!doctype html><html><head><meta charset='utf-8'><title>batchpilot</title></head><body>"
         + "\n".join(parts)
-        + "</body></html>\n"
+        + "</body></html>\n",
     )
     if markdown_path is not None:
-        markdown_path.write_text(plan_markdown(plan))
+        write_atomically(markdown_path, plan_markdown(plan, cost))
     return summary
-
-
-def _plan_table_html(plan: Plan) -> str:
-    head = "".join(
-        f"<th>{h}</th>" for h in ("stage", "batch", "samples", "steps", "nodes", "dp", "accum", "lr")
-    )
-    rows = "".join(
-        f"<tr><td>{s.name}</td><td>{s.global_batch_size}</td><td>{s.start_sample:,} - {s.end_sample:,}</td>"
-        f"<td>{s.num_steps:,}</td><td>{s.num_nodes}</td><td>{s.data_parallel_size}</td>"
-        f"<td>{s.gradient_accumulation_steps}</td><td>{s.lr:.3g}</td></tr>"
-        for s in plan.stages
-    )
-    return f"<table border='1' cellpadding='4'><tr>{head}</tr>{rows}</table>"
 
 
 def _explore_plots(explore_html: Path | None) -> str:

@@ -75,6 +75,19 @@ def test_demo_goes_through_explore_plan_stages_and_final(demo_run):
     assert "[batchpilot] done in" in result.stdout
 
 
+def test_demo_console_is_short_and_the_full_log_is_in_the_run_folder(demo_run):
+    output, result = demo_run
+    console = result.stdout.splitlines()
+    assert len(console) < 150, len(console)
+    assert "KFP Executor" not in result.stdout and '"outputFile"' not in result.stdout  # no executor JSON
+    assert "Warning" not in result.stdout + result.stderr
+    for task in ("> explore", "> plan", "> stage-0: train (1/4)", "done final: train (4/4)", "> scale-down"):
+        assert any(line.startswith(task) or line.strip().startswith(task) for line in console), task
+    assert any(" step " in line and "| loss " in line for line in console)  # the stages' training lines
+    log = (output / "pipeline.log").read_text()
+    assert "KFP Executor" in log and '"outputFile"' in log  # everything else went to the log
+
+
 def test_demo_leaves_report_checkpoints_and_a_scaled_down_pool(demo_run):
     output, _ = demo_run
     report = (output / "report.html").read_text()
@@ -96,7 +109,11 @@ def test_a_failing_stage_still_scales_the_pool_down(demo_data_uri, tmp_path):
     output = tmp_path / "run"
     result = run_pipeline(config, output, "--micro-batch-size", "16", cpus=2)
     assert result.returncode == 1, result.stdout[-4000:]
-    assert "the pipeline failed" in result.stderr
+    assert (
+        "the pipeline failed" in result.stderr
+        and f"the full log is {output / 'pipeline.log'}" in result.stderr
+    )
+    assert "FAILURE final: resize pool (3/3)" in result.stdout  # the failed task, named by its stage
     assert (
         "3 local node(s) x 1 process(es) = 3 processes, but this machine has 2 CPU(s)"
         in result.stdout + result.stderr

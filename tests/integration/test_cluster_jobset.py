@@ -17,7 +17,7 @@ from batchpilot.cli import main
 from batchpilot.cluster.jobset import JobSetScheduler
 from batchpilot.config import parse_config
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
-from batchpilot.planner import build_plan, dump_plan
+from batchpilot.planner import make_run_document
 
 COMPLETED = {
     "conditions": [{"type": "Completed", "status": "True", "message": "jobset completed successfully"}]
@@ -46,7 +46,7 @@ def kube(tmp_path, monkeypatch) -> Iterator[KubeServer]:
         yield server
 
 
-def write_inputs(folder: Path) -> tuple[str, str]:
+def write_plan(folder: Path) -> str:
     config = {
         "name": "ramp",
         "data": {"uri": "gs://bucket/data", "seq_len": 128},
@@ -57,15 +57,12 @@ def write_inputs(folder: Path) -> tuple[str, str]:
         "batch": {"global_batch_size": 8, "micro_batch_size": 4},
         "train": {"total_samples": 64, "lr": 1e-3, "checkpoint_uri": "gs://bucket/ckpt"},
     }  # fmt: skip
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    parsed = parse_config(config)
-    (folder / "plan.json").write_text(dump_plan(parsed, build_plan(parsed, micro_batch_size=4)))
-    return str(folder / "config.yaml"), str(folder / "plan.json")
+    (folder / "plan.json").write_text(make_run_document(parse_config(config)).to_json())
+    return str(folder / "plan.json")
 
 
 def launch(folder: Path) -> int:
-    config, plan = write_inputs(folder)
-    return main(["launch", "--config", config, "--plan", plan, "--stage", "final"])
+    return main(["launch", "--plan", write_plan(folder), "--stage", "final"])
 
 
 def test_launch_creates_the_jobset_streams_every_node_and_returns_0(kube, tmp_path, capsys):

@@ -16,7 +16,7 @@ import torch
 from batchpilot.exitcodes import EXIT_PREEMPTED
 from batchpilot.train.checkpoint import Checkpointer
 from batchpilot.train.metrics import read_metrics
-from helpers import processes_with, run_batchpilot, tiny_config, trainer_ranks, write_config_and_plan
+from helpers import processes_with, run_batchpilot, tiny_config, trainer_ranks, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ def one_stage_config(data_uri: str, root: Path, **overrides) -> dict:
     )
 
 
-def launch(config: str, plan: str, out: Path, **kwargs) -> subprocess.Popen:
-    args = ["launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(out)]
+def launch(plan: str, out: Path, **kwargs) -> subprocess.Popen:
+    args = ["launch", "--plan", plan, "--stage", "final", "--output-dir", str(out)]
     return subprocess.Popen(
         [sys.executable, "-m", "batchpilot", *args],
         stdout=subprocess.PIPE,
@@ -66,10 +66,8 @@ def final_weights(root: Path) -> dict[str, torch.Tensor]:
 def reference(demo_data_uri, tmp_path_factory):
     """The uninterrupted run, to compare every interrupted one with."""
     root = tmp_path_factory.mktemp("reference")
-    config, plan = write_config_and_plan(root, one_stage_config(demo_data_uri, root))
-    result = run_batchpilot(
-        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(root / "out")
-    )
+    plan = write_plan(root, one_stage_config(demo_data_uri, root))
+    result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(root / "out"))
     assert result.returncode == 0, result.stdout[-3000:]
     return root
 
@@ -90,19 +88,17 @@ def assert_identical_to(reference: Path, root: Path) -> None:
 
 
 def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp_path):
-    config, plan = write_config_and_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
     out = tmp_path / "out"
     victim_step, victim_rank = random.Random().randint(3, 100), random.choice([0, 1])
-    proc = launch(config, plan, out)
+    proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", victim_step, proc)
     os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
     latest = Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step()
     assert latest is None or latest < 128  # killed before the end
-    result = run_batchpilot(
-        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(out)
-    )
+    result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     if latest:
         assert f"resumed from step {latest}" in result.stdout
@@ -111,9 +107,9 @@ def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp
 
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_uri, tmp_path):
     """Preemption: the torchrun agents get SIGTERM (as PID 1 of a pod would) and forward it to the ranks."""
-    config, plan = write_config_and_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
     out = tmp_path / "out"
-    proc = launch(config, plan, out)
+    proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", 10, proc)
     agents = [
         pid for pid, argv, _ in processes_with(str(out)) if any(a.endswith("torchrun") for a in argv[:2])
@@ -127,19 +123,17 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_u
     checkpointed = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
     assert checkpointed.consumed_samples == checkpointed.step * 32  # a step boundary
     assert len(read_metrics(out / "metrics.jsonl")) >= checkpointed.step
-    result = run_batchpilot(
-        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(out)
-    )
+    result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"resumed from step {checkpointed.step}" in result.stdout
     assert_identical_to(reference, tmp_path)
 
 
 def test_out_of_memory_halves_the_micro_batch_on_every_rank(reference, demo_data_uri, tmp_path):
-    config, plan = write_config_and_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
     env = {**os.environ, "BATCHPILOT_INJECT_OOM_ABOVE_MICRO_BATCH": "4"}  # rank 0 only "has memory" for 4
     result = run_batchpilot(
-        "launch", "--config", config, "--plan", plan, "--stage", "final", "--output-dir", str(tmp_path / "out"),
+        "launch", "--plan", plan, "--stage", "final", "--output-dir", str(tmp_path / "out"),
         env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]

@@ -9,7 +9,7 @@ import pytest
 
 from batchpilot.data.sampling import num_samples, sample_at
 from batchpilot.train.metrics import read_metrics
-from helpers import run_batchpilot, tiny_config, write_config_and_plan
+from helpers import run_batchpilot, tiny_config, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +28,19 @@ def audited_positions(output_dir: Path) -> list[tuple[int, int, list[int]]]:
 def staged_and_single(demo_data_uri, tmp_path_factory):
     root = tmp_path_factory.mktemp("stages")
     staged = tiny_config(data_uri=demo_data_uri, checkpoint_uri=f"file://{root}/staged/ckpt")
-    config, plan = write_config_and_plan(root / "staged", staged)
+    plan = write_plan(root / "staged", staged)
     logs = []
     for stage in ("0", "1", "2"):
         result = run_batchpilot(
-            "launch", "--config", config, "--plan", plan, "--stage", stage,
+            "launch", "--plan", plan, "--stage", stage,
             "--output-dir", str(root / "staged" / "out"), "--audit",
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         logs.append(result.stdout)
     single = tiny_config(data_uri=demo_data_uri, checkpoint_uri=f"file://{root}/single/ckpt")
-    config, plan = write_config_and_plan(root / "single", single)
+    plan = write_plan(root / "single", single)
     result = run_batchpilot(
-        "train", "--config", config, "--plan", plan, "--stage", "all",
+        "train", "--plan", plan, "--stage", "all",
         "--output-dir", str(root / "single" / "out"), "--audit",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -90,13 +90,13 @@ def test_staged_run_matches_the_run_without_stage_boundaries(staged_and_single):
 def test_rerunning_a_finished_stage_does_nothing(staged_and_single):
     root, _ = staged_and_single
     result = run_batchpilot(
-        "train", "--config", str(root / "staged" / "config.yaml"), "--plan", str(root / "staged" / "plan.json"),
+        "train", "--plan", str(root / "staged" / "plan.json"),
         "--stage", "final", "--output-dir", str(root / "staged" / "out"),
     )  # fmt: skip
     assert result.returncode == 2  # final is planned for 2 processes; this one is alone
     assert "final is planned for 2 node(s) x 1 = 2 processes, this job has 1" in result.stderr
     result = run_batchpilot(
-        "train", "--config", str(root / "staged" / "config.yaml"), "--plan", str(root / "staged" / "plan.json"),
+        "train", "--plan", str(root / "staged" / "plan.json"),
         "--stage", "0", "--output-dir", str(root / "staged" / "out"),
     )  # fmt: skip
     assert result.returncode == 2

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,12 @@ import yaml
 
 from batchpilot.cli import main
 from batchpilot.cluster.jobset import JobSetOpts, app_to_jobset, jobset_state
-from batchpilot.cluster.launch import cluster_appdef, cluster_launch_spec, local_trainer_threads
+from batchpilot.cluster.launch import cluster_appdef, cluster_launch_spec
 from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan, dump_plan
+from batchpilot.planner import make_run_document
+from batchpilot.threads import local_trainer_threads
 from helpers import REPO
 
 SCHEMAS = REPO.parent / "shared" / "schemas"
@@ -91,17 +93,16 @@ def launch_in_process(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def write_inputs(folder: Path, config: dict) -> tuple[str, str]:
+def write_plan(folder: Path, config: dict) -> str:
+    """plan.json (the run document, carrying the config) for `config`, in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    plan = build_plan(parse_config(config), micro_batch_size=config["batch"]["micro_batch_size"])
-    (folder / "plan.json").write_text(dump_plan(parse_config(config), plan))
-    return str(folder / "config.yaml"), str(folder / "plan.json")
+    (folder / "plan.json").write_text(make_run_document(parse_config(config)).to_json())
+    return str(folder / "plan.json")
 
 
 def dryrun(tmp_path: Path, stage: str, **cluster: object) -> dict:
-    config, plan = write_inputs(tmp_path, gke_config(**cluster))
-    code, out, err = launch_in_process("--config", config, "--plan", plan, "--stage", stage, "--dryrun")
+    plan = write_plan(tmp_path, gke_config(**cluster))
+    code, out, err = launch_in_process("--plan", plan, "--stage", stage, "--dryrun")
     assert code == 0, err
     return yaml.safe_load(out)
 
@@ -158,7 +159,8 @@ def test_the_jobset_runs_the_final_stage_on_its_nodes_with_placement_and_kueue(j
     env = {item["name"]: item.get("value") for item in container["env"]}
     name = jobset["metadata"]["name"]
     assert env["TORCHX_RANK0_HOST"] == f"{name}-batchpilot-0-0.{name}"
-    assert yaml.safe_load(env["BATCHPILOT_CONFIG_YAML"])["cluster"]["node_pool"] == "h100"
+    assert json.loads(env["BATCHPILOT_PLAN_JSON"])["config"]["cluster"]["node_pool"] == "h100"
+    assert "BATCHPILOT_CONFIG_YAML" not in env  # the run document carries the config
 
 
 def test_trainer_pods_run_non_root_read_only_without_escalation(jobset, volcano):
@@ -184,11 +186,11 @@ def test_the_volcano_job_validates_and_has_one_task_per_node(volcano):
 def test_dryrun_of_a_local_config_and_missing_gke_settings_are_one_line_errors(tmp_path):
     local = gke_config(backend="local")
     local["cluster"] = {"backend": "local", "max_nodes": 2}
-    config, plan = write_inputs(tmp_path / "local", local)
-    code, _, err = launch_in_process("--config", config, "--plan", plan, "--stage", "0", "--dryrun")
+    plan = write_plan(tmp_path / "local", local)
+    code, _, err = launch_in_process("--plan", plan, "--stage", "0", "--dryrun")
     assert code == 2 and err.startswith("batchpilot: error: --dryrun:")
-    config, plan = write_inputs(tmp_path / "gke", gke_config(image=None))
-    code, _, err = launch_in_process("--config", config, "--plan", plan, "--stage", "0", "--dryrun")
+    plan = write_plan(tmp_path / "gke", gke_config(image=None))
+    code, _, err = launch_in_process("--plan", plan, "--stage", "0", "--dryrun")
     assert code == 2
     assert err.strip() == (
         "batchpilot: error: cluster.image: is required when cluster.backend is gke (fix: set cluster.image)"
@@ -214,9 +216,7 @@ def test_a_name_too_long_for_pod_hostnames_is_refused():
 
     config = parse_config(gke_config())
     stage = Stage(0, "stage-0", 128, 0, 1024, 4, 32, 4, 1, 3e-4, 8, 32, 128, 4, False)
-    spec = cluster_launch_spec(
-        run_name="r" * 60, stage=stage, devices_per_node=8, config_text="x: 1", plan_text="{}"
-    )
+    spec = cluster_launch_spec(run_name="r" * 60, stage=stage, devices_per_node=8, plan_text="{}")
     appdef = cluster_appdef(spec, cluster=config.cluster)
     with pytest.raises(ValueError, match="limit 63"):
         app_to_jobset(appdef, JobSetOpts(namespace="ns"))

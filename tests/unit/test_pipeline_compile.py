@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.compile import EXAMPLES, REPO, compile_config
+from batchpilot.kfp.compile import EXAMPLES, compile_file
+from helpers import REPO, run_batchpilot
+
+
+def compile_config(config: Path, output: Path) -> int:
+    return compile_file(config, output)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,31 @@ def test_checked_in_pipelines_match_the_source(tmp_path):
         assert output.read_text() == checked_in.read_text(), (
             f"{checked_in} drifted from the source: run `python pipelines/compile.py`"
         )
+
+
+def test_batchpilot_compile_from_any_folder_matches_pipelines_compile_py(tmp_path):
+    """The installed command and the repository's script write the same bytes for every example."""
+    import subprocess
+    import sys
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in EXAMPLES:
+        config = REPO / "configs" / name
+        by_command = elsewhere / f"command-{name}"
+        result = run_batchpilot(
+            "compile", "--config", str(config), "--output", str(by_command), cwd=elsewhere
+        )
+        assert result.returncode == 0, result.stderr
+        by_script = tmp_path / f"script-{name}"
+        script = subprocess.run(
+            [sys.executable, str(REPO / "pipelines" / "compile.py"), "--config", str(config), "--output",
+             str(by_script)],
+            capture_output=True, text=True, cwd=elsewhere, check=False,
+        )  # fmt: skip
+        assert script.returncode == 0, script.stderr
+        assert by_command.read_bytes() == by_script.read_bytes()
+        assert by_command.read_bytes() == (REPO / "pipelines" / "compiled" / name).read_bytes()
 
 
 def test_compiling_twice_gives_the_same_bytes(tmp_path):
@@ -91,13 +121,13 @@ def test_run_time_parameters_are_typed_and_default_to_the_config(compiled):
 
 
 def test_compile_command_reports_a_bad_config(tmp_path, capsys):
-    from pipelines.compile import main
+    from batchpilot.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         (REPO / "configs" / "demo.yaml").read_text().replace("global_batch_size: 64", "global_batch_size: 0")
     )
-    assert main(["--config", str(bad), "--output", str(tmp_path / "out.yaml")]) == 2
+    assert main(["compile", "--config", str(bad), "--output", str(tmp_path / "out.yaml")]) == 2
     assert "batch.global_batch_size" in capsys.readouterr().err
     assert not (tmp_path / "out.yaml").exists()
 

@@ -9,6 +9,7 @@ one pod per node, placed on the node pool by its label.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -20,40 +21,16 @@ from typing import Any
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
-from batchpilot.planning import Plan, Stage
+from batchpilot.planning import Stage
+from batchpilot.threads import local_trainer_threads
 
-
-def local_trainer_threads() -> int:
-    """CPU threads of each local trainer process (OMP_NUM_THREADS, 1 unless the user set it).
-
-    One process per "device" on a shared machine: more threads per process would only fight over the
-    same cores. Explore's probes use the same number, so they measure what a trainer will see.
-    """
-    value = os.environ.get("OMP_NUM_THREADS", "1")
-    if not value.isdigit() or int(value) < 1:
-        raise BatchpilotError("OMP_NUM_THREADS", f"is {value!r}", "set it to a positive integer or unset it")
-    return int(value)
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def launch_stage(plan: Plan, stage: str) -> Stage:
-    """The stage `--stage` names: an index or `final` (`all` is for `batchpilot train` only)."""
-    if stage == "all":
-        raise BatchpilotError(
-            "--stage", "launch runs one stage at its planned size", "give a stage index or final"
-        )
-    if stage == "final":
-        return plan.stages[-1]
-    if not stage.isdigit() or int(stage) >= len(plan.stages):
-        raise BatchpilotError(
-            "--stage", f"{stage!r} is not a stage of this plan", f"use 0..{len(plan.stages) - 1} or final"
-        )
-    return plan.stages[int(stage)]
 
 
 @dataclass(frozen=True)
@@ -72,20 +49,17 @@ def stage_launch_spec(
     run_name: str,
     stage: Stage,
     devices_per_node: int,
-    config_path: str,
     plan_path: str,
     output_dir: str,
     audit: bool = False,
 ) -> LaunchSpec:
-    """The trainer command line and topology of `stage`."""
+    """The trainer command line and topology of `stage`: `batchpilot train --plan ... --stage N`."""
     return LaunchSpec(
         name=f"{run_name}-{stage.name}",
         num_nodes=stage.num_nodes,
         processes_per_node=devices_per_node,
         trainer_args=(
             "train",
-            "--config",
-            config_path,
             "--plan",
             plan_path,
             "--stage",
@@ -145,11 +119,10 @@ def follow(
     """
     from torchx.specs import AppState
 
-    print(
-        f"[batchpilot] launched {spec.name}: {spec.num_nodes} node(s) x {spec.processes_per_node} process(es) "
-        f"via {via} ({handle})",
-        flush=True,
-    )
+    logger.info(
+        "launched %s: %d node(s) x %d process(es) via %s (%s)",
+        spec.name, spec.num_nodes, spec.processes_per_node, via, handle,
+    )  # fmt: skip
 
     seen: set[str] = set()
     streams = [
@@ -172,21 +145,21 @@ def follow(
     if status.state == AppState.SUCCEEDED:
         return 0
     if PREEMPTED_LOG_MARKER in seen:
-        print(
-            f"[batchpilot] {spec.name} was preempted after checkpointing: exit {EXIT_PREEMPTED}", flush=True
-        )
+        logger.info("%s was preempted after checkpointing: exit %d", spec.name, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
     detail = f": {status.msg}" if status.msg and status.msg != "<NONE>" else ""
-    print(f"[batchpilot] {spec.name} failed ({status.state}){detail}; {where}", file=sys.stderr, flush=True)
+    logger.error("%s failed (%s)%s; %s", spec.name, status.state, detail, where)
     return 1
 
 
 def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> None:
-    """Copies one node's log lines to stdout as they come, noting the preemption marker."""
+    """Relays one node's log lines to stdout as they come (they are the trainers' own output, already
+    formatted, not this process's log records), noting the preemption marker."""
     for line in runner.log_lines(handle, role_name=role, k=replica, should_tail=True):
         if PREEMPTED_LOG_MARKER in line:
             seen.add(PREEMPTED_LOG_MARKER)
-        print(line, end="" if line.endswith("\n") else "\n", flush=True)
+        sys.stdout.write(line if line.endswith("\n") else line + "\n")
+        sys.stdout.flush()
 
 
 # --- GKE: the same stage as a JobSet or a Volcano Job -------------------------------------------
@@ -203,11 +176,10 @@ def cluster_launch_spec(
     run_name: str,
     stage: Stage,
     devices_per_node: int,
-    config_text: str,
     plan_text: str,
     audit: bool = False,
 ) -> LaunchSpec:
-    """The stage's spec for pods: the config and plan travel as environment variables, written to files first.
+    """The stage's spec for pods: the run document travels as an environment variable, written to a file first.
 
     The launching process (a pipeline task or a laptop) holds the files; pods do not share its disk.
     Metrics and logs under `output_dir` stay in the pod; checkpoints go to `train.checkpoint_uri`.
@@ -216,14 +188,13 @@ def cluster_launch_spec(
         run_name=run_name,
         stage=stage,
         devices_per_node=devices_per_node,
-        config_path=f"{TRAINER_DIR}/config.yaml",
         plan_path=f"{TRAINER_DIR}/plan.json",
         output_dir=f"{TRAINER_DIR}/out",
         audit=audit,
     )
     # Compact JSON: the plan rides in the pod spec, which the API server stores whole.
     compact_plan = json.dumps(json.loads(plan_text), separators=(",", ":"))
-    env = {"BATCHPILOT_CONFIG_YAML": config_text, "BATCHPILOT_PLAN_JSON": compact_plan}
+    env = {"BATCHPILOT_PLAN_JSON": compact_plan}
     return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env)
 
 
@@ -253,8 +224,7 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig):
     role = appdef.roles[0]
     assert role.args[0] == "-c", role.args  # torchrun's component runs one bash command line
     write_inputs = (
-        f'mkdir -p {TRAINER_DIR} && printf "%s" "$BATCHPILOT_CONFIG_YAML" > {TRAINER_DIR}/config.yaml && '
-        f'printf "%s" "$BATCHPILOT_PLAN_JSON" > {TRAINER_DIR}/plan.json && '
+        f'mkdir -p {TRAINER_DIR} && printf "%s" "$BATCHPILOT_PLAN_JSON" > {TRAINER_DIR}/plan.json && '
     )
     role.args = ["-c", write_inputs + role.args[1]]
     set_overlay(role, "kubernetes", "V1Pod", trainer_pod_overlay(cluster))
@@ -317,18 +287,19 @@ def cluster_job_yaml(info) -> str:
     return yaml.safe_dump(info.request.resource, sort_keys=False)
 
 
-def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, dryrun: bool = False) -> int:
-    """Submits the stage to GKE, streams every node's log, returns 0, 75 (preempted) or 1.
+def render_cluster_yaml(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
+    """The JobSet or Volcano Job that `run_cluster` would create, as YAML; makes no API call."""
+    runner = cluster_runner()
+    return cluster_job_yaml(
+        render_cluster_job(runner, cluster_appdef(spec, cluster=cluster), cluster=cluster)
+    )
 
-    With `dryrun`, prints the object that would be created and makes no API call.
-    """
 
+def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
+    """Submits the stage to GKE, streams every node's log, returns 0, 75 (preempted) or 1."""
     runner = cluster_runner()
     appdef = cluster_appdef(spec, cluster=cluster)
     info = render_cluster_job(runner, appdef, cluster=cluster)
-    if dryrun:
-        print(cluster_job_yaml(info), end="", flush=True)
-        return 0
     handle = runner.schedule(info)
     return follow(
         runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,

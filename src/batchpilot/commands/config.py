@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from batchpilot.config import config_schema, load_config
-from batchpilot.planner import build_plan
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +29,8 @@ def _check(args: argparse.Namespace) -> int:
     if config.batch.micro_batch_size == "explore":
         detail = "stage divisibility is checked once the micro batch is explored"
     else:
-        plan = build_plan(config, micro_batch_size=config.batch.micro_batch_size)
-        detail = f"{len(plan.stages)} stage(s) valid"
+        from batchpilot import workflow
+
+        detail = f"{len(workflow.plan(config).plan.stages)} stage(s) valid"
     print(f"{args.file}: ok (name={config.name}, {config.total_samples:,} samples, {detail})")
     return 0

@@ -49,7 +49,7 @@ def parse_sizes(text: str | None) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot.explore import run_exploration
+    from batchpilot import workflow
     from batchpilot.planning.units import parse_bytes
 
     config = load_config(args.config)
@@ -59,14 +59,13 @@ def run(args: argparse.Namespace) -> int:
             update={"explore": config.explore.model_copy(update={"memory_budget_bytes": budget})}
         )
     output_dir = Path(args.output_dir or f"runs/{config.name}/explore")
-    result = run_exploration(
-        config=config,
+    result = workflow.explore(
+        config,
         output_dir=output_dir,
         max_probes=args.max_probes,
         max_minutes=args.max_minutes,
         micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
         study=not args.no_study,
-        echo=lambda line: print(line, flush=True),
     )
     _summary(result)
     return 0

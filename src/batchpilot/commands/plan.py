@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from batchpilot.config import Config, load_config
+from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan, dump_plan, micro_batch_from_explore, resolve_micro_batch_size
-from batchpilot.planning import CostEstimate, Plan, estimate_cost
-from batchpilot.planning.units import short_count
+from batchpilot.files import write_atomically
+from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.table import plan_table
 
 
 def register(subparsers: Any) -> None:
@@ -44,52 +44,36 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def _from_explore(path: str) -> tuple[int, float | None]:
-    """(micro batch to plan with, its measured samples/s per device) from an explore.json."""
-    try:
-        data = json.loads(Path(path).read_text())
-        micro, note = micro_batch_from_explore(data)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise BatchpilotError("--explore", f"cannot read a recommendation from {path}: {error}") from None
-    if note:
-        print(f"note: {note}")
-    measured = [
-        float(p["samples_per_s"])
-        for p in data.get("probes", [])
-        if p.get("fits") and p.get("micro_batch_size") == micro and p.get("samples_per_s")
-    ]
-    throughput = max(measured, default=None) or data["recommendation"].get("samples_per_s")
-    return micro, float(throughput) if throughput else None
-
-
 def run(args: argparse.Namespace) -> int:
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+
+    if args.json:  # stdout carries the document alone; notes go to stderr
+        configure_console(stream=sys.stderr)
     config = load_config(args.config)
-    throughput = args.samples_per_s_per_device
-    override = args.micro_batch_size
-    if args.explore:
-        explored_micro, explored_throughput = _from_explore(args.explore)
-        override = override or explored_micro
-        throughput = throughput or explored_throughput
-    if throughput is not None and throughput <= 0:
-        raise BatchpilotError("--samples-per-s-per-device", f"must be positive, got {throughput}")
-    micro = resolve_micro_batch_size(config, override)
+    explore = workflow.read_explore(args.explore) if args.explore else None
     if args.out and Path(args.out).exists() and not args.force:
         raise BatchpilotError("--out", f"{args.out} exists", "choose another path or pass --force")
-    plan = build_plan(config, micro_batch_size=micro)
-    text = dump_plan(config, plan)
+    document = workflow.plan(
+        config,
+        micro_batch_size=args.micro_batch_size,
+        explore=explore,
+        samples_per_s_per_device=args.samples_per_s_per_device,
+    )
+    text = document.to_json()
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out)
+        write_atomically(args.out, text)
     if args.json:
         print(text, end="")
-    else:
-        cost = estimate_cost(plan, samples_per_s_per_device=throughput) if throughput else None
-        print_plan(config, plan, cost, console=wide_console())
-        if args.out:
-            wide_console().print(f"wrote {args.out}")
+        return 0
+    console = wide_console()
+    print_plan(config.name, document.plan, document.cost, console=console)
+    if document.cost is None:
+        console.print(
+            "add --samples-per-s-per-device (or --explore explore.json) for durations and node-hours"
+        )
+    if args.out:
+        console.print(f"wrote {args.out}")
     return 0
 
 
@@ -99,54 +83,14 @@ def wide_console() -> Console:
     return console if console.is_terminal else Console(width=140, soft_wrap=True)
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:,.2f}"
-
-
-def print_plan(config: Config, plan: Plan, cost: CostEstimate | None, *, console: Console) -> None:
-    """The readable stage table, the batch arithmetic of the final stage, notes and the cost summary."""
-    table = Table(title=f"batchpilot plan: {config.name}", title_justify="left")
-    for column in ("stage", "batch", "samples", "steps", "nodes", "dp", "accum", "lr"):
-        table.add_column(column, justify="left" if column == "stage" else "right")
-    if cost:
-        table.add_column("est. hours", justify="right")
-        table.add_column("node-hours", justify="right")
-    for stage in plan.stages:
-        row = [
-            stage.name,
-            str(stage.global_batch_size),
-            f"{short_count(stage.start_sample)} - {short_count(stage.end_sample)}",
-            f"{stage.num_steps:,}",
-            str(stage.num_nodes),
-            str(stage.data_parallel_size),
-            str(stage.gradient_accumulation_steps),
-            f"{stage.lr:.2e}",
-        ]
-        if cost:
-            stage_cost = cost.stages[stage.index]
-            row += [_hours(stage_cost.duration_s), f"{stage_cost.node_hours:,.2f}"]
+def print_plan(name: str, plan: Plan, cost: CostEstimate | None, *, console: Console) -> None:
+    """The stage table (the one plan-table model, rendered with rich) and its footer lines."""
+    model = plan_table(plan, cost)
+    table = Table(title=f"batchpilot plan: {name}", title_justify="left")
+    for column in model.columns:
+        table.add_column(column.name, justify="left" if column.align == "left" else "right")
+    for row in model.rows:
         table.add_row(*row)
     console.print(table)
-    final = plan.stages[-1]
-    console.print(
-        f"global_batch_size {final.global_batch_size} = micro_batch_size {final.micro_batch_size} x "
-        f"data_parallel_size {final.data_parallel_size} x gradient_accumulation_steps "
-        f"{final.gradient_accumulation_steps} (final stage, {final.num_nodes} node(s) x "
-        f"{plan.devices_per_node} device(s))"
-    )
-    console.print(
-        f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, {plan.trained_samples:,} samples"
-    )
-    for note in plan.notes:
-        console.print(f"note: {note}")
-    if cost:
-        console.print(
-            f"estimate at {cost.samples_per_s_per_device:,.1f} samples/s per device: "
-            f"{_hours(cost.duration_s)} h, {cost.node_hours:,.2f} node-hours; a pool held at max_nodes="
-            f"{plan.max_nodes} would cost {cost.static_pool_node_hours:,.2f} node-hours "
-            f"({cost.saving_ratio:.0%} saved by resizing per stage)"
-        )
-    else:
-        console.print(
-            "add --samples-per-s-per-device (or --explore explore.json) for durations and node-hours"
-        )
+    for line in model.footer:
+        console.print(line, markup=False)

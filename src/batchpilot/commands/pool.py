@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
-from batchpilot.config import Config, load_config
-from batchpilot.errors import BatchpilotError
+from batchpilot.config import load_config
 
 
 def register(subparsers: Any) -> None:
@@ -43,46 +41,24 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _pool(args: argparse.Namespace) -> tuple[Config, Any]:
-    from batchpilot.cluster.nodepool import node_pool_for
-
-    config = load_config(args.config)
-    return config, node_pool_for(config, state_path=args.pool_state)
-
-
 def run_resize(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    # Bad input is refused before any pool is touched (or, for GKE, any client is created).
-    if args.nodes < 0 or args.nodes > config.cluster.max_nodes:
-        raise BatchpilotError(
-            "--nodes",
-            f"{args.nodes} is outside 0..{config.cluster.max_nodes} (cluster.max_nodes)",
-            "give a node count the config allows",
-        )
-    if args.timeout_s is not None and args.timeout_s <= 0:
-        raise BatchpilotError("--timeout-s", f"{args.timeout_s} is not positive", "give seconds > 0")
-    _, pool = _pool(args)
-    timeout_s = args.timeout_s if args.timeout_s is not None else config.cluster.ready_timeout_s
-    before = pool.current_size()
-    started = time.monotonic()
-    pool.resize(args.nodes)
-    print(f"resized: {before} -> {args.nodes} node(s)", flush=True)
-    pool.wait_ready(args.nodes, timeout_s=timeout_s)
-    print(f"ready: {args.nodes} node(s) after {time.monotonic() - started:.1f}s; {pool.describe()}")
-    return 0
+    from batchpilot import workflow
 
-
-def run_scale_down(args: argparse.Namespace) -> int:
-    config, pool = _pool(args)
-    before = pool.current_size()
-    pool.resize(config.cluster.idle_nodes)
-    print(
-        f"scaled down: {before} -> {config.cluster.idle_nodes} node(s) (cluster.idle_nodes); {pool.describe()}"
+    workflow.prepare_pool(
+        load_config(args.config), num_nodes=args.nodes, timeout_s=args.timeout_s, state_path=args.pool_state
     )
     return 0
 
 
+def run_scale_down(args: argparse.Namespace) -> int:
+    from batchpilot import workflow
+
+    workflow.scale_down(load_config(args.config), state_path=args.pool_state)
+    return 0
+
+
 def run_status(args: argparse.Namespace) -> int:
-    _, pool = _pool(args)
-    print(pool.describe())
+    from batchpilot import workflow
+
+    print(workflow.pool_status(load_config(args.config), state_path=args.pool_state))
     return 0

@@ -1,26 +1,38 @@
 """`batchpilot run --local`: compile the pipeline for a config and run all of it on this machine.
 
-kfp.local's SubprocessRunner runs every task in this Python environment; the embedded defaults are a
-local folder for storage, a local node pool (a node = a group of processes) and torchx `local_cwd`.
+The console shows one line when each task starts and ends (with the stage it belongs to), the lines
+batchpilot's own code logs (explore's probes, the stages' training lines) and a summary; everything
+else kfp.local and the tasks print goes to `pipeline.log` in the run folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import sys
+import os
+import re
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
-import yaml
+from rich.console import Console
 
-from batchpilot.config import Config, load_config, parse_config
+from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.logs import PREFIX
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-SOURCE_TREE = Path(__file__).resolve().parents[3]
+# kfp.local's own lines for a task (colour codes stripped first).
+TASK_START = re.compile(r"Executing task '([\w-]+)'")
+TASK_END = re.compile(r"Task '([\w-]+)' finished with status (\w+)")
+TASK_RETRY = re.compile(r"Task ([\w-]+) failed \(attempt (\d+)/(\d+)\)\. Retrying in ([\d.]+)s")
+TRAINING_STEP = re.compile(r"^\S+ step \d+ \| ")
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+# Lines of batchpilot's loggers that the task start/end lines already say.
+QUIET = ("resized: ", "wrote ", "report: ")
+FAILURE_TAIL_LINES = 30
+STEP_LINE_INTERVAL_S = 5.0
+"""The console shows a stage's training line at most this often (the full log has every one)."""
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +40,7 @@ def register(subparsers: Any) -> None:
         "run",
         help="compile the pipeline and run all of it locally (explore, plan, every stage, report)",
         description="Runs the whole batchpilot pipeline with kfp.local on this machine and leaves the "
-        "report, metrics, plan and checkpoints in --output.",
+        "report, metrics, plan, checkpoints and the full log (pipeline.log) in --output.",
     )
     parser.add_argument(
         "--local", action="store_true", help="run with kfp.local here (the only mode of `run`)"
@@ -37,7 +49,7 @@ def register(subparsers: Any) -> None:
         "--config", default=str(EMBEDDED_CONFIG), help="config file (default: the embedded demo)"
     )
     parser.add_argument(
-        "--output", required=True, help="folder for the run's report, metrics, plan, checkpoints"
+        "--output", required=True, help="folder for the run's report, metrics, plan, checkpoints and log"
     )
     parser.add_argument("--resume", action="store_true", help="continue a run in an existing --output folder")
     parser.add_argument(
@@ -46,99 +58,134 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def _absolute_file_uri(uri: str) -> str:
-    if not uri.startswith("file://"):
-        return uri
-    return f"file://{Path(uri.removeprefix('file://')).absolute()}"
+class TaskConsole:
+    """Turns the pipeline log's lines into the console's: task starts and ends, batchpilot's own lines,
+    and a failed task's last lines."""
 
+    def __init__(self, console: Console, *, stage_names: list[str]) -> None:
+        self.console = console
+        self.stage_names = stage_names
+        self.started: dict[str, float] = {}
+        self.task_lines: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
+        self.last_step_line_s = 0.0
+        self.failed: list[str] = []
 
-def local_run_config(config: Config, *, output: Path) -> Config:
-    """The config for a local run: file URIs made absolute; checkpoints and pool state in the output folder."""
-    data = config.model_dump(mode="json")
-    data["data"]["uri"] = _absolute_file_uri(data["data"]["uri"])
-    data["train"]["checkpoint_uri"] = f"file://{output.absolute()}/ckpt"
-    data["cluster"]["pool_state_path"] = str(output.absolute() / "pool.json")
-    return parse_config(data)
+    def label(self, task: str) -> str:
+        """`train-stage-3` -> `stage-2: train (3/4)`: kfp.local numbers repeated tasks from the second on."""
+        match = re.fullmatch(r"(resize-pool|train-stage)(?:-(\d+))?", task)
+        if not match:
+            return task
+        index = int(match.group(2) or 1) - 1
+        action = "resize pool" if match.group(1) == "resize-pool" else "train"
+        name = self.stage_names[index] if index < len(self.stage_names) else f"stage-{index}"
+        return f"{name}: {action} ({index + 1}/{len(self.stage_names)})"
 
+    def __call__(self, raw: str) -> None:
+        line = COLOUR.sub("", raw).rstrip()
+        if start := TASK_START.search(line):
+            self.task_lines.clear()
+            self.started[start.group(1)] = time.monotonic()
+            self.console.print(f"[bold]>[/bold] {self.label(start.group(1))}")
+            return
+        self.task_lines.append(line)
+        if end := TASK_END.search(line):
+            self._ended(*end.groups())
+        elif retry := TASK_RETRY.search(line):
+            task, attempt, attempts, delay = retry.groups()
+            self._show_task_lines(task)
+            self.console.print(
+                f"  [yellow]retry[/yellow] {self.label(task)}: attempt {attempt}/{attempts} failed, "
+                f"trying again in {float(delay):.0f} s"
+            )
+        elif PREFIX in line:
+            self._batchpilot_line(line.split(PREFIX, 1)[1])
 
-def _check_inputs(config: Config, output: Path, *, resume: bool) -> None:
-    if config.cluster.backend != "local":
-        raise BatchpilotError(
-            "cluster.backend",
-            f"is {config.cluster.backend!r}; `batchpilot run --local` runs local configs",
-            "compile with `python pipelines/compile.py --config ...` and submit it to Kubeflow Pipelines",
-        )
-    if output.exists() and any(output.iterdir()) and not resume:
-        raise BatchpilotError("--output", f"{output} is not empty", "choose a new folder, or pass --resume")
-    manifest = Path(config.data.uri.removeprefix("file://")) / "manifest.json"
-    if config.data.uri.startswith("file://") and not manifest.exists():
-        raise BatchpilotError(
-            "data.uri",
-            f"{config.data.uri} holds no shard set (no manifest.json)",
-            f"prepare one, e.g. `batchpilot data prepare --demo --out {config.data.uri}`",
-        )
+    def _ended(self, task: str, status: str) -> None:
+        took = time.monotonic() - self.started.get(task, time.monotonic())
+        if status == "SUCCESS":
+            self.console.print(f"  [green]done[/green] {self.label(task)} in {took:.1f} s")
+            return
+        self.failed.append(task)
+        self._show_task_lines(task)
+        self.console.print(f"  [red]{status}[/red] {self.label(task)} after {took:.1f} s")
 
+    def _show_task_lines(self, task: str) -> None:
+        self.console.print(f"  last lines of {self.label(task)}:", markup=False)
+        for line in self.task_lines:
+            self.console.print(f"    | {line}", markup=False)
 
-def _pipeline_module() -> Any:
-    """pipelines/ and components/ live beside src/ in the source tree (the image puts them on PYTHONPATH)."""
-    try:
-        return importlib.import_module("pipelines.batchpilot_pipeline")
-    except ModuleNotFoundError:
-        pass
-    if not (SOURCE_TREE / "pipelines" / "batchpilot_pipeline.py").exists():
-        raise BatchpilotError(
-            "batchpilot run",
-            f"needs the batchpilot source tree (pipelines/, components/), not found at {SOURCE_TREE}",
-            "install batchpilot from a checkout (`pip install -e .`) or use the batchpilot image",
-        )
-    if str(SOURCE_TREE) not in sys.path:
-        sys.path.insert(0, str(SOURCE_TREE))
-    return importlib.import_module("pipelines.batchpilot_pipeline")
+    def _batchpilot_line(self, text: str) -> None:
+        if text.startswith(QUIET):
+            return
+        if TRAINING_STEP.match(text):
+            now = time.monotonic()
+            if now - self.last_step_line_s < STEP_LINE_INTERVAL_S:
+                return
+            self.last_step_line_s = now
+        self.console.print(f"    {text}", markup=False)
 
 
 def run(args: argparse.Namespace) -> int:
+    from batchpilot.kfp.local import (
+        LOG_NAME,
+        captured_output,
+        check_local_run,
+        local_run_config,
+        run_pipeline,
+    )
+    from batchpilot.kfp.pipeline import stage_names
+    from batchpilot.workflow import expected_stage_count
+
     if not args.local:
         raise BatchpilotError("--local", "is required: `batchpilot run` only runs pipelines on this machine")
     output = Path(args.output)
     config = local_run_config(load_config(args.config), output=output)
-    _check_inputs(config, output, resume=args.resume)
-    pipeline_module = _pipeline_module()
-    from kfp import local
-
+    check_local_run(config, output, resume=args.resume)
+    names = stage_names(expected_stage_count(config))
     output.mkdir(parents=True, exist_ok=True)
-    config_yaml = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-    (output / "config.yaml").write_text(config_yaml)
-    pipeline = pipeline_module.build_pipeline(config)
-    stages = pipeline_module.num_stages(config)
-    print(
-        f"[batchpilot] running pipeline batchpilot-{config.name} locally: explore, plan, {stages} stage(s), "
-        f"report -> {output}",
-        flush=True,
+    log_path = output / LOG_NAME
+    console = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False, soft_wrap=True)
+    console.print(
+        f"{PREFIX}running pipeline batchpilot-{config.name} locally: explore, plan, {len(names)} stage(s), "
+        f"report -> {output} (full log: {log_path})",
+        markup=False,
     )
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(output / "kfp"))
+    tasks = TaskConsole(console, stage_names=names)
     started = time.monotonic()
     try:
-        pipeline(micro_batch_size=args.micro_batch_size, run_dir=str(output.absolute()))
+        with captured_output(log_path, tasks):
+            run_pipeline(config, output=output, micro_batch_size=args.micro_batch_size)
     except RuntimeError as error:
-        print(f"batchpilot: error: the pipeline failed: {error}", file=sys.stderr)
-        print(
-            f"batchpilot: error: the exit handler scaled the pool down; task logs under {output / 'kfp'}",
-            file=sys.stderr,
+        errors = Console(file=os.fdopen(os.dup(2), "w", buffering=1), highlight=False, soft_wrap=True)
+        errors.print(f"batchpilot: error: the pipeline failed: {error}", markup=False)
+        errors.print(
+            f"batchpilot: error: the exit handler scaled the pool down; the full log is {log_path}",
+            markup=False,
         )
         return 1
-    _summary(output, elapsed_s=time.monotonic() - started)
+    _summary(console, output, elapsed_s=time.monotonic() - started)
     return 0
 
 
-def _summary(output: Path, *, elapsed_s: float) -> None:
-    records = [
-        json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()
-    ]
-    plan = json.loads((output / "plan.json").read_text())
-    nodes = " -> ".join(f"{s['global_batch_size']}@{s['num_nodes']}n" for s in plan["stages"])
-    print(
-        f"[batchpilot] done in {elapsed_s / 60:.1f} min: micro_batch_size {plan['micro_batch_size']}, "
-        f"stages {nodes}, {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}"
+def _summary(console: Console, output: Path, *, elapsed_s: float) -> None:
+    from batchpilot.rundoc import read_run_document
+    from batchpilot.train.metrics import read_metrics
+
+    records = read_metrics(output / "metrics.jsonl")
+    plan = read_run_document(output / "plan.json").plan
+    nodes = " -> ".join(f"{s.global_batch_size}@{s.num_nodes}n" for s in plan.stages)
+    console.print(
+        f"{PREFIX}done in {elapsed_s / 60:.1f} min: micro_batch_size {plan.micro_batch_size}, "
+        f"stages {nodes}, {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}",
+        markup=False,
     )
-    for name in ("report.html", "plan.json", "plan.md", "metrics.jsonl", "explore/explore.json", "ckpt"):
-        print(f"[batchpilot]   {output / name}")
+    for name in (
+        "report.html",
+        "plan.json",
+        "plan.md",
+        "metrics.jsonl",
+        "explore/explore.json",
+        "ckpt",
+        "pipeline.log",
+    ):
+        console.print(f"{PREFIX}  {output / name}", markup=False)

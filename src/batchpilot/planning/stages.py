@@ -54,6 +54,7 @@ class Plan:
     micro_batch_size: int
     devices_per_node: int
     max_nodes: int
+    lr_schedule: LRSchedule
     notes: tuple[str, ...] = ()
 
     @property
@@ -71,6 +72,21 @@ class Plan:
         starts = [stage.start_sample for stage in self.stages]
         return self.stages[bisect.bisect_right(starts, consumed_samples) - 1]
 
+    def select(self, text: str, *, allow_all: bool = False) -> tuple[Stage, ...]:
+        """The stages `--stage TEXT` names: an index, `final`, or (with `allow_all`) `all`.
+
+        Raises:
+            BatchpilotError: TEXT names no stage of this plan.
+        """
+        if allow_all and text == "all":
+            return self.stages
+        if text == "final":
+            return self.stages[-1:]
+        if not text.isdigit() or int(text) >= len(self.stages):
+            choices = f"0..{len(self.stages) - 1}, final" + (" or all" if allow_all else "")
+            raise BatchpilotError("--stage", f"{text!r} is not a stage of this plan", f"use {choices}")
+        return (self.stages[int(text)],)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "total_samples": self.total_samples,
@@ -79,6 +95,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "devices_per_node": self.devices_per_node,
             "max_nodes": self.max_nodes,
+            "lr_schedule": asdict(self.lr_schedule),
             "notes": list(self.notes),
             "stages": [asdict(stage) for stage in self.stages],
         }
@@ -91,8 +108,14 @@ class Plan:
             micro_batch_size=data["micro_batch_size"],
             devices_per_node=data["devices_per_node"],
             max_nodes=data["max_nodes"],
+            lr_schedule=LRSchedule(**data["lr_schedule"]),
             notes=tuple(data.get("notes", ())),
         )
+
+
+def stage_name(index: int, *, num_stages: int) -> str:
+    """`stage-K` for ramp-up stages, `final` for the last one (plan, logs, pipeline task groups)."""
+    return "final" if index == num_stages - 1 else f"stage-{index}"
 
 
 def sample_ranges(schedule: BatchSchedule, *, total_samples: int) -> list[tuple[int, int, int]]:
@@ -171,7 +194,7 @@ def plan_stages(
         stages.append(
             Stage(
                 index=index,
-                name="final" if is_final else f"stage-{index}",
+                name=stage_name(index, num_stages=len(ranges)),
                 global_batch_size=batch,
                 start_sample=start,
                 end_sample=end,
@@ -202,6 +225,7 @@ def plan_stages(
         micro_batch_size=micro_batch_size,
         devices_per_node=devices_per_node,
         max_nodes=max_nodes,
+        lr_schedule=lr_schedule,
         notes=notes,
     )
 

@@ -1,0 +1,44 @@
+"""Compiling the pipeline for a config: what `batchpilot compile` and `python pipelines/compile.py` run.
+
+The output is deterministic (same config and image, same bytes); the compiled YAML of the example
+configs is checked in under pipelines/compiled/ and a test fails when it drifts from the source.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from batchpilot.config import Config, load_config
+from batchpilot.files import write_atomically
+from batchpilot.workflow import expected_stage_count
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+"""The example configs shipped inside the package (the repository's configs/ links here)."""
+EXAMPLES = ("demo.yaml", "nemo_gpt3_5b.yaml", "maxtext_per_device.yaml")
+
+
+def compile_pipeline(config: Config, *, image: str | None = None) -> str:
+    """The pipeline for `config` as KFP YAML text."""
+    import tempfile
+
+    from kfp import compiler
+
+    from batchpilot.kfp.pipeline import DEFAULT_IMAGE, build_pipeline
+
+    pipeline = build_pipeline(config, image=image or DEFAULT_IMAGE)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipeline.yaml"
+        compiler.Compiler().compile(pipeline, str(path))
+        return path.read_text()
+
+
+def compile_file(config_path: str | Path, output: str | Path, *, image: str | None = None) -> int:
+    """Compiles the pipeline for the config file into `output`; returns its number of stages."""
+    config = load_config(config_path)
+    write_atomically(output, compile_pipeline(config, image=image))
+    count = expected_stage_count(config)
+    logger.info("compiled %s -> %s (%d stage(s))", config_path, output, count)
+    return count

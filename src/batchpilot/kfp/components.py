@@ -1,0 +1,149 @@
+"""Thin KFP components: each converts its parameters, calls one `batchpilot.workflow` function, and
+hands the results to KFP (artifacts, metrics, the plan text).
+
+No business logic lives here. All components run the one batchpilot image; the function bodies import
+batchpilot inside, as KFP lightweight components must (their source is copied into the compiled YAML).
+"""
+
+from types import SimpleNamespace
+
+from kfp import dsl
+from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Output
+
+
+def explore(
+    config_yaml: str,
+    micro_batch_size: int,
+    run_dir: str,
+    explore_dir: Output[Artifact],
+    explore_report: Output[HTML],
+    explore_metrics: Output[Metrics],
+):
+    """Measures the fastest micro batch that fits one device and the gradient noise scale."""
+    import json
+    from pathlib import Path
+
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+
+    configure_console()
+    config = workflow.config_from_text(config_yaml, micro_batch_size=micro_batch_size)
+    folder = Path(explore_dir.path)
+    workflow.explore(config, output_dir=folder)
+    Path(explore_report.path).write_bytes((folder / "explore.html").read_bytes())
+    for name, value in json.loads((folder / "explore_metrics.json").read_text()).items():
+        explore_metrics.log_metric(name, value)
+    if run_dir:
+        workflow.keep_copies(run_dir, {f"explore/{name}": folder / name for name in workflow.EXPLORE_FILES})
+
+
+def plan(
+    config_yaml: str,
+    micro_batch_size: int,
+    total_samples: int,
+    expected_num_stages: int,
+    run_dir: str,
+    explore_dir: Input[Artifact],
+    plan_file: Output[Artifact],
+    plan_table: Output[Markdown],
+) -> str:
+    """Validates every stage of the ramp-up and schedules its nodes; returns the run document (plan.json)."""
+    from pathlib import Path
+
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.report import plan_markdown
+
+    configure_console()
+    document = workflow.plan(
+        workflow.config_from_text(config_yaml, total_samples=total_samples),
+        micro_batch_size=micro_batch_size or None,
+        explore=workflow.read_explore(Path(explore_dir.path) / "explore.json"),
+        expected_num_stages=expected_num_stages,
+    )
+    text = document.to_json()
+    Path(plan_file.path).write_text(text)
+    Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost))
+    if run_dir:
+        workflow.keep_copies(run_dir, {"plan.json": Path(plan_file.path), "plan.md": Path(plan_table.path)})
+    return text
+
+
+def resize_pool(plan_json: str, stage_index: int) -> int:
+    """Resizes the node pool to the stage's node count and waits for ready nodes."""
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    document = parse_run_document(plan_json)
+    stage = document.plan.stages[stage_index]
+    return workflow.prepare_pool(document.config, num_nodes=stage.num_nodes).after
+
+
+def train_stage(plan_json: str, stage_index: int, run_dir: str, stage_metrics: Output[Metrics]):
+    """Trains the stage to its last sample on the pool, checkpoints and stops."""
+    from pathlib import Path
+
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    document = parse_run_document(plan_json)
+    metrics = workflow.train_stage(
+        document, stage_index=stage_index, work_dir=Path(run_dir) if run_dir else None
+    )
+    for name, value in metrics.items():
+        stage_metrics.log_metric(name, value)
+
+
+def scale_down(config_yaml: str):
+    """Scales the node pool back down (exit handler). It reads the config, not the plan, so it still runs
+    when planning failed."""
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+
+    configure_console()
+    workflow.scale_down(workflow.config_from_text(config_yaml))
+
+
+def report(
+    plan_json: str,
+    run_dir: str,
+    explore_dir: Input[Artifact],
+    run_report: Output[HTML],
+    plan_table: Output[Markdown],
+    run_metrics: Output[Metrics],
+):
+    """The run report: exploration, plan table, batch-size ramp and loss curve."""
+    from pathlib import Path
+
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    summary, _ = workflow.report(
+        parse_run_document(plan_json),
+        explore_dir=Path(explore_dir.path),
+        html_path=Path(run_report.path),
+        markdown_path=Path(plan_table.path),
+    )
+    for name, value in summary.items():
+        run_metrics.log_metric(name, value)
+    if run_dir:
+        workflow.keep_copies(run_dir, {"report.html": Path(run_report.path)})
+
+
+COMPONENT_FUNCTIONS = (explore, plan, resize_pool, train_stage, scale_down, report)
+
+
+def build_components(image: str) -> SimpleNamespace:
+    """The components above, all on `image` (the batchpilot image, which already has kfp installed)."""
+    return SimpleNamespace(
+        **{
+            f.__name__: dsl.component(f, base_image=image, install_kfp_package=False)
+            for f in COMPONENT_FUNCTIONS
+        }
+    )

@@ -1,0 +1,76 @@
+"""The stage table as one model (columns and formatted cells) that every view renders: the CLI's
+table, the Markdown plan the KFP UI shows, and the HTML report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchpilot.planning.cost import CostEstimate
+from batchpilot.planning.stages import Plan
+from batchpilot.planning.units import short_count
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    align: str  # "left" | "right"
+
+
+@dataclass(frozen=True)
+class PlanTable:
+    """Header, rows of formatted cells, and the lines that belong under the table."""
+
+    columns: tuple[Column, ...]
+    rows: tuple[tuple[str, ...], ...]
+    footer: tuple[str, ...]
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:,.2f}"
+
+
+def plan_table(plan: Plan, cost: CostEstimate | None = None) -> PlanTable:
+    """The stage table of `plan`, with duration and node-hour columns when `cost` is given."""
+    names = ["stage", "batch", "samples", "steps", "nodes", "dp", "micro", "accum", "lr"]
+    if cost is not None:
+        names += ["est. hours", "node-hours"]
+    columns = tuple(Column(name, "left" if name == "stage" else "right") for name in names)
+    rows = []
+    for stage in plan.stages:
+        row = [
+            stage.name,
+            str(stage.global_batch_size),
+            f"{short_count(stage.start_sample)} - {short_count(stage.end_sample)}",
+            f"{stage.num_steps:,}",
+            str(stage.num_nodes),
+            str(stage.data_parallel_size),
+            str(stage.micro_batch_size),
+            str(stage.gradient_accumulation_steps),
+            f"{stage.lr:.2e}",
+        ]
+        if cost is not None:
+            stage_cost = cost.stages[stage.index]
+            row += [_hours(stage_cost.duration_s), f"{stage_cost.node_hours:,.2f}"]
+        rows.append(tuple(row))
+    return PlanTable(columns=columns, rows=tuple(rows), footer=plan_footer(plan, cost))
+
+
+def plan_footer(plan: Plan, cost: CostEstimate | None) -> tuple[str, ...]:
+    """The final stage's batch arithmetic, the totals, the plan's notes and the cost summary."""
+    final = plan.stages[-1]
+    lines = [
+        f"global_batch_size {final.global_batch_size} = micro_batch_size {final.micro_batch_size} x "
+        f"data_parallel_size {final.data_parallel_size} x gradient_accumulation_steps "
+        f"{final.gradient_accumulation_steps} (final stage, {final.num_nodes} node(s) x "
+        f"{plan.devices_per_node} device(s))",
+        f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, {plan.trained_samples:,} samples",
+    ]
+    lines += [f"note: {note}" for note in plan.notes]
+    if cost is not None:
+        lines.append(
+            f"estimate at {cost.samples_per_s_per_device:,.1f} samples/s per device: "
+            f"{_hours(cost.duration_s)} h, {cost.node_hours:,.2f} node-hours; a pool held at max_nodes="
+            f"{plan.max_nodes} would cost {cost.static_pool_node_hours:,.2f} node-hours "
+            f"({cost.saving_ratio:.0%} saved by resizing per stage)"
+        )
+    return tuple(lines)

@@ -1,0 +1,126 @@
+"""The run document, `plan.json`: everything a later step needs, in one file that every step reads.
+
+It holds the resolved config (with a hash that makes edits visible), the part of the exploration the
+plan used, how the micro batch was chosen, the stages with every derived setting (node counts,
+accumulation, LR schedule) and, when a throughput was measured, the duration and node-hour estimate.
+`launch`, `train`, the pipeline's tasks and the report all take this document; none rebuilds the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from batchpilot import __version__
+from batchpilot.config import Config, parse_config
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning import CostEstimate, Plan
+
+FORMAT_VERSION = 2
+MicroBatchSource = Literal["config", "explore", "override"]
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """sha256 of the config's canonical JSON (sorted keys, no spaces)."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RunDocument:
+    """The resolved config, the plan made from it, and what the plan was made with.
+
+    Attributes:
+        config: the resolved config (run-time overrides applied).
+        plan: the stages, node counts and LR schedule.
+        micro_batch_source: `config`, `explore` or `override` (the command line or a pipeline parameter).
+        explore: what the plan used of explore.json (its recommendation and noise-scale estimate), or None.
+        cost: durations and node-hours, when a per-device throughput was measured or given.
+        notes: why the plan is what it is (e.g. the explored size that was not taken), for people.
+    """
+
+    config: Config
+    plan: Plan
+    micro_batch_source: MicroBatchSource
+    explore: dict[str, Any] | None = None
+    cost: CostEstimate | None = None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        config = self.config.model_dump(mode="json")
+        cost = None
+        if self.cost is not None:
+            cost = {
+                **asdict(self.cost),
+                "duration_s": self.cost.duration_s,
+                "node_hours": self.cost.node_hours,
+                "saving_ratio": self.cost.saving_ratio,
+            }
+        return {
+            "format_version": FORMAT_VERSION,
+            "batchpilot_version": __version__,
+            "config_hash": config_hash(config),
+            "config": config,
+            "micro_batch_source": self.micro_batch_source,
+            "explore": self.explore,
+            "cost": cost,
+            "run_notes": list(self.notes),
+            **self.plan.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (same input, same bytes)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def parse_run_document(text: str, *, source: str = "plan.json") -> RunDocument:
+    """Reads a plan.json text; refuses another format version or a config edited after planning."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BatchpilotError(source, f"is not JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        found = data.get("format_version") if isinstance(data, dict) else None
+        raise BatchpilotError(
+            f"{source}: format_version",
+            f"is {found!r}, this batchpilot {__version__} reads {FORMAT_VERSION}",
+            "make the plan again with `batchpilot plan --config ... --out plan.json`",
+        )
+    if data.get("config_hash") != config_hash(data["config"]):
+        raise BatchpilotError(
+            f"{source}: config",
+            "does not match the plan's config_hash: the config was edited after the plan was made, so its "
+            "stages may no longer follow from it",
+            "make the plan again from the edited config with `batchpilot plan --config ... --out plan.json`",
+        )
+    cost = data.get("cost")
+    return RunDocument(
+        config=parse_config(data["config"]),
+        plan=Plan.from_dict(data),
+        micro_batch_source=data["micro_batch_source"],
+        explore=data.get("explore"),
+        cost=_cost_from_dict(cost) if cost else None,
+        notes=tuple(data.get("run_notes", ())),
+    )
+
+
+def _cost_from_dict(data: dict[str, Any]) -> CostEstimate:
+    from batchpilot.planning.cost import StageCost
+
+    return CostEstimate(
+        stages=tuple(StageCost(**stage) for stage in data["stages"]),
+        samples_per_s_per_device=data["samples_per_s_per_device"],
+        static_pool_node_hours=data["static_pool_node_hours"],
+    )
+
+
+def read_run_document(path: str | Path) -> RunDocument:
+    """The run document at `path`, or a one-line error naming the file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise BatchpilotError("--plan", f"cannot read {path}: {error.strerror}") from None
+    return parse_run_document(text, source=str(path))

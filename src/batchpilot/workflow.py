@@ -1,0 +1,306 @@
+"""One typed function per pipeline step: explore, plan, prepare the pool, run a stage, scale down, report.
+
+The `batchpilot` commands, the KFP components and the local run all call these functions; none of
+them decides anything these functions decide. The run document (`plan.json`, `batchpilot.rundoc`) is
+what the steps pass along: `plan` makes it, every later step reads it. Progress goes to the
+`batchpilot.workflow` logger; entry points choose what reaches a console.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from batchpilot.config import Config, parse_config
+from batchpilot.errors import BatchpilotError
+from batchpilot.files import write_atomically
+from batchpilot.planner import make_run_document, num_stages
+from batchpilot.planning import Stage
+from batchpilot.rundoc import RunDocument
+
+if TYPE_CHECKING:
+    from batchpilot.explore import ExploreResult
+
+logger = logging.getLogger(__name__)
+
+EXPLORE_FILES = ("explore.json", "explore.html", "explore_metrics.json")
+
+
+def config_from_text(text: str, *, micro_batch_size: int = 0, total_samples: int = 0) -> Config:
+    """The run's config from YAML (or JSON) text, with the pipeline's run-time overrides (0 = keep)."""
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise BatchpilotError("config_yaml", "is not a YAML mapping")
+    if micro_batch_size:
+        data.setdefault("batch", {})["micro_batch_size"] = micro_batch_size
+    if total_samples:
+        data.setdefault("train", {}).update(total_samples=total_samples, total_tokens=None)
+    return parse_config(data)
+
+
+# --- explore ---------------------------------------------------------------------------------------
+
+
+def explore(
+    config: Config,
+    *,
+    output_dir: Path,
+    max_probes: int | None = None,
+    max_minutes: float | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    study: bool = True,
+) -> ExploreResult:
+    """Measures the fastest micro batch that fits one device (and the noise scale); writes EXPLORE_FILES."""
+    from batchpilot.explore import run_exploration
+
+    return run_exploration(
+        config=config,
+        output_dir=output_dir,
+        max_probes=max_probes,
+        max_minutes=max_minutes,
+        micro_batch_sizes=micro_batch_sizes,
+        study=study,
+    )
+
+
+def read_explore(path: str | Path) -> dict[str, Any]:
+    """A parsed explore.json, or a one-line error naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise BatchpilotError("--explore", f"cannot read {path}: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("recommendation"), dict):
+        raise BatchpilotError(
+            "--explore", f"{path} holds no recommendation", "give explore.json of `batchpilot explore`"
+        )
+    return data
+
+
+# --- plan ------------------------------------------------------------------------------------------
+
+
+def plan(
+    config: Config,
+    *,
+    micro_batch_size: int | None = None,
+    explore: dict[str, Any] | None = None,
+    samples_per_s_per_device: float | None = None,
+    expected_num_stages: int | None = None,
+) -> RunDocument:
+    """The validated run document; with `expected_num_stages` (a compiled pipeline's), refuses another
+    stage count before anything is resized."""
+    document = make_run_document(
+        config,
+        micro_batch_size=micro_batch_size,
+        explore=explore,
+        samples_per_s_per_device=samples_per_s_per_device,
+    )
+    count = len(document.plan.stages)
+    if expected_num_stages is not None and count != expected_num_stages:
+        raise BatchpilotError(
+            "config_yaml",
+            f"implies {count} stage(s) but this pipeline was compiled for {expected_num_stages}",
+            "recompile it with `batchpilot compile --config <your config>` and upload the result",
+        )
+    for note in document.notes:
+        logger.info(note)
+    return document
+
+
+def expected_stage_count(config: Config) -> int:
+    """The stage count a pipeline compiled from `config` has (independent of the micro batch)."""
+    return num_stages(config)
+
+
+# --- node pool -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolChange:
+    """What a resize did: sizes before and after, the wait, and the pool's description afterwards."""
+
+    before: int
+    after: int
+    elapsed_s: float
+    description: str
+
+
+def prepare_pool(
+    config: Config, *, num_nodes: int, timeout_s: float | None = None, state_path: str | None = None
+) -> PoolChange:
+    """Resizes the pool to `num_nodes` and waits until that many nodes are ready; bad input touches nothing."""
+    from batchpilot.cluster.nodepool import node_pool_for
+
+    if not 0 <= num_nodes <= config.cluster.max_nodes:
+        raise BatchpilotError(
+            "--nodes",
+            f"{num_nodes} is outside 0..{config.cluster.max_nodes} (cluster.max_nodes)",
+            "give a node count the config allows",
+        )
+    if timeout_s is not None and timeout_s <= 0:
+        raise BatchpilotError("--timeout-s", f"{timeout_s} is not positive", "give seconds > 0")
+    pool = node_pool_for(config, state_path=state_path)
+    started = time.monotonic()
+    before = pool.current_size()
+    pool.resize(num_nodes)
+    logger.info("resized: %d -> %d node(s)", before, num_nodes)
+    pool.wait_ready(
+        num_nodes, timeout_s=timeout_s if timeout_s is not None else config.cluster.ready_timeout_s
+    )
+    change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
+    logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
+    return change
+
+
+def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
+    """Resizes the pool to `cluster.idle_nodes` (the exit handler: it runs whether the stages succeeded)."""
+    from batchpilot.cluster.nodepool import node_pool_for
+
+    pool = node_pool_for(config, state_path=state_path)
+    started = time.monotonic()
+    before = pool.current_size()
+    pool.resize(config.cluster.idle_nodes)
+    change = PoolChange(before, config.cluster.idle_nodes, time.monotonic() - started, pool.describe())
+    logger.info(
+        "scaled down: %d -> %d node(s) (cluster.idle_nodes); %s", before, change.after, change.description
+    )
+    return change
+
+
+def pool_status(config: Config, *, state_path: str | None = None) -> str:
+    from batchpilot.cluster.nodepool import node_pool_for
+
+    return node_pool_for(config, state_path=state_path).describe()
+
+
+# --- stages ----------------------------------------------------------------------------------------
+
+
+def select_stage(document: RunDocument, stage: str | int) -> Stage:
+    """The one stage `stage` names: an index or `final`."""
+    return document.plan.select(str(stage))[0]
+
+
+def plan_file(document: RunDocument, folder: Path) -> Path:
+    """The run document as `folder/plan.json`, for trainers started by torchx (written when it differs)."""
+    path = folder / "plan.json"
+    text = document.to_json()
+    if not path.is_file() or path.read_text() != text:
+        write_atomically(path, text)
+    return path
+
+
+def run_stage(
+    document: RunDocument,
+    *,
+    stage: str | int,
+    work_dir: Path | None = None,
+    audit: bool = False,
+    log_dir: Path | None = None,
+) -> int:
+    """Launches the stage's trainers at its planned node count; returns 0, 75 (preempted) or 1.
+
+    Local (torchx `local_cwd`): trainers read `work_dir/plan.json` and write metrics and logs under
+    `work_dir` (default: runs/<name>). GKE: a JobSet or Volcano Job carrying the run document.
+    """
+    from batchpilot.cluster import launch
+
+    config = document.config
+    chosen = select_stage(document, stage)
+    if config.cluster.backend == "gke":
+        if work_dir is not None or log_dir is not None:
+            raise BatchpilotError(
+                "--output-dir" if work_dir is not None else "--log-dir",
+                "applies to local launches; gke trainers write checkpoints to train.checkpoint_uri",
+                "remove the option",
+            )
+        spec = launch.cluster_launch_spec(
+            run_name=config.name, stage=chosen, devices_per_node=config.cluster.devices_per_node,
+            plan_text=document.to_json(), audit=audit,
+        )  # fmt: skip
+        return launch.run_cluster(spec, cluster=config.cluster)
+    folder = (work_dir or Path(f"runs/{config.name}")).absolute()
+    spec = launch.stage_launch_spec(
+        run_name=config.name, stage=chosen, devices_per_node=document.plan.devices_per_node,
+        plan_path=str(plan_file(document, folder)), output_dir=str(folder), audit=audit,
+    )  # fmt: skip
+    return launch.run_local(spec, log_dir=log_dir or folder / "torchx")
+
+
+def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = False) -> str:
+    """The JobSet or Volcano Job of a gke stage as YAML, without any API call."""
+    from batchpilot.cluster import launch
+    from batchpilot.cluster.gke import require_gke_settings
+
+    config = document.config
+    if config.cluster.backend != "gke":
+        raise BatchpilotError(
+            "--dryrun", "renders the JobSet or Volcano Job of a gke config", "this config's backend is local"
+        )
+    require_gke_settings(config.cluster)
+    spec = launch.cluster_launch_spec(
+        run_name=config.name, stage=select_stage(document, stage),
+        devices_per_node=config.cluster.devices_per_node, plan_text=document.to_json(), audit=audit,
+    )  # fmt: skip
+    return launch.render_cluster_yaml(spec, cluster=config.cluster)
+
+
+def train_stage(document: RunDocument, *, stage_index: int, work_dir: Path | None) -> dict[str, float]:
+    """A pipeline stage: runs it to its last sample and returns its last step's metrics; raises on failure."""
+    stage = select_stage(document, stage_index)
+    local = document.config.cluster.backend == "local"
+    if local and work_dir is None:
+        work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-"))
+    code = run_stage(document, stage=stage_index, work_dir=work_dir if local else None)
+    if code != 0:
+        raise RuntimeError(f"{stage.name} ended with exit code {code}; see its trainers' lines above")
+    return stage_metrics(document, stage_index=stage_index)
+
+
+def stage_metrics(document: RunDocument, *, stage_index: int) -> dict[str, float]:
+    """The stage's last recorded step (loss, samples, batch, throughput), from the metrics kept beside
+    the checkpoints."""
+    from batchpilot.train.metrics import load_metrics
+
+    records = [r for r in load_metrics(document.config.train.checkpoint_uri) if r["stage"] == stage_index]
+    if not records:
+        raise BatchpilotError(f"stage {stage_index}", "finished without recording a single step")
+    last = records[-1]
+    return {
+        key: float(last[key]) for key in ("loss", "consumed_samples", "global_batch_size", "tokens_per_s")
+    }
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def report(
+    document: RunDocument, *, explore_dir: Path | None, html_path: Path, markdown_path: Path
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Writes the run report (HTML + Markdown plan table); returns its headline numbers and the records."""
+    from batchpilot.report import write_report
+    from batchpilot.train.metrics import load_metrics
+
+    records = load_metrics(document.config.train.checkpoint_uri)
+    explore_json = explore_dir / "explore.json" if explore_dir is not None else None
+    explore_data = json.loads(explore_json.read_text()) if explore_json and explore_json.is_file() else None
+    summary = write_report(
+        document=document, records=records, explore=explore_data, html_path=html_path,
+        markdown_path=markdown_path, explore_html=explore_dir / "explore.html" if explore_dir else None,
+    )  # fmt: skip
+    logger.info("report: %s", html_path)
+    return summary, records
+
+
+def keep_copies(run_dir: str | Path, files: dict[str, Path]) -> None:
+    """Copies step outputs into the local run folder (`batchpilot run --output DIR`)."""
+    for name, source in files.items():
+        write_atomically(Path(run_dir) / name, source.read_bytes())

@@ -1,0 +1,132 @@
+"""The workflow steps and the run document: one decision for the CLI and the pipeline, edits refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchpilot import workflow
+from batchpilot.errors import BatchpilotError
+from batchpilot.rundoc import parse_run_document
+from helpers import REPO, run_batchpilot
+
+DEMO = (REPO / "configs" / "demo.yaml").read_text()
+
+
+def explore_file(folder: Path, *, micro: int = 16, compatible: int | None = None) -> Path:
+    path = folder / "explore.json"
+    recommendation = {"micro_batch_size": micro, "plan_compatible_micro_batch_size": compatible}
+    probes = [{"micro_batch_size": micro, "fits": True, "samples_per_s": 400.0}]
+    path.write_text(json.dumps({"recommendation": recommendation, "probes": probes, "noise_scale": None}))
+    return path
+
+
+def test_run_time_overrides():
+    config = workflow.config_from_text(DEMO, micro_batch_size=8, total_samples=8192)
+    assert config.batch.micro_batch_size == 8 and config.total_samples == 8192
+    assert workflow.config_from_text(DEMO).batch.micro_batch_size == "explore"
+    as_json = json.dumps(yaml.safe_load(DEMO))  # the compiled default is one line of JSON
+    assert workflow.config_from_text(as_json) == workflow.config_from_text(DEMO)
+
+
+def test_plan_uses_the_explored_micro_batch_and_records_what_it_used(tmp_path):
+    explore = workflow.read_explore(explore_file(tmp_path, micro=64, compatible=16))
+    document = workflow.plan(workflow.config_from_text(DEMO), explore=explore, expected_num_stages=4)
+    assert document.plan.micro_batch_size == 16 and document.micro_batch_source == "explore"
+    assert [s.num_nodes for s in document.plan.stages] == [1, 1, 1, 2]
+    assert document.explore is not None and document.explore["recommendation"]["micro_batch_size"] == 64
+    assert "does not fit every stage" in document.notes[0]
+    overridden = workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=8, explore=explore)
+    assert overridden.plan.micro_batch_size == 8 and overridden.micro_batch_source == "override"
+    assert any("explore recommends micro_batch_size=16" in note for note in overridden.notes)
+
+
+def test_an_integer_in_the_config_stands_and_explore_is_noted(tmp_path):
+    config = workflow.config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 8"))
+    explore = workflow.read_explore(explore_file(tmp_path, micro=16))
+    document = workflow.plan(config, explore=explore)
+    assert document.plan.micro_batch_size == 8 and document.micro_batch_source == "config"
+    assert document.cost is None  # explore measured 16, not 8: no throughput for the estimate
+
+
+def test_the_cost_comes_from_explores_throughput_at_the_planned_size(tmp_path):
+    document = workflow.plan(
+        workflow.config_from_text(DEMO), explore=workflow.read_explore(explore_file(tmp_path, micro=16))
+    )
+    assert document.cost is not None and document.cost.samples_per_s_per_device == 400.0
+    data = json.loads(document.to_json())
+    assert data["cost"]["node_hours"] == pytest.approx(document.cost.node_hours)
+
+
+def test_a_config_with_another_stage_count_asks_for_a_recompile():
+    longer_ramp = DEMO.replace("increment: 16", "increment: 8")
+    with pytest.raises(
+        BatchpilotError, match=r"implies 7 stage\(s\) but this pipeline was compiled for 4"
+    ) as info:
+        workflow.plan(workflow.config_from_text(longer_ramp, micro_batch_size=8), expected_num_stages=4)
+    assert "batchpilot compile" in str(info.value)
+
+
+def test_the_run_document_round_trips_and_refuses_an_edited_config():
+    document = workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=16)
+    text = document.to_json()
+    assert parse_run_document(text).to_json() == text
+    edited = json.loads(text)
+    edited["config"]["train"]["lr"] = 1.0
+    with pytest.raises(BatchpilotError, match="config was edited after the plan was made"):
+        parse_run_document(json.dumps(edited))
+    edited["format_version"] = 1
+    with pytest.raises(BatchpilotError, match="format_version: is 1"):
+        parse_run_document(json.dumps(edited))
+
+
+def test_train_refuses_a_plan_whose_config_was_edited(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert run_batchpilot("plan", "--config", str(REPO / "configs" / "demo.yaml"), "--micro-batch-size", "16",
+                          "--out", str(plan)).returncode == 0  # fmt: skip
+    data = json.loads(plan.read_text())
+    data["config"]["data"]["seq_len"] = 64
+    plan.write_text(json.dumps(data))
+    result = run_batchpilot(
+        "train", "--plan", str(plan), "--stage", "0", "--output-dir", str(tmp_path / "out")
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        f"batchpilot: error: {plan}: config: does not match the plan's config_hash"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_and_the_pipeline_make_the_same_plan(tmp_path):
+    """`batchpilot plan --explore` and the pipeline's plan component, on the same config and explore.json."""
+    from kfp.dsl import Artifact, Markdown
+
+    from batchpilot.kfp.components import plan as plan_component
+
+    explore_dir = tmp_path / "explore"
+    explore_dir.mkdir()
+    explore = explore_file(explore_dir, micro=64, compatible=16)
+    by_cli = tmp_path / "cli.json"
+    config = REPO / "configs" / "demo.yaml"
+    result = run_batchpilot("plan", "--config", str(config), "--explore", str(explore), "--out", str(by_cli))
+    assert result.returncode == 0, result.stderr
+    by_pipeline = plan_component(
+        config_yaml=DEMO, micro_batch_size=0, total_samples=0, expected_num_stages=4, run_dir="",
+        explore_dir=Artifact(uri=str(explore_dir)), plan_file=Artifact(uri=str(tmp_path / "plan_file")),
+        plan_table=Markdown(uri=str(tmp_path / "plan.md")),
+    )  # fmt: skip
+    assert by_pipeline == by_cli.read_text()
+    assert json.loads(by_pipeline)["micro_batch_size"] == 16
+    # The CLI's table and the pipeline's Markdown come from one table model: the same rows.
+    markdown = (tmp_path / "plan.md").read_text()
+    table = run_batchpilot("plan", "--config", str(config), "--explore", str(explore)).stdout
+    cli_rows = [
+        [c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")
+    ]
+    md_rows = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in markdown.splitlines()[2:]
+        if line.startswith("|")
+    ]
+    assert cli_rows == md_rows and len(md_rows) == 4
