@@ -1,0 +1,481 @@
+"""Submitting the pipeline for a config to a Kubeflow Pipelines backend: what `batchpilot submit` runs.
+
+`prepare_request` compiles the pipeline and checks every option without touching the network;
+`submit` sends that request through `kfp.Client`: it gets or creates the experiment, optionally uploads
+the compiled spec as a named pipeline version, and creates the run. Every failure to reach the host or
+every error status the API answers becomes one `BatchpilotError` line naming the host and the status.
+
+A pipeline version is immutable in KFP. When `--pipeline-version` names a version that already exists,
+it is reused if its stored spec is the one just compiled (a re-submit of the same config, image and
+batchpilot release) and refused otherwise, so a run never silently uses a spec other than the one asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchpilot.errors import BatchpilotError
+
+logger = logging.getLogger(__name__)
+
+ParameterValue = int | float | str | bool
+DEFAULT_EXPERIMENT = "Default"
+"""KFP's own default experiment name (what `kfp.Client.create_run_from_pipeline_package` uses)."""
+_EQUALS = 1  # filter.proto Predicate.Operation EQUALS (kfp.client.client._FILTER_OPERATIONS)
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """One submission, everything decided and checked: `--dry-run` prints `render()` and sends nothing.
+
+    Attributes:
+        host: the KFP API endpoint with its scheme, no trailing slash (also the UI base for run links).
+        experiment: experiment display name; created if missing.
+        run_name: the run's display name.
+        service_account: Kubernetes service account of the run's pods (None: the server's default).
+        namespace: KFP namespace (multi-user deployments; None: the client's default).
+        pipeline_name, pipeline_version: upload the spec as this version of this pipeline and run the
+            version (both None: run the compiled spec directly).
+        parameters: run-time arguments as (name, value) pairs, typed per the pipeline's inputs.
+        spec_name: the compiled pipeline's `pipelineInfo.name`.
+        num_stages: the pipeline's ramp-up stage count.
+        pipeline_yaml: the compiled pipeline (KFP YAML text).
+        uses_token: whether a bearer token is sent (the token itself is never stored here).
+    """
+
+    host: str
+    experiment: str
+    run_name: str
+    service_account: str | None
+    namespace: str | None
+    pipeline_name: str | None
+    pipeline_version: str | None
+    parameters: tuple[tuple[str, ParameterValue], ...]
+    spec_name: str
+    num_stages: int
+    pipeline_yaml: str = field(repr=False)
+    uses_token: bool = False
+
+    @property
+    def spec_bytes(self) -> int:
+        return len(self.pipeline_yaml.encode())
+
+    @property
+    def arguments(self) -> dict[str, ParameterValue]:
+        return dict(self.parameters)
+
+    def render(self) -> str:
+        """The request as the lines `--dry-run` prints."""
+        if self.pipeline_name:
+            target = f"upload as version {self.pipeline_version!r} of pipeline {self.pipeline_name!r}, run it"
+        else:
+            target = "none: the run carries the compiled spec"
+        arguments = ", ".join(f"{name}={value!r}" for name, value in self.parameters)
+        lines = {
+            "host": self.host,
+            "experiment": self.experiment,
+            "run name": self.run_name,
+            "service account": self.service_account or "(the server's default)",
+            "namespace": self.namespace or "(the client's default)",
+            "pipeline version": target,
+            "parameters": arguments or "(none: the pipeline's defaults)",
+            "pipeline": f"{self.spec_name}, {self.num_stages} stage(s), spec {self.spec_bytes:,} bytes",
+            "auth": "bearer token (not shown)" if self.uses_token else "none",
+        }
+        return "\n".join(f"{key}: {value}" for key, value in lines.items())
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    run_id: str
+    run_url: str
+    experiment_id: str
+    pipeline_id: str | None = None
+    pipeline_version_id: str | None = None
+    version_reused: bool = False
+
+
+def prepare_request(
+    *,
+    config_path: str,
+    host: str,
+    experiment: str | None,
+    run_name: str | None,
+    service_account: str | None,
+    namespace: str | None,
+    pipeline_name: str | None,
+    pipeline_version: str | None,
+    image: str | None,
+    param_pairs: Sequence[str],
+    uses_token: bool,
+    now: datetime | None = None,
+) -> SubmitRequest:
+    """Loads and compiles the config and checks every option; no network call."""
+    from batchpilot.config import load_config
+    from batchpilot.kfp.compile import compile_pipeline
+    from batchpilot.workflow import expected_stage_count
+
+    host = check_host(host)
+    if pipeline_name is not None and pipeline_version is None:
+        raise BatchpilotError(
+            "--pipeline-name", "is given without --pipeline-version", "pass both, or neither"
+        )
+    if pipeline_version is not None and pipeline_name is None:
+        raise BatchpilotError(
+            "--pipeline-version", "is given without --pipeline-name", "pass both, or neither"
+        )
+    named = {
+        "--experiment": experiment,
+        "--run-name": run_name,
+        "--pipeline-name": pipeline_name,
+        "--pipeline-version": pipeline_version,
+    }
+    for option, value in named.items():
+        if value is not None and not value.strip():
+            raise BatchpilotError(option, "is empty", "pass a non-empty name, or leave the option out")
+    config = load_config(config_path)
+    pipeline_yaml = compile_pipeline(config, image=image)
+    spec, _ = split_pipeline_yaml(pipeline_yaml)
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return SubmitRequest(
+        host=host,
+        experiment=experiment or DEFAULT_EXPERIMENT,
+        run_name=run_name or f"{config.name}-{stamp}",
+        service_account=service_account,
+        namespace=namespace,
+        pipeline_name=pipeline_name,
+        pipeline_version=pipeline_version,
+        parameters=parse_parameters(pairs=param_pairs, inputs=pipeline_inputs(spec)),
+        spec_name=spec["pipelineInfo"]["name"],
+        num_stages=expected_stage_count(config),
+        pipeline_yaml=pipeline_yaml,
+        uses_token=uses_token,
+    )
+
+
+def check_host(host: str) -> str:
+    """The host without a trailing slash; it must carry its scheme (kfp.Client would assume https)."""
+    if not host.startswith(("http://", "https://")):
+        raise BatchpilotError(
+            "--host", f"{host!r} has no scheme", "write it as http://HOST:PORT or https://HOST"
+        )
+    return host.rstrip("/")
+
+
+def split_pipeline_yaml(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pipeline spec, platform spec) of compiled KFP YAML: the first document, then the others merged."""
+    docs = [doc for doc in yaml.safe_load_all(text) if doc]
+    platform: dict[str, Any] = {}
+    for doc in docs[1:]:
+        platform.update(doc)
+    return docs[0], platform
+
+
+def pipeline_inputs(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The pipeline's run-time parameters: name -> KFP parameter type (e.g. NUMBER_INTEGER)."""
+    parameters = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
+    return {name: definition["parameterType"] for name, definition in parameters.items()}
+
+
+def parse_parameters(
+    *, pairs: Sequence[str], inputs: Mapping[str, str]
+) -> tuple[tuple[str, ParameterValue], ...]:
+    """`KEY=VALUE` strings as typed (name, value) pairs; unknown names, bad values and repeats are errors."""
+    parsed: dict[str, ParameterValue] = {}
+    known = ", ".join(sorted(inputs))
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise BatchpilotError(
+                "--param", f"{pair!r} is not KEY=VALUE", "write e.g. --param micro_batch_size=16"
+            )
+        if name not in inputs:
+            raise BatchpilotError(
+                "--param", f"{name!r} is not a parameter of the pipeline", f"use one of: {known}"
+            )
+        if name in parsed:
+            raise BatchpilotError("--param", f"{name!r} is given twice", "pass each parameter once")
+        parsed[name] = _typed_value(name=name, text=text, parameter_type=inputs[name])
+    return tuple(parsed.items())
+
+
+def _typed_value(*, name: str, text: str, parameter_type: str) -> ParameterValue:
+    problem = f"{name}={text!r} is not "
+    if parameter_type == "NUMBER_INTEGER":
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise BatchpilotError(
+                "--param", problem + "an integer", f"write a whole number, e.g. --param {name}=16"
+            ) from None
+    if parameter_type == "NUMBER_DOUBLE":
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise BatchpilotError("--param", problem + "a number", f"write e.g. --param {name}=0.5") from None
+    if parameter_type == "BOOLEAN":
+        if text.strip().lower() not in ("true", "false"):
+            raise BatchpilotError("--param", problem + "a boolean", f"write --param {name}=true or =false")
+        return text.strip().lower() == "true"
+    if parameter_type == "STRING":
+        return text
+    raise BatchpilotError(
+        "--param",
+        f"{name} has KFP type {parameter_type}, which --param cannot pass",
+        "leave it at its default",
+    )
+
+
+# --- talking to the backend --------------------------------------------------------------------------
+
+
+def submit(request: SubmitRequest, *, token: str | None) -> SubmitResult:
+    """Creates the run `request` describes; returns its id and UI link."""
+    _check_reachable(host=request.host, token=token)
+    with _talking_to(request.host, "connect"):
+        client = _client(host=request.host, token=token, namespace=request.namespace)
+    with _talking_to(request.host, f"get or create experiment {request.experiment!r}"):
+        try:
+            experiment = client.create_experiment(name=request.experiment, namespace=request.namespace)
+        except ValueError as error:  # kfp: "Multiple experiments is found with name ..."
+            raise BatchpilotError("--experiment", _one_line(str(error)), "pick a unique name") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp) / "pipeline.yaml"
+        package.write_text(request.pipeline_yaml)
+        pipeline_id = version_id = None
+        reused = False
+        if request.pipeline_name and request.pipeline_version:
+            pipeline_id, version_id, reused = _ensure_version(
+                client,
+                host=request.host,
+                pipeline_name=request.pipeline_name,
+                version_name=request.pipeline_version,
+                namespace=request.namespace,
+                package=str(package),
+                pipeline_yaml=request.pipeline_yaml,
+            )
+        with _talking_to(request.host, f"create run {request.run_name!r}"):
+            run = client.run_pipeline(
+                experiment_id=experiment.experiment_id,
+                job_name=request.run_name,
+                pipeline_package_path=None if version_id else str(package),
+                pipeline_id=pipeline_id,
+                version_id=version_id,
+                params=request.arguments,
+                service_account=request.service_account,
+            )
+    return SubmitResult(
+        run_id=run.run_id,
+        run_url=f"{request.host}/#/runs/details/{run.run_id}",
+        experiment_id=experiment.experiment_id,
+        pipeline_id=pipeline_id,
+        pipeline_version_id=version_id,
+        version_reused=reused,
+    )
+
+
+def _check_reachable(*, host: str, token: str | None) -> None:
+    """One GET of /apis/v2beta1/healthz through KFP's own HTTP client, before `kfp.Client` makes its own.
+
+    `kfp.Client()` retries a failing healthz five times, 5 s apart, and then reports neither the status
+    nor the reason; this probe fails at once with both (e.g. 401 for a bad token, 404 for a wrong URL).
+    """
+    import kfp_server_api
+
+    configuration = kfp_server_api.Configuration(host=host)
+    if token:
+        configuration.api_key["authorization"] = token
+        configuration.api_key_prefix["authorization"] = "Bearer"
+    with _talking_to(host, "check the API (GET /apis/v2beta1/healthz)"):
+        api = kfp_server_api.HealthzServiceApi(kfp_server_api.ApiClient(configuration))
+        api.healthz_service_get_healthz()
+
+
+def _client(*, host: str, token: str | None, namespace: str | None) -> Any:
+    import kfp
+
+    with warnings.catch_warnings(), _quiet_stdout():
+        # kfp.Client warns on every construction that it needs a KFP >= 2.0.0-beta.2 backend.
+        warnings.simplefilter("ignore", FutureWarning)
+        if namespace:
+            return kfp.Client(host=host, existing_token=token, namespace=namespace)
+        return kfp.Client(host=host, existing_token=token)
+
+
+def _ensure_version(
+    client: Any,
+    *,
+    host: str,
+    pipeline_name: str,
+    version_name: str,
+    namespace: str | None,
+    package: str,
+    pipeline_yaml: str,
+) -> tuple[str, str, bool]:
+    """(pipeline id, version id, reused): uploads the spec as the version unless an identical one exists."""
+    import kfp_server_api
+
+    with _talking_to(host, f"find pipeline {pipeline_name!r}"):
+        pipelines = client.list_pipelines(filter=_name_filter(pipeline_name), namespace=namespace).pipelines
+    if pipelines and len(pipelines) > 1:
+        problem = f"{len(pipelines)} pipelines on {host} are named {pipeline_name!r}"
+        raise BatchpilotError("--pipeline-name", problem, "pick a unique name")
+    if pipelines:
+        pipeline_id = pipelines[0].pipeline_id
+        version_id = _identical_version(
+            client, host=host, pipeline_id=pipeline_id, pipeline_name=pipeline_name,
+            version_name=version_name, pipeline_yaml=pipeline_yaml,
+        )  # fmt: skip
+        if version_id:
+            return pipeline_id, version_id, True
+    else:
+        with _talking_to(host, f"create pipeline {pipeline_name!r}"):
+            # kfp.Client has no wrapper for CreatePipeline (a pipeline with no version yet); its
+            # upload_pipeline would also create a first version named after the pipeline.
+            body = kfp_server_api.V2beta1Pipeline(
+                name=pipeline_name, display_name=pipeline_name, namespace=namespace
+            )
+            pipeline_id = client.pipelines.pipeline_service_create_pipeline(pipeline=body).pipeline_id
+    with _talking_to(host, f"upload version {version_name!r} of pipeline {pipeline_name!r}"):
+        version = client.upload_pipeline_version(
+            package, pipeline_version_name=version_name, pipeline_id=pipeline_id
+        )
+    return pipeline_id, version.pipeline_version_id, False
+
+
+def _identical_version(
+    client: Any, *, host: str, pipeline_id: str, pipeline_name: str, version_name: str, pipeline_yaml: str
+) -> str | None:
+    """The id of the existing version `version_name` if its spec is `pipeline_yaml`; None if there is none.
+
+    Raises:
+        BatchpilotError: the version exists with another spec (versions are immutable in KFP).
+    """
+    with _talking_to(host, f"list versions of pipeline {pipeline_name!r}"):
+        found = client.list_pipeline_versions(
+            pipeline_id, filter=_name_filter(version_name)
+        ).pipeline_versions
+    if not found:
+        return None
+    version_id: str = found[0].pipeline_version_id
+    with _talking_to(host, f"get version {version_name!r} of pipeline {pipeline_name!r}"):
+        stored = client.get_pipeline_version(pipeline_id, version_id).pipeline_spec
+    if not same_spec(stored or {}, pipeline_yaml):
+        raise BatchpilotError(
+            "--pipeline-version",
+            f"version {version_name!r} of pipeline {pipeline_name!r} already exists on {host} "
+            "with a different spec (KFP versions are immutable)",
+            "pass a new --pipeline-version, or omit --pipeline-name to run the compiled spec directly",
+        )
+    return version_id
+
+
+def same_spec(stored: Mapping[str, Any], pipeline_yaml: str) -> bool:
+    """Whether a version's stored spec (as the API returns it) is the compiled YAML, compared as protos.
+
+    The server re-serializes what it stores, and returns `{pipeline_spec, platform_spec}` when there is a
+    platform spec; comparing parsed protos ignores those differences of form (KFP's api_util.go
+    YamlStringToPipelineSpecStruct).
+    """
+    from google.protobuf import json_format
+    from kfp.pipeline_spec import pipeline_spec_pb2
+
+    if "pipeline_spec" in stored:
+        stored_pair = (stored["pipeline_spec"], stored.get("platform_spec") or {})
+    else:
+        stored_pair = (dict(stored), {})
+
+    def parsed(pipeline: Mapping[str, Any], platform: Mapping[str, Any]) -> tuple[Any, Any]:
+        return (
+            json_format.ParseDict(pipeline, pipeline_spec_pb2.PipelineSpec()),
+            json_format.ParseDict(platform, pipeline_spec_pb2.PlatformSpec()),
+        )
+
+    try:
+        return parsed(*stored_pair) == parsed(*split_pipeline_yaml(pipeline_yaml))
+    except json_format.ParseError:
+        return False
+
+
+def _name_filter(name: str) -> str:
+    return json.dumps({"predicates": [{"operation": _EQUALS, "key": "display_name", "stringValue": name}]})
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """kfp.Client prints UI links of its own (experiment, pipeline, run); keep them off our output."""
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        yield
+    for line in captured.getvalue().splitlines():
+        logger.debug("kfp: %s", line)
+
+
+@contextlib.contextmanager
+def _talking_to(host: str, action: str) -> Iterator[None]:
+    """Turns a failure to reach `host` or an error status from it into one BatchpilotError line."""
+    import kfp_server_api
+    import urllib3
+
+    try:
+        with _quiet_stdout():
+            yield
+    except BatchpilotError:
+        raise
+    except kfp_server_api.ApiException as error:
+        if not error.status:  # kfp_server_api's rest.py reports a TLS failure as status 0
+            problem = f"cannot {action} at {host}: {_one_line(str(error.reason))}"
+            raise BatchpilotError(
+                "--host", problem, "check the URL's scheme and the server's certificate"
+            ) from None
+        problem = (
+            f"{host} answered HTTP {error.status} {error.reason} to {action}: {_server_message(error.body)}"
+        )
+        raise BatchpilotError("--host", problem, _fix_for(error.status)) from None
+    except urllib3.exceptions.HTTPError as error:
+        reason = getattr(error, "reason", None) or error
+        problem = f"cannot reach {host} to {action}: {_one_line(str(reason))}"
+        raise BatchpilotError(
+            "--host", problem, "check the URL and that the KFP API server (or its port-forward) is up"
+        ) from None
+    except TimeoutError as error:  # kfp.Client() gave up on its healthz retries
+        raise BatchpilotError("--host", f"{host}: cannot {action}: {_one_line(str(error))}") from None
+
+
+def _server_message(body: Any) -> str:
+    """The API's error message: `message` (gRPC gateway status) or `error_message` (upload endpoints)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else str(body or "")
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return _one_line(text) or "(no message)"
+    if isinstance(payload, dict):
+        text = str(payload.get("message") or payload.get("error_message") or text)
+    return _one_line(text) or "(no message)"
+
+
+def _fix_for(status: int) -> str:
+    if status in (401, 403):
+        return "pass a valid --token (or set KFP_TOKEN) with access to this namespace"
+    if status == 404:
+        return "check that --host is the KFP API endpoint (it serves /apis/v2beta1/healthz)"
+    if status == 409:
+        return "the name is taken: choose another, or retry if another submit was creating it"
+    return "see the server's message above"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
