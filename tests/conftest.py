@@ -19,6 +19,19 @@ def _restore_batchpilot_logging():
     logger.handlers[:], logger.level, logger.propagate = saved
 
 
+@pytest.fixture
+def batchpilot_log(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> pytest.LogCaptureFixture:
+    """caplog for the batchpilot loggers, also after a CLI call configured the console (which stops their
+    records from reaching the root logger)."""
+    logger = logging.getLogger("batchpilot")
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "handlers", [])
+    caplog.set_level(logging.INFO, logger="batchpilot")
+    return caplog
+
+
 @pytest.fixture(scope="session")
 def demo_data_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A real token shard set built by `batchpilot data prepare --demo` (the stdlib's own sources)."""

@@ -19,11 +19,11 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from loopback_http import serving
+from loopback_http import QuietHandler, serving
 
 POOL = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools/([^/:]+)(:\w+)?$")
 OPERATION = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/operations/([^/]+)$")
@@ -72,24 +72,13 @@ def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
     return code, {"error": {"code": code, "message": message, "status": status}}
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     state: ContainerState  # set on the subclass made per server
-
-    def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
-        pass
-
-    def _reply(self, code: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _record(self) -> Request:
         parts = urlsplit(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length)) if length else None
+        data = self.read_body()
+        body = json.loads(data) if data else None
         request = Request(self.command, parts.path, parse_qs(parts.query), body)
         with self.state.lock:
             self.state.requests.append(request)
@@ -99,13 +88,13 @@ class _Handler(BaseHTTPRequestHandler):
         request = self._record()
         with self.state.lock:
             code, payload = self._get(request.path)
-        self._reply(code, payload)
+        self.reply(code, payload)
 
     def do_POST(self) -> None:
         request = self._record()
         with self.state.lock:
             code, payload = self._post(request.path, request.body or {})
-        self._reply(code, payload)
+        self.reply(code, payload)
 
     def _get(self, path: str) -> tuple[int, dict[str, Any]]:
         state = self.state

@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.parser import BytesParser
 from email.policy import HTTP
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
-from loopback_http import serving
+from loopback_http import QuietHandler, serving
 
 API = "/apis/v2beta1"
 SOURCE = "kubeflow/pipelines@2.17.0"
@@ -325,26 +325,14 @@ def populated(obj: dict[str, Any]) -> dict[str, Any]:
 # --- the handler -------------------------------------------------------------------------------------
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
+    """Replies JSON, or plain text for a str payload (what Go's http.Error writes)."""
+
     state: KfpState
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _reply(self, code: int, payload: Any) -> None:
-        """JSON, or plain text for a str payload (what Go's http.Error writes)."""
-        text = isinstance(payload, str)
-        data = payload.encode() if text else json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _record(self) -> Request:
         parts = urlsplit(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
-        data = self.rfile.read(length) if length else b""
+        data = self.read_body()
         content_type = self.headers.get("Content-Type", "")
         body: Any
         if content_type.startswith("multipart/form-data"):
@@ -376,7 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = request.path
         if path == f"{API}/healthz":
             # backend/src/apiserver/main.go newHealthzResponse (served outside the gRPC gateway).
-            return self._reply(
+            return self.reply(
                 200,
                 {
                     "commit_sha": "unknown",
@@ -394,14 +382,14 @@ class _Handler(BaseHTTPRequestHandler):
             with self.state.lock:
                 upload = _upload_pipeline if path.endswith("/upload") else _upload_version
                 code, payload = upload(self.state, request)
-            return self._reply(code, payload)
+            return self.reply(code, payload)
         try:
             self._check_token(request)
             with self.state.lock:
                 code, payload = _route(self.state, request)
         except ApiError as error:
-            return self._reply(HTTP_STATUS[error.code], error.body())
-        self._reply(code, payload)
+            return self.reply(HTTP_STATUS[error.code], error.body())
+        self.reply(code, payload)
 
     def _check_token(self, request: Request) -> None:
         """A simplified backend/src/apiserver/auth/authenticator_token_review.go: Unauthenticated (401)."""

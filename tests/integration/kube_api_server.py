@@ -17,11 +17,11 @@ import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from loopback_http import serving
+from loopback_http import QuietHandler, serving
 
 JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/"
 
@@ -75,24 +75,13 @@ def _selected(obj: dict[str, Any], selector: str) -> bool:
     return True
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     state: KubeState
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _reply(self, code: int, payload: Any, *, text: bool = False) -> None:
-        data = payload.encode() if text else json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain" if text else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _record(self) -> tuple[str, dict[str, list[str]], Any]:
         parts = urlsplit(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length)) if length else None
+        data = self.read_body()
+        body = json.loads(data) if data else None
         query = parse_qs(parts.query)
         with self.state.lock:
             self.state.requests.append((self.command, parts.path, query, body))
@@ -107,39 +96,39 @@ class _Handler(BaseHTTPRequestHandler):
                 snapshot = state.node_snapshots[min(state.node_lists, len(state.node_snapshots) - 1)]
                 state.node_lists += 1
                 items = [n for n in snapshot if _selected(n, selector)]
-                return self._reply(
+                return self.reply(
                     200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
                 )
             if path.startswith(JOBSETS):
                 name = path.rsplit("/", 1)[-1]
                 if name not in state.jobsets:
-                    return self._reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
+                    return self.reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
                 if state.jobset_statuses:
                     index = min(state.jobset_gets, len(state.jobset_statuses) - 1)
                     state.jobsets[name]["status"] = state.jobset_statuses[index]
                 state.jobset_gets += 1
-                return self._reply(200, state.jobsets[name])
+                return self.reply(200, state.jobsets[name])
             if path.endswith("/log"):
                 name = path.split("/")[-2]
-                return self._reply(200, state.logs.get(name, ""), text=True)
+                return self.reply(200, state.logs.get(name, ""))
             if path.endswith("/pods"):
                 items = [p for p in state.pods if _selected(p, selector)]
-                return self._reply(
+                return self.reply(
                     200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
                 )
-        self._reply(404, _status(404, "NotFound", f"no route {path}"))
+        self.reply(404, _status(404, "NotFound", f"no route {path}"))
 
     def do_POST(self) -> None:
         path, _, body = self._record()
         if not path.startswith(JOBSETS):
-            return self._reply(404, _status(404, "NotFound", f"no route {path}"))
+            return self.reply(404, _status(404, "NotFound", f"no route {path}"))
         name = body["metadata"]["name"]
         with self.state.lock:
             if name in self.state.jobsets:
-                return self._reply(409, _status(409, "AlreadyExists", f'jobsets "{name}" already exists'))
+                return self.reply(409, _status(409, "AlreadyExists", f'jobsets "{name}" already exists'))
             self.state.jobsets[name] = body
             self._start_pods(body)
-        self._reply(201, body)
+        self.reply(201, body)
 
     def _start_pods(self, jobset: dict[str, Any]) -> None:
         """Plays the JobSet controller: one Running pod per node, labelled as the controller labels them."""
@@ -161,8 +150,8 @@ class _Handler(BaseHTTPRequestHandler):
         with self.state.lock:
             found = self.state.jobsets.pop(name, None)
         if found is None:
-            return self._reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
-        self._reply(200, _status(200, "Success", "deleted"))
+            return self.reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
+        self.reply(200, _status(200, "Success", "deleted"))
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:

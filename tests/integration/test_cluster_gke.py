@@ -18,19 +18,6 @@ from batchpilot.errors import BatchpilotError
 REF = PoolRef("proj", "us-central1", "train", "gpu")
 
 
-@pytest.fixture
-def batchpilot_log(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> pytest.LogCaptureFixture:
-    """caplog for the batchpilot loggers, also after a CLI call configured the console (which stops their
-    records from reaching the root logger)."""
-    logger = logging.getLogger("batchpilot")
-    monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "handlers", [])
-    caplog.set_level(logging.INFO, logger="batchpilot")
-    return caplog
-
-
 def messages(log: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [record.getMessage() for record in log.records if record.levelno == level]
 

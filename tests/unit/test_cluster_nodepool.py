@@ -16,19 +16,6 @@ from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 
 
-@pytest.fixture
-def batchpilot_log(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> pytest.LogCaptureFixture:
-    """caplog for the batchpilot loggers, also after a CLI call configured the console (which stops their
-    records from reaching the root logger)."""
-    logger = logging.getLogger("batchpilot")
-    monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "handlers", [])
-    caplog.set_level(logging.INFO, logger="batchpilot")
-    return caplog
-
-
 def config_dict(**cluster: object) -> dict:
     return {
         "name": "pooltest",
