@@ -13,7 +13,6 @@ from batchpilot.train.trainer import (
     check_same_data_order,
     check_vocabulary,
     data_order,
-    select_stages,
 )
 from helpers import REPO
 
@@ -30,7 +29,7 @@ def checkpoint(consumed: int, meta: dict | None = None) -> Checkpoint:
 
 def test_resume_point_must_lie_in_the_stages():
     plan = build_plan(demo_config(), micro_batch_size=8)
-    stage1 = select_stages(plan, "1")
+    stage1 = list(plan.select("1"))
     assert check_resume_point(stages=stage1, checkpoint=checkpoint(1376), uri="file://x") == 1376
     with pytest.raises(BatchpilotError, match="starts at sample 1,376 but file://x holds no checkpoint"):
         check_resume_point(stages=stage1, checkpoint=None, uri="file://x")
@@ -39,7 +38,10 @@ def test_resume_point_must_lie_in_the_stages():
     with pytest.raises(BatchpilotError, match="past the end of stage-1"):
         check_resume_point(stages=stage1, checkpoint=checkpoint(4096), uri="file://x")
     with pytest.raises(BatchpilotError, match="is not a stage of this plan"):
-        select_stages(plan, "9")
+        plan.select("9", allow_all=True)
+    assert plan.select("all", allow_all=True) == plan.stages and plan.select("final") == plan.stages[-1:]
+    with pytest.raises(BatchpilotError, match=r"use 0\.\.3 or final"):
+        plan.select("all")
 
 
 def test_resuming_with_another_sample_order_is_refused():

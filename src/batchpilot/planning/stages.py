@@ -83,7 +83,7 @@ class Plan:
         if text == "final":
             return self.stages[-1:]
         if not text.isdigit() or int(text) >= len(self.stages):
-            choices = f"0..{len(self.stages) - 1}, final" + (" or all" if allow_all else "")
+            choices = f"0..{len(self.stages) - 1}" + (", final or all" if allow_all else " or final")
             raise BatchpilotError("--stage", f"{text!r} is not a stage of this plan", f"use {choices}")
         return (self.stages[int(text)],)
 

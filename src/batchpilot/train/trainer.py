@@ -350,24 +350,9 @@ def restore_metrics(metrics: MetricsLog, checkpointer: Checkpointer, *, consumed
     metrics.truncate_to(consumed)
 
 
-def select_stages(plan: Plan, stage: str) -> list[Stage]:
-    """`--stage K` (one stage), `--stage final`, or `--stage all` (every stage in one job)."""
-    if stage == "all":
-        return list(plan.stages)
-    if stage == "final":
-        return [plan.stages[-1]]
-    if not stage.isdigit() or int(stage) >= len(plan.stages):
-        raise BatchpilotError(
-            "--stage",
-            f"{stage!r} is not a stage of this plan",
-            f"use 0..{len(plan.stages) - 1}, final or all",
-        )
-    return [plan.stages[int(stage)]]
-
-
 def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bool = False) -> int:
     """Trains the selected stage(s) of `plan` in this process (one rank of a torchrun job); returns the exit code."""
-    stages = select_stages(plan, stage)
+    stages = list(plan.select(stage, allow_all=True))
     ctx = DistContext.from_env()
     if stage != "all" and stages[0].world_size != ctx.world_size:
         raise BatchpilotError(
