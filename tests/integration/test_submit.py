@@ -202,6 +202,150 @@ def test_bad_options_exit_2_with_one_line_and_send_nothing(
     assert kfp_server.state.requests == []
 
 
+# --- --upload-only: what the Helm chart's upload Job runs on every install and upgrade -------------------
+
+
+def upload_only(server: KfpServer, version: str, *args: str) -> int:
+    return submit(
+        server, "--upload-only", "--pipeline-name", "batchpilot", "--pipeline-version", version, *args
+    )
+
+
+def test_upload_only_adds_a_version_per_upgrade_to_one_pipeline_and_creates_no_run(
+    kfp_server: KfpServer, demo_yaml: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # helm install (revision 1), then helm upgrade (revision 2) with a new image: two versions, one pipeline.
+    assert upload_only(kfp_server, "0.1.0-r1") == 0
+    out = capsys.readouterr().out
+    (pipeline,) = kfp_server.state.pipelines.values()
+    (first,) = kfp_server.state.versions.values()
+    assert out.splitlines() == [
+        "pipeline version: 0.1.0-r1 of batchpilot uploaded",
+        f"version url: {kfp_server.endpoint}/#/pipelines/details/{pipeline['pipeline_id']}"
+        f"/version/{first['pipeline_version_id']}",
+    ]
+    assert first["pipeline_spec"] == yaml.safe_load(demo_yaml)
+    assert upload_only(kfp_server, "0.1.0-r2", "--image", "registry.example/batchpilot:0.1.1") == 0
+    assert "0.1.0-r2 of batchpilot uploaded" in capsys.readouterr().out
+
+    assert list(kfp_server.state.pipelines) == [pipeline["pipeline_id"]]
+    assert len(kfp_server.requests_to("POST", "/pipelines")) == 1  # created once, found the second time
+    versions = sorted(kfp_server.state.versions.values(), key=lambda v: v["name"])
+    assert [(v["name"], v["pipeline_id"]) for v in versions] == [
+        ("0.1.0-r1", pipeline["pipeline_id"]),
+        ("0.1.0-r2", pipeline["pipeline_id"]),
+    ]
+    stored = versions[1]["pipeline_spec"]
+    executors = stored.get("pipeline_spec", stored)["deploymentSpec"]["executors"].values()
+    assert {e["container"]["image"] for e in executors} == {"registry.example/batchpilot:0.1.1"}
+    assert kfp_server.state.experiments == {} and kfp_server.state.runs == {}
+
+    # A retried upload Job (same revision, same spec) reuses its version.
+    assert upload_only(kfp_server, "0.1.0-r1") == 0
+    assert "0.1.0-r1 of batchpilot reused (identical spec)" in capsys.readouterr().out
+    assert len(kfp_server.requests_to("POST", "/pipelines/upload_version")) == 2
+
+
+def test_the_chart_upload_job_adds_a_version_per_helm_upgrade(
+    kfp_server: KfpServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The Helm chart's upload Job, rendered at install (revision 1) and upgrade (revision 2), run as is
+    against the stand-in (only its config path points at the ConfigMap's text written here)."""
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (a dev requirement) renders the chart")
+    chart = helm.Chart.load(REPO / "charts" / "batchpilot")
+    values = {"kfpUpload": {"enabled": True, "host": kfp_server.endpoint}}
+    for revision in (1, 2):
+        rendered = chart.render(
+            values, name="batchpilot", namespace="ml", revision=revision, is_upgrade=revision > 1
+        )
+        objects = {
+            doc["kind"]: doc
+            for path, text in rendered.items()
+            if not path.endswith("/NOTES.txt")
+            for doc in yaml.safe_load_all(text)
+            if doc
+        }
+        config = tmp_path / "config.yaml"
+        config.write_text(objects["ConfigMap"]["data"]["config.yaml"])
+        (container,) = objects["Job"]["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["batchpilot"]
+        args = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
+        assert main(args) == 0
+        assert f"0.1.0-r{revision} of batchpilot uploaded" in capsys.readouterr().out
+
+    (pipeline,) = kfp_server.state.pipelines.values()
+    versions = sorted(kfp_server.state.versions.values(), key=lambda v: v["name"])
+    assert [(v["name"], v["pipeline_id"]) for v in versions] == [
+        ("0.1.0-r1", pipeline["pipeline_id"]),
+        ("0.1.0-r2", pipeline["pipeline_id"]),
+    ]
+    stored = versions[0]["pipeline_spec"]
+    executors = stored.get("pipeline_spec", stored)["deploymentSpec"]["executors"].values()
+    assert {e["container"]["image"] for e in executors} == {"registry.example/batchpilot:0.1.0"}
+    assert kfp_server.state.runs == {}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--experiment", "e"], "--experiment: sets the run, and --upload-only creates no run"),
+        (["--run-name", "r"], "--run-name: sets the run, and --upload-only creates no run"),
+        (["--service-account", "sa"], "--service-account: sets the run, and --upload-only creates no run"),
+        (["--param", "micro_batch_size=8"], "--param: sets the run, and --upload-only creates no run"),
+    ],
+)
+def test_upload_only_refuses_run_options(
+    kfp_server: KfpServer, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert upload_only(kfp_server, "v1", *args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"batchpilot: error: {message}")
+    assert kfp_server.state.requests == []
+    assert submit(kfp_server, "--upload-only") == 2
+    assert "--upload-only: needs --pipeline-name and --pipeline-version" in capsys.readouterr().err
+
+
+def test_upload_only_authenticates_with_the_projected_service_account_token(
+    kfp_server: KfpServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Multi-user KFP: the chart's Job mounts a token with audience pipelines.kubeflow.org and names it in
+    KF_PIPELINES_SA_TOKEN_PATH; the upload sends it as the bearer token, in the profile namespace."""
+    kfp_server.state.accepted_tokens = {"projected-sa-token"}
+    token_file = tmp_path / "token"
+    token_file.write_text("projected-sa-token\n")
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token_file))
+
+    assert upload_only(kfp_server, "0.1.0-r1", "--namespace", "team-a") == 0
+    assert "0.1.0-r1 of batchpilot uploaded" in capsys.readouterr().out
+    (listing, *_) = kfp_server.requests_to("GET", "/pipelines")
+    assert listing.headers["authorization"] == "Bearer projected-sa-token"
+    assert listing.query["namespace"] == ["team-a"]
+    (create,) = kfp_server.requests_to("POST", "/pipelines")
+    assert create.body["namespace"] == "team-a"
+
+    token_file.unlink()
+    assert upload_only(kfp_server, "0.1.0-r2") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"batchpilot: error: KF_PIPELINES_SA_TOKEN_PATH: cannot read the token file {token_file}"
+    )
+    assert err.count("\n") == 1
+
+
+def test_upload_only_dry_run_says_no_run_is_created(
+    kfp_server: KfpServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert upload_only(kfp_server, "0.1.0-r3", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert (
+        "pipeline version: upload as version '0.1.0-r3' of pipeline 'batchpilot', no run (--upload-only)"
+        in out
+    )
+    assert "run name: (none: --upload-only)" in out
+    assert kfp_server.state.requests == []
+
+
 def test_host_without_scheme_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert submit("localhost:8080") == 2
     assert capsys.readouterr().err == (

@@ -19,11 +19,40 @@ K8S_VERSION = "1.30.0"
 
 
 def render(
-    values: dict | None = None, *, name: str = "batchpilot", namespace: str = "batchpilot"
+    values: dict | None = None, *, name: str = "batchpilot", namespace: str = "batchpilot", revision: int = 1
 ) -> list[dict]:
+    """The objects the chart creates (NOTES.txt, which helm prints afterwards, left out)."""
+    rendered = render_files(values, name=name, namespace=namespace, revision=revision)
+    return [
+        doc
+        for path, text in rendered.items()
+        if not path.endswith("/NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def render_files(
+    values: dict | None = None, *, name: str = "batchpilot", namespace: str = "batchpilot", revision: int = 1
+) -> dict[str, str]:
     chart = helm.Chart.load(CHART)
-    rendered = chart.render(values, name=name, namespace=namespace, is_install=True)
-    return [doc for text in rendered.values() for doc in yaml.safe_load_all(text) if doc]
+    return chart.render(
+        values, name=name, namespace=namespace, revision=revision, is_install=revision == 1,
+        is_upgrade=revision > 1,
+    )  # fmt: skip
+
+
+def named(objects: list[dict], kind: str, suffix: str) -> dict:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+    return found
+
+
+def subjects(binding: dict) -> list[tuple[str, str]]:
+    return [(s["namespace"], s["name"]) for s in binding["subjects"] if s["kind"] == "ServiceAccount"]
+
+
+def config_of(objects: list[dict]) -> dict:
+    return yaml.safe_load(by_kind(objects)["ConfigMap"]["data"]["config.yaml"])
 
 
 def by_kind(objects: list[dict]) -> dict[str, dict]:
@@ -37,16 +66,13 @@ def validate_k8s(obj: dict) -> None:
 
 
 UPLOAD = {"kfpUpload": {"enabled": True, "host": "http://ml-pipeline.kubeflow:8888"}}
+MULTI_USER = {"kfp": {"multiUser": True}}
+DIGEST = "sha256:" + "ab" * 32
 
 
 def test_the_chart_lints_clean_in_strict_mode():
-    values = {"config": {**yaml.safe_load((CHART / "values.yaml").read_text())["config"]}}
-    values["config"]["cluster"] = {
-        **values["config"]["cluster"],
-        "service_account": "test-release-batchpilot",
-    }
-    values["config"]["cluster"]["namespace"] = "batchpilot"
-    report = helm.lint(CHART, values, strict=True, namespace="batchpilot", kube_version="v1.30.0")
+    # Default values under helm lint's own release name: the config follows the release, nothing to set.
+    report = helm.lint(CHART, None, strict=True, namespace="batchpilot", kube_version="v1.30.0")
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -108,7 +134,8 @@ def test_the_upload_job_is_a_hardened_post_install_hook_that_rolls_with_the_conf
     assert container["image"] == "registry.example/batchpilot:0.1.0"  # the tag defaults to appVersion
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert "pipeline create" in container["args"][0]
+    assert container["command"] == ["batchpilot"]  # no shell: values reach the command as arguments
+    assert container["args"][:2] == ["submit", "--upload-only"]
     changed = UPLOAD | {
         "config": {**yaml.safe_load((CHART / "values.yaml").read_text())["config"], "name": "other"}
     }
@@ -129,15 +156,126 @@ def test_contradictory_values_fail_the_render(values, message):
         render(values)
 
 
+def test_any_release_name_and_namespace_install_with_a_config_that_follows_them():
+    objects = render(UPLOAD, name="prod", namespace="ml-team")
+    for obj in objects:
+        validate_k8s(obj)
+    config = parse_config(config_of(objects))
+    assert config.cluster.namespace == "ml-team"
+    assert (
+        config.cluster.service_account
+        == "prod-batchpilot"
+        == by_kind(objects)["ServiceAccount"]["metadata"]["name"]
+    )
+    assert config.cluster.image == "registry.example/batchpilot:0.1.0"  # the trainers run the chart's image
+    bring_your_own = render({"serviceAccount": {"create": False, "name": "trainer"}}, namespace="ml-team")
+    assert config_of(bring_your_own)["cluster"]["service_account"] == "trainer"
+
+
+def with_cluster(**fields: str) -> dict:
+    config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
+    return {"config": {**config, "cluster": {**config["cluster"], **fields}}}
+
+
 def test_a_config_that_names_another_service_account_or_namespace_fails():
-    with pytest.raises(helm.HelmRenderError, match="must name the chart's service account"):
-        render(name="prod")  # the service account becomes prod-batchpilot
+    with pytest.raises(helm.HelmRenderError, match=r"config.cluster.service_account \(someone\) must be"):
+        render(with_cluster(service_account="someone"))
     with pytest.raises(helm.HelmRenderError, match="must be the release namespace"):
-        render(namespace="other")
+        render(with_cluster(namespace="other"))
+    # Named explicitly and consistent: fine. The KFP run account counts when KFP runs in this namespace.
+    assert config_of(render(with_cluster(service_account="prod-batchpilot"), name="prod"))
+    multi_user = with_cluster(service_account="default-editor") | MULTI_USER
+    assert config_of(render(multi_user, namespace="team-a"))["cluster"]["service_account"] == "default-editor"
+    with pytest.raises(helm.HelmRenderError, match="must be the chart's service account"):
+        render(with_cluster(service_account="pipeline-runner"))  # single-user: it lives in kubeflow
 
 
 @pytest.mark.parametrize(
-    "values", [{"bogus": 1}, {"image": {"registry": "x"}}, {"kfpUpload": {"host": "ml-pipeline"}}]
+    ("values", "run_account"),
+    [
+        ({}, ("kubeflow", "pipeline-runner")),  # single-user KFP: DefaultPipelineRunnerServiceAccount
+        (MULTI_USER, ("team-a", "default-editor")),  # multi-user: the profile namespace's default-editor
+        ({"kfp": {"namespace": "kfp", "runServiceAccount": "runner"}}, ("kfp", "runner")),
+    ],
+)
+def test_rbac_is_bound_to_the_kfp_run_account_as_well_as_the_chart_account(values, run_account):
+    objects = render(values, name="prod", namespace="team-a")
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        binding = named(objects, kind, "-nodes" if kind == "ClusterRoleBinding" else "-launcher")
+        assert subjects(binding) == [("team-a", "prod-batchpilot"), run_account]
+    assert named(objects, "RoleBinding", "-launcher")["metadata"]["namespace"] == "team-a"
+
+
+def test_upload_job_compiles_with_the_chart_image_and_uploads_a_version_per_revision():
+    (container,) = by_kind(render(UPLOAD, revision=3))["Job"]["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == [
+        "submit",
+        "--upload-only",
+        "--config=/etc/batchpilot/config.yaml",
+        "--host=http://ml-pipeline.kubeflow:8888",
+        "--pipeline-name=batchpilot",
+        "--pipeline-version=0.1.0-r3",  # appVersion + release revision: each upgrade a new version
+        "--image=registry.example/batchpilot:0.1.0",
+    ]
+    pinned = UPLOAD | {"image": {"repository": "us-docker.pkg.dev/p/r/batchpilot", "digest": DIGEST}}
+    objects = render(pinned)
+    (container,) = by_kind(objects)["Job"]["spec"]["template"]["spec"]["containers"]
+    reference = f"us-docker.pkg.dev/p/r/batchpilot@{DIGEST}"
+    assert container["image"] == reference and f"--image={reference}" in container["args"]
+    assert config_of(objects)["cluster"]["image"] == reference
+
+
+def test_multi_user_upload_sends_a_projected_token_for_the_kfp_api():
+    objects = render(UPLOAD | MULTI_USER, name="prod", namespace="team-a")
+    for obj in objects:
+        validate_k8s(obj)
+    pod = by_kind(objects)["Job"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--namespace=team-a" in container["args"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    token_path = Path(env["KF_PIPELINES_SA_TOKEN_PATH"])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(token_path.parent)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    (source,) = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == "pipelines.kubeflow.org"
+    assert source["serviceAccountToken"]["path"] == token_path.name
+    # The upload Job's account may edit pipelines in the profile namespace (KFP's own ClusterRole).
+    grant = named(objects, "RoleBinding", "-kfp-upload")
+    assert grant["roleRef"]["name"] == "kubeflow-pipelines-edit"
+    assert grant["metadata"]["namespace"] == "team-a"
+    assert subjects(grant) == [("team-a", "prod-batchpilot")]
+
+    (single_user,) = by_kind(render(UPLOAD))["Job"]["spec"]["template"]["spec"]["containers"]
+    assert "KF_PIPELINES_SA_TOKEN_PATH" not in {e["name"] for e in single_user["env"]}
+    assert not any(a.startswith("--namespace") for a in single_user["args"])
+
+
+def test_notes_say_how_to_bind_workload_identity_and_check_rbac_for_the_kfp_run_account():
+    values = {"serviceAccount": {"gcpServiceAccount": "trainer@proj.iam.gserviceaccount.com"}}
+    notes = render_files(values | MULTI_USER, name="prod", namespace="team-a")[
+        "batchpilot/templates/NOTES.txt"
+    ]
+    assert "--role=roles/iam.workloadIdentityUser" in notes
+    assert '--member="serviceAccount:PROJECT_ID.svc.id.goog[team-a/default-editor]"' in notes
+    assert '--member="serviceAccount:PROJECT_ID.svc.id.goog[team-a/prod-batchpilot]"' in notes
+    assert "kubectl annotate serviceaccount default-editor --namespace team-a" in notes
+    assert "iam.gke.io/gcp-service-account=trainer@proj.iam.gserviceaccount.com" in notes
+    assert "--as=system:serviceaccount:team-a:default-editor" in notes
+    assert "--service-account default-editor --namespace team-a" in notes
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"bogus": 1},
+        {"image": {"registry": "x"}},
+        {"image": {"digest": "latest"}},
+        {"kfpUpload": {"host": "ml-pipeline"}},
+        {"kfpUpload": {"compileCommand": "sh -c 'anything'"}},  # gone: the Job's command is fixed
+        {"kfpUpload": {"tokenExpirationSeconds": 60}},  # Kubernetes' minimum is 600
+        {"kfp": {"multiuser": True}},
+        {"kfp": {"runServiceAccount": "Not_A_Name"}},
+    ],
 )
 def test_the_values_schema_rejects_unknown_keys_and_bad_values(values):
     chart = helm.Chart.load(CHART)

@@ -1,10 +1,16 @@
-"""`batchpilot submit`: compile the pipeline for a config and create a run of it on a KFP backend."""
+"""`batchpilot submit`: compile the pipeline for a config and create a run of it on a KFP backend.
+
+With `--upload-only` it uploads the compiled pipeline as a new version of a named pipeline and creates no
+run: what the Helm chart's upload Job runs on every install and upgrade.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 from typing import Any
+
+from batchpilot.kfp.submit import SA_TOKEN_PATH_ENV
 
 TOKEN_ENV = "KFP_TOKEN"
 
@@ -15,7 +21,8 @@ def register(subparsers: Any) -> None:
         help="compile the pipeline for a config and create a run on a Kubeflow Pipelines backend",
         description="Compiles the pipeline for --config and creates a run of it through kfp.Client: in "
         "--experiment (created if missing), either from the compiled spec or from a pipeline version "
-        "uploaded as --pipeline-name/--pipeline-version. Prints the run id and its UI link.",
+        "uploaded as --pipeline-name/--pipeline-version. Prints the run id and its UI link. With "
+        "--upload-only, only uploads the version (the pipeline is created if missing) and prints its link.",
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument(
@@ -23,7 +30,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--experiment", help="experiment name, created if missing (default: Default)")
     parser.add_argument("--run-name", help="run name (default: <config name>-<UTC yyyymmdd-HHMMSS>)")
-    parser.add_argument("--service-account", help="service account of the run's pods (default: the server's)")
+    parser.add_argument(
+        "--service-account",
+        help="Kubernetes service account the run's pods run as (default: the server's, pipeline-runner in "
+        "single-user KFP, default-editor in a profile namespace); it needs the chart's RBAC and Workload Identity",
+    )
     parser.add_argument("--namespace", help="KFP namespace, for multi-user deployments")
     parser.add_argument(
         "--pipeline-name",
@@ -41,7 +52,16 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="run-time parameter of the pipeline, e.g. micro_batch_size=16; repeatable (an unknown name lists the valid ones)",
     )
-    parser.add_argument("--token", help=f"bearer token for the API (default: ${TOKEN_ENV}); never printed")
+    parser.add_argument(
+        "--upload-only",
+        action="store_true",
+        help="upload --pipeline-name/--pipeline-version and create no run (no run options allowed)",
+    )
+    parser.add_argument(
+        "--token",
+        help=f"bearer token for the API (default: ${TOKEN_ENV}, else the file ${SA_TOKEN_PATH_ENV} names, "
+        "e.g. a projected service-account token for multi-user KFP); never printed",
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the request and send nothing (no connection at all)"
     )
@@ -49,9 +69,12 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot.kfp.submit import prepare_request, submit
+    from batchpilot.kfp.submit import prepare_request, read_token_file, submit, upload
 
     token = args.token or os.environ.get(TOKEN_ENV) or None
+    token_path = os.environ.get(SA_TOKEN_PATH_ENV)
+    if token is None and token_path:
+        token = read_token_file(token_path)
     request = prepare_request(
         config_path=args.config,
         host=args.host,
@@ -64,9 +87,16 @@ def run(args: argparse.Namespace) -> int:
         image=args.image,
         param_pairs=args.param,
         uses_token=token is not None,
+        upload_only=args.upload_only,
     )
     if args.dry_run:
         print(f"dry run: nothing sent\n{request.render()}")
+        return 0
+    if request.upload_only:
+        uploaded = upload(request, token=token)
+        how = "reused (identical spec)" if uploaded.version_reused else "uploaded"
+        print(f"pipeline version: {request.pipeline_version} of {request.pipeline_name} {how}")
+        print(f"version url: {uploaded.version_url}")
         return 0
     result = submit(request, token=token)
     if result.pipeline_version_id:

@@ -2,8 +2,10 @@
 
 `prepare_request` compiles the pipeline and checks every option without touching the network;
 `submit` sends that request through `kfp.Client`: it gets or creates the experiment, optionally uploads
-the compiled spec as a named pipeline version, and creates the run. Every failure to reach the host or
-every error status the API answers becomes one `BatchpilotError` line naming the host and the status.
+the compiled spec as a named pipeline version, and creates the run. `upload` (`--upload-only`, what the
+Helm chart's upload Job runs) only uploads the version: one pipeline per name, created if missing, and
+a new version of it per upload. Every failure to reach the host or every error status the API answers
+becomes one `BatchpilotError` line naming the host and the status.
 
 A pipeline version is immutable in KFP. When `--pipeline-version` names a version that already exists,
 it is reused if its stored spec is the one just compiled (a re-submit of the same config, image and
@@ -33,6 +35,10 @@ logger = logging.getLogger(__name__)
 ParameterValue = int | float | str | bool
 DEFAULT_EXPERIMENT = "Default"
 """KFP's own default experiment name (what `kfp.Client.create_run_from_pipeline_package` uses)."""
+SA_TOKEN_PATH_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
+"""kfp.client.KF_PIPELINES_SA_TOKEN_ENV: the file holding a projected service-account token (audience
+`pipelines.kubeflow.org`) that multi-user KFP accepts; kfp.Client itself reads it only when no host is
+given, so batchpilot reads it when `--host` is."""
 _EQUALS = 1  # filter.proto Predicate.Operation EQUALS (kfp.client.client._FILTER_OPERATIONS)
 
 
@@ -53,6 +59,7 @@ class SubmitRequest:
         num_stages: the pipeline's ramp-up stage count.
         pipeline_yaml: the compiled pipeline (KFP YAML text).
         uses_token: whether a bearer token is sent (the token itself is never stored here).
+        upload_only: upload the pipeline version and create no run (no experiment either).
     """
 
     host: str
@@ -67,6 +74,7 @@ class SubmitRequest:
     num_stages: int
     pipeline_yaml: str = field(repr=False)
     uses_token: bool = False
+    upload_only: bool = False
 
     @property
     def spec_bytes(self) -> int:
@@ -79,15 +87,21 @@ class SubmitRequest:
     def render(self) -> str:
         """The request as the lines `--dry-run` prints."""
         if self.pipeline_name:
-            target = f"upload as version {self.pipeline_version!r} of pipeline {self.pipeline_name!r}, run it"
+            then = "no run (--upload-only)" if self.upload_only else "run it"
+            target = f"upload as version {self.pipeline_version!r} of pipeline {self.pipeline_name!r}, {then}"
         else:
             target = "none: the run carries the compiled spec"
         arguments = ", ".join(f"{name}={value!r}" for name, value in self.parameters)
-        lines = {
-            "host": self.host,
+        run = {
             "experiment": self.experiment,
             "run name": self.run_name,
             "service account": self.service_account or "(the server's default)",
+        }
+        if self.upload_only:
+            run = dict.fromkeys(run, "(none: --upload-only)")
+        lines = {
+            "host": self.host,
+            **run,
             "namespace": self.namespace or "(the client's default)",
             "pipeline version": target,
             "parameters": arguments or "(none: the pipeline's defaults)",
@@ -107,6 +121,14 @@ class SubmitResult:
     version_reused: bool = False
 
 
+@dataclass(frozen=True)
+class UploadResult:
+    pipeline_id: str
+    pipeline_version_id: str
+    version_reused: bool
+    version_url: str
+
+
 def prepare_request(
     *,
     config_path: str,
@@ -120,6 +142,7 @@ def prepare_request(
     image: str | None,
     param_pairs: Sequence[str],
     uses_token: bool,
+    upload_only: bool = False,
     now: datetime | None = None,
 ) -> SubmitRequest:
     """Loads and compiles the config and checks every option; no network call."""
@@ -128,6 +151,16 @@ def prepare_request(
     from batchpilot.workflow import expected_stage_count
 
     host = check_host(host)
+    if upload_only:
+        _check_upload_only(
+            pipeline_name=pipeline_name,
+            run_options={
+                "--experiment": experiment,
+                "--run-name": run_name,
+                "--service-account": service_account,
+                "--param": list(param_pairs) or None,
+            },
+        )
     if pipeline_name is not None and pipeline_version is None:
         raise BatchpilotError(
             "--pipeline-name", "is given without --pipeline-version", "pass both, or neither"
@@ -162,7 +195,42 @@ def prepare_request(
         num_stages=expected_stage_count(config),
         pipeline_yaml=pipeline_yaml,
         uses_token=uses_token,
+        upload_only=upload_only,
     )
+
+
+def _check_upload_only(*, pipeline_name: str | None, run_options: Mapping[str, object]) -> None:
+    """--upload-only needs a pipeline name (the version is checked with it) and takes no run option."""
+    if pipeline_name is None:
+        raise BatchpilotError(
+            "--upload-only",
+            "needs --pipeline-name and --pipeline-version",
+            "name the pipeline and the version to upload",
+        )
+    for option, value in run_options.items():
+        if value is not None:
+            raise BatchpilotError(
+                option, "sets the run, and --upload-only creates no run", f"drop {option} or --upload-only"
+            )
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token in `path` (a projected service-account token, refreshed by the kubelet).
+
+    Raises:
+        BatchpilotError: the file cannot be read or is empty.
+    """
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise BatchpilotError(
+            SA_TOKEN_PATH_ENV,
+            f"cannot read the token file {path}: {error.strerror}",
+            "mount a projected service-account token there (audience pipelines.kubeflow.org) or unset it",
+        ) from None
+    if not token:
+        raise BatchpilotError(SA_TOKEN_PATH_ENV, f"the token file {path} is empty", "check the volume")
+    return token
 
 
 def check_host(host: str) -> str:
@@ -242,11 +310,30 @@ def _typed_value(*, name: str, text: str, parameter_type: str) -> ParameterValue
 # --- talking to the backend --------------------------------------------------------------------------
 
 
+def upload(request: SubmitRequest, *, token: str | None) -> UploadResult:
+    """Uploads the compiled spec as `request.pipeline_version` of `request.pipeline_name`; no run.
+
+    The pipeline is created only if no pipeline has that name, so every upload (every chart upgrade)
+    adds a version to the same pipeline; re-uploading an existing version with the identical spec (a
+    retried upload Job) reuses it.
+    """
+    assert request.pipeline_name and request.pipeline_version, "prepare_request checks both"
+    client = _connect(request, token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp) / "pipeline.yaml"
+        package.write_text(request.pipeline_yaml)
+        pipeline_id, version_id, reused = _ensure_request_version(client, request, package=str(package))
+    return UploadResult(
+        pipeline_id=pipeline_id,
+        pipeline_version_id=version_id,
+        version_reused=reused,
+        version_url=f"{request.host}/#/pipelines/details/{pipeline_id}/version/{version_id}",
+    )
+
+
 def submit(request: SubmitRequest, *, token: str | None) -> SubmitResult:
     """Creates the run `request` describes; returns its id and UI link."""
-    _check_reachable(host=request.host, token=token)
-    with _talking_to(request.host, "connect"):
-        client = _client(host=request.host, token=token, namespace=request.namespace)
+    client = _connect(request, token=token)
     with _talking_to(request.host, f"get or create experiment {request.experiment!r}"):
         try:
             experiment = client.create_experiment(name=request.experiment, namespace=request.namespace)
@@ -258,15 +345,7 @@ def submit(request: SubmitRequest, *, token: str | None) -> SubmitResult:
         pipeline_id = version_id = None
         reused = False
         if request.pipeline_name and request.pipeline_version:
-            pipeline_id, version_id, reused = _ensure_version(
-                client,
-                host=request.host,
-                pipeline_name=request.pipeline_name,
-                version_name=request.pipeline_version,
-                namespace=request.namespace,
-                package=str(package),
-                pipeline_yaml=request.pipeline_yaml,
-            )
+            pipeline_id, version_id, reused = _ensure_request_version(client, request, package=str(package))
         with _talking_to(request.host, f"create run {request.run_name!r}"):
             run = client.run_pipeline(
                 experiment_id=experiment.experiment_id,
@@ -285,6 +364,13 @@ def submit(request: SubmitRequest, *, token: str | None) -> SubmitResult:
         pipeline_version_id=version_id,
         version_reused=reused,
     )
+
+
+def _connect(request: SubmitRequest, *, token: str | None) -> Any:
+    """A kfp.Client for the request's host and namespace, after a health check that fails fast."""
+    _check_reachable(host=request.host, token=token)
+    with _talking_to(request.host, "connect"):
+        return _client(host=request.host, token=token, namespace=request.namespace)
 
 
 def _check_reachable(*, host: str, token: str | None) -> None:
@@ -313,6 +399,20 @@ def _client(*, host: str, token: str | None, namespace: str | None) -> Any:
         if namespace:
             return kfp.Client(host=host, existing_token=token, namespace=namespace)
         return kfp.Client(host=host, existing_token=token)
+
+
+def _ensure_request_version(client: Any, request: SubmitRequest, *, package: str) -> tuple[str, str, bool]:
+    """`_ensure_version` for the request's pipeline, version, namespace and compiled spec."""
+    assert request.pipeline_name and request.pipeline_version
+    return _ensure_version(
+        client,
+        host=request.host,
+        pipeline_name=request.pipeline_name,
+        version_name=request.pipeline_version,
+        namespace=request.namespace,
+        package=package,
+        pipeline_yaml=request.pipeline_yaml,
+    )
 
 
 def _ensure_version(
