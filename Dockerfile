@@ -5,8 +5,23 @@
 #   docker build --build-arg VERSION=$VERSION -t REGISTRY/batchpilot:$VERSION .
 #
 # The build fails when VERSION is not the package's version, so a tag always names what is inside.
-# TORCH_REQUIREMENT picks the torch build: the default is the CPU build; for GPU nodes pass a CUDA
-# build (and, if it lives on another index, PIP_EXTRA_INDEX_URL as a build argument).
+#
+# torch is installed first and on its own, because which build you get depends on the requirement and
+# the index, not on batchpilot (its `train` extra accepts any torch>=2.4):
+#   TORCH_REQUIREMENT   the torch to install (default torch==2.13.0, what the package index serves for
+#                       that pin; the CPU build on the index these tests use)
+#   PIP_EXTRA_INDEX_URL an index to search as well, e.g. the PyTorch CUDA wheel index for your CUDA version
+#   TORCH_FLAVOR        cpu (default) or cuda; with cuda the build fails unless the installed torch is a
+#                       CUDA build, so a GPU image can never ship a CPU torch by accident
+# GPU nodes (A2, A3, G2) need the CUDA build, e.g.
+#   docker build --build-arg VERSION=$VERSION --build-arg TORCH_FLAVOR=cuda \
+#     --build-arg TORCH_REQUIREMENT=torch==2.13.0+cu128 \
+#     --build-arg PIP_EXTRA_INDEX_URL=<the PyTorch CUDA wheel index for cu128> \
+#     -t REGISTRY/batchpilot:$VERSION-cuda .
+# The extras are everything a pipeline step or trainer imports: train (torch, numpy), data, gcs, report
+# (matplotlib: explore and the report draw charts), pipeline (kfp) and cluster (torchx, GKE, Kubernetes).
+# tests/integration/test_image_extras.py installs exactly these extras into a fresh venv and imports
+# every batchpilot module.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -20,20 +35,27 @@ FROM ${PYTHON_IMAGE}
 ARG VERSION
 ARG TORCH_REQUIREMENT=torch==2.13.0
 ARG PIP_EXTRA_INDEX_URL=""
+ARG TORCH_FLAVOR=cpu
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp
 LABEL org.opencontainers.image.title="batchpilot" \
       org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.licenses="Apache-2.0"
+      org.opencontainers.image.licenses="Apache-2.0" \
+      io.batchpilot.torch-flavor="${TORCH_FLAVOR}"
 COPY constraints.txt /tmp/constraints.txt
 COPY --from=wheel /wheels /tmp/wheels
 # torch first: a bare `torch` requirement could pull a different build than the one asked for.
 RUN pip install "${TORCH_REQUIREMENT}" \
     && wheel="$(ls /tmp/wheels/batchpilot-*.whl)" \
-    && pip install -c /tmp/constraints.txt "${wheel}[train,data,gcs,pipeline,cluster]" \
+    && pip install -c /tmp/constraints.txt "${wheel}[train,data,gcs,report,pipeline,cluster]" \
     && rm -rf /tmp/wheels /tmp/constraints.txt
+RUN case "${TORCH_FLAVOR}" in \
+      cpu) ;; \
+      cuda) python -c "import sys, torch; sys.exit(0 if torch.version.cuda else f'TORCH_FLAVOR=cuda but {torch.__version__} is not a CUDA build: pass a CUDA TORCH_REQUIREMENT and its index')" ;; \
+      *) echo "TORCH_FLAVOR must be cpu or cuda, not ${TORCH_FLAVOR}" >&2; exit 1 ;; \
+    esac
 RUN test -n "${VERSION}" || { echo "build with --build-arg VERSION=<package version>" >&2; exit 1; } \
     && python -c "import sys, batchpilot; v = batchpilot.__version__; sys.exit(0 if v == '${VERSION}' else f'VERSION ${VERSION} is not the package version {v}')"
 # The pipeline and its components are part of the package: `batchpilot compile` and `batchpilot submit`

@@ -6,10 +6,13 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+import yaml
 from container_api_server import ContainerServer, container_server_running
 from kube_api_server import KubeServer, kube_server_running, node
 
 from batchpilot.cluster.gke import GkeNodePool, PoolRef, is_concurrent_operation, require_gke_settings
+from batchpilot.cluster.launch import trainer_pod_resources
+from batchpilot.cluster.machines import Allocatable
 from batchpilot.cluster.nodepool import NodePool
 from batchpilot.cluster.readiness import PoolNodes
 from batchpilot.config import ClusterConfig
@@ -188,3 +191,39 @@ def test_gke_settings_are_required_one_field_at_a_time():
         BatchpilotError, match=r"^cluster.cluster_name: is required when cluster.backend is gke"
     ):
         require_gke_settings(cluster)
+
+
+def test_the_smallest_usable_node_bounds_the_trainer_pods(kube):
+    small = node("b", pool="gpu", gpus=8)
+    small["status"]["allocatable"].update(cpu="7910m", memory="1869654592Ki")
+    cordoned = node("c", pool="gpu", gpus=8, cordoned=True)
+    cordoned["status"]["allocatable"].update(cpu="1", memory="1Gi")  # not usable: does not count
+    kube.state.node_snapshots = [[node("a", pool="gpu", gpus=8), small, cordoned]]
+    nodes = PoolNodes(api_client=kube.api_client(), node_pool="gpu", gpus_per_node=8)
+    assert nodes.smallest_usable_allocatable() == Allocatable(cpu_millicores=7910, memory_bytes=32 * 2**30)
+    kube.state.node_snapshots = [[cordoned]]
+    assert nodes.smallest_usable_allocatable() is None
+
+
+def test_a_real_launch_sizes_unsized_pods_from_the_ready_nodes(kube, tmp_path, monkeypatch):
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {"server": kube.endpoint}}],
+        "users": [{"name": "me", "user": {"token": "unused"}}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
+        "current-context": "local",
+    }
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cluster = ClusterConfig(
+        backend="gke", max_nodes=2, devices_per_node=8, node_pool="gpu", accelerator_type="nvidia-h100-80gb"
+    )
+    with pytest.raises(BatchpilotError, match=r"^cluster.machine_type: node pool 'gpu' has no usable node"):
+        trainer_pod_resources(cluster, read_nodes=True)
+    kube.state.node_snapshots = [[node("a", pool="gpu", gpus=8)]]  # 8 CPUs, 32Gi allocatable
+    sized = trainer_pod_resources(cluster, read_nodes=True)
+    assert (sized.cpu, sized.memory_bytes) == (7, 30 * 2**30)
+    with pytest.raises(BatchpilotError, match=r"^cluster.machine_type: is needed"):
+        trainer_pod_resources(cluster, read_nodes=False)  # a dry run asks no API

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot.cluster.machines import Allocatable
 from batchpilot.errors import BatchpilotError
 
 GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
@@ -27,6 +28,8 @@ class NodeState:
     ready: bool
     cordoned: bool
     allocatable_gpus: int
+    allocatable_cpu_millicores: int
+    allocatable_memory_bytes: int
 
     def problem(self, *, gpus_per_node: int) -> str | None:
         """Why this node cannot take a trainer, or None when it can."""
@@ -61,6 +64,20 @@ def kube_api_client() -> Any:
     return client.ApiClient(configuration)
 
 
+def parse_cpu_millicores(quantity: str) -> int:
+    """A Kubernetes CPU quantity ("7910m", "8", "0.5") in millicores, rounded down."""
+    from kubernetes.utils import parse_quantity
+
+    return int(parse_quantity(quantity) * 1000)
+
+
+def parse_bytes_quantity(quantity: str) -> int:
+    """A Kubernetes memory quantity ("1869654592Ki", "1.5Gi", "64G") in bytes, rounded down."""
+    from kubernetes.utils import parse_quantity
+
+    return int(parse_quantity(quantity))
+
+
 def _node_state(node: Any) -> NodeState:
     conditions = (node.status.conditions or []) if node.status else []
     ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
@@ -70,6 +87,19 @@ def _node_state(node: Any) -> NodeState:
         ready=ready,
         cordoned=bool(node.spec and node.spec.unschedulable),
         allocatable_gpus=int(allocatable.get(GPU_RESOURCE, "0")),
+        allocatable_cpu_millicores=parse_cpu_millicores(allocatable.get("cpu", "0")),
+        allocatable_memory_bytes=parse_bytes_quantity(allocatable.get("memory", "0")),
+    )
+
+
+def smallest_allocatable(nodes: list[NodeState]) -> Allocatable | None:
+    """The least CPU and the least memory any of `nodes` offers to pods (None for no nodes): a pod
+    sized to it fits whichever of them the scheduler picks."""
+    if not nodes:
+        return None
+    return Allocatable(
+        cpu_millicores=min(node.allocatable_cpu_millicores for node in nodes),
+        memory_bytes=min(node.allocatable_memory_bytes for node in nodes),
     )
 
 
@@ -109,6 +139,10 @@ class PoolNodes:
             else:
                 problems.append(problem)
         return usable, problems
+
+    def smallest_usable_allocatable(self) -> Allocatable | None:
+        """The allocatable CPU and memory of the pool's smallest usable node (None: no usable node)."""
+        return smallest_allocatable(self.usable()[0])
 
     def wait(
         self,
