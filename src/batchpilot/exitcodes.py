@@ -6,3 +6,7 @@ stage again to resume exactly."""
 
 PREEMPTED_LOG_MARKER = f"preempted: exit {EXIT_PREEMPTED}"
 """Rank 0 logs this line when it stops for preemption; launchers look for it (torchrun itself exits 1)."""
+
+PREEMPTED_FILE = "preempted"
+"""Every rank that stops for preemption writes this file into its `--output-dir`: a pod's command turns
+torchrun's exit 1 into EXIT_PREEMPTED when it finds it, so Kubernetes can tell a preemption by exit code."""

@@ -6,6 +6,12 @@ JobSet is created, with the labels the controller sets, and serves scripted stat
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +59,7 @@ def write_plan(folder: Path) -> str:
         "cluster": {
             "backend": "gke", "devices_per_node": 1, "max_nodes": 2, "project": "p", "location": "l",
             "cluster_name": "c", "node_pool": "gpu", "image": "registry.example/batchpilot:0.1.0",
+            "cpu_per_node": 4, "memory_per_node_bytes": "16GiB",
         },
         "batch": {"global_batch_size": 8, "micro_batch_size": 4},
         "train": {"total_samples": 64, "lr": 1e-3, "checkpoint_uri": "gs://bucket/ckpt"},
@@ -114,3 +121,119 @@ def test_scheduler_describe_follows_the_status_and_cancel_deletes(kube, tmp_path
         f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets/{created['metadata']['name']}",
     ) in [(method, path) for method, path, _, _ in kube.state.requests]
     assert runner.status(handle) is None or runner.status(handle).state == AppState.UNKNOWN
+
+
+# --- lifecycle: cancel, retry, the run's end ------------------------------------------------------
+
+JOBSETS_PATH = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/batchpilot/jobsets"
+
+
+def launch_process(plan: str) -> subprocess.Popen:
+    """`batchpilot launch` as a real process (KUBECONFIG comes from the `kube` fixture's environment)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchpilot", "launch", "--plan", plan, "--stage", "final"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_jobset(kube: KubeServer, proc: subprocess.Popen, timeout_s: float = 90) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if kube.state.jobsets:
+            return next(iter(kube.state.jobsets))
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    raise AssertionError("no JobSet was created")
+
+
+def creates(kube: KubeServer) -> list[str]:
+    return [path for method, path, _, _ in kube.state.requests if method == "POST"]
+
+
+def deletes(kube: KubeServer) -> list[tuple[str, str | None]]:
+    return [
+        (path.rsplit("/", 1)[-1], query.get("propagationPolicy", [None])[0])
+        for method, path, query, _ in kube.state.requests
+        if method == "DELETE"
+    ]
+
+
+def test_sigterm_to_a_running_launch_deletes_its_jobset(kube, tmp_path):
+    kube.state.jobset_statuses = [RUNNING]  # runs until cancelled
+    proc = launch_process(write_plan(tmp_path))
+    name = wait_for_jobset(kube, proc)
+    time.sleep(1.0)  # following it
+    proc.send_signal(signal.SIGTERM)  # KFP stops a cancelled run's task pod so
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, output
+    assert not kube.state.jobsets, output
+    assert (name, "Foreground") in deletes(kube)
+    labels = kube.state.requests[[m for m, *_ in kube.state.requests].index("POST")][3]["metadata"]["labels"]
+    assert labels["batchpilot.dev/run"] == "ramp" and labels["batchpilot.dev/stage"] == "final"
+
+
+def test_a_second_launch_of_a_running_stage_adopts_its_jobset(kube, tmp_path, capsys):
+    kube.state.jobset_statuses = [RUNNING]
+    plan = write_plan(tmp_path)
+    first = launch_process(plan)
+    name = wait_for_jobset(kube, first)
+    finish = threading.Timer(3.0, lambda: setattr(kube.state, "jobset_statuses", [COMPLETED]))
+    finish.start()
+    try:
+        assert main(["launch", "--plan", plan, "--stage", "final"]) == 0  # a retried KFP task
+    finally:
+        finish.cancel()
+    output, _ = first.communicate(timeout=60)
+    assert first.returncode == 0, output
+    assert creates(kube) == [JOBSETS_PATH]  # one JobSet, followed by both launches
+    assert list(kube.state.jobsets) == [name] and not deletes(kube)
+    assert f"adopting its running JobSet {name}" in capsys.readouterr().out
+
+
+def test_a_launch_replaces_the_stage_s_failed_jobset(kube, tmp_path, capsys):
+    plan = write_plan(tmp_path)
+    kube.state.jobset_statuses = [FAILED]
+    assert launch(tmp_path) == 1
+    (failed,) = kube.state.jobsets
+    kube.state.jobset_statuses = [COMPLETED]
+    assert main(["launch", "--plan", plan, "--stage", "final"]) == 0
+    assert deletes(kube) == [(failed, "Foreground")]
+    assert creates(kube) == [JOBSETS_PATH, JOBSETS_PATH]
+    assert failed not in kube.state.jobsets and len(kube.state.jobsets) == 1
+    assert f"deleting JobSet(s) {failed} (replaced by this launch)" in capsys.readouterr().out
+
+
+def test_scale_down_deletes_the_run_s_jobsets_before_the_pool_shrinks(kube, tmp_path, monkeypatch):
+    from batchpilot import workflow
+    from batchpilot.cluster import nodepool
+
+    kube.state.jobset_statuses = [RUNNING]
+    plan = write_plan(tmp_path)
+    first = launch_process(plan)
+    name = wait_for_jobset(kube, first)
+    other = {"metadata": {"name": "other-run", "labels": {"batchpilot.dev/run": "other"}}, "spec": {}}
+    kube.state.jobsets["other-run"] = other
+
+    left_at_resize: list[str] = []
+
+    class Pool:
+        """The node pool: records which JobSets were left when it was resized."""
+
+        def current_size(self) -> int:
+            return 2
+
+        def resize(self, num_nodes: int) -> None:
+            left_at_resize.extend(sorted(kube.state.jobsets))
+
+        def describe(self) -> str:
+            return "pool"
+
+    monkeypatch.setattr(nodepool, "node_pool_for", lambda config, state_path=None: Pool())
+    config = parse_config(json.loads(Path(plan).read_text())["config"])
+    workflow.scale_down(config)
+    assert left_at_resize == ["other-run"]
+    assert deletes(kube) == [(name, "Foreground")]
+    first.communicate(timeout=60)  # its JobSet is gone: the launch ends
+    assert first.returncode != 0

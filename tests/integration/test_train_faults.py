@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot.exitcodes import EXIT_PREEMPTED
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE
 from batchpilot.train.checkpoint import Checkpointer
 from batchpilot.train.metrics import read_metrics
 from helpers import processes_with, run_batchpilot, tiny_config, trainer_ranks, write_plan
@@ -121,12 +121,34 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_u
     assert proc.returncode == EXIT_PREEMPTED, output
     assert "SIGTERM: stopping at a micro-batch boundary" in output
     checkpointed = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    # A pod's command turns this marker into exit 75 for the Job's podFailurePolicy (torchrun exits 1).
+    assert (out / PREEMPTED_FILE).read_text() == f"{checkpointed.consumed_samples}\n"
     assert checkpointed.consumed_samples == checkpointed.step * 32  # a step boundary
     assert len(read_metrics(out / "metrics.jsonl")) >= checkpointed.step
     result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"resumed from step {checkpointed.step}" in result.stdout
     assert_identical_to(reference, tmp_path)
+
+
+def test_checkpoints_are_also_written_by_time(demo_data_uri, tmp_path):
+    """`train.checkpoint_every_s`: rank 0's clock decides between steps, every rank saves together."""
+    config = tiny_config(
+        data_uri=demo_data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt", batch__global_batch_size=32,
+        batch__schedule=None, train__total_samples=1024, train__checkpoint_every_s=0.5,
+    )  # fmt: skip
+    plan = write_plan(tmp_path, config)
+    result = run_batchpilot(
+        "launch", "--plan", plan, "--stage", "final", "--output-dir", str(tmp_path / "out")
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    by_time = [
+        line
+        for line in result.stdout.splitlines()
+        if "0.5 s since the last: train.checkpoint_every_s" in line
+    ]
+    assert by_time, result.stdout[-3000:]
+    assert all("checkpoint step 32 " not in line for line in by_time)  # before the stage's end (step 32)
 
 
 def test_out_of_memory_halves_the_micro_batch_on_every_rank(reference, demo_data_uri, tmp_path):

@@ -11,6 +11,9 @@ import copy
 import functools
 import io
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -245,3 +248,91 @@ def test_local_trainers_and_probes_use_one_thread_unless_omp_num_threads_says_ot
     monkeypatch.setenv("OMP_NUM_THREADS", "two")
     with pytest.raises(BatchpilotError, match="OMP_NUM_THREADS"):
         local_trainer_threads()
+
+
+# --- lifecycle: labels, TTL, failure policies, the pod's exit code --------------------------------
+
+
+def test_the_jobset_and_its_pods_carry_the_run_stage_and_plan_labels(jobset):
+    labels = jobset["metadata"]["labels"]
+    assert labels["batchpilot.dev/run"] == "ramp" and labels["batchpilot.dev/stage"] == "final"
+    assert len(labels["batchpilot.dev/plan"]) == 12 and labels["kueue.x-k8s.io/queue-name"] == "lm-queue"
+    pod_labels = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]
+    assert {key: pod_labels[key] for key in ("batchpilot.dev/run", "batchpilot.dev/stage")} == {
+        "batchpilot.dev/run": "ramp",
+        "batchpilot.dev/stage": "final",
+    }
+    assert jobset["spec"]["ttlSecondsAfterFinished"] == 24 * 3600
+
+
+def test_disruptions_and_preemptions_restart_the_jobset_and_real_errors_fail_it(jobset):
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+    assert job["podFailurePolicy"]["rules"] == [
+        {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "Count", "onExitCodes": {"operator": "In", "values": [75]}},
+        {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [75]}},
+    ]
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] == 10
+    assert [(rule["action"], rule["onJobFailureReasons"]) for rule in policy["rules"]] == [
+        ("FailJobSet", ["PodFailurePolicy"]),
+        ("RestartJobSet", ["BackoffLimitExceeded"]),
+    ]
+    validate_crd(jobset, "jobset.x-k8s.io_jobsets.yaml")
+    broken = copy.deepcopy(jobset)
+    broken["spec"]["failurePolicy"]["rules"][0]["action"] = "Retry"
+    with pytest.raises(Exception, match="is not one of"):
+        validate_crd(broken, "jobset.x-k8s.io_jobsets.yaml")
+
+
+def test_the_pod_command_exits_75_only_when_the_trainers_stopped_for_preemption(jobset):
+    (container,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    command = container["command"][-1]
+    assert command.startswith("rm -f /tmp/batchpilot/out/preempted; torchrun() {")
+    assert "--output-dir /tmp/batchpilot/out" in command
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    grace_s = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
+    assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) == grace_s - 10  # torchrun's own default: 30 s
+
+
+FAKE_TORCHRUN = """#!/bin/bash
+# Stands in for torchrun: exits 1 like torchrun whatever the trainers did; on SIGTERM the "trainers"
+# checkpoint (write the marker) first. $1: what to do.
+trap 'touch "$MARKER"; exit 1' TERM
+case "$1" in
+  preempted) touch "$MARKER"; exit 1 ;;
+  fails) exit 3 ;;
+  succeeds) exit 0 ;;
+  waits) echo started; while true; do sleep 0.1; done ;;
+esac
+"""
+
+
+def run_wrapped(tmp_path: Path, action: str) -> subprocess.Popen:
+    from batchpilot.cluster.launch import exit_75_when_preempted
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    marker = tmp_path / "preempted"
+    marker.write_text("a previous run's\n")  # removed before torchrun starts
+    line = exit_75_when_preempted(f"true && torchrun {action}", marker=str(marker))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "MARKER": str(marker)}
+    return subprocess.Popen(["bash", "-c", line], env=env, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize(("action", "code"), [("preempted", 75), ("fails", 3), ("succeeds", 0)])
+def test_the_exit_code_wrapper_turns_the_trainers_marker_into_75(tmp_path, action, code):
+    proc = run_wrapped(tmp_path, action)
+    assert proc.wait(timeout=30) == code
+
+
+def test_the_exit_code_wrapper_forwards_sigterm_to_torchrun_and_waits_for_it(tmp_path):
+    proc = run_wrapped(tmp_path, "waits")
+    assert proc.stdout.readline() == "started\n"
+    proc.send_signal(signal.SIGTERM)  # what the kubelet sends to PID 1
+    assert proc.wait(timeout=30) == 75

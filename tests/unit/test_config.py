@@ -150,3 +150,14 @@ def test_configs_are_frozen():
     config = parse_config(copy.deepcopy(demo()))
     with pytest.raises(ValueError):
         config.batch.global_batch_size = 1  # type: ignore[misc]
+
+
+def test_checkpoints_by_time_every_30_minutes_by_default_and_0_turns_them_off():
+    data = copy.deepcopy(demo())
+    data["train"].pop("checkpoint_every_s", None)
+    assert parse_config(data).train.checkpoint_every_s == 1800
+    data["train"]["checkpoint_every_s"] = 0
+    assert parse_config(data).train.checkpoint_every_s == 0
+    data["train"]["checkpoint_every_s"] = -1
+    with pytest.raises(ConfigError, match=r"train\.checkpoint_every_s"):
+        parse_config(data)

@@ -6,6 +6,10 @@ queue the JobSet carries the `kueue.x-k8s.io/queue-name` label and Kueue admits 
 
 Registered as the torchx scheduler `jobset` through the `torchx.schedulers` entry point
 (`create_scheduler`); batchpilot's launcher also passes the factory to its Runner directly.
+
+Lifecycle (see `failure_policy`, `pod_failure_policy`): a pod stopped by a disruption or preempted
+after checkpointing (exit 75) restarts the whole JobSet, up to `max_restarts` times; any other
+non-zero exit fails it at once. A finished JobSet is deleted `JOBSET_TTL_S` after it ends.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torchx.specs.overlays import apply_overlay, get_overlay
 from torchx.util.strings import normalize_str
 
 from batchpilot.cluster.placement import harden_containers
+from batchpilot.exitcodes import EXIT_PREEMPTED
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -40,6 +45,24 @@ REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 RANK0_ENV = "TORCHX_RANK0_HOST"
 MAX_HOSTNAME = 63
+DELETE_PROPAGATION = "Foreground"
+"""Deletion waits for the Jobs and pods: the JobSet stays visible (with a deletionTimestamp) until every
+trainer has had its grace period to checkpoint, so whoever waits for it to vanish (a replacing launch,
+the scale-down) knows the GPUs are free and no trainer still writes (Kubernetes "Garbage collection":
+foreground cascading deletion removes the dependents first, then the owner)."""
+
+JOBSET_TTL_S = 24 * 3600
+"""JobSet spec.ttlSecondsAfterFinished: a finished (Completed or Failed) JobSet and its pods' logs stay a
+day for `kubectl logs`/`describe` of a failed stage, then the controller deletes it (jobset_types.go:
+"TTLSecondsAfterFinished after the JobSet finishes, it is eligible to be automatically deleted"). A
+finished JobSet holds no GPU; a retried stage replaces it sooner anyway."""
+
+DEFAULT_MAX_RESTARTS = 10
+"""JobSet failurePolicy.maxRestarts: restarts after disruptions and preemptions, each resuming from the
+latest checkpoint. GPU VMs are not live-migrated (GKE "Manage GKE node disruption for GPUs and TPUs")
+and Spot VMs can be reclaimed at any time, so a multi-day final stage sees several; 10 rides out days of
+ordinary maintenance and preemption, while a pool that cannot keep its nodes stops after 10 restarts
+instead of looping. Real errors never use this budget: they fail the JobSet at once."""
 
 
 @dataclass
@@ -58,8 +81,11 @@ class JobSetOpts(StructuredOpts):
     priority_class: str | None = None
     """PriorityClass of the pods."""
 
-    max_restarts: int = 0
-    """Times the whole JobSet is recreated after a failure (JobSet failurePolicy.maxRestarts)."""
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    """Times the whole JobSet is recreated after a disruption or preemption (failurePolicy.maxRestarts)."""
+
+    labels: dict[str, str] | None = None
+    """Labels of the JobSet and its pods (batchpilot's launcher: the run, the stage and the plan)."""
 
 
 @dataclass
@@ -70,6 +96,55 @@ class JobSetRequest:
 
     def __str__(self) -> str:
         return yaml.safe_dump(self.resource, sort_keys=False)
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """The Job's podFailurePolicy: tells a disruption or a preemption (restart) from a real error (fail).
+
+    Kubernetes Job "Pod failure policy" (kubernetes.io/docs/concepts/workloads/controllers/job): rules are
+    checked in order and the first match applies; `Count` counts the failure against backoffLimit (0
+    here, so the Job fails with reason BackoffLimitExceeded), `FailJob` fails the Job at once with reason
+    PodFailurePolicy; exit code 0 is never checked; it requires restartPolicy Never (torchx sets it).
+    """
+    return {
+        "rules": [
+            # A pod evicted, preempted or stopped by a node shutdown carries the DisruptionTarget
+            # condition ("Pod disruption conditions", kubernetes.io/docs/concepts/workloads/pods/disruptions),
+            # whatever its exit code (SIGKILL after the grace period included), so this rule comes first.
+            # Count, not Ignore: a lone replacement pod cannot rejoin a running torchrun rendezvous, so the
+            # Job fails now and the JobSet restarts every node together, before the other nodes' collective
+            # errors (exit 1) could be read as a real error by the last rule.
+            {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            # Preempted after checkpointing (the trainers agreed on SIGTERM; see exitcodes.EXIT_PREEMPTED).
+            {"action": "Count", "onExitCodes": {"operator": "In", "values": [EXIT_PREEMPTED]}},
+            # Anything else is a real error: fail fast, no restart burns GPU hours on a bug.
+            {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [EXIT_PREEMPTED]}},
+        ]
+    }
+
+
+def failure_policy(*, max_restarts: int) -> dict[str, Any]:
+    """The JobSet's failurePolicy: fail on the Job's real errors, restart after disruptions (bounded).
+
+    JobSet api/jobset/v1alpha2/jobset_types.go (FailurePolicyRule): rules are evaluated in order, the first
+    match on the failed Job's reason (`onJobFailureReasons`) applies, and with no match the action is
+    RestartJobSet; RestartJobSet recreates all Jobs while restarts < maxRestarts, otherwise fails the JobSet.
+    """
+    return {
+        "maxRestarts": max_restarts,
+        "rules": [
+            {
+                "name": "FailOnTrainerError",
+                "action": "FailJobSet",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+            },
+            {
+                "name": "RestartAfterDisruption",
+                "action": "RestartJobSet",
+                "onJobFailureReasons": ["BackoffLimitExceeded"],
+            },
+        ],
+    }
 
 
 def _replicated_job(
@@ -95,6 +170,7 @@ def _replicated_job(
         app=AppDef(name=app_name), role_idx=role_index, role=role, replica_id=0, app_id=app_name
     )
     labels.pop("torchx.pytorch.org/replica-id")  # one template for every replica
+    labels.update(opts.labels or {})
     rendered.setdefault("metadata", {}).setdefault("labels", {}).update(labels)
     spec = rendered["spec"]
     if opts.priority_class:
@@ -110,6 +186,7 @@ def _replicated_job(
                 "completionMode": "Indexed",
                 # A failed node fails the Job at once; restarts are the JobSet's (all nodes together).
                 "backoffLimit": 0,
+                "podFailurePolicy": pod_failure_policy(),
                 "template": {"metadata": rendered["metadata"], "spec": spec},
             }
         },
@@ -127,7 +204,11 @@ def app_to_jobset(app: AppDef, opts: JobSetOpts, *, name: str | None = None) -> 
             f"pod hostname {longest!r} has {len(longest)} characters (limit {MAX_HOSTNAME}); shorten the app name"
         )
     rank0_host = f"{jobset_name}-{first}-0-0.{jobset_name}"
-    metadata: dict[str, Any] = {"name": jobset_name, "namespace": opts.namespace, "labels": {}}
+    metadata: dict[str, Any] = {
+        "name": jobset_name,
+        "namespace": opts.namespace,
+        "labels": dict(opts.labels or {}),
+    }
     if opts.queue:
         metadata["labels"][KUEUE_QUEUE_LABEL] = opts.queue
     return {
@@ -136,8 +217,9 @@ def app_to_jobset(app: AppDef, opts: JobSetOpts, *, name: str | None = None) -> 
         "metadata": metadata,
         "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": jobset_name},
-            "failurePolicy": {"maxRestarts": opts.max_restarts},
+            "failurePolicy": failure_policy(max_restarts=opts.max_restarts),
             "successPolicy": {"operator": "All"},
+            "ttlSecondsAfterFinished": JOBSET_TTL_S,
             # Kueue starts a queued JobSet by unsuspending it; without Kueue it starts at once.
             "suspend": bool(opts.queue),
             "replicatedJobs": [
@@ -242,10 +324,10 @@ class JobSetScheduler(Scheduler[JobSetOpts]):
 
     def _cancel_existing(self, app_id: str) -> None:
         namespace, name = app_id.split(":")
-        # Background propagation deletes the Jobs and pods too; pods get their grace period (SIGTERM).
+        # The Jobs and pods go too; pods get their grace period (SIGTERM: the trainers checkpoint).
         self._objects().delete_namespaced_custom_object(
             group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name=name,
-            propagation_policy="Background",
+            propagation_policy=DELETE_PROPAGATION,
         )  # fmt: skip
 
     def log_iter(
@@ -294,6 +376,58 @@ class JobSetScheduler(Scheduler[JobSetOpts]):
             if time.monotonic() >= deadline:
                 return None
             time.sleep(2.0)
+
+
+def label_selector(labels: Mapping[str, str]) -> str:
+    """A Kubernetes equality label selector: `k1=v1,k2=v2`."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def list_jobsets(client: Any, *, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The JobSets in `namespace` carrying every one of `labels`."""
+    from kubernetes import client as kube
+
+    found = kube.CustomObjectsApi(client).list_namespaced_custom_object(
+        group=GROUP,
+        version=VERSION,
+        namespace=namespace,
+        plural=PLURAL,
+        label_selector=label_selector(labels),
+    )
+    return list(found.get("items", []))
+
+
+def delete_jobsets(
+    client: Any, *, namespace: str, names: Iterable[str], wait_s: float, poll_s: float = 2.0
+) -> list[str]:
+    """Deletes the named JobSets (DELETE_PROPAGATION) and waits up to `wait_s` until they are gone;
+    returns the names still there (an already deleted one counts as gone)."""
+    from kubernetes import client as kube
+    from kubernetes.client.rest import ApiException
+
+    objects = kube.CustomObjectsApi(client)
+    args = {"group": GROUP, "version": VERSION, "namespace": namespace, "plural": PLURAL}
+    pending = list(names)
+    for name in pending:
+        try:
+            objects.delete_namespaced_custom_object(name=name, propagation_policy=DELETE_PROPAGATION, **args)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+    deadline = time.monotonic() + wait_s
+    while True:
+        remaining = []
+        for name in pending:
+            try:
+                objects.get_namespaced_custom_object(name=name, **args)
+                remaining.append(name)
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+        if not remaining or time.monotonic() >= deadline:
+            return remaining
+        pending = remaining
+        time.sleep(poll_s)
 
 
 def create_scheduler(session_name: str, client: Any = None, **kwargs: Any) -> JobSetScheduler:

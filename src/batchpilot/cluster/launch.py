@@ -8,19 +8,24 @@ one pod per node, placed on the node pool by its label.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchpilot.cluster.machines import TrainerResources
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
-from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.planning import Stage
 from batchpilot.threads import local_trainer_threads
 
@@ -42,6 +47,8 @@ class LaunchSpec:
     processes_per_node: int
     trainer_args: tuple[str, ...]
     env: dict[str, str]
+    labels: dict[str, str] = field(default_factory=dict)
+    """Labels of the cluster job (run, stage, plan): how a retry and the scale-down find it."""
 
 
 def stage_launch_spec(
@@ -166,9 +173,25 @@ def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> Non
 
 TRAINER_DIR = "/tmp/batchpilot"
 """Inside a trainer pod: where the config and plan are written (the root filesystem is read-only)."""
+TRAINER_OUTPUT_DIR = f"{TRAINER_DIR}/out"
+# Labels on every JobSet and its pods, under a domain batchpilot owns (Kubernetes "Labels and Selectors":
+# a prefix is a DNS subdomain; kubernetes.io/ and k8s.io/ are reserved). Values are the config's name (a
+# DNS label of at most 40 characters, so a valid label value), the stage's name, and the first 12 hex
+# digits of the run document's SHA-256.
+RUN_LABEL = "batchpilot.dev/run"
+STAGE_LABEL = "batchpilot.dev/stage"
+PLAN_LABEL = "batchpilot.dev/plan"
 RDZV_PORT = 29500
 # torchx writes memMB as Kubernetes "M" (10^6 bytes), so bytes convert with the decimal megabyte.
 MEGABYTE = 10**6
+
+
+def _torchrun_shutdown_env() -> dict[str, str]:
+    """On SIGTERM torchrun gives its workers 30 s before SIGKILL unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT says
+    otherwise (torch.distributed.run `--shutdown-timeout`); let them use the pod's grace period but 10 s."""
+    from batchpilot.cluster.placement import TERMINATION_GRACE_S
+
+    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(TERMINATION_GRACE_S - 10)}
 
 
 def cluster_launch_spec(
@@ -189,17 +212,73 @@ def cluster_launch_spec(
         stage=stage,
         devices_per_node=devices_per_node,
         plan_path=f"{TRAINER_DIR}/plan.json",
-        output_dir=f"{TRAINER_DIR}/out",
+        output_dir=TRAINER_OUTPUT_DIR,
         audit=audit,
     )
     # Compact JSON: the plan rides in the pod spec, which the API server stores whole.
     compact_plan = json.dumps(json.loads(plan_text), separators=(",", ":"))
-    env = {"BATCHPILOT_PLAN_JSON": compact_plan}
-    return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env)
+    env = {"BATCHPILOT_PLAN_JSON": compact_plan, **_torchrun_shutdown_env()}
+    labels = stage_labels(run_name=run_name, stage_name=stage.name, plan_text=compact_plan)
+    return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env, labels)
 
 
-def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig):
-    """A torchx AppDef for `spec` on GKE: image, resources, node selector, tolerations, env."""
+def stage_labels(*, run_name: str, stage_name: str, plan_text: str) -> dict[str, str]:
+    """The run, stage and plan labels of a stage's job.
+
+    The run is the config's name: the pool, `checkpoint_uri` and the exit handler (which has the config,
+    not the plan: it runs when planning failed) are the run's by that name too, so two runs of one config
+    cannot train at once anyway. The plan label (a hash of the run document) tells a retry of this run
+    from a leftover JobSet of another plan made from the same config (other run-time overrides).
+    """
+    digest = hashlib.sha256(plan_text.encode()).hexdigest()[:12]
+    return {RUN_LABEL: run_name, STAGE_LABEL: stage_name, PLAN_LABEL: digest}
+
+
+def trainer_pod_resources(cluster: ClusterConfig, *, read_nodes: bool) -> TrainerResources:
+    """CPU and memory of each trainer pod (see `machines.trainer_resources` for the order of sources).
+
+    Only with `read_nodes` (a real launch: readiness has just run, the nodes are there) and neither
+    `machine_type` nor both explicit sizes does this ask the Kubernetes API, for the pool's smallest
+    usable node; a dry run makes no API call.
+    """
+    from batchpilot.cluster.machines import check_accelerators, trainer_resources
+    from batchpilot.cluster.readiness import PoolNodes, kube_api_client
+
+    check_accelerators(
+        machine_type_name=cluster.machine_type,
+        accelerator_type=cluster.accelerator_type,
+        devices_per_node=cluster.devices_per_node,
+    )
+    explicit = cluster.cpu_per_node is not None and cluster.memory_per_node_bytes is not None
+    node_allocatable = None
+    if read_nodes and not cluster.machine_type and not explicit and cluster.node_pool:
+        nodes = PoolNodes(
+            api_client=kube_api_client(),
+            node_pool=cluster.node_pool,
+            gpus_per_node=cluster.devices_per_node if cluster.accelerator_type else 0,
+        )
+        node_allocatable = nodes.smallest_usable_allocatable()
+        if node_allocatable is None:
+            raise BatchpilotError(
+                "cluster.machine_type",
+                f"node pool {cluster.node_pool!r} has no usable node to size the trainer pods from",
+                "set cluster.machine_type to the pool's machine type, or both cluster.cpu_per_node and "
+                "cluster.memory_per_node_bytes",
+            )
+    return trainer_resources(
+        machine_type_name=cluster.machine_type,
+        cpu_per_node=cluster.cpu_per_node,
+        memory_per_node_bytes=cluster.memory_per_node_bytes,
+        node_allocatable=node_allocatable,
+    )
+
+
+def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool = False):
+    """A torchx AppDef for `spec` on GKE: image, resources, node selector, tolerations, env.
+
+    `read_nodes`: size the pods from the pool's ready nodes when the config does not say their size
+    (a real launch); without it (a dry run) such a config is an error naming what to set.
+    """
     from torchx.components.dist import torchrun
     from torchx.specs.overlays import set_overlay
 
@@ -208,15 +287,25 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig):
     if not cluster.image:
         raise BatchpilotError("cluster.image", "is required when cluster.backend is gke", "set cluster.image")
     gpus = spec.processes_per_node if cluster.accelerator_type else 0
+    resources = trainer_pod_resources(cluster, read_nodes=read_nodes)
+    logger.info(
+        "trainer pods: %d CPU(s), %d MB memory, %d GPU(s) each (from %s)",
+        resources.cpu, resources.memory_bytes // MEGABYTE, gpus, resources.source,
+    )  # fmt: skip
+    # One trainer pod owns its node, so it asks for all of it that GKE and its DaemonSets leave. Memory
+    # is meant as request == limit: a pod using more than it requested is the first the kubelet evicts
+    # under memory pressure, and a trainer killed mid-step loses the work since its last checkpoint.
+    # torchx writes the limit as memMB and the request 1024 MB (its RESERVED_MEMMB) below it; the CPU
+    # request 100m below the limit. GPUs: request == limit == devices_per_node.
     appdef = torchrun(
         *spec.trainer_args,
         m="batchpilot",
         name=spec.name,
         image=cluster.image,
         j=f"{spec.num_nodes}x{spec.processes_per_node}",
-        cpu=cluster.cpu_per_node or 0,
+        cpu=resources.cpu,
         gpu=gpus,
-        memMB=(cluster.memory_per_node_bytes or 0) // MEGABYTE,
+        memMB=resources.memory_bytes // MEGABYTE,
         env={"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **cluster.env, **spec.env},
         rdzv_port=RDZV_PORT,
         tee=3,
@@ -242,12 +331,16 @@ def cluster_runner():
     return Runner("batchpilot", factories)
 
 
-def cluster_scheduler(cluster: ClusterConfig) -> tuple[str, dict[str, object]]:
-    """(torchx scheduler name, its run config) for `cluster.launcher`."""
+def cluster_scheduler(
+    cluster: ClusterConfig, *, labels: dict[str, str] | None = None
+) -> tuple[str, dict[str, object]]:
+    """(torchx scheduler name, its run config) for `cluster.launcher`; `labels` go on a JobSet."""
     if cluster.launcher == "jobset":
         cfg: dict[str, object] = {"namespace": cluster.namespace, "service_account": cluster.service_account}
         if cluster.kueue_queue:
             cfg["queue"] = cluster.kueue_queue
+        if labels:
+            cfg["labels"] = dict(labels)
         return "jobset", cfg
     if cluster.kueue_queue:
         raise BatchpilotError(
@@ -262,11 +355,40 @@ def cluster_scheduler(cluster: ClusterConfig) -> tuple[str, dict[str, object]]:
     }
 
 
-def render_cluster_job(runner, appdef, *, cluster: ClusterConfig):
+def exit_75_when_preempted(command: str, *, marker: str) -> str:
+    """A trainer pod's bash line `command` (which runs torchrun) made to exit EXIT_PREEMPTED when the
+    trainers stopped for preemption, i.e. wrote `marker`.
+
+    The Job's podFailurePolicy reads the container's exit code (jobset.pod_failure_policy), but torchrun
+    exits 1 (143 on SIGTERM) whatever its workers' codes were. torchrun therefore runs through a shell
+    function: bash stays PID 1 of the container, which is the process the kubelet sends SIGTERM to
+    (Kubernetes "Pod termination"), forwards it to torchrun, waits until torchrun has really ended, then
+    turns the trainers' marker into exit 75.
+    """
+    assert "torchrun " in command, command
+    wrapper = (
+        f"rm -f {marker}; "
+        "torchrun() { "
+        'command torchrun "$@" & child=$!; '
+        "trap 'kill -TERM $child 2>/dev/null' TERM; "
+        "wait $child; code=$?; "
+        # wait returns early (128 + signal) when the trap runs; wait again until torchrun has exited.
+        "while kill -0 $child 2>/dev/null; do wait $child; code=$?; done; "
+        f"if [ -e {marker} ]; then return {EXIT_PREEMPTED}; fi; "
+        "return $code; }; "
+    )
+    return wrapper + command
+
+
+def render_cluster_job(runner, appdef, *, cluster: ClusterConfig, labels: dict[str, str] | None = None):
     """The torchx dry-run of `appdef` with hardened containers; `.request` is what would be created."""
     from batchpilot.cluster.placement import harden_containers
 
-    scheduler, cfg = cluster_scheduler(cluster)
+    role = appdef.roles[0]
+    marker = f"{TRAINER_OUTPUT_DIR}/{PREEMPTED_FILE}"
+    if marker not in role.args[1]:  # render once: the AppDef is changed in place
+        role.args = ["-c", exit_75_when_preempted(role.args[1], marker=marker)]
+    scheduler, cfg = cluster_scheduler(cluster, labels=labels)
     info = runner.dryrun(appdef, scheduler, cfg=cfg)
     resource = info.request.resource
     if scheduler == "kubernetes":
@@ -291,17 +413,147 @@ def render_cluster_yaml(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
     """The JobSet or Volcano Job that `run_cluster` would create, as YAML; makes no API call."""
     runner = cluster_runner()
     return cluster_job_yaml(
-        render_cluster_job(runner, cluster_appdef(spec, cluster=cluster), cluster=cluster)
+        render_cluster_job(runner, cluster_appdef(spec, cluster=cluster), cluster=cluster, labels=spec.labels)
     )
 
 
 def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
-    """Submits the stage to GKE, streams every node's log, returns 0, 75 (preempted) or 1."""
+    """Submits the stage to GKE (or adopts its running JobSet), streams every node's log, returns 0, 75
+    (preempted) or 1. SIGTERM or Ctrl-C deletes the stage's job, then raises KeyboardInterrupt."""
     runner = cluster_runner()
-    appdef = cluster_appdef(spec, cluster=cluster)
-    info = render_cluster_job(runner, appdef, cluster=cluster)
-    handle = runner.schedule(info)
-    return follow(
-        runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
-        via=cluster.launcher, where=f"see the job {handle} in namespace {cluster.namespace}",
-    )  # fmt: skip
+    # The pool was resized and its nodes found ready just before: they can size the pods when the config
+    # does not (a dry run never asks the API).
+    appdef = cluster_appdef(spec, cluster=cluster, read_nodes=True)
+    with sigterm_interrupts():
+        try:
+            handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster)
+            return follow(
+                runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
+                via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            # follow() cancels the job it follows; this also covers an interrupt during the create.
+            if cluster.launcher == "jobset" and spec.labels:
+                _delete_labelled(cluster, labels=_stage_selector(spec.labels), wait_s=0.0, why="interrupted")
+            raise
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt, so it cleans up as Ctrl-C does.
+
+    KFP stops a cancelled run's task by stopping its pod, and a pod is stopped with SIGTERM to its main
+    process, SIGKILL after the grace period (Kubernetes "Pod termination"); Python's default for SIGTERM
+    is to die at once, leaving the JobSet running on the GPUs. Only the main thread can set a handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stage_selector(labels: dict[str, str]) -> dict[str, str]:
+    return {key: labels[key] for key in (RUN_LABEL, STAGE_LABEL)}
+
+
+def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig) -> tuple[str, str]:
+    """(handle, how) of the stage's job: the stage's JobSet of this plan still pending or running (a
+    retried task: it is followed, not started twice), else a new one, after deleting the stage's others.
+
+    Finished, failed or other-plan JobSets of the stage are deleted first and waited for, so no old
+    trainer still holds the GPUs or writes a checkpoint when the new one starts.
+    """
+    from torchx.specs.builders import make_app_handle
+
+    from batchpilot.cluster import jobset
+    from batchpilot.cluster.readiness import kube_api_client
+
+    if cluster.launcher == "jobset" and spec.labels:
+        client = kube_api_client()
+        existing = jobset.list_jobsets(
+            client, namespace=cluster.namespace, labels=_stage_selector(spec.labels)
+        )
+        live = [item for item in existing if _adoptable(item, plan=spec.labels[PLAN_LABEL])]
+        stale = [item["metadata"]["name"] for item in existing if item not in live[:1]]
+        if stale:
+            _delete_named(client, cluster, names=stale, why="replaced by this launch")
+        if live:
+            name = live[0]["metadata"]["name"]
+            logger.info("%s: adopting its running JobSet %s (a retried launch)", spec.name, name)
+            return make_app_handle("jobset", "batchpilot", f"{cluster.namespace}:{name}"), "jobset (adopted)"
+    info = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels)
+    return runner.schedule(info), cluster.launcher
+
+
+def _adoptable(item: dict[str, Any], *, plan: str) -> bool:
+    from torchx.specs import AppState
+
+    from batchpilot.cluster.jobset import jobset_state
+
+    metadata = item["metadata"]
+    return (
+        metadata.get("labels", {}).get(PLAN_LABEL) == plan
+        and not metadata.get("deletionTimestamp")
+        and jobset_state(item.get("status")) in (AppState.PENDING, AppState.RUNNING)
+    )
+
+
+def _delete_wait_s() -> float:
+    """How long a deletion may take: the pods' grace period to checkpoint, plus a minute for the API."""
+    from batchpilot.cluster.placement import TERMINATION_GRACE_S
+
+    return TERMINATION_GRACE_S + 60.0
+
+
+def _delete_named(client: Any, cluster: ClusterConfig, *, names: list[str], why: str) -> None:
+    """Deletes the JobSets and waits until they are gone; raises when one outlives the wait."""
+    from batchpilot.cluster import jobset
+
+    logger.info("deleting JobSet(s) %s (%s)", ", ".join(names), why)
+    remaining = jobset.delete_jobsets(
+        client, namespace=cluster.namespace, names=names, wait_s=_delete_wait_s()
+    )
+    if remaining:
+        raise BatchpilotError(
+            f"JobSet {remaining[0]}",
+            f"is still being deleted after {_delete_wait_s():.0f}s",
+            f"see `kubectl -n {cluster.namespace} describe jobset {remaining[0]}`, then launch again",
+        )
+
+
+def _delete_labelled(cluster: ClusterConfig, *, labels: dict[str, str], wait_s: float, why: str) -> list[str]:
+    """Deletes every JobSet carrying `labels`, waits up to `wait_s` for them; returns their names."""
+    from batchpilot.cluster import jobset
+    from batchpilot.cluster.readiness import kube_api_client
+
+    client = kube_api_client()
+    names = [
+        item["metadata"]["name"]
+        for item in jobset.list_jobsets(client, namespace=cluster.namespace, labels=labels)
+    ]
+    if not names:
+        return []
+    logger.info("deleting JobSet(s) %s (%s)", ", ".join(names), why)
+    remaining = jobset.delete_jobsets(client, namespace=cluster.namespace, names=names, wait_s=wait_s)
+    if remaining and wait_s:
+        logger.warning("JobSet(s) %s still terminating after %.0fs", ", ".join(remaining), wait_s)
+    return names
+
+
+def delete_run_jobs(*, cluster: ClusterConfig, run: str) -> list[str]:
+    """Deletes every JobSet of the run (label RUN_LABEL=`run`) and waits for their pods to stop; returns
+    their names. The exit handler calls it before the pool shrinks, so no trainer is cut off mid-checkpoint."""
+    if cluster.launcher != "jobset":
+        return []
+    return _delete_labelled(
+        cluster, labels={RUN_LABEL: run}, wait_s=_delete_wait_s(), why=f"the end of run {run}"
+    )

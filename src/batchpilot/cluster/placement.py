@@ -15,7 +15,11 @@ GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
 SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 # The image's non-root user (see the Dockerfile).
 TRAINER_UID = 1000
-# Seconds between SIGTERM and SIGKILL: room to finish the micro batch and write a checkpoint.
+# Seconds between SIGTERM and SIGKILL: room to finish the micro batch and write a checkpoint when a pod is
+# evicted, its JobSet deleted or its GPU node drained for maintenance (GKE "Manage GKE node disruption for
+# GPUs and TPUs": GPU VMs are not live-migrated, GKE terminates the node and its pods). A Spot VM's
+# preemption leaves non-system pods 15 s whatever this says (GKE "Spot VMs": graceful node shutdown), so
+# `train.checkpoint_every_s` bounds what such a preemption loses.
 TERMINATION_GRACE_S = 120
 
 
@@ -66,13 +70,28 @@ def trainer_pod_overlay(cluster: ClusterConfig) -> dict[str, Any]:
     }
 
 
+def _requests_equal_limits(container: dict[str, Any]) -> None:
+    """CPU and memory requests equal to their limits (torchx asks for 100m CPU and 1024 MB less).
+
+    A pod whose containers request what they limit is in the Guaranteed QoS class: the kubelet evicts it
+    last under node memory pressure, and the scheduler reserves all the memory the trainer may use.
+    """
+    resources = container.get("resources") or {}
+    limits, requests = resources.get("limits") or {}, resources.setdefault("requests", {})
+    for name in ("cpu", "memory"):
+        if name in limits:
+            requests[name] = limits[name]
+
+
 def harden_containers(pod_spec: dict[str, Any]) -> None:
-    """Container-level settings torchx leaves open: no privilege escalation, read-only root, a writable /tmp.
+    """Container-level settings torchx leaves open: requests equal to limits, no privilege escalation,
+    read-only root, a writable /tmp.
 
     Applied to rendered pod specs (camelCase dicts) because torchx names containers per replica,
     which a name-keyed overlay cannot address.
     """
     for container in pod_spec.get("containers", []):
+        _requests_equal_limits(container)
         context = container.setdefault("securityContext", {})
         if context.get("privileged"):
             continue  # a device mount asked for it explicitly; do not contradict it

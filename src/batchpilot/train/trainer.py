@@ -26,7 +26,7 @@ from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.sampling import rank_micro_batches
 from batchpilot.errors import BatchpilotError
-from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planning import LRSchedule, Plan, Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
@@ -157,12 +157,21 @@ class _Loop:
     stop_requested: bool = False
     saved_step: int = -1
     last_log_s: float = 0.0
+    last_save_s: float = field(default_factory=time.monotonic)
+    preempted_file: Path | None = None
 
     def run(self) -> int:
         end = self.stages[-1].end_sample
         while self.consumed < end:
-            if self.ctx.any_true(self.stop_requested)[0]:
+            # One all-reduce agrees on both: a SIGTERM on any rank, and rank 0's clock saying a time
+            # checkpoint is due (every rank must enter the save's barrier together).
+            stop, checkpoint_due = self.ctx.any_true(self.stop_requested, self._time_checkpoint_due())
+            if stop:
                 return self._preempted()
+            if checkpoint_due:
+                self._save(
+                    why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
+                )
             stage = self.plan.stage_at(self.consumed)
             outcome, micro, accumulation, step_time_s, lr = self._attempt(stage)
             if outcome.stopped:
@@ -180,6 +189,11 @@ class _Loop:
             ):
                 self._save()
         return 0
+
+    def _time_checkpoint_due(self) -> bool:
+        """Rank 0: `train.checkpoint_every_s` has passed since the last checkpoint (or the start)."""
+        every_s = self.config.train.checkpoint_every_s
+        return bool(self.ctx.is_main and every_s and time.monotonic() - self.last_save_s >= every_s)
 
     def _attempt(self, stage: Stage) -> tuple[StepOutcome, int, int, float, float]:
         micro = self.micro_override.get(stage.index, stage.micro_batch_size)
@@ -297,7 +311,7 @@ class _Loop:
         with (self.audit_dir / f"positions-rank{self.ctx.rank}.txt").open("a") as file:
             file.write(f"{stage.index} {self.ctx.world_size} {line}\n")
 
-    def _save(self) -> None:
+    def _save(self, why: str = "") -> None:
         if self.saved_step == self.step:
             return
         if self.ctx.is_main:
@@ -318,9 +332,10 @@ class _Loop:
                     "noise_scale_ema": self.noise.state_dict(),
                 },
             )
-            log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}")
+            log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}")
         self.ctx.barrier()
         self.saved_step = self.step
+        self.last_save_s = time.monotonic()
 
     def _stage_done(self, stage: Stage) -> None:
         following = [s for s in self.plan.stages if s.index == stage.index + 1]
@@ -339,6 +354,8 @@ class _Loop:
         self.optimizer.zero_grad(set_to_none=True)
         log(self.ctx, f"SIGTERM: stopping at a micro-batch boundary, {self.consumed:,} samples consumed")
         self._save()
+        if self.preempted_file is not None:
+            self.preempted_file.write_text(f"{self.consumed}\n")  # for the pod's command: see PREEMPTED_FILE
         log(self.ctx, f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")
         return EXIT_PREEMPTED
 
@@ -401,6 +418,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         model.compile()
     wrapped, hook = wrap_model(model, ctx)
     output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a previous run's marker is not this run's
     metrics = MetricsLog(output_dir / "metrics.jsonl") if ctx.is_main else None
     if metrics is not None:
         restore_metrics(metrics, checkpointer, consumed=consumed)
@@ -424,6 +442,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         step=checkpoint.step if checkpoint else 0,
         audit_dir=audit_dir,
         autocast=autocast_factory(ctx.device, config.train.precision),
+        preempted_file=output_dir / PREEMPTED_FILE,
     )
     loop.saved_step = loop.step if checkpoint else -1
     if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:
