@@ -128,7 +128,12 @@ class ClusterConfig(_Section):
     accelerator_type: str | None = Field(
         None, description="gke: GPU type label of the pool's nodes, e.g. nvidia-l4 (none: CPU nodes)"
     )
-    machine_type: str | None = Field(None, description="gke: machine type of the pool (informational)")
+    machine_type: str | None = Field(
+        None,
+        description="gke: machine type of the pool's nodes, e.g. a3-highgpu-8g; sizes the trainer pods "
+        "(its GKE allocatable less a reserve for system DaemonSets). Known: the A2, A3 and G2 types in "
+        "batchpilot.cluster.machines",
+    )
     image: str | None = Field(
         None, description="gke: container image of the trainers, e.g. REGISTRY/batchpilot:0.1.0"
     )
@@ -153,10 +158,14 @@ class ClusterConfig(_Section):
         description="gke: extra Kubernetes tolerations of the trainer pods (the GPU taint is always tolerated)",
     )
     cpu_per_node: PositiveInt | None = Field(
-        None, description="gke: CPU cores requested by each trainer pod (none: no CPU request)"
+        None,
+        description="gke: CPU cores of each trainer pod (none: from machine_type, else from the pool's "
+        "ready nodes); at most the machine type's allocatable",
     )
     memory_per_node_bytes: ByteSize | None = Field(
-        None, description="gke: memory requested by each trainer pod, e.g. 64GiB (none: no memory request)"
+        None,
+        description="gke: memory of each trainer pod, e.g. 1700GiB (none: from machine_type, else from the "
+        "pool's ready nodes); at most the machine type's allocatable",
     )
     env: dict[str, str] = Field(default_factory=dict, description="gke: extra environment of the trainers")
     ready_timeout_s: float = Field(
@@ -164,6 +173,12 @@ class ClusterConfig(_Section):
     )
     operation_timeout_s: float = Field(
         1800.0, gt=0, description="gke: how long one node pool operation (resize, autoscaling) may take"
+    )
+    stage_timeout_s: float = Field(
+        30 * 24 * 3600.0,
+        gt=0,
+        description="gke: how long one stage's train task (which follows the stage's JobSet) may run before "
+        "KFP stops it; a retry resumes from the last checkpoint",
     )
 
     @model_validator(mode="after")
@@ -284,6 +299,12 @@ class TrainConfig(_Section):
     checkpoint_every_steps: int = Field(
         0, ge=0, description="also checkpoint every N optimizer steps (0: only at the end of each stage)"
     )
+    checkpoint_every_s: float = Field(
+        1800.0,
+        ge=0,
+        description="also checkpoint when this many seconds passed since the last checkpoint (rank 0's clock, "
+        "checked between steps); a preemption without time to checkpoint loses at most this (0: off)",
+    )
     seed: int = 0
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     compile: bool = Field(False, description="torch.compile the model")
@@ -348,6 +369,11 @@ class ExploreConfig(_Section):
         2, description="batches measured per accumulation multiplier in the study"
     )
     study_timeout_s: float = Field(300.0, gt=0, description="the study process is killed after this")
+    study: bool = Field(
+        True,
+        description="run the effective-batch (gradient noise scale) study; with an integer "
+        "batch.micro_batch_size and study false, the pipeline has no explore task",
+    )
 
 
 class RLConfig(_Section):

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXPLORE_FILES = ("explore.json", "explore.html", "explore_metrics.json")
+EXPLORE_NODES = 1
+"""Nodes the pool needs while explore measures one device (its probes run in the explore task's pod)."""
 
 
 def config_from_text(text: str, *, micro_batch_size: int = 0, total_samples: int = 0) -> Config:
@@ -56,18 +58,59 @@ def explore(
     max_probes: int | None = None,
     max_minutes: float | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
-    study: bool = True,
+    study: bool | None = None,
+    keep_configured_micro_batch: bool = False,
 ) -> ExploreResult:
-    """Measures the fastest micro batch that fits one device (and the noise scale); writes EXPLORE_FILES."""
+    """Measures the fastest micro batch that fits one device (and the noise scale); writes EXPLORE_FILES.
+
+    Args:
+        study: run the noise-scale study (default: `explore.study`).
+        keep_configured_micro_batch: with an integer `batch.micro_batch_size`, measure that size only
+            (the pipeline explores then only for the study); without it, search as usual.
+    """
     from batchpilot.explore import run_exploration
 
+    configured = config.batch.micro_batch_size
+    if keep_configured_micro_batch and micro_batch_sizes is None and configured != "explore":
+        micro_batch_sizes = [configured]
     return run_exploration(
         config=config,
         output_dir=output_dir,
         max_probes=max_probes,
         max_minutes=max_minutes,
         micro_batch_sizes=micro_batch_sizes,
-        study=study,
+        study=config.explore.study if study is None else study,
+    )
+
+
+def explore_in_pipeline(config: Config) -> bool:
+    """Whether a pipeline compiled from `config` has an explore task: a micro batch to find, or a study."""
+    return config.batch.micro_batch_size == "explore" or config.explore.study
+
+
+@dataclass(frozen=True)
+class TaskTimeouts:
+    """Seconds each kind of pipeline task may run on a cluster before KFP stops its pod."""
+
+    pool_s: int
+    explore_s: int
+    plan_s: int
+    train_s: int
+    report_s: int
+
+
+def task_timeouts(config: Config) -> TaskTimeouts:
+    """Timeouts from the config's own limits, with a margin for start-up and image pulls."""
+    margin_s = 600
+    cluster, explore = config.cluster, config.explore
+    return TaskTimeouts(
+        pool_s=int(cluster.operation_timeout_s + cluster.ready_timeout_s) + margin_s,
+        # The search stops starting probes after max_minutes; the last probe and the study may still run.
+        explore_s=int(explore.max_minutes * 60 + explore.probe_timeout_s + explore.study_timeout_s)
+        + margin_s,
+        plan_s=margin_s,
+        train_s=int(cluster.stage_timeout_s),
+        report_s=margin_s,
     )
 
 
@@ -164,6 +207,12 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
     """Resizes the pool to `cluster.idle_nodes` (the exit handler: it runs whether the stages succeeded)."""
     from batchpilot.cluster.nodepool import node_pool_for
 
+    if config.cluster.backend == "gke":
+        from batchpilot.cluster.launch import delete_run_jobs
+
+        # A cancelled or failed run may leave its JobSets on the GPUs; they go (and their trainers stop,
+        # checkpointing) before the pool shrinks under them.
+        delete_run_jobs(cluster=config.cluster, run=config.name)
     pool = node_pool_for(config, state_path=state_path)
     started = time.monotonic()
     before = pool.current_size()

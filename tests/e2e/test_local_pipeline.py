@@ -104,11 +104,12 @@ def test_a_failing_stage_still_scales_the_pool_down(demo_data_uri, tmp_path):
     config["batch"] = {"global_batch_size": 48, "micro_batch_size": 16, "schedule": "0:16 64:32 128:48"}
     config["train"]["total_samples"] = 256
     config["train"]["warmup_samples"] = 0
-    # A short exploration: this test is about the failing stage.
-    config["explore"] = {"max_probes": 3, "accumulation_multipliers": [2], "study_train_steps": 1}
+    # A fixed micro batch and no study: the pipeline has no explore task (and the plan no explore input).
+    config["explore"] = {"study": False}
     output = tmp_path / "run"
-    result = run_pipeline(config, output, "--micro-batch-size", "16", cpus=2)
+    result = run_pipeline(config, output, cpus=2)
     assert result.returncode == 1, result.stdout[-4000:]
+    assert "> explore" not in result.stdout and not (output / "explore").exists()
     assert (
         "the pipeline failed" in result.stderr
         and f"the full log is {output / 'pipeline.log'}" in result.stderr

@@ -27,6 +27,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "logs": frozenset({"errors"}),
     "exitcodes": frozenset({"errors"}),
     "threads": frozenset({"errors"}),
+    "images": frozenset({"errors"}),
     "planning": frozenset({"planning", "errors"}),
     "config": frozenset({"config", "planning", "errors"}),
     "models": frozenset({"models", "errors"}),
@@ -62,7 +63,9 @@ IMPORTED_ONLY_BY: dict[str, frozenset[str]] = {
 }
 """Package -> the only packages that may import it (nothing below it does)."""
 
-STANDARD_LIBRARY_ONLY = frozenset({ROOT, "errors", "files", "logs", "exitcodes", "threads", "planning"})
+STANDARD_LIBRARY_ONLY = frozenset(
+    {ROOT, "errors", "files", "logs", "exitcodes", "threads", "images", "planning"}
+)
 """Packages whose third-party imports must all be standard library."""
 
 THIRD_PARTY_FORBIDDEN: dict[str, frozenset[str]] = {"report": frozenset({"torch"})}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,9 @@ def test_stage_groups_run_in_order(compiled, name, stages):
 def test_side_effect_tasks_are_not_cached_and_retry(compiled):
     spec = compiled["demo.yaml"]
     tasks = inner_tasks(spec)
-    for name in ("explore", "stage-0", "final", "report"):
+    # The plan too: it copies plan.json into the run folder, which a cache hit would skip.
+    for name in ("prepare-explore-pool", "explore", "plan", "stage-0", "final", "report"):
         assert tasks[name]["cachingOptions"] == {}, name
-    assert tasks["plan"]["cachingOptions"] == {"enableCache": True}
     group = spec["components"]["comp-stage-1"]["dag"]["tasks"]
     for name in ("resize-pool", "train-stage"):
         assert group[name]["cachingOptions"] == {}
@@ -132,19 +133,89 @@ def test_compile_command_reports_a_bad_config(tmp_path, capsys):
     assert not (tmp_path / "out.yaml").exists()
 
 
-def test_gke_explore_task_lands_on_the_gpu_pool():
+def nemo_documents() -> tuple[dict, dict]:
     documents = list(yaml.safe_load_all((REPO / "pipelines" / "compiled" / "nemo_gpt3_5b.yaml").read_text()))
-    spec, platform = documents[0], documents[1]
+    return documents[0], documents[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def test_gke_explore_task_asks_for_a_gpu_by_its_resource_name_on_the_gpu_pool():
+    spec, platform = nemo_documents()
     executor = spec["deploymentSpec"]["executors"]["exec-explore"]["container"]
     accelerator = executor["resources"]["accelerator"]
-    assert (accelerator["resourceType"], accelerator["resourceCount"]) == ("nvidia-h100-80gb", "1")
-    explore = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-explore"]
+    # Open-source KFP's driver uses the accelerator type as the container's resource name.
+    assert (accelerator["resourceType"], accelerator["resourceCount"]) == ("nvidia.com/gpu", "1")
+    explore = platform["exec-explore"]
     assert explore["nodeSelector"]["labels"] == {
         "cloud.google.com/gke-nodepool": "h100-pool",
         "cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
     }
     assert explore["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert executor["image"] == "batchpilot:0.1.0"
+
+
+def test_gke_tasks_run_the_configs_image_with_a_timeout_each():
+    spec, platform = nemo_documents()
+    images = {executor["container"]["image"] for executor in spec["deploymentSpec"]["executors"].values()}
+    assert images == {"my-registry.example/batchpilot:0.1.0"}  # cluster.image, not batchpilot:<version>
+    assert set(platform) == set(spec["deploymentSpec"]["executors"])
+    deadlines = {name: int(executor["activeDeadlineSeconds"]) for name, executor in platform.items()}
+    assert all(seconds > 0 for seconds in deadlines.values())
+    assert deadlines["exec-train-stage"] == 30 * 24 * 3600  # cluster.stage_timeout_s
+
+
+def test_the_pool_comes_up_before_explore_on_a_pool_that_idles_at_zero(compiled):
+    tasks = inner_tasks(compiled["nemo_gpt3_5b.yaml"])
+    assert tasks["explore"]["dependentTasks"] == ["prepare-explore-pool"]
+    assert (
+        tasks["plan"]["inputs"]["artifacts"]["explore_dir"]["taskOutputArtifact"]["producerTask"] == "explore"
+    )
+
+
+def test_nothing_to_explore_means_no_explore_task(tmp_path):
+    config = yaml.safe_load((REPO / "configs" / "nemo_gpt3_5b.yaml").read_text())
+    config["explore"] = {"study": False}  # micro_batch_size is fixed at 4
+    path = tmp_path / "fixed.yaml"
+    path.write_text(yaml.safe_dump(config))
+    tasks = inner_tasks(compile_and_load(path, tmp_path / "fixed-pipeline.yaml"))
+    assert "explore" not in tasks and "prepare-explore-pool" not in tasks
+    assert "explore_dir" not in tasks["plan"].get("inputs", {}).get("artifacts", {})
+    assert tasks["stage-0"]["dependentTasks"] == ["plan"]
+
+
+@pytest.mark.parametrize(
+    ("image", "error"),
+    [
+        ("batchpilot:0.1.0", "cluster.image: 'batchpilot:0.1.0' names no registry"),
+        ("registry.example/Batchpilot", "is not a container image reference"),
+        (None, "cluster.image: is required to compile a gke pipeline"),
+    ],
+)
+def test_a_gke_pipeline_refuses_an_image_a_node_cannot_pull(tmp_path, image, error):
+    from batchpilot.config import parse_config
+    from batchpilot.errors import BatchpilotError
+    from batchpilot.kfp.compile import compile_pipeline
+
+    config = yaml.safe_load((REPO / "configs" / "nemo_gpt3_5b.yaml").read_text())
+    config["cluster"]["image"] = image
+    with pytest.raises(BatchpilotError, match=re.escape(error)):
+        compile_pipeline(parse_config(config))
+
+
+def test_an_image_digest_and_the_image_option_are_taken(tmp_path):
+    digest = "us-docker.pkg.dev/p/r/batchpilot@sha256:" + "a" * 64
+    output = tmp_path / "digest.yaml"
+    result = run_batchpilot("compile", "--config", str(REPO / "configs" / "nemo_gpt3_5b.yaml"), "--output",
+                            str(output), "--image", digest)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    spec = next(yaml.safe_load_all(output.read_text()))
+    assert {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()} == {digest}
+
+
+def test_vertex_is_refused_clearly(tmp_path):
+    output = tmp_path / "vertex.yaml"
+    result = run_batchpilot("compile", "--config", str(REPO / "configs" / "nemo_gpt3_5b.yaml"), "--output",
+                            str(output), "--target", "vertex")  # fmt: skip
+    assert result.returncode == 2 and not output.exists()
+    assert result.stderr.startswith("batchpilot: error: --target: Vertex AI Pipelines is not supported")
 
 
 def test_local_pipeline_has_no_accelerator_settings():

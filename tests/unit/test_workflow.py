@@ -130,3 +130,27 @@ def test_the_cli_and_the_pipeline_make_the_same_plan(tmp_path):
         if line.startswith("|")
     ]
     assert cli_rows == md_rows and len(md_rows) == 4
+
+
+def test_the_plan_component_without_an_exploration_uses_the_configs_micro_batch(tmp_path):
+    """A pipeline with nothing to explore has no explore task: the plan gets no explore input."""
+    from kfp.dsl import Artifact, Markdown
+
+    from batchpilot.kfp.components import plan as plan_component
+
+    fixed = DEMO.replace("micro_batch_size: explore", "micro_batch_size: 16")
+    text = plan_component(
+        config_yaml=fixed, micro_batch_size=0, total_samples=0, expected_num_stages=4, run_dir="",
+        plan_file=Artifact(uri=str(tmp_path / "plan_file")), plan_table=Markdown(uri=str(tmp_path / "plan.md")),
+    )  # fmt: skip
+    document = parse_run_document(text)
+    assert document.micro_batch_source == "config" and document.explore is None
+    assert document.plan.micro_batch_size == 16
+
+
+def test_explore_in_the_pipeline_only_when_there_is_something_to_explore():
+    searched = workflow.config_from_text(DEMO)
+    fixed = workflow.config_from_text(DEMO, micro_batch_size=16)
+    no_study = fixed.model_copy(update={"explore": fixed.explore.model_copy(update={"study": False})})
+    assert workflow.explore_in_pipeline(searched) and workflow.explore_in_pipeline(fixed)
+    assert not workflow.explore_in_pipeline(no_study)

@@ -26,7 +26,9 @@ def register(subparsers: Any) -> None:
         "--micro-batch-sizes",
         help="probe exactly these sizes for every setting, e.g. 1,2,3,4 (an exhaustive sweep, no search)",
     )
-    parser.add_argument("--no-study", action="store_true", help="skip the effective-batch study")
+    parser.add_argument(
+        "--no-study", action="store_true", help="skip the effective-batch study (default: explore.study)"
+    )
     parser.add_argument(
         "--memory-budget-bytes", help="overrides explore.memory_budget_bytes (e.g. 600MiB; CPU only)"
     )
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         max_probes=args.max_probes,
         max_minutes=args.max_minutes,
         micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
-        study=not args.no_study,
+        study=False if args.no_study else None,
     )
     _summary(result)
     return 0

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from batchpilot.config import Config, load_config
+from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
 from batchpilot.workflow import expected_stage_count
 
@@ -20,25 +21,46 @@ EXAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXAMPLES = ("demo.yaml", "nemo_gpt3_5b.yaml", "maxtext_per_device.yaml")
 
 
-def compile_pipeline(config: Config, *, image: str | None = None) -> str:
-    """The pipeline for `config` as KFP YAML text."""
+TARGETS = ("kfp", "vertex")
+
+
+def check_target(target: str) -> None:
+    """Only open-source Kubeflow Pipelines runs this pipeline; Vertex AI Pipelines is refused, saying why."""
+    if target == "vertex":
+        raise BatchpilotError(
+            "--target",
+            "Vertex AI Pipelines is not supported: its tasks run outside the GKE cluster, so the resize and "
+            "launch steps would need a Kubernetes client built from the cluster's Container API endpoint and "
+            "a Google token, and its accelerator names differ from Kubernetes resource names",
+            "run the pipeline on Kubeflow Pipelines installed in the cluster (--target kfp)",
+        )
+    if target not in TARGETS:
+        raise BatchpilotError("--target", f"{target!r} is not a pipeline target", "use kfp")
+
+
+def compile_pipeline(config: Config, *, image: str | None = None, target: str = "kfp") -> str:
+    """The pipeline for `config` as KFP YAML text (`image`: default `cluster.image`, see `pipeline_image`)."""
     import tempfile
 
     from kfp import compiler
 
-    from batchpilot.kfp.pipeline import DEFAULT_IMAGE, build_pipeline
+    from batchpilot.kfp.pipeline import build_pipeline
 
-    pipeline = build_pipeline(config, image=image or DEFAULT_IMAGE)
+    check_target(target)
+    pipeline = build_pipeline(config, image=image)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, str(path))
         return path.read_text()
 
 
-def compile_file(config_path: str | Path, output: str | Path, *, image: str | None = None) -> int:
+def compile_file(
+    config_path: str | Path, output: str | Path, *, image: str | None = None, target: str = "kfp"
+) -> int:
     """Compiles the pipeline for the config file into `output`; returns its number of stages."""
+    check_target(target)
     config = load_config(config_path)
-    write_atomically(output, compile_pipeline(config, image=image))
+    write_atomically(output, compile_pipeline(config, image=image, target=target))
     count = expected_stage_count(config)
     logger.info("compiled %s -> %s (%d stage(s))", config_path, output, count)
     return count

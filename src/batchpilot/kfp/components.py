@@ -29,7 +29,7 @@ def explore(
     configure_console()
     config = workflow.config_from_text(config_yaml, micro_batch_size=micro_batch_size)
     folder = Path(explore_dir.path)
-    workflow.explore(config, output_dir=folder)
+    workflow.explore(config, output_dir=folder, keep_configured_micro_batch=True)
     Path(explore_report.path).write_bytes((folder / "explore.html").read_bytes())
     for name, value in json.loads((folder / "explore_metrics.json").read_text()).items():
         explore_metrics.log_metric(name, value)
@@ -43,9 +43,9 @@ def plan(
     total_samples: int,
     expected_num_stages: int,
     run_dir: str,
-    explore_dir: Input[Artifact],
     plan_file: Output[Artifact],
     plan_table: Output[Markdown],
+    explore_dir: Input[Artifact] = None,
 ) -> str:
     """Validates every stage of the ramp-up and schedules its nodes; returns the run document (plan.json)."""
     from pathlib import Path
@@ -58,7 +58,7 @@ def plan(
     document = workflow.plan(
         workflow.config_from_text(config_yaml, total_samples=total_samples),
         micro_batch_size=micro_batch_size or None,
-        explore=workflow.read_explore(Path(explore_dir.path) / "explore.json"),
+        explore=workflow.read_explore(Path(explore_dir.path) / "explore.json") if explore_dir else None,
         expected_num_stages=expected_num_stages,
     )
     text = document.to_json()
@@ -67,6 +67,17 @@ def plan(
     if run_dir:
         workflow.keep_copies(run_dir, {"plan.json": Path(plan_file.path), "plan.md": Path(plan_table.path)})
     return text
+
+
+def prepare_explore_pool(config_yaml: str) -> int:
+    """Brings the node pool up to the nodes explore measures on (the pool may idle at zero nodes)."""
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+
+    configure_console()
+    return workflow.prepare_pool(
+        workflow.config_from_text(config_yaml), num_nodes=workflow.EXPLORE_NODES
+    ).after
 
 
 def resize_pool(plan_json: str, stage_index: int) -> int:
@@ -111,10 +122,10 @@ def scale_down(config_yaml: str):
 def report(
     plan_json: str,
     run_dir: str,
-    explore_dir: Input[Artifact],
     run_report: Output[HTML],
     plan_table: Output[Markdown],
     run_metrics: Output[Metrics],
+    explore_dir: Input[Artifact] = None,
 ):
     """The run report: exploration, plan table, batch-size ramp and loss curve."""
     from pathlib import Path
@@ -126,7 +137,7 @@ def report(
     configure_console()
     summary, _ = workflow.report(
         parse_run_document(plan_json),
-        explore_dir=Path(explore_dir.path),
+        explore_dir=Path(explore_dir.path) if explore_dir else None,
         html_path=Path(run_report.path),
         markdown_path=Path(plan_table.path),
     )
@@ -136,7 +147,7 @@ def report(
         workflow.keep_copies(run_dir, {"report.html": Path(run_report.path)})
 
 
-COMPONENT_FUNCTIONS = (explore, plan, resize_pool, train_stage, scale_down, report)
+COMPONENT_FUNCTIONS = (prepare_explore_pool, explore, plan, resize_pool, train_stage, scale_down, report)
 
 
 def build_components(image: str) -> SimpleNamespace:

@@ -13,11 +13,14 @@ from kfp import dsl, kubernetes
 
 from batchpilot import __version__
 from batchpilot.config import Config
+from batchpilot.errors import BatchpilotError
+from batchpilot.images import check_image
 from batchpilot.kfp.components import build_components
 from batchpilot.planning.stages import stage_name
-from batchpilot.workflow import expected_stage_count
+from batchpilot.workflow import TaskTimeouts, expected_stage_count, explore_in_pipeline, task_timeouts
 
 DEFAULT_IMAGE = f"batchpilot:{__version__}"
+"""The image name of a local pipeline, which kfp.local never pulls; a gke pipeline runs cluster.image."""
 
 # Retries: a pool resize is idempotent; a stage resumes from its last checkpoint (e.g. after preemption).
 RESIZE_RETRIES = 3
@@ -29,6 +32,12 @@ def stage_names(count: int) -> list[str]:
     return [stage_name(k, num_stages=count) for k in range(count)]
 
 
+GPU_RESOURCE_NAME = "nvidia.com/gpu"
+"""What a task that needs a GPU asks for. Open-source KFP's driver puts the accelerator type into the
+container's resource limits as the resource name, so it must be the device plugin's resource; the GPU
+model is chosen by the `cloud.google.com/gke-accelerator` node selector."""
+
+
 def _on_accelerator(task: Any, config: Config) -> None:
     """Places a task that measures one device on the trainers' GPU pool (GKE); local runs need nothing."""
     if config.cluster.backend != "gke":
@@ -36,7 +45,7 @@ def _on_accelerator(task: Any, config: Config) -> None:
     from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
 
     if config.cluster.accelerator_type:
-        task.set_accelerator_type(config.cluster.accelerator_type)
+        task.set_accelerator_type(GPU_RESOURCE_NAME)
         task.set_accelerator_limit(1)
     for key, value in gpu_node_selector(config).items():
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
@@ -44,19 +53,40 @@ def _on_accelerator(task: Any, config: Config) -> None:
         kubernetes.add_toleration(task, **toleration)
 
 
-def _stage_pipeline(ops: SimpleNamespace, *, index: int, name: str) -> Any:
+def _limit(timeouts: TaskTimeouts | None, kind: str) -> int | None:
+    """The timeout of a kind of task on a cluster; None (no timeout) for a local pipeline."""
+    return None if timeouts is None else int(getattr(timeouts, kind))
+
+
+def _settings(task: Any, *, name: str, timeout_s: int | None, retries: int = 0, backoff: str = "30s") -> Any:
+    """Display name, no caching (every task has side effects or measures today's hardware), retries, and
+    on a cluster a timeout (the task pod's activeDeadlineSeconds)."""
+    task.set_display_name(name)
+    task.set_caching_options(False)
+    if retries:
+        task.set_retry(num_retries=retries, backoff_duration=backoff)
+    if timeout_s is not None:
+        kubernetes.set_timeout(task, timeout_s)
+    return task
+
+
+def _stage_pipeline(ops: SimpleNamespace, *, index: int, name: str, timeouts: TaskTimeouts | None) -> Any:
     @dsl.pipeline(
         name=name, description=f"{name}: resize the node pool, then train the stage to its last sample"
     )
     def stage(plan_json: str, run_dir: str):
         resize = ops.resize_pool(plan_json=plan_json, stage_index=index)
-        resize.set_display_name(f"{name}: resize pool")
-        resize.set_caching_options(False)
-        resize.set_retry(num_retries=RESIZE_RETRIES, backoff_duration="30s")
+        _settings(
+            resize,
+            name=f"{name}: resize pool",
+            timeout_s=_limit(timeouts, "pool_s"),
+            retries=RESIZE_RETRIES,
+        )
         train = ops.train_stage(plan_json=plan_json, stage_index=index, run_dir=run_dir).after(resize)
-        train.set_display_name(f"{name}: train")
-        train.set_caching_options(False)
-        train.set_retry(num_retries=STAGE_RETRIES, backoff_duration="60s")
+        _settings(
+            train, name=f"{name}: train", timeout_s=_limit(timeouts, "train_s"), retries=STAGE_RETRIES,
+            backoff="60s",
+        )  # fmt: skip
 
     return stage
 
@@ -67,17 +97,36 @@ def config_parameter(config: Config) -> str:
     return json.dumps(config.model_dump(mode="json"), separators=(",", ":"))
 
 
-def build_pipeline(config: Config, *, image: str = DEFAULT_IMAGE) -> Any:
+def pipeline_image(config: Config, image: str | None) -> str:
+    """The image every task runs: `--image`, else `cluster.image`; a gke pipeline needs a pullable one."""
+    chosen = image or config.cluster.image
+    field = "--image" if image else "cluster.image"
+    if config.cluster.backend == "gke":
+        if not chosen:
+            raise BatchpilotError(
+                "cluster.image",
+                "is required to compile a gke pipeline",
+                "set it or pass --image REGISTRY/batchpilot:TAG",
+            )
+        return check_image(chosen, field=field, cluster=True)
+    # kfp.local runs every task in this Python environment and never pulls the image.
+    return check_image(chosen, field=field, cluster=False) if chosen else DEFAULT_IMAGE
+
+
+def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     """The pipeline for `config`, whose resolved form becomes the default of the `config_yaml` parameter."""
     config_yaml = config_parameter(config)
-    ops = build_components(image)
+    ops = build_components(pipeline_image(config, image))
     names = stage_names(expected_stage_count(config))
-    stages = [_stage_pipeline(ops, index=k, name=name) for k, name in enumerate(names)]
+    timeouts = task_timeouts(config) if config.cluster.backend == "gke" else None
+    stages = [_stage_pipeline(ops, index=k, name=name, timeouts=timeouts) for k, name in enumerate(names)]
+    explores = explore_in_pipeline(config)
+    first = "explore the micro batch, plan" if explores else "plan"
 
     @dsl.pipeline(
         name=f"batchpilot-{config.name}",
-        description=f"batchpilot {__version__}: explore the micro batch, plan a {len(names)}-stage ramp-up, "
-        "train each stage on its node count, report; the pool is scaled down at the end.",
+        description=f"batchpilot {__version__}: {first} a {len(names)}-stage ramp-up, train each stage on its "
+        "node count, report; the pool is scaled down at the end.",
     )
     def batchpilot(
         config_yaml: str = config_yaml,
@@ -95,33 +144,35 @@ def build_pipeline(config: Config, *, image: str = DEFAULT_IMAGE) -> Any:
             run_dir: a local folder that receives copies of the plan, report and metrics ("" = none).
         """
         scale = ops.scale_down(config_yaml=config_yaml)
-        scale.set_display_name("scale pool down")
-        scale.set_caching_options(False)
-        scale.set_retry(num_retries=RESIZE_RETRIES, backoff_duration="30s")
+        _settings(scale, name="scale pool down", timeout_s=_limit(timeouts, "pool_s"), retries=RESIZE_RETRIES)
         with dsl.ExitHandler(scale, name="explore-plan-train"):
-            explore = ops.explore(config_yaml=config_yaml, micro_batch_size=micro_batch_size, run_dir=run_dir)
-            explore.set_display_name("explore micro batch")
-            explore.set_caching_options(False)  # a measurement of today's hardware, and it writes run_dir
-            _on_accelerator(explore, config)
+            explored: dict[str, Any] = {}
+            if explores:
+                pool = ops.prepare_explore_pool(config_yaml=config_yaml)
+                _settings(pool, name="explore: bring the pool up", timeout_s=_limit(timeouts, "pool_s"),
+                          retries=RESIZE_RETRIES)  # fmt: skip
+                explore = ops.explore(
+                    config_yaml=config_yaml, micro_batch_size=micro_batch_size, run_dir=run_dir
+                ).after(pool)
+                _settings(explore, name="explore micro batch", timeout_s=_limit(timeouts, "explore_s"))
+                _on_accelerator(explore, config)
+                explored = {"explore_dir": explore.outputs["explore_dir"]}
             plan = ops.plan(
                 config_yaml=config_yaml,
                 micro_batch_size=micro_batch_size,
                 total_samples=total_samples,
                 expected_num_stages=len(names),
                 run_dir=run_dir,
-                explore_dir=explore.outputs["explore_dir"],
+                **explored,
             )
-            plan.set_display_name("plan ramp-up")
+            _settings(plan, name="plan ramp-up", timeout_s=_limit(timeouts, "plan_s"))
             previous: Any = plan
             for name, stage in zip(names, stages, strict=True):
                 task = stage(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
                 task.set_display_name(name)
                 task.set_caching_options(False)  # resizes a pool and trains: side effects
                 previous = task
-            report = ops.report(
-                plan_json=plan.outputs["Output"], run_dir=run_dir, explore_dir=explore.outputs["explore_dir"]
-            ).after(previous)
-            report.set_display_name("report")
-            report.set_caching_options(False)  # reads the metrics the stages just wrote
+            report = ops.report(plan_json=plan.outputs["Output"], run_dir=run_dir, **explored).after(previous)
+            _settings(report, name="report", timeout_s=_limit(timeouts, "report_s"))
 
     return batchpilot
