@@ -1,9 +1,12 @@
-"""Fixtures for integration tests: a real GCS server (fake-gcs-server) on loopback.
+"""Fixtures for integration tests: a real GCS server (fake-gcs-server) on loopback, a simulated GKE cluster.
 
 - `gcs_server`: one server per test session, on a free port, log in the session's temp folder.
 - `gcs_client`: points google-cloud-storage at that server for one test (STORAGE_EMULATOR_HOST,
   anonymous credentials, a project id) and returns a client.
 - `gcs_bucket`: a fresh, empty bucket name for one test.
+- `simulated_cluster`: a simulated GKE cluster (`gke_sim.simulated_gke`) behind the Container and
+  Kubernetes API stand-ins, with no node pool yet (`simulated_cluster.add_pool(...)`); pods do not
+  run as processes (use `simulated_gke(run_pods_in=folder)` for that).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import pytest
 from gcs_server import GCSServer, gcs_server_running
+from gke_sim import SimulatedGke, simulated_gke
 
 PROJECT_ID = "batchpilot-test"
 
@@ -40,3 +44,9 @@ def gcs_bucket(gcs_client: Any) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     gcs_client.create_bucket(name)
     return name
+
+
+@pytest.fixture
+def simulated_cluster() -> Iterator[SimulatedGke]:
+    with simulated_gke() as cluster:
+        yield cluster

@@ -6,6 +6,11 @@ operation that reports RUNNING for `polls_until_done` polls, then DONE. Faults a
 `deny` answers 403 PERMISSION_DENIED. Every request is recorded (method, path, query, JSON body) so
 tests can check what the real client sent.
 
+With `ContainerState.sim` (a `cluster_sim.ClusterSim`; `container_server_running(sim=...)`), a pool
+added with a `machine_type` is a pool of the simulated cluster: `:setSize` (nodes per zone) creates
+and deletes its Node objects there, and `:setAutoscaling` hands its bounds to the simulated cluster
+autoscaler. The pool's `config.machineType` (and `config.accelerators`) is served as GKE does.
+
 Point `google.cloud.container_v1.ClusterManagerClient` at it with `transport="rest"`,
 `client_options={"api_endpoint": server.endpoint}` and anonymous credentials.
 """
@@ -23,6 +28,8 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from cluster_sim import ClusterSim
+from gke_nodes import MACHINES
 from loopback_http import QuietHandler, serving
 
 POOL = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools/([^/:]+)(:\w+)?$")
@@ -55,17 +62,36 @@ class ContainerState:
     requests: list[Request] = field(default_factory=list)
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sim: ClusterSim | None = None
 
-    def add_pool(self, name: str, *, locations: list[str], node_count: int = 0) -> None:
-        """Adds `projects/P/locations/L/clusters/C/nodePools/NAME`-style pool named by its full name."""
+    def add_pool(
+        self, name: str, *, locations: list[str], node_count: int = 0, machine_type: str | None = None
+    ) -> None:
+        """Adds `projects/P/locations/L/clusters/C/nodePools/NAME`-style pool named by its full name.
+
+        With a simulator, `machine_type` (a key of `gke_nodes.MACHINES`) makes it a simulated pool
+        with `node_count` nodes per zone.
+        """
+        short = name.rsplit("/", 1)[-1]
         self.pools[name] = {
-            "name": name.rsplit("/", 1)[-1],
+            "name": short,
             "locations": locations,
             "initialNodeCount": node_count,
             "status": STATUS_RUNNING,
             "autoscaling": {},
             "nodeCountPerZone": node_count,
         }
+        if machine_type is not None:
+            machine = MACHINES[machine_type]
+            config: dict[str, Any] = {"machineType": machine_type}
+            if machine.gpus:
+                config["accelerators"] = [
+                    {"acceleratorCount": str(machine.gpus), "acceleratorType": machine.accelerator}
+                ]
+            self.pools[name]["config"] = config
+            if self.sim is not None:
+                self.sim.add_pool(short, zones=locations, machine_type=machine_type)
+                self.sim.resize_pool(short, per_zone=node_count)
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -141,12 +167,19 @@ class _Handler(QuietHandler):
                 "Please wait and try again once it is done.",
             )
         pool = state.pools[full]
+        simulated = state.sim is not None and pool["name"] in state.sim.pools
         if match.group(5) == ":setSize":
             pool["nodeCountPerZone"] = int(body.get("nodeCount", 0))
             kind = TYPE_SET_NODE_POOL_SIZE
+            if simulated:
+                assert state.sim is not None
+                state.sim.resize_pool(pool["name"], per_zone=pool["nodeCountPerZone"])
         else:
             pool["autoscaling"] = body.get("autoscaling", {})
             kind = TYPE_SET_NODE_POOL_MANAGEMENT
+            if simulated:
+                assert state.sim is not None
+                state.sim.set_autoscaling(pool["name"], pool["autoscaling"])
         name = f"operation-{next(state.ids)}"
         state.operations[name] = {
             "name": name,
@@ -182,7 +215,7 @@ class ContainerServer:
 
 
 @contextlib.contextmanager
-def container_server_running() -> Iterator[ContainerServer]:
-    state = ContainerState()
+def container_server_running(*, sim: ClusterSim | None = None) -> Iterator[ContainerServer]:
+    state = ContainerState(sim=sim)
     with serving(_Handler, state) as server:
         yield ContainerServer(server, state)

@@ -7,6 +7,13 @@ Routes:
   `jobset_statuses` scripts the status each get returns (the last one stays).
 - Pods (`/api/v1/namespaces/NS/pods?labelSelector=...`) and their logs (`.../pods/NAME/log`).
 
+Without a simulator the JobSet routes also list (`labelSelector`) and DELETE removes the JobSet's pods
+(any `propagationPolicy` but Orphan), and `.../events` answers the scripted `events`.
+
+With `KubeState.sim` (a `cluster_sim.ClusterSim`; `kube_server_running(sim=...)`), every route is
+served from the simulated cluster instead (`kube_sim_routes.py`): nodes follow the node pools, JobSets
+make Jobs and pods, pods are scheduled, events are recorded.
+
 Every request is recorded with its JSON body so tests can check what the real client sent.
 """
 
@@ -15,12 +22,16 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import kube_sim_routes
+from cluster_sim import ClusterSim
+from k8s_rules import selector_matches
 from loopback_http import QuietHandler, serving
 
 JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/"
@@ -62,17 +73,14 @@ class KubeState:
     pods: list[dict[str, Any]] = field(default_factory=list)
     logs: dict[str, str] = field(default_factory=dict)
     node_logs: dict[int, str] = field(default_factory=dict)  # log text of node k's pod, once created
+    events: list[dict[str, Any]] = field(default_factory=list)
     requests: list[tuple[str, str, dict[str, list[str]], Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sim: ClusterSim | None = None
 
 
 def _selected(obj: dict[str, Any], selector: str) -> bool:
-    labels = obj["metadata"].get("labels", {})
-    for term in filter(None, selector.split(",")):
-        key, _, value = term.partition("=")
-        if labels.get(key) != value:
-            return False
-    return True
+    return selector_matches(obj["metadata"].get("labels", {}), selector)
 
 
 class _Handler(QuietHandler):
@@ -87,8 +95,44 @@ class _Handler(QuietHandler):
             self.state.requests.append((self.command, parts.path, query, body))
         return parts.path, query, body
 
+    def _simulated(self, path: str, query: dict[str, list[str]], body: Any) -> bool:
+        """Answers from the simulator when there is one; False when this server plays the script."""
+        if self.state.sim is None:
+            return False
+        if self.command == "GET" and path.endswith("/log") and query.get("follow", [""])[0].lower() == "true":
+            self._follow_log(self.state.sim, path)
+            return True
+        answer = kube_sim_routes.route(self.state.sim, self.command, path, query, body)
+        code, payload = answer or (404, _status(404, "NotFound", f"no route {path}"))
+        self.reply(code, payload)
+        return True
+
+    def _follow_log(self, sim: ClusterSim, path: str) -> None:
+        """`log?follow=true`: the log so far, then what the pod writes, until it ends (the body ends
+        when the connection closes, as the API server's streamed logs do)."""
+        parts = path.split("/")
+        key = (parts[4], parts[6])  # /api/v1/namespaces/NS/pods/NAME/log
+        if key not in sim.pods:
+            return self.reply(404, _status(404, "NotFound", f'pods "{key[1]}" not found'))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.end_headers()
+        sent = 0
+        while True:
+            pod = sim.pods.get(key)
+            text = sim.pod_log(*key) if pod else ""
+            if len(text) > sent:
+                self.wfile.write(text[sent:].encode())
+                self.wfile.flush()
+                sent = len(text)
+            if pod is None or pod["status"]["phase"] in ("Succeeded", "Failed"):
+                return
+            time.sleep(0.1)
+
     def do_GET(self) -> None:
         path, query, _ = self._record()
+        if self._simulated(path, query, None):
+            return
         selector = query.get("labelSelector", [""])[0]
         with self.state.lock:
             state = self.state
@@ -98,6 +142,14 @@ class _Handler(QuietHandler):
                 items = [n for n in snapshot if _selected(n, selector)]
                 return self.reply(
                     200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
+                )
+            if path.startswith(JOBSETS) and path.endswith("/jobsets"):
+                items = [j for j in state.jobsets.values() if _selected(j, selector)]
+                return self.reply(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList",
+                                        "metadata": {}, "items": items})  # fmt: skip
+            if path.endswith("/events"):
+                return self.reply(
+                    200, {"apiVersion": "v1", "kind": "EventList", "metadata": {}, "items": state.events}
                 )
             if path.startswith(JOBSETS):
                 name = path.rsplit("/", 1)[-1]
@@ -119,7 +171,9 @@ class _Handler(QuietHandler):
         self.reply(404, _status(404, "NotFound", f"no route {path}"))
 
     def do_POST(self) -> None:
-        path, _, body = self._record()
+        path, query, body = self._record()
+        if self._simulated(path, query, body):
+            return
         if not path.startswith(JOBSETS):
             return self.reply(404, _status(404, "NotFound", f"no route {path}"))
         name = body["metadata"]["name"]
@@ -145,10 +199,16 @@ class _Handler(QuietHandler):
                 self.state.logs[pod_name] = self.state.node_logs.get(index, "")
 
     def do_DELETE(self) -> None:
-        path, _, _ = self._record()
+        path, query, body = self._record()
+        if self._simulated(path, query, body):
+            return
         name = path.rsplit("/", 1)[-1]
+        policy = query.get("propagationPolicy", [None])[0] or (body or {}).get("propagationPolicy")
         with self.state.lock:
             found = self.state.jobsets.pop(name, None)
+            if found is not None and policy != "Orphan":  # the dependents go too (garbage collection)
+                label = "jobset.sigs.k8s.io/jobset-name"
+                self.state.pods = [p for p in self.state.pods if p["metadata"]["labels"].get(label) != name]
         if found is None:
             return self.reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
         self.reply(200, _status(200, "Success", "deleted"))
@@ -184,7 +244,7 @@ class KubeServer:
 
 
 @contextlib.contextmanager
-def kube_server_running() -> Iterator[KubeServer]:
-    state = KubeState()
+def kube_server_running(*, sim: ClusterSim | None = None) -> Iterator[KubeServer]:
+    state = KubeState(sim=sim)
     with serving(_Handler, state) as server:
         yield KubeServer(server, state)

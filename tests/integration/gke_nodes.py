@@ -1,0 +1,124 @@
+"""The Node objects a GKE node pool registers, as the cluster simulator creates them on a resize.
+
+Sources for each fact:
+- machine shapes: Compute Engine docs "GPU machine types" / "Accelerator-optimized machine family"
+  (a3-highgpu-8g: 208 vCPU, 1872 GB, 8 x H100 80GB; a2-highgpu-1g: 12 vCPU, 85 GB, 1 x A100 40GB; ...)
+  and "General-purpose machine family" (e2, n1); GB there are GiB;
+- allocatable = capacity - GKE's reservations, GKE docs "Plan node sizes" / "Node allocatable
+  resources": memory 25% of the first 4 GiB, 20% of the next 4, 10% of the next 8, 6% of the next
+  112, 2% above 128 GiB, plus a 100 MiB eviction threshold; CPU 6% of the first core, 1% of the
+  next, 0.5% of the next 2, 0.25% of the rest;
+- labels: GKE docs "About node labels" (cloud.google.com/gke-nodepool, cloud.google.com/machine-family,
+  cloud.google.com/gke-accelerator on GPU nodes, cloud.google.com/gke-os-distribution) and the
+  well-known labels (node.kubernetes.io/instance-type, topology.kubernetes.io/zone and region,
+  kubernetes.io/hostname, kubernetes.io/os, kubernetes.io/arch: kubernetes.io docs "Well-Known Labels,
+  Annotations and Taints");
+- the GPU taint `nvidia.com/gpu=present:NoSchedule`: GKE docs "Run GPUs in GKE Standard node pools"
+  (GKE adds it to GPU node pools so that pods without a GPU request stay off them);
+- `node.kubernetes.io/not-ready:NoSchedule` while the node is not Ready: the node lifecycle
+  controller's taint (Well-Known Taints; TaintNodesByCondition);
+- a GPU node is Ready before the device plugin publishes `nvidia.com/gpu` (GKE docs "Run GPUs":
+  the driver installer runs after the node registers), so its GPUs appear after `gpu_delay_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpus: int
+    memory_gib: float
+    gpus: int = 0
+    accelerator: str | None = None  # the GKE accelerator type, the gke-accelerator label's value
+
+
+MACHINES = {
+    "a3-highgpu-8g": Machine(208, 1872, 8, "nvidia-h100-80gb"),
+    "a3-megagpu-8g": Machine(208, 1872, 8, "nvidia-h100-mega-80gb"),
+    "a2-highgpu-1g": Machine(12, 85, 1, "nvidia-tesla-a100"),
+    "a2-highgpu-8g": Machine(96, 680, 8, "nvidia-tesla-a100"),
+    "a2-ultragpu-8g": Machine(96, 1360, 8, "nvidia-a100-80gb"),
+    "g2-standard-8": Machine(8, 32, 1, "nvidia-l4"),
+    "e2-standard-4": Machine(4, 16),
+    "n1-standard-8": Machine(8, 30),
+}
+
+
+def reserved_memory_bytes(memory_bytes: int) -> int:
+    """GKE's memory reservation for a node of `memory_bytes` (eviction threshold included)."""
+    tiers = [(4 * GIB, 0.25), (4 * GIB, 0.20), (8 * GIB, 0.10), (112 * GIB, 0.06), (float("inf"), 0.02)]
+    left, reserved = float(memory_bytes), 0.0
+    for size, share in tiers:
+        part = min(left, size)
+        reserved += part * share
+        left -= part
+    return int(reserved) + 100 * 2**20
+
+
+def reserved_cpu_millis(cpus: int) -> int:
+    """GKE's CPU reservation in millicores for a node of `cpus` cores."""
+    tiers = [(1, 0.06), (1, 0.01), (2, 0.005), (float("inf"), 0.0025)]
+    left, reserved = float(cpus), 0.0
+    for size, share in tiers:
+        part = min(left, size)
+        reserved += part * share
+        left -= part
+    return round(reserved * 1000)
+
+
+def node_name(cluster: str, pool: str, zone: str, index: int) -> str:
+    """`gke-<cluster>-<pool>-<8 hex of the instance group>-<4 chars>`, GKE's instance naming."""
+    group = hashlib.sha256(f"{cluster}/{pool}/{zone}".encode()).hexdigest()[:8]
+    suffix = hashlib.sha256(f"{group}/{index}".encode()).hexdigest()[:4]
+    return f"gke-{cluster}-{pool}-{group}-{suffix}"[:63]
+
+
+def gke_node(
+    *, name: str, pool: str, zone: str, machine_type: str, ready: bool, gpus_published: bool
+) -> dict[str, Any]:
+    """The Node object of one pool member (a machine type missing from MACHINES is a test error)."""
+    machine = MACHINES[machine_type]
+    memory = int(machine.memory_gib * GIB)
+    capacity = {"cpu": str(machine.cpus), "memory": f"{memory // 1024}Ki", "pods": "110"}
+    allocatable = {
+        "cpu": f"{machine.cpus * 1000 - reserved_cpu_millis(machine.cpus)}m",
+        "memory": f"{(memory - reserved_memory_bytes(memory)) // 1024}Ki",
+        "pods": "110",
+    }
+    labels = {
+        "cloud.google.com/gke-nodepool": pool,
+        "cloud.google.com/machine-family": machine_type.split("-", 1)[0],
+        "cloud.google.com/gke-os-distribution": "cos",
+        "node.kubernetes.io/instance-type": machine_type,
+        "topology.kubernetes.io/zone": zone,
+        "topology.kubernetes.io/region": zone.rsplit("-", 1)[0],
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+    }
+    taints = []
+    if machine.gpus:
+        labels["cloud.google.com/gke-accelerator"] = str(machine.accelerator)
+        taints.append({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"})
+        capacity["nvidia.com/gpu"] = str(machine.gpus)
+        allocatable["nvidia.com/gpu"] = str(machine.gpus if gpus_published else 0)
+    if not ready:
+        taints.append({"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"taints": taints, "providerID": f"gce://proj/{zone}/{name}"},
+        "status": {
+            "capacity": capacity,
+            "allocatable": allocatable,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False",
+                            "reason": "KubeletReady" if ready else "KubeletNotReady"}],
+        },
+    }  # fmt: skip

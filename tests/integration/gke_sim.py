@@ -1,0 +1,92 @@
+"""One simulated GKE cluster behind both fake APIs, for tests: `simulated_gke()`.
+
+    with simulated_gke(ready_delay_s=0.2) as gke:
+        gke.add_pool("gpu", machine_type="a3-highgpu-8g", zones=["us-central1-a"])
+        gke.container.client()      # the real google-cloud-container client (REST) on the Container API
+        gke.kube.api_client()       # the real kubernetes ApiClient on the Kubernetes API
+        gke.write_kubeconfig(path)  # for code that reads KUBECONFIG
+        gke.sim.node_objects(), gke.sim.pods, gke.sim.events   # inspect the cluster directly
+
+The control loop runs in a thread while the block lasts (`ClusterSim.running`). With
+`simulated_gke(run_pods_in=folder)` bound pods run as local processes (`pod_runner.LocalKubelet`);
+without it they stay Running until `gke.sim.finish_pod(namespace, name, exit_code=...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from cluster_sim import ClusterSim
+from container_api_server import ContainerServer, container_server_running
+from kube_api_server import KubeServer, kube_server_running
+from pod_runner import LocalKubelet
+
+PROJECT, LOCATION, CLUSTER = "proj", "us-central1", "train"
+
+
+@dataclass
+class SimulatedGke:
+    sim: ClusterSim
+    container: ContainerServer
+    kube: KubeServer
+
+    def pool_path(self, pool: str) -> str:
+        return f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}/nodePools/{pool}"
+
+    def add_pool(
+        self, pool: str, *, machine_type: str, zones: list[str] | None = None, per_zone: int = 0
+    ) -> None:
+        """A node pool of `machine_type` in both APIs, with `per_zone` nodes in each zone."""
+        with self.container.state.lock:
+            self.container.state.add_pool(
+                self.pool_path(pool),
+                locations=zones or [f"{LOCATION}-a"],
+                node_count=per_zone,
+                machine_type=machine_type,
+            )
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig pointing at the Kubernetes API stand-in (set KUBECONFIG to it)."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "sim", "cluster": {"server": self.kube.endpoint}}],
+            "users": [{"name": "me", "user": {"token": "unused"}}],
+            "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "me"}}],
+            "current-context": "sim",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+
+@contextlib.contextmanager
+def simulated_gke(
+    *,
+    ready_delay_s: float = 0.0,
+    gpu_delay_s: float = 0.0,
+    scale_down_unneeded_s: float = 600.0,
+    run_pods_in: Path | None = None,
+) -> Iterator[SimulatedGke]:
+    """The simulated cluster; with `run_pods_in` (a folder) bound pods run there as local processes."""
+    kubelet = LocalKubelet(workdir=run_pods_in) if run_pods_in else None
+    sim = ClusterSim(
+        cluster=CLUSTER,
+        ready_delay_s=ready_delay_s,
+        gpu_delay_s=gpu_delay_s,
+        scale_down_unneeded_s=scale_down_unneeded_s,
+        kubelet=kubelet,
+    )
+    with (
+        container_server_running(sim=sim) as container,
+        kube_server_running(sim=sim) as kube,
+        sim.running(),
+    ):
+        try:
+            yield SimulatedGke(sim, container, kube)
+        finally:
+            if kubelet:
+                kubelet.stop_all()

@@ -1,0 +1,130 @@
+"""The pod the KFP v2 backend would create for one task of a compiled pipeline, for the cluster simulator.
+
+Rules (kubeflow/pipelines backend/src/v2/driver/driver.go, initPodSpecPatch and extendPodSpecPatch):
+- one container named `main`; its command is the KFP launcher (`/kfp-launcher/launch ... --`) and its
+  args are the component's command followed by its args;
+- `resources.resourceMemoryLimit` / `resourceMemoryRequest` / `resourceCpuLimit` / `resourceCpuRequest`
+  are quantities used as written; the older float fields `memoryLimit` / `memoryRequest` become
+  `%vG` and `cpuLimit` / `cpuRequest` `%v`;
+- `resources.accelerator`: the type is `resourceType`, else `type`; the count is `resourceCount`,
+  else `count`; when both are set the container gets `limits[<type>] = <count>`: the accelerator
+  type is used verbatim as the resource name (so it must be one, e.g. `nvidia.com/gpu`);
+- the kubernetes platform config of the task's executor (platforms.kubernetes.deploymentSpec.executors):
+  `nodeSelector.labels` -> `spec.nodeSelector`; `tolerations` -> `spec.tolerations` (key, operator,
+  value, effect, tolerationSeconds); `activeDeadlineSeconds` > 0 -> `spec.activeDeadlineSeconds`.
+
+Runtime placeholders (`{{$}}`, pipeline parameters) are left as they are: the simulator checks the
+pod's shape and placement, it does not run a KFP executor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LAUNCHER = "/kfp-launcher/launch"
+
+
+def load_compiled(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pipeline spec, kubernetes platform spec) of a compiled pipeline YAML (platform may be empty)."""
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    pipeline = documents[0]
+    platform: dict[str, Any] = next(
+        (d["platforms"]["kubernetes"] for d in documents[1:] if "platforms" in d), {}
+    )
+    return pipeline, platform
+
+
+def executor_label(pipeline: dict[str, Any], task_path: str) -> str:
+    """The executor of a task given as a path through the DAGs, e.g. `explore` or `stage-0/train-stage`."""
+    components = pipeline["components"]
+    dag = pipeline["root"]["dag"]
+    *groups, task = task_path.split("/")
+    found = _find_task(components, dag, groups, task)
+    if found is None:
+        raise KeyError(f"no task {task_path!r} in the pipeline")
+    return str(components[found["componentRef"]["name"]]["executorLabel"])
+
+
+def _find_task(
+    components: dict[str, Any], dag: dict[str, Any], groups: list[str], task: str
+) -> dict[str, Any] | None:
+    tasks = dag.get("tasks", {})
+    if not groups and task in tasks:
+        return dict(tasks[task])
+    for name, candidate in tasks.items():
+        inner = components[candidate["componentRef"]["name"]].get("dag")
+        if inner is None:
+            continue
+        rest = groups[1:] if groups and groups[0] == name else groups
+        if found := _find_task(components, inner, rest, task):
+            return found
+    return None
+
+
+def _resources(resources: dict[str, Any]) -> dict[str, dict[str, str]]:
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    for target, key, typed, unit in (
+        (limits, "memory", "MemoryLimit", "G"),
+        (requests, "memory", "MemoryRequest", "G"),
+        (limits, "cpu", "CpuLimit", ""),
+        (requests, "cpu", "CpuRequest", ""),
+    ):
+        # getPodResource: the string field is a quantity as written; the older float is `%v<unit>`.
+        if text := resources.get(f"resource{typed}"):
+            target[key] = str(text)
+        elif number := resources.get(typed[0].lower() + typed[1:]):
+            target[key] = f"{_number(number)}{unit}"
+    accelerator = resources.get("accelerator") or {}
+    kind = accelerator.get("resourceType") or accelerator.get("type") or ""
+    count = accelerator.get("resourceCount") or (
+        str(accelerator["count"]) if accelerator.get("count") else ""
+    )
+    if kind and count:
+        limits[kind] = str(count)
+    return {k: v for k, v in (("limits", limits), ("requests", requests)) if v}
+
+
+def _number(value: Any) -> str:
+    number = float(value)
+    return str(int(number)) if number.is_integer() else str(number)
+
+
+def task_pod(
+    pipeline: dict[str, Any], platform: dict[str, Any], task_path: str, *, run_id: str = "run-1"
+) -> dict[str, Any]:
+    """The pod the driver would create for `task_path` (see the module docstring for the rules)."""
+    label = executor_label(pipeline, task_path)
+    container = pipeline["deploymentSpec"]["executors"][label]["container"]
+    name = pipeline["pipelineInfo"]["name"]
+    main: dict[str, Any] = {
+        "name": "main",
+        "image": container["image"],
+        "command": [LAUNCHER, "--pipeline_name", name, "--run_id", run_id, "--"],
+        "args": list(container.get("command", [])) + list(container.get("args", [])),
+        "env": [{"name": e["name"], "value": e["value"]} for e in container.get("env", [])],
+    }
+    if resources := _resources(container.get("resources") or {}):
+        main["resources"] = resources
+    spec: dict[str, Any] = {"containers": [main], "restartPolicy": "Never"}
+    config = (platform.get("deploymentSpec") or {}).get("executors", {}).get(label, {})
+    if (selector := config.get("nodeSelector")) and selector.get("labels"):
+        spec["nodeSelector"] = dict(selector["labels"])
+    if tolerations := config.get("tolerations"):
+        keys = ("key", "operator", "value", "effect", "tolerationSeconds")
+        spec["tolerations"] = [{k: t[k] for k in keys if t.get(k) not in (None, "")} for t in tolerations]
+    if int(config.get("activeDeadlineSeconds") or 0) > 0:
+        spec["activeDeadlineSeconds"] = int(config["activeDeadlineSeconds"])
+    pod_name = f"{name}-{task_path.replace('/', '-')}"[:58]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": f"{pod_name}-",
+            "labels": {"pipelines.kubeflow.org/v2_component": "true"},
+        },
+        "spec": spec,
+    }

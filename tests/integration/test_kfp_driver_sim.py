@@ -1,0 +1,100 @@
+"""Compiled pipeline tasks as the pods the KFP v2 driver would create, submitted to the simulated cluster."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gke_sim import SimulatedGke, simulated_gke
+from kfp_driver import load_compiled, task_pod
+
+ROOT = Path(__file__).resolve().parents[2]
+NEMO = ROOT / "pipelines" / "compiled" / "nemo_gpt3_5b.yaml"
+NS = "kubeflow"
+
+
+@pytest.fixture
+def gke() -> Iterator[SimulatedGke]:
+    with simulated_gke() as cluster:
+        # A GKE cluster keeps a CPU pool for system and pipeline pods; the GPU pool starts empty.
+        cluster.add_pool("default-pool", machine_type="e2-standard-4", per_zone=1)
+        cluster.add_pool("h100-pool", machine_type="a3-highgpu-8g", zones=["us-central1-a"])
+        yield cluster
+
+
+def submit(gke: SimulatedGke, pod: dict[str, Any]) -> Any:
+    from kubernetes import client
+
+    return client.CoreV1Api(gke.kube.api_client()).create_namespaced_pod(NS, pod)
+
+
+def read(gke: SimulatedGke, name: str) -> Any:
+    from kubernetes import client
+
+    return client.CoreV1Api(gke.kube.api_client()).read_namespaced_pod(name, NS)
+
+
+def test_the_driver_uses_the_accelerator_type_verbatim_as_the_resource_name():
+    pipeline, platform = load_compiled(NEMO)
+    executor = pipeline["deploymentSpec"]["executors"]["exec-explore"]["container"]
+    executor["resources"] = {
+        "accelerator": {"type": "nvidia-h100-80gb", "count": "1"},
+        "cpuLimit": 4.0,
+        "memoryLimit": 16.0,
+        "resourceCpuRequest": "2",
+    }
+    pod = task_pod(pipeline, platform, "explore")
+    (main,) = pod["spec"]["containers"]
+    assert main["name"] == "main" and main["command"][0] == "/kfp-launcher/launch"
+    assert main["resources"] == {"limits": {"memory": "16G", "cpu": "4", "nvidia-h100-80gb": "1"},
+                                 "requests": {"cpu": "2"}}  # fmt: skip
+
+
+def test_an_accelerator_type_as_resource_name_is_refused_and_a_resource_name_is_accepted(gke):
+    from kubernetes.client.rest import ApiException
+
+    pipeline, platform = load_compiled(NEMO)
+    bad = copy.deepcopy(pipeline)
+    bad["deploymentSpec"]["executors"]["exec-explore"]["container"]["resources"] = {
+        "accelerator": {"resourceType": "nvidia-h100-80gb", "resourceCount": "1"}
+    }
+    with pytest.raises(ApiException) as caught:
+        submit(gke, task_pod(bad, platform, "explore"))
+    assert caught.value.status == 422
+    assert "limits[nvidia-h100-80gb]: Invalid value" in json.loads(caught.value.body)["message"]
+    good = copy.deepcopy(pipeline)
+    good["deploymentSpec"]["executors"]["exec-explore"]["container"]["resources"] = {
+        "accelerator": {"resourceType": "nvidia.com/gpu", "resourceCount": "1"}
+    }
+    assert submit(gke, task_pod(good, platform, "explore")).status.phase == "Pending"
+
+
+def test_the_compiled_explore_pod_is_valid_and_runs_once_its_pool_has_a_node(gke):
+    """The pipeline as compiled today: explore's pod passes validation, waits for the GPU pool, then binds."""
+    pipeline, platform = load_compiled(NEMO)
+    pod = task_pod(pipeline, platform, "explore")
+    created = submit(gke, pod)  # a 422 here means the compiled accelerator is not a resource name
+    name = created.metadata.name
+    assert read(gke, name).status.conditions[0].reason == "Unschedulable"  # idle_nodes: 0
+    gke.container.client().set_node_pool_size(request={"name": gke.pool_path("h100-pool"), "node_count": 1})
+    deadline = time.monotonic() + 5
+    while not read(gke, name).spec.node_name:
+        assert time.monotonic() < deadline, read(gke, name).status.conditions
+        time.sleep(0.02)
+    node = gke.sim.nodes[read(gke, name).spec.node_name]
+    assert node["pool"] == "h100-pool"
+
+
+def test_every_compiled_task_pod_passes_api_validation(gke):
+    pipeline, platform = load_compiled(NEMO)
+    labels = pipeline["deploymentSpec"]["executors"]
+    tasks = ["explore", "plan", "report", "stage-0/train-stage", "stage-0/resize-pool", "scale-down"]
+    for task in tasks:
+        pod = task_pod(pipeline, platform, task)
+        assert submit(gke, pod).metadata.name, task
+    assert len(labels) >= len(tasks)
