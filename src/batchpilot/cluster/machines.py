@@ -56,7 +56,8 @@ MACHINE_TYPES: dict[str, MachineType] = {
     "a3-highgpu-4g": _machine(104, 936, 4, "nvidia-h100-80gb"),
     "a3-highgpu-8g": _machine(208, 1872, 8, "nvidia-h100-80gb"),
     "a3-megagpu-8g": _machine(208, 1872, 8, "nvidia-h100-mega-80gb"),
-    "a3-ultragpu-8g": _machine(224, 2952, 8, "nvidia-h200-141gb"),
+    # The page's A3 series summary: "up to 224 vCPUs, and 2,944 GB of memory" (A3 Ultra).
+    "a3-ultragpu-8g": _machine(224, 2944, 8, "nvidia-h200-141gb"),
     "g2-standard-4": _machine(4, 16, 1, "nvidia-l4"),
     "g2-standard-8": _machine(8, 32, 1, "nvidia-l4"),
     "g2-standard-12": _machine(12, 48, 1, "nvidia-l4"),
