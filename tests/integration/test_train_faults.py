@@ -132,10 +132,14 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_u
 
 
 def test_checkpoints_are_also_written_by_time(demo_data_uri, tmp_path):
-    """`train.checkpoint_every_s`: rank 0's clock decides between steps, every rank saves together."""
+    """`train.checkpoint_every_s`: rank 0's clock decides between steps, every rank saves together.
+
+    The interval is far below one step's time (two processes and an all-reduce take more than 1 ms), so
+    time checkpoints come between steps on any machine; a 0.5 s interval was longer than the whole stage
+    on a fast one."""
     config = tiny_config(
         data_uri=demo_data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt", batch__global_batch_size=32,
-        batch__schedule=None, train__total_samples=1024, train__checkpoint_every_s=0.5,
+        batch__schedule=None, train__total_samples=1024, train__checkpoint_every_s=0.001,
     )  # fmt: skip
     plan = write_plan(tmp_path, config)
     result = run_batchpilot(
@@ -145,7 +149,7 @@ def test_checkpoints_are_also_written_by_time(demo_data_uri, tmp_path):
     by_time = [
         line
         for line in result.stdout.splitlines()
-        if "0.5 s since the last: train.checkpoint_every_s" in line
+        if "0.001 s since the last: train.checkpoint_every_s" in line
     ]
     assert by_time, result.stdout[-3000:]
     assert all("checkpoint step 32 " not in line for line in by_time)  # before the stage's end (step 32)
