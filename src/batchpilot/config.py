@@ -6,6 +6,7 @@ Every error names the key path and what would be valid; `load_config` turns pyda
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -180,6 +182,22 @@ class ClusterConfig(_Section):
         description="gke: how long one stage's train task (which follows the stage's JobSet) may run before "
         "KFP stops it; a retry resumes from the last checkpoint",
     )
+    container_api_endpoint: str | None = Field(
+        None,
+        description="gke: URL of the GKE Container API (none: Google's public endpoint), for a private or "
+        "regional endpoint, or a local emulator, e.g. http://127.0.0.1:PORT for the test simulator; http:// "
+        "is an emulator (anonymous credentials), https:// uses Application Default Credentials",
+    )
+
+    @field_validator("container_api_endpoint")
+    @classmethod
+    def _endpoint_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+/?$", value):
+            raise ValueError(
+                f"{value!r} is not an http:// or https:// URL of a host, e.g. "
+                "https://container.googleapis.com or http://127.0.0.1:8080 (an emulator)"
+            )
+        return value.rstrip("/") if value else value  # the client appends /v1/...
 
     @model_validator(mode="after")
     def _min_le_max(self) -> ClusterConfig:

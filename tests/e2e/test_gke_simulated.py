@@ -1,15 +1,24 @@
-"""batchpilot on GKE, played by the cluster simulator: the pool is resized, a stage trains through its JobSet.
+"""batchpilot on GKE, played by the cluster simulator: the pool is resized, the stages train through JobSets.
 
 The simulator (tests/integration/cluster_sim.py and neighbours) takes its rules from Kubernetes, JobSet
 and GKE; its pods run as local processes (pod_runner.py), so the JobSet batchpilot renders really runs
 `torchrun ... batchpilot train` here.
 
-Not covered yet: the compiled KFP pipeline driven task by task through the simulator (explore, plan,
-resize tasks as pods); here the stages are launched with `batchpilot launch` as the train task does.
+Two levels:
+- the compiled pipeline of a gke config, run by kfp.local (`batchpilot.kfp.local.run_pipeline`): its
+  tasks are processes on this machine that reach the simulator through `cluster.container_api_endpoint`
+  and KUBECONFIG, as task pods reach GKE; the trainers are the simulator's pods;
+- `batchpilot launch`, one stage at a time, as the train task runs it.
+
+Not covered: the task pods themselves (explore, resize, train as pods the KFP driver creates: see
+tests/integration/test_kfp_driver_sim.py), and a retried train task in the pipeline (kfp.local does
+retry, but after the compiled 60 s backoff; adopting or replacing the stage's JobSet on a second launch
+is in tests/integration/test_cluster_jobset.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,16 +26,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from batchpilot.cluster.gke import GkeNodePool, PoolRef
 from batchpilot.cluster.readiness import PoolNodes
+from batchpilot.kfp import pipeline
 from batchpilot.train.metrics import read_metrics
-from helpers import tiny_config, write_plan
+from helpers import processes_with, tiny_config, write_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from gke_sim import SimulatedGke, simulated_gke
@@ -147,3 +158,187 @@ def test_a_cancelled_launch_leaves_no_jobset_and_scale_down_no_nodes(run):
         time.sleep(0.1)
     run.pool.resize(0)
     assert not run.gke.sim.nodes
+
+
+# --- the compiled pipeline (kfp.local) -------------------------------------------------------------
+
+RUN_PIPELINE = (
+    "import sys; from pathlib import Path; from batchpilot.config import load_config; "
+    "from batchpilot.kfp import pipeline; from batchpilot.kfp.local import run_pipeline; "
+    "pipeline.STAGE_RETRIES = int(sys.argv[3]); "
+    "run_pipeline(load_config(sys.argv[1]), output=Path(sys.argv[2]))"
+)
+
+
+@dataclass
+class PipelineRun:
+    gke: SimulatedGke
+    output: Path
+    checkpoints: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def log(self) -> str:
+        return (self.output.parent / "pipeline.log").read_text(errors="replace")
+
+    def finish(self, timeout_s: float) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def jobsets_created(self) -> list[dict]:
+        """The body of every JobSet a task created, in order."""
+        return [
+            body
+            for method, path, _, body in list(self.gke.kube.state.requests)
+            if method == "POST" and path.endswith("/jobsets")
+        ]
+
+    def nodes_of(self, pod_prefix: str) -> set[str]:
+        """The nodes the scheduler bound the pods named `pod_prefix...` to (its Scheduled events)."""
+        bound = re.compile(rf"^Successfully assigned [^/]+/{re.escape(pod_prefix)}\S* to (\S+)$")
+        return {
+            match.group(1)
+            for event in list(self.gke.sim.events)
+            if event["reason"] == "Scheduled" and (match := bound.match(event["message"]))
+        }
+
+    def wait_for(self, what: str, condition: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert self.process.poll() is None, f"the pipeline ended before {what}:\n{self.log[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} after {timeout_s:g}s:\n{self.log[-4000:]}"
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def simulated_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedGke]:
+    """One single-zone CPU pool at 0 nodes; KUBECONFIG (inherited by the pipeline and its tasks) on it.
+
+    Nodes are Ready as they register: a later readiness poll would cost the resize task 10 s (waiting
+    for NotReady nodes is tested in tests/integration/test_cluster_gke.py)."""
+    with simulated_gke(run_pods_in=tmp_path / "pods") as gke:
+        gke.add_pool("cpu", machine_type="e2-standard-4", zones=["us-central1-a"], per_zone=0)
+        monkeypatch.setenv("KUBECONFIG", str(gke.write_kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield gke
+
+
+@pytest.fixture
+def start_pipeline(simulated_cluster: SimulatedGke, tmp_path: Path) -> Iterator[Callable[..., PipelineRun]]:
+    """Starts the compiled pipeline of a config in a process of its own, as `batchpilot run --local` runs
+    a local one (that command refuses gke configs, so this calls the library function); a run still
+    going at the end of the test is killed with its tasks."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(config: dict, *, stage_retries: int = pipeline.STAGE_RETRIES) -> PipelineRun:
+        """`stage_retries` replaces the train tasks' retry count in the compiled pipeline."""
+        config["cluster"].update(
+            image="registry.example/batchpilot:0.1.0", idle_nodes=0,
+            container_api_endpoint=simulated_cluster.container.endpoint,
+        )  # fmt: skip
+        # Trainer pods sized from the ready nodes (an e2-standard-4 takes one), not from the config.
+        del config["cluster"]["cpu_per_node"], config["cluster"]["memory_per_node_bytes"]
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-c", RUN_PIPELINE, str(tmp_path / "config.yaml"), str(tmp_path / "run")]
+        with (tmp_path / "pipeline.log").open("wb") as log:
+            process = subprocess.Popen(
+                [*command, str(stage_retries)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        started.append(process)
+        checkpoints = Path(config["train"]["checkpoint_uri"].removeprefix("file://"))
+        return PipelineRun(simulated_cluster, tmp_path / "run", checkpoints, process)
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def stage_pods_training(gke: SimulatedGke, stage: str) -> bool:
+    """Whether a pod of the stage's JobSet has logged that it trains."""
+    for key in list(gke.sim.pods):
+        with contextlib.suppress(KeyError):  # the pod went meanwhile
+            if key[1].startswith(f"tiny-{stage}-") and f"training {stage}" in gke.sim.pod_log(*key):
+                return True
+    return False
+
+
+def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_resized_for_it(
+    simulated_cluster, start_pipeline, demo_data_uri, tmp_path
+):
+    """pool 0 -> 1 -> explore -> plan -> stages on 1, 2 and 2 nodes, a node preempted in the middle of
+    stage 1 (the JobSet restarts, the stage resumes exactly) -> report -> scale down to 0."""
+    gke = simulated_cluster
+    config = gke_config(demo_data_uri, f"file://{tmp_path}/ckpt")
+    # The pipeline has an explore task (the noise-scale study at the fixed micro batch), kept short.
+    config["explore"] = {
+        "activation_checkpointing": [False], "timed_steps": 1, "min_timed_s": 0,
+        "accumulation_multipliers": [2], "study_train_steps": 1, "study_measure_batches": 1,
+    }  # fmt: skip
+    run = start_pipeline(config)
+    run.wait_for("stage-1 training", lambda: stage_pods_training(gke, "stage-1"), timeout_s=420)
+    time.sleep(1.0)  # a few of its 120 steps
+    (jobset,) = [j for j in gke.sim.jobsets.values() if "terminalState" not in j["status"]]
+    victim = max(p["spec"]["nodeName"] for p in gke.sim.pods.values() if p["status"]["phase"] == "Running")
+    gke.sim.preempt_node(victim)
+    assert run.finish(timeout_s=420) == 0, run.log[-6000:]
+    assert jobset["status"]["restarts"] == 1
+    # Stage 1 starts at step 20 and resumes once, from where the preemption stopped it (its trainers'
+    # logs: the train task streams only the first attempt's pods).
+    logs = "".join(
+        path.read_text(errors="replace") for path in (tmp_path / "pods").glob("tiny-stage-1-*.log")
+    )
+    resumed = sorted(int(step) for step in re.findall(r"resumed from step (\d+)", logs))
+    assert len(resumed) == 2 and resumed[0] == 20 < resumed[1] < 140, resumed
+
+    plan = json.loads((run.output / "plan.json").read_text())
+    assert [s["num_nodes"] for s in plan["stages"]] == [1, 2, 2]
+    assert (run.output / "explore" / "explore.json").exists()  # explore ran, on the pool brought up for it
+    # 0 nodes, 1 for explore, then each stage's count, then cluster.idle_nodes.
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 1, 2, 2, 0]
+    created = run.jobsets_created()
+    stages = [j["metadata"]["labels"]["batchpilot.dev/stage"] for j in created]
+    assert stages == ["stage-0", "stage-1", "final"]  # one JobSet per stage: the preemption restarted it
+    for body, stage in zip(created, plan["stages"], strict=True):
+        nodes = run.nodes_of(body["metadata"]["name"])
+        assert len(nodes) == stage["num_nodes"], (stage["name"], nodes)
+        assert all(node.startswith("gke-train-cpu-") for node in nodes), nodes  # the pool's nodes
+    records = read_metrics(run.checkpoints / "metrics.jsonl")
+    assert [r["consumed_samples"] for r in records] == (
+        list(range(16, 321, 16)) + list(range(352, 4161, 32)) + list(range(4224, 6145, 64))
+    )  # every step of every stage once, in order, through the preemption
+    assert records[-1]["consumed_samples"] == plan["trained_samples"]
+    assert "Batch-size ramp" in (run.output / "report.html").read_text()  # the report task ran
+    # The exit handler: no JobSet, no pod, no node.
+    assert not gke.sim.jobsets and not gke.sim.pods and gke.sim.pool_size("cpu") == 0
+
+
+def test_a_cancelled_pipeline_leaves_no_jobset_and_no_nodes(
+    simulated_cluster, start_pipeline, demo_data_uri, tmp_path
+):
+    """KFP cancels a run by stopping its task pods (SIGTERM) and retries none of them; kfp.local has no
+    cancel. So the train task's process gets the SIGTERM while its stage's trainers run, in a pipeline
+    compiled without train retries (kfp.local honours the retry policy: with it, the stopped task would
+    be retried after 60 s and the stage would finish). The task deletes its JobSet and fails; kfp.local
+    then runs the exit handler, which scales the pool down, as KFP runs it after a cancel."""
+    gke = simulated_cluster
+    config = gke_config(demo_data_uri, f"file://{tmp_path}/ckpt")
+    config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
+    config["batch"]["schedule"] = "0:16 1600:32 4160:64"  # stage 0: 100 steps, stopped in the middle
+    run = start_pipeline(config, stage_retries=0)
+    run.wait_for("stage-0 training", lambda: stage_pods_training(gke, "stage-0"), timeout_s=240)
+    (train_task,) = [
+        pid
+        for pid, argv, _ in processes_with(str(tmp_path / "ckpt"))
+        if argv[1:3] == ["-m", "kfp.dsl.executor_main"] and "train_stage" in argv
+    ]
+    os.kill(train_task, signal.SIGTERM)
+    assert run.finish(timeout_s=240) == 1, run.log[-6000:]  # the run failed: its stage was stopped
+    log = run.log
+    assert "deleting JobSet(s) tiny-stage-0-" in log and "(interrupted)" in log, log[-6000:]
+    assert "Task 'scale-down' finished with status SUCCESS" in re.sub(r"\x1b\[[0-9;]*m", "", log)
+    assert not gke.sim.jobsets and not gke.sim.pods and not gke.sim.nodes
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 0]
+    # The trainer had its grace period: it checkpointed where it stopped, before the node went.
+    consumed = [r["consumed_samples"] for r in read_metrics(run.checkpoints / "metrics.jsonl")]
+    assert consumed == list(range(16, consumed[-1] + 1, 16)) and consumed[-1] < 1600, consumed

@@ -73,6 +73,7 @@ class ClusterSim(WorkloadControllers):
     uids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     idle_since: dict[str, float] = field(default_factory=dict)  # autoscaler: empty nodes, since when
     failures_counted: set[str] = field(default_factory=set)  # pod uids a Job has counted as failed
+    pool_history: list[tuple[str, int]] = field(default_factory=list)  # (pool, nodes) after each setSize
 
     # -- node pools ---------------------------------------------------------------------------
     def add_pool(self, name: str, *, zones: list[str], machine_type: str) -> None:
@@ -83,6 +84,7 @@ class ClusterSim(WorkloadControllers):
         with self.lock:
             for zone in self.pools[name].zones:
                 self._resize_zone(name, zone, per_zone)
+            self.pool_history.append((name, self.pool_size(name)))
             self.reconcile()
 
     def _resize_zone(self, name: str, zone: str, count: int) -> None:

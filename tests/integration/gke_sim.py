@@ -6,6 +6,7 @@
         gke.kube.api_client()       # the real kubernetes ApiClient on the Kubernetes API
         gke.write_kubeconfig(path)  # for code that reads KUBECONFIG
         gke.sim.node_objects(), gke.sim.pods, gke.sim.events   # inspect the cluster directly
+        gke.sim.pool_history        # (pool, node count) after every setSize, from the start
 
 The control loop runs in a thread while the block lasts (`ClusterSim.running`). With
 `simulated_gke(run_pods_in=folder)` bound pods run as local processes (`pod_runner.LocalKubelet`);

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
 from container_api_server import ContainerServer, container_server_running
+from google.auth.exceptions import DefaultCredentialsError
 from kube_api_server import KubeServer, kube_server_running, node
+from pydantic import ValidationError
 
-from batchpilot.cluster.gke import GkeNodePool, PoolRef, is_concurrent_operation, require_gke_settings
+from batchpilot.cluster.gke import (
+    GkeNodePool,
+    PoolRef,
+    container_client,
+    gke_node_pool,
+    is_concurrent_operation,
+    require_gke_settings,
+)
 from batchpilot.cluster.launch import trainer_pod_resources
 from batchpilot.cluster.machines import Allocatable
 from batchpilot.cluster.nodepool import NodePool
@@ -205,7 +215,9 @@ def test_the_smallest_usable_node_bounds_the_trainer_pods(kube):
     assert nodes.smallest_usable_allocatable() is None
 
 
-def test_a_real_launch_sizes_unsized_pods_from_the_ready_nodes(kube, tmp_path, monkeypatch):
+def use_kubeconfig(kube: KubeServer, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KUBECONFIG pointing at the Kubernetes API stand-in, as `gcloud container clusters get-credentials`
+    would leave it."""
     kubeconfig = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -214,9 +226,37 @@ def test_a_real_launch_sizes_unsized_pods_from_the_ready_nodes(kube, tmp_path, m
         "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
         "current-context": "local",
     }
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    (folder / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(folder / "kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+
+def test_an_http_endpoint_in_the_config_reaches_that_emulator_without_google_credentials(
+    container, kube, tmp_path, monkeypatch
+):
+    use_kubeconfig(kube, tmp_path, monkeypatch)
+    # No Application Default Credentials on this machine: an emulator must not need them...
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "absent.json"))
+    container.state.polls_until_done = 0
+    cluster = ClusterConfig(
+        backend="gke", max_nodes=4, project="proj", location="us-central1", cluster_name="train",
+        node_pool="gpu", image="registry.example/batchpilot:0.1.0",
+        container_api_endpoint=f"{container.endpoint}/",
+    )  # fmt: skip
+    assert cluster.container_api_endpoint == container.endpoint  # the client adds /v1/...
+    gke_node_pool(cluster).resize(2)  # the real client, built as the pipeline's tasks build it
+    writes = [(r.method, r.path, r.body) for r in container.state.requests if r.method == "POST"]
+    assert writes == [("POST", f"/v1/{REF.name}:setSize", {"nodeCount": 1})]
+    # ...while an https:// endpoint (private or regional) is Google's API and asks for them.
+    with pytest.raises(DefaultCredentialsError, match=r"absent\.json"):
+        container_client(api_endpoint="https://container.us-central1.rep.googleapis.com")
+    for bad in ("127.0.0.1:8080", "grpc://127.0.0.1:8080", "http://127.0.0.1:8080/v1"):
+        with pytest.raises(ValidationError, match="container_api_endpoint"):
+            ClusterConfig(backend="gke", max_nodes=1, container_api_endpoint=bad)
+
+
+def test_a_real_launch_sizes_unsized_pods_from_the_ready_nodes(kube, tmp_path, monkeypatch):
+    use_kubeconfig(kube, tmp_path, monkeypatch)
     cluster = ClusterConfig(
         backend="gke", max_nodes=2, devices_per_node=8, node_pool="gpu", accelerator_type="nvidia-h100-80gb"
     )

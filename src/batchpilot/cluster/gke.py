@@ -57,9 +57,25 @@ class PoolRef:
         return f"projects/{self.project}/locations/{self.location}/operations/{operation}"
 
 
-def container_client(**kwargs: Any) -> Any:
-    """A Container API client (Application Default Credentials unless `credentials` is given)."""
-    return _container_v1().ClusterManagerClient(**kwargs)
+def container_client(*, api_endpoint: str | None = None) -> Any:
+    """A Container API client: Google's endpoint with Application Default Credentials, or `api_endpoint`
+    (`cluster.container_api_endpoint`).
+
+    An endpoint URL goes through the REST transport, which takes a URL as it is (gRPC wants host:port).
+    `https://` (a private or regional endpoint) keeps Application Default Credentials; `http://` is an
+    emulator, which has no use for a Google token, and anonymous credentials need none on the machine.
+    """
+    container_v1 = _container_v1()
+    if not api_endpoint:
+        return container_v1.ClusterManagerClient()
+    options = {"api_endpoint": api_endpoint}
+    if api_endpoint.startswith("http://"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return container_v1.ClusterManagerClient(
+            transport="rest", client_options=options, credentials=AnonymousCredentials()
+        )
+    return container_v1.ClusterManagerClient(transport="rest", client_options=options)
 
 
 def _container_v1() -> Any:
@@ -70,11 +86,12 @@ def _container_v1() -> Any:
 
 
 def gke_node_pool(cluster: ClusterConfig) -> GkeNodePool:
-    """The pool of `cluster` with real clients: Container API (ADC) and Kubernetes (in-cluster/kubeconfig)."""
+    """The pool of `cluster` with real clients: Container API (`container_client`) and Kubernetes
+    (in-cluster, else kubeconfig)."""
     require_gke_settings(cluster)
     assert cluster.project and cluster.location and cluster.cluster_name and cluster.node_pool
     return GkeNodePool(
-        client=container_client(),
+        client=container_client(api_endpoint=cluster.container_api_endpoint),
         pool=PoolRef(cluster.project, cluster.location, cluster.cluster_name, cluster.node_pool),
         pool_mode=cluster.pool_mode,
         idle_nodes=cluster.idle_nodes,

@@ -68,7 +68,15 @@ def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> No
     return gke_node_pool(cluster)
 
 
-_GKE_ONLY = ("project", "location", "cluster_name", "node_pool", "accelerator_type", "kueue_queue")
+_GKE_ONLY = (
+    "project",
+    "location",
+    "cluster_name",
+    "node_pool",
+    "accelerator_type",
+    "kueue_queue",
+    "container_api_endpoint",
+)
 
 
 def warn_ignored_gke_settings(cluster: ClusterConfig) -> None:
