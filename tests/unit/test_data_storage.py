@@ -149,6 +149,12 @@ def test_conditional_writers_stay_exclusive_while_deletes_remove_lock_files(stor
     creations = [0]
 
     def attempt(index: int) -> None:
+        try:
+            attempts(index)
+        except Exception as error:  # a thread's exception would otherwise be only a pytest warning
+            errors.append(f"writer {index} failed: {error!r}")
+
+    def attempts(index: int) -> None:
         mine = f"writer {index}".encode()
         for _ in range(150):
             try:

@@ -295,11 +295,13 @@ def _create_in_folder(path: Path, *, attempts: int = 5) -> Iterator[BinaryIO]:
     """Opens a new file for writing, creating its folder; tries again when a concurrent `delete` removed
     the (empty) folder between the two."""
     for attempt in range(attempts):
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            # mkdir(exist_ok=True) raises FileExistsError when the folder it found existing is removed
+            # before it checks that it is a folder.
+            path.parent.mkdir(parents=True, exist_ok=True)
             file = path.open("xb")
-        except FileNotFoundError:
-            if attempt == attempts - 1:
+        except (FileNotFoundError, FileExistsError) as error:
+            if attempt == attempts - 1 or (isinstance(error, FileExistsError) and path.exists()):
                 raise
             continue
         with file:
