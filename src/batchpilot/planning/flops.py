@@ -1,0 +1,47 @@
+"""Model FLOPs per token and MFU (model FLOPs utilisation): the share of a device's peak that training uses.
+
+Training FLOPs per token of a decoder-only transformer: 6N for the weight matrix multiplies of the
+forward pass (2N) and the backward pass (4N), plus 12 x layers x width x sequence length for attention's
+score and value products (Chowdhery et al. 2022, PaLM, appendix B). Activation checkpointing recomputes
+the forward pass, but MFU counts the model's FLOPs only, so it is not added.
+"""
+
+from __future__ import annotations
+
+PEAK_BF16_FLOPS: dict[str, float] = {
+    # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, keyed by the GKE
+    # accelerator label (cluster.accelerator_type).
+    "nvidia-h100-80gb": 989.4e12,  # H100 SXM
+    "nvidia-h100-mega-80gb": 989.4e12,  # H100 SXM (A3 Mega)
+    "nvidia-h200-141gb": 989.4e12,  # H200 SXM: H100's compute with more memory
+    "nvidia-a100-80gb": 312e12,
+    "nvidia-tesla-a100": 312e12,
+    "nvidia-l4": 121e12,
+}
+
+_DEVICE_NAMES = (
+    # (substring of torch.cuda.get_device_name(), accelerator label); the first match wins.
+    ("H100 PCIe", None),  # 756 TFLOPS: not a GKE accelerator, so not in the table
+    ("H100", "nvidia-h100-80gb"),
+    ("H200", "nvidia-h200-141gb"),
+    ("A100", "nvidia-a100-80gb"),
+    ("L4", "nvidia-l4"),
+)
+
+
+def flops_per_token(*, num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward) of a decoder-only transformer."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a CUDA device by its name (`torch.cuda.get_device_name()`), if known."""
+    for fragment, label in _DEVICE_NAMES:
+        if fragment in device_name:
+            return PEAK_BF16_FLOPS[label] if label else None
+    return None
+
+
+def mfu(*, tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOPs per second over the device's peak."""
+    return tokens_per_s * flops_per_token / peak_flops
