@@ -68,7 +68,6 @@ class TaskConsole:
         self.started: dict[str, float] = {}
         self.task_lines: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
         self.last_step_line_s = 0.0
-        self.failed: list[str] = []
 
     def label(self, task: str) -> str:
         """`train-stage-3` -> `stage-2: train (3/4)`: kfp.local numbers repeated tasks from the second on."""
@@ -105,7 +104,6 @@ class TaskConsole:
         if status == "SUCCESS":
             self.console.print(f"  [green]done[/green] {self.label(task)} in {took:.1f} s")
             return
-        self.failed.append(task)
         self._show_task_lines(task)
         self.console.print(f"  [red]{status}[/red] {self.label(task)} after {took:.1f} s")
 
