@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from cluster_sim import ClusterSim
 from container_api_server import ContainerServer, container_server_running
 from kube_api_server import KubeServer, kube_server_running
@@ -52,16 +51,7 @@ class SimulatedGke:
 
     def write_kubeconfig(self, path: Path) -> Path:
         """A kubeconfig pointing at the Kubernetes API stand-in (set KUBECONFIG to it)."""
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "sim", "cluster": {"server": self.kube.endpoint}}],
-            "users": [{"name": "me", "user": {"token": "unused"}}],
-            "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "me"}}],
-            "current-context": "sim",
-        }
-        path.write_text(yaml.safe_dump(config))
-        return path
+        return self.kube.write_kubeconfig(path)
 
 
 @contextlib.contextmanager

@@ -26,10 +26,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import kube_sim_routes
+import yaml
 from cluster_sim import ClusterSim
 from k8s_rules import selector_matches
 from loopback_http import QuietHandler, serving
@@ -241,6 +243,20 @@ class KubeServer:
         configuration = client.Configuration()
         configuration.host = self.endpoint
         return client.ApiClient(configuration)
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig pointing at this server, as `gcloud container clusters get-credentials` would leave
+        one (set KUBECONFIG to it)."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "local", "cluster": {"server": self.endpoint}}],
+            "users": [{"name": "me", "user": {"token": "unused"}}],
+            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
+            "current-context": "local",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from container_api_server import ContainerServer, container_server_running
 from google.auth.exceptions import DefaultCredentialsError
 from kube_api_server import KubeServer, kube_server_running, node
@@ -216,18 +215,8 @@ def test_the_smallest_usable_node_bounds_the_trainer_pods(kube):
 
 
 def use_kubeconfig(kube: KubeServer, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KUBECONFIG pointing at the Kubernetes API stand-in, as `gcloud container clusters get-credentials`
-    would leave it."""
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {"server": kube.endpoint}}],
-        "users": [{"name": "me", "user": {"token": "unused"}}],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
-        "current-context": "local",
-    }
-    (folder / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(folder / "kubeconfig"))
+    """KUBECONFIG pointing at the Kubernetes API stand-in, and no in-cluster service account."""
+    monkeypatch.setenv("KUBECONFIG", str(kube.write_kubeconfig(folder / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
 
 

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from kube_api_server import KubeServer, kube_server_running
 
 from batchpilot.cli import main
@@ -38,16 +37,7 @@ RUNNING = {"replicatedJobsStatus": [{"name": "batchpilot", "active": 2, "ready":
 @pytest.fixture
 def kube(tmp_path, monkeypatch) -> Iterator[KubeServer]:
     with kube_server_running() as server:
-        kubeconfig = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "local", "cluster": {"server": server.endpoint}}],
-            "users": [{"name": "me", "user": {"token": "unused"}}],
-            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "me"}}],
-            "current-context": "local",
-        }
-        (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
-        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+        monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig")))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
         yield server
 
