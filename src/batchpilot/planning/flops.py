@@ -8,16 +8,9 @@ the forward pass, but MFU counts the model's FLOPs only, so it is not added.
 
 from __future__ import annotations
 
-PEAK_BF16_FLOPS: dict[str, float] = {
-    # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, keyed by the GKE
-    # accelerator label (cluster.accelerator_type).
-    "nvidia-h100-80gb": 989.4e12,  # H100 SXM
-    "nvidia-h100-mega-80gb": 989.4e12,  # H100 SXM (A3 Mega)
-    "nvidia-h200-141gb": 989.4e12,  # H200 SXM: H100's compute with more memory
-    "nvidia-a100-80gb": 312e12,
-    "nvidia-tesla-a100": 312e12,
-    "nvidia-l4": 121e12,
-}
+from batchpilot.planning.devices import PEAK_BF16_FLOPS
+
+__all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "mfu", "peak_bf16_flops"]
 
 _DEVICE_NAMES = (
     # (substring of torch.cuda.get_device_name(), accelerator label); the first match wins.

@@ -1,0 +1,430 @@
+"""Per-device memory of one training step, by parallelism strategy (ddp, fsdp, hsdp), in bytes.
+
+The plan checks every stage's estimate against the device's memory and picks the strategy
+(`train.parallelism: auto` takes the first of ddp, hsdp, fsdp that fits every stage). The accounting
+follows what PyTorch allocates for the trainer (AdamW, bf16 autocast on CUDA, fp32 on CPU); N is the
+number of parameters, "shard" the shard degree (1 for ddp, the world for fsdp, a node for hsdp).
+
+Model state (the ZeRO paper's accounting, Rajbhandari et al. 2020, section 3.1: fp32 master weights and
+Adam's two fp32 moments take 12 bytes per parameter in mixed precision):
+- ddp (DistributedDataParallel over fp32 parameters; autocast casts to bf16 per op): parameters 4N,
+  gradients 8N (the fp32 `.grad`s plus DDP's all-reduce buckets, a second copy because
+  `gradient_as_bucket_view` is off; see the DDP docs), AdamW's exp_avg and exp_avg_sq 8N. Working set:
+  with mixed precision, autocast's bf16 copies of the weights, 2N. They are not transient: autocast
+  caches each cast for the rest of the forward (`torch.autocast(cache_enabled=True)`) and the matrix
+  multiplies save the bf16 weight for their backward, so all of them live until the backward reaches
+  them (counted whole, an upper bound with activation checkpointing, which frees them block by block).
+- fsdp/hsdp (FSDP2 `fully_shard` on every block, then on the root; `MixedPrecisionPolicy(param_dtype=
+  bf16, reduce_dtype=fp32)` with mixed precision): fp32 parameters 4N/shard, fp32 gradients 4N/shard,
+  AdamW state 8N/shard (FSDP2 docs: parameters are DTensors sharded on dim 0, the optimizer steps on the
+  shards). Working set, in the param dtype (2 bytes mixed, else 4): the root unit's parameters (what is
+  not in a block: embeddings, final norm, head), unsharded from the first all-gather to the end of the
+  backward because FSDP2 does not reshard the root after forward; two blocks' all-gathered parameters
+  (the block running and the one prefetched); and the larger of a block's and the root's unsharded
+  gradients before their reduce-scatter. A model with no blocks is one unit: all of it unsharded, with
+  its gradients.
+
+Activations, with `activation_bytes_per_sample` (measured by explore, the slope of peak memory over the
+micro batch): that times the micro batch ("explore"). Otherwise an analytic estimate ("estimate") per
+token of every block, after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4.1, 34 x hidden bytes per token per layer in 16 bits without parallelism):
+- attention: the QKV input, Q, K, V and the output projection's input, 5h values; no s x s term since
+  `scaled_dot_product_attention` runs a fused (flash) kernel that keeps no score matrix;
+- MLP: the first linear's input h, the GELU's input and output 2f (f = ffn_hidden_size; 16h for 4h);
+- both LayerNorms' inputs, 2h values in fp32 (autocast runs layer_norm in fp32; the paper counts them in
+  16 bits, so this is 4h bytes above its 34h);
+- two dropout masks, 2h bytes (kept as in the paper; an upper bound when dropout is 0).
+So 2(6h + 2f) + 8h + 2h bytes per token per block in mixed precision (38h for f = 4h), 4(6h + 2f) + 8h +
+2h in fp32. With activation checkpointing only each block's input is kept (the residual stream: fp32
+under ddp's autocast, which leaves the fp32 embeddings' sum in fp32; bf16 under FSDP's bf16 parameters)
+plus one block's full activations while it is recomputed. On top: the final LayerNorm's input (fp32)
+and the head's input, and the logits: the trainer upcasts them to fp32 for the cross-entropy, so their
+peak is the log-softmax's saved fp32 output and its fp32 gradient plus the bf16 logits (10 bytes per
+logit), or three fp32 copies (12 bytes) without mixed precision.
+
+Reserve: 1 GiB (the CUDA context, cuBLAS workspaces and NCCL's buffers, none of which the caching
+allocator reports) plus 5% of everything else (the allocator's fragmentation, which grows with what is
+allocated). Pass `reserve_fixed_bytes=0` where there is no CUDA context (CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning.stages import Stage
+
+Strategy = Literal["ddp", "fsdp", "hsdp"]
+RequestedStrategy = Literal["auto", "ddp", "fsdp", "hsdp"]
+ActivationsSource = Literal["explore", "estimate"]
+
+AUTO_ORDER: tuple[Strategy, ...] = ("ddp", "hsdp", "fsdp")
+"""The order `auto` tries: least communication first."""
+
+GIB = 2**30
+RESERVE_FIXED_BYTES = GIB
+"""The fixed part of the reserve: the CUDA context, cuBLAS workspaces, NCCL buffers."""
+RESERVE_FRACTION = 0.05
+"""The proportional part of the reserve: the caching allocator's fragmentation."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model and the FLOPs count need to know of a model (no torch here).
+
+    Attributes:
+        num_params: trainable parameters (tied weights counted once).
+        num_layers: transformer blocks (the units FSDP shards one at a time); 0 when the model has none.
+        hidden_size: width of the residual stream (the token embedding's dimension).
+        vocab_size: rows of the token embedding (the logits' width).
+        ffn_hidden_size: width of the MLP's inner layer (4 x hidden for GPT, SwiGLU's intermediate size).
+        largest_block_params: parameters of the largest block (0 when num_layers is 0).
+    """
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    ffn_hidden_size: int
+    largest_block_params: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One device's memory at the peak of a training step, in bytes, by what holds it.
+
+    Attributes:
+        strategy: the parallelism the estimate is for.
+        shard_degree: devices the model state is sharded over (1: replicated).
+        parameters: the (sharded) fp32 parameters.
+        gradients: the (sharded) fp32 gradients, plus DDP's all-reduce buckets under ddp.
+        optimizer: AdamW's two moments (sharded).
+        unsharded_working_set: FSDP's all-gathered parameters and unsharded gradients in flight, or
+            autocast's bf16 weight copies under ddp.
+        activations: what the forward pass keeps for the backward, logits and loss included.
+        reserve: CUDA context, communication buffers and allocator fragmentation.
+        activations_source: "explore" (measured slope) or "estimate" (analytic).
+    """
+
+    strategy: Strategy
+    shard_degree: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    unsharded_working_set: int
+    activations: int
+    reserve: int
+    activations_source: ActivationsSource
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.unsharded_working_set
+            + self.activations
+            + self.reserve
+        )
+
+    def describe(self) -> str:
+        """One line, GiB: `31.2 GiB = params 1.2 + grads 1.2 + ... + reserve 0.7`."""
+        return (
+            f"{_gib(self.total)} GiB = params {_gib(self.parameters)} + grads {_gib(self.gradients)}"
+            f" + optimizer {_gib(self.optimizer)} + working set {_gib(self.unsharded_working_set)}"
+            f" + activations {_gib(self.activations)} ({self.activations_source})"
+            f" + reserve {_gib(self.reserve)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain ints and strings for plan.json; byte counts end in `_bytes`."""
+        return {
+            "strategy": self.strategy,
+            "shard_degree": self.shard_degree,
+            "parameters_bytes": self.parameters,
+            "gradients_bytes": self.gradients,
+            "optimizer_bytes": self.optimizer,
+            "unsharded_working_set_bytes": self.unsharded_working_set,
+            "activations_bytes": self.activations,
+            "reserve_bytes": self.reserve,
+            "total_bytes": self.total,
+            "activations_source": self.activations_source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryEstimate:
+        fields = {key.removesuffix("_bytes"): value for key, value in data.items() if key != "total_bytes"}
+        return cls(**fields)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f}"
+
+
+def shard_degree(strategy: Strategy, *, world_size: int, devices_per_node: int) -> int:
+    """Devices one copy of the model state is sharded over: ddp 1, fsdp the world, hsdp a node."""
+    if strategy == "ddp":
+        return 1
+    if strategy == "fsdp":
+        return world_size
+    return min(devices_per_node, world_size)
+
+
+def estimate_memory(
+    *,
+    shape: ModelShape,
+    strategy: Strategy,
+    world_size: int,
+    devices_per_node: int,
+    micro_batch_size: int,
+    seq_len: int,
+    mixed_precision: bool,
+    activation_checkpointing: bool,
+    activation_bytes_per_sample: float | None = None,
+    reserve_fixed_bytes: int = RESERVE_FIXED_BYTES,
+) -> MemoryEstimate:
+    """Per-device memory of one training step (the accounting is in the module docstring).
+
+    Args:
+        activation_bytes_per_sample: explore's measured slope for this activation checkpointing
+            setting; None estimates activations from the shape.
+        reserve_fixed_bytes: the reserve's fixed part; 0 where there is no CUDA context (CPU).
+    """
+    degree = shard_degree(strategy, world_size=world_size, devices_per_node=devices_per_node)
+    n = shape.num_params
+    if strategy == "ddp":
+        parameters, gradients, optimizer = 4 * n, 8 * n, 8 * n
+        working_set = 2 * n if mixed_precision else 0
+    else:
+        parameters, gradients, optimizer = (math.ceil(b * n / degree) for b in (4, 4, 8))
+        working_set = _fsdp_working_set(shape, param_bytes=2 if mixed_precision else 4)
+    source: ActivationsSource
+    if activation_bytes_per_sample is not None:
+        activations, source = round(activation_bytes_per_sample * micro_batch_size), "explore"
+    else:
+        activations = (
+            micro_batch_size
+            * seq_len
+            * _activation_bytes_per_token(
+                shape,
+                mixed_precision=mixed_precision,
+                activation_checkpointing=activation_checkpointing,
+                residual_bytes=4 if strategy == "ddp" or not mixed_precision else 2,
+            )
+        )
+        source = "estimate"
+    subtotal = parameters + gradients + optimizer + working_set + activations
+    return MemoryEstimate(
+        strategy=strategy,
+        shard_degree=degree,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        unsharded_working_set=working_set,
+        activations=activations,
+        reserve=reserve_fixed_bytes + math.ceil(RESERVE_FRACTION * subtotal),
+        activations_source=source,
+    )
+
+
+def _fsdp_working_set(shape: ModelShape, *, param_bytes: int) -> int:
+    """FSDP2's unsharded parameters and gradients at the peak, in the param dtype."""
+    if shape.num_layers == 0:
+        return 2 * shape.num_params * param_bytes
+    block = shape.largest_block_params
+    root = max(shape.num_params - shape.num_layers * block, 0)
+    gathered = root + min(2, shape.num_layers) * block
+    return (gathered + max(block, root)) * param_bytes
+
+
+def _activation_bytes_per_token(
+    shape: ModelShape, *, mixed_precision: bool, activation_checkpointing: bool, residual_bytes: int
+) -> int:
+    """Activation bytes per token of one sample (Korthikanti et al. 2022, adapted; module docstring)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    act = 2 if mixed_precision else 4
+    block = act * (6 * h + 2 * f) + 4 * 2 * h + 2 * h
+    if activation_checkpointing:
+        blocks = shape.num_layers * residual_bytes * h + (block if shape.num_layers else 0)
+    else:
+        blocks = shape.num_layers * block
+    head = 4 * h + act * h
+    logits = shape.vocab_size * (10 if mixed_precision else 12)
+    return blocks + head + logits
+
+
+def activation_bytes_per_sample(points: Sequence[tuple[int, int]]) -> float | None:
+    """Bytes per extra sample: the least-squares slope of peak memory over the micro batch.
+
+    Args:
+        points: explore's (micro_batch_size, peak_memory_bytes) pairs, all measured with one setting.
+
+    Returns:
+        The slope, clamped at 0 (noise must not make activations negative); None with fewer than two
+        distinct micro batch sizes.
+    """
+    if len({micro for micro, _ in points}) < 2:
+        return None
+    mean_x = sum(micro for micro, _ in points) / len(points)
+    mean_y = sum(peak for _, peak in points) / len(points)
+    covariance = sum((micro - mean_x) * (peak - mean_y) for micro, peak in points)
+    variance = sum((micro - mean_x) ** 2 for micro, _ in points)
+    return max(covariance / variance, 0.0)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """A stage's name and its per-device estimate."""
+
+    stage: str
+    estimate: MemoryEstimate
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The chosen strategy and its per-device estimate for every stage of the plan.
+
+    Attributes:
+        strategy: the parallelism the trainer uses.
+        stages: one estimate per stage, in the plan's order.
+        device_memory_bytes: what the estimates were checked against; None when unknown (not checked).
+    """
+
+    strategy: Strategy
+    stages: tuple[StageMemory, ...]
+    device_memory_bytes: int | None
+
+    @property
+    def peak(self) -> StageMemory:
+        """The stage that needs the most memory (the first of equals)."""
+        return _peak(self.stages)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether every stage fits the device; None when its memory is unknown."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.peak.estimate.total <= self.device_memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain ints, strings and booleans for plan.json."""
+        return {
+            "strategy": self.strategy,
+            "device_memory_bytes": self.device_memory_bytes,
+            "fits": self.fits,
+            "peak_stage": self.peak.stage,
+            "stages": [{"stage": item.stage, **item.estimate.to_dict()} for item in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemoryPlan:
+        stages = tuple(
+            StageMemory(
+                item["stage"], MemoryEstimate.from_dict({k: v for k, v in item.items() if k != "stage"})
+            )
+            for item in data["stages"]
+        )
+        return cls(strategy=data["strategy"], stages=stages, device_memory_bytes=data["device_memory_bytes"])
+
+
+def _peak(stages: Sequence[StageMemory]) -> StageMemory:
+    if not stages:
+        raise ValueError("a memory plan needs at least one stage")
+    return max(stages, key=lambda item: item.estimate.total)
+
+
+def plan_memory(
+    *,
+    requested: RequestedStrategy,
+    shape: ModelShape,
+    stages: Sequence[Stage],
+    devices_per_node: int,
+    seq_len: int,
+    mixed_precision: bool,
+    activation_checkpointing: bool,
+    activation_bytes_per_sample: float | None,
+    device_memory_bytes: int | None,
+    reserve_fixed_bytes: int = RESERVE_FIXED_BYTES,
+) -> MemoryPlan:
+    """Estimates every stage under each strategy and picks one (`choose_strategy`).
+
+    Raises:
+        BatchpilotError: the requested strategy, or with `auto` every strategy, needs more memory
+            than the device has at some stage.
+    """
+    estimates = {
+        strategy: tuple(
+            StageMemory(
+                stage.name,
+                estimate_memory(
+                    shape=shape,
+                    strategy=strategy,
+                    world_size=stage.world_size,
+                    devices_per_node=devices_per_node,
+                    micro_batch_size=stage.micro_batch_size,
+                    seq_len=seq_len,
+                    mixed_precision=mixed_precision,
+                    activation_checkpointing=activation_checkpointing,
+                    activation_bytes_per_sample=activation_bytes_per_sample,
+                    reserve_fixed_bytes=reserve_fixed_bytes,
+                ),
+            )
+            for stage in stages
+        )
+        for strategy in AUTO_ORDER
+    }
+    strategy = choose_strategy(
+        requested=requested,
+        estimates=estimates,
+        device_memory_bytes=device_memory_bytes,
+        activation_checkpointing=activation_checkpointing,
+    )
+    return MemoryPlan(strategy=strategy, stages=estimates[strategy], device_memory_bytes=device_memory_bytes)
+
+
+def choose_strategy(
+    *,
+    requested: RequestedStrategy,
+    estimates: Mapping[Strategy, Sequence[StageMemory]],
+    device_memory_bytes: int | None,
+    activation_checkpointing: bool,
+) -> Strategy:
+    """`auto`: the first of ddp, hsdp, fsdp whose largest stage estimate fits; else the requested one.
+
+    With the device memory unknown, `auto` is ddp and a requested strategy is taken unchecked.
+
+    Args:
+        estimates: per strategy, the estimate of every stage (strategies left out are not considered).
+        activation_checkpointing: whether it is on (it is suggested when nothing fits and it is off).
+
+    Raises:
+        BatchpilotError: the chosen strategy does not fit, naming the stage where it peaks and what fits.
+    """
+    if requested != "auto" and requested not in get_args(Strategy):
+        raise BatchpilotError(
+            "train.parallelism", f"unknown strategy {requested!r}", "use auto, ddp, hsdp or fsdp"
+        )
+    if device_memory_bytes is None:
+        return "ddp" if requested == "auto" else requested
+    peaks = {strategy: _peak(estimates[strategy]) for strategy in AUTO_ORDER if strategy in estimates}
+    fitting = [strategy for strategy, peak in peaks.items() if peak.estimate.total <= device_memory_bytes]
+    if requested == "auto" and fitting:
+        return fitting[0]
+    if requested in fitting:
+        return requested
+    device = f"more than the device's {_gib(device_memory_bytes)} GiB"
+    if requested == "auto":
+        smallest = min(peaks, key=lambda strategy: peaks[strategy].estimate.total)
+        problem = f"no strategy fits: even {smallest} needs {peaks[smallest].estimate.describe()} per device at stage {peaks[smallest].stage}, {device}"
+    else:
+        peak = peaks[requested]
+        problem = f"{requested} needs {peak.estimate.describe()} per device at stage {peak.stage}, {device}"
+    if fitting:
+        fix = "use " + " or ".join(f"{s} (peak {_gib(peaks[s].estimate.total)} GiB)" for s in fitting)
+    else:
+        checkpointing = "" if activation_checkpointing else "set train.activation_checkpointing: true, "
+        fix = f"lower batch.micro_batch_size, {checkpointing}or use more devices (fsdp's share shrinks as the world grows)"
+    raise BatchpilotError("train.parallelism", problem, fix)
