@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -84,3 +85,26 @@ def trainer_ranks(output_dir: str) -> dict[int, int]:
         if "batchpilot" in argv and "train" in argv and "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
             ranks[int(env["RANK"])] = pid
     return ranks
+
+
+def launch(plan: str, out: Path, **kwargs) -> subprocess.Popen:
+    """Starts `batchpilot launch --stage final` of `plan` in the background (stdout and stderr together)."""
+    args = ["launch", "--plan", plan, "--stage", "final", "--output-dir", str(out)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchpilot", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
+
+
+def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Waits until `metrics` holds `steps` lines, failing with the job's output if it ends first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics} did not reach {steps} steps")

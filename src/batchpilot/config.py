@@ -139,6 +139,18 @@ class ClusterConfig(_Section):
     image: str | None = Field(
         None, description="gke: container image of the trainers, e.g. REGISTRY/batchpilot:0.1.0"
     )
+    device_memory_bytes: ByteSize | None = Field(
+        None,
+        description="memory of one accelerator, e.g. 80GB (none: from accelerator_type's entry in the "
+        "device table, batchpilot.planning.devices; local: explore.memory_budget_bytes); the plan checks "
+        "every stage's per-device memory estimate against it",
+    )
+    device_peak_flops: float | None = Field(
+        None,
+        gt=0,
+        description="dense bf16 peak FLOP/s of one accelerator, e.g. 989e12 (none: from the device table); "
+        "gives MFU in metrics.jsonl and the report",
+    )
     namespace: str = Field("batchpilot", description="gke: Kubernetes namespace of the jobs")
     service_account: str = Field(
         "batchpilot", description="gke: Kubernetes service account of the trainer pods (Workload Identity)"
@@ -324,6 +336,12 @@ class TrainConfig(_Section):
         "checked between steps); a preemption without time to checkpoint loses at most this (0: off)",
     )
     seed: int = 0
+    parallelism: Literal["auto", "ddp", "fsdp", "hsdp"] = Field(
+        "auto",
+        description="ddp: a full replica per device; fsdp: parameters, gradients and optimizer state sharded "
+        "over all devices (FSDP2); hsdp: sharded within a node, replicated across nodes; auto: the first of "
+        "ddp, hsdp, fsdp whose per-device memory estimate fits every stage",
+    )
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     compile: bool = Field(False, description="torch.compile the model")
     precision: Literal["auto", "fp32", "bf16"] = Field(

@@ -3,6 +3,7 @@ arguments. `make_run_document` is the one place where the plan's micro batch is 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -18,6 +19,14 @@ from batchpilot.planning import (
     maxtext_rampup,
     megatron_rampup,
     plan_stages,
+)
+from batchpilot.planning.devices import device_memory_bytes
+from batchpilot.planning.memory import (
+    RESERVE_FIXED_BYTES,
+    MemoryPlan,
+    ModelShape,
+    activation_bytes_per_sample,
+    plan_memory,
 )
 from batchpilot.planning.stages import sample_ranges
 from batchpilot.rundoc import MicroBatchSource, RunDocument
@@ -61,8 +70,22 @@ def lr_schedule(config: Config) -> LRSchedule:
     )
 
 
+def check_parallelism(config: Config) -> None:
+    """Refuses model parallelism the trainer does not implement (it would be planned, then ignored)."""
+    for key in ("pipeline_parallel_size", "tensor_parallel_size"):
+        value = getattr(config.batch, key)
+        if value > 1:
+            raise BatchpilotError(
+                f"batch.{key}",
+                f"is {value}, but the trainer implements data parallelism only (ddp, fsdp, hsdp: "
+                "train.parallelism), not pipeline or tensor parallelism",
+                f"set batch.{key}: 1 and shard the model with train.parallelism: fsdp or hsdp",
+            )
+
+
 def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
     """Validates every stage of the config's ramp-up and schedules its nodes."""
+    check_parallelism(config)
     return plan_stages(
         schedule=batch_schedule(config),
         total_samples=config.total_samples,
@@ -156,12 +179,74 @@ def explore_summary(explore: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def mixed_precision(config: Config) -> bool:
+    """Whether the trainers will compute in bf16: `train.precision: bf16`, or `auto` on a GPU pool (local
+    runs are planned as CPU runs)."""
+    precision = config.train.precision
+    on_gpu = config.cluster.backend == "gke" and config.cluster.accelerator_type is not None
+    return precision == "bf16" or (precision == "auto" and on_gpu)
+
+
+def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) -> float | None:
+    """Activation memory per sample from explore's fitting probes of the trained setting (the slope of the
+    per-device peak over the micro batch), or None when explore did not measure two sizes of it."""
+    if explore is None:
+        return None
+    points = [
+        (int(p["micro_batch_size"]), int(p["peak_memory_bytes"]))
+        for p in explore.get("probes", [])
+        if p.get("fits")
+        and p.get("peak_memory_bytes")
+        and bool(p.get("activation_checkpointing")) == config.train.activation_checkpointing
+        and not p.get("compile")
+    ]
+    return activation_bytes_per_sample(points)
+
+
+def memory_plan(
+    config: Config, plan: Plan, *, shape: ModelShape, explore: dict[str, Any] | None
+) -> MemoryPlan:
+    """Per-device memory of every stage and the strategy (`train.parallelism`, auto resolved); refuses a
+    strategy that does not fit the device. Local runs check against explore's CPU memory budget."""
+    cluster = config.cluster
+    local = cluster.backend == "local"
+    device_memory = cluster.device_memory_bytes or (
+        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
+    )
+    return plan_memory(
+        requested=config.train.parallelism,
+        shape=shape,
+        stages=plan.stages,
+        devices_per_node=cluster.devices_per_node,
+        seq_len=config.data.seq_len,
+        mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=explored_activation_bytes(config, explore),
+        device_memory_bytes=device_memory,
+        reserve_fixed_bytes=0 if local or cluster.accelerator_type is None else RESERVE_FIXED_BYTES,
+    )
+
+
+def probe_parallelism(config: Config, shape: ModelShape) -> str:
+    """The strategy explore's probes run under, so that they measure what the stages will run: the
+    config's, or for `auto` the one the memory model picks at micro batch 1 (fsdp when even that does
+    not fit: explore then finds out what does)."""
+    if config.train.parallelism != "auto":
+        return config.train.parallelism
+    plan = build_plan(config, micro_batch_size=1)
+    try:
+        return memory_plan(config, plan, shape=shape, explore=None).strategy
+    except BatchpilotError:
+        return "fsdp"
+
+
 def make_run_document(
     config: Config,
     *,
     micro_batch_size: int | None = None,
     explore: dict[str, Any] | None = None,
     samples_per_s_per_device: float | None = None,
+    shape: ModelShape | None = None,
 ) -> RunDocument:
     """Config (+ explore.json, + an override) -> the validated run document with every stage.
 
@@ -170,6 +255,8 @@ def make_run_document(
         micro_batch_size: an explicit override of the micro batch (None: the config's, else explore's).
         explore: the parsed explore.json, when an exploration ran.
         samples_per_s_per_device: throughput for the cost estimate (default: explore's measurement).
+        shape: the model's shape (a meta-device build, `train.shape`): gives the per-device memory of every
+            stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
     """
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
     if samples_per_s_per_device is not None and samples_per_s_per_device <= 0:
@@ -177,6 +264,11 @@ def make_run_document(
             "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"
         )
     plan = build_plan(config, micro_batch_size=micro)
+    memory = memory_plan(config, plan, shape=shape, explore=explore) if shape is not None else None
+    requested = config.train.parallelism
+    plan = replace(
+        plan, parallelism=memory.strategy if memory else "ddp" if requested == "auto" else requested
+    )
     throughput = samples_per_s_per_device
     if throughput is None and explore is not None:
         throughput = explored_throughput(explore, micro_batch_size=micro)
@@ -187,4 +279,5 @@ def make_run_document(
         explore=explore_summary(explore) if explore is not None else None,
         cost=estimate_cost(plan, samples_per_s_per_device=throughput) if throughput else None,
         notes=tuple(notes),
+        memory=memory,
     )

@@ -15,13 +15,14 @@ from typing import Any
 
 from batchpilot.files import write_atomically
 from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.table import plan_table
 from batchpilot.rundoc import RunDocument
 
 
-def plan_markdown(plan: Plan, cost: CostEstimate | None = None) -> str:
+def plan_markdown(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> str:
     """The stage table as Markdown (the KFP UI renders it), with its footer lines."""
-    table = plan_table(plan, cost)
+    table = plan_table(plan, cost, memory)
     lines = [
         "| " + " | ".join(c.name for c in table.columns) + " |",
         "| " + " | ".join("---" if c.align == "left" else "---:" for c in table.columns) + " |",
@@ -30,9 +31,9 @@ def plan_markdown(plan: Plan, cost: CostEstimate | None = None) -> str:
     return "\n".join(lines) + "\n\n" + "\n\n".join(table.footer) + "\n"
 
 
-def plan_html(plan: Plan, cost: CostEstimate | None = None) -> str:
+def plan_html(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> str:
     """The stage table as an HTML table, with its footer lines."""
-    table = plan_table(plan, cost)
+    table = plan_table(plan, cost, memory)
     head = "".join(f"<th>{html.escape(c.name)}</th>" for c in table.columns)
     rows = "".join(
         "<tr>"
@@ -105,6 +106,8 @@ def write_report(
     """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics."""
     plan, cost = document.plan, document.cost
     summary: dict[str, float] = {"num_stages": len(plan.stages), "micro_batch_size": plan.micro_batch_size}
+    if document.memory is not None:
+        summary["estimated_peak_memory_gib_per_device"] = document.memory.peak.estimate.total / 2**30
     if cost is not None:
         summary.update(estimated_hours=cost.duration_s / 3600, estimated_node_hours=cost.node_hours)
     if records:
@@ -114,13 +117,16 @@ def write_report(
             trained_samples=float(records[-1]["consumed_samples"]),
             mean_tokens_per_s=sum(r["tokens_per_s"] for r in records) / len(records),
         )
+        mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
+        if mfu:
+            summary["mean_mfu"] = sum(mfu) / len(mfu)
         noise = [r["noise_scale"] for r in records if r.get("noise_scale")]
         if noise:
             summary["noise_scale_last"] = float(noise[-1])
     parts = [f"<h1>batchpilot run: {html.escape(document.config.name)}</h1>"]
     if explore is not None:
         parts.append(_explore_section(explore, explore_html))
-    parts.append("<h2>Plan</h2>" + plan_html(plan, cost))
+    parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
     for title, png in ramp_and_loss_figures(plan, records):
         parts.append(
             f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
@@ -135,7 +141,7 @@ def write_report(
         + "</body></html>\n",
     )
     if markdown_path is not None:
-        write_atomically(markdown_path, plan_markdown(plan, cost))
+        write_atomically(markdown_path, plan_markdown(plan, cost, document.memory))
     return summary
 
 

@@ -18,8 +18,9 @@ from batchpilot import __version__
 from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.memory import MemoryPlan
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MicroBatchSource = Literal["config", "explore", "override"]
 
 
@@ -40,6 +41,8 @@ class RunDocument:
         explore: what the plan used of explore.json (its recommendation and noise-scale estimate), or None.
         cost: durations and node-hours, when a per-device throughput was measured or given.
         notes: why the plan is what it is (e.g. the explored size that was not taken), for people.
+        memory: the per-device memory estimate of every stage under the chosen strategy (None when the
+            plan was made without the model's shape).
     """
 
     config: Config
@@ -48,6 +51,7 @@ class RunDocument:
     explore: dict[str, Any] | None = None
     cost: CostEstimate | None = None
     notes: tuple[str, ...] = ()
+    memory: MemoryPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         config = self.config.model_dump(mode="json")
@@ -68,6 +72,7 @@ class RunDocument:
             "explore": self.explore,
             "cost": cost,
             "run_notes": list(self.notes),
+            "memory": self.memory.to_dict() if self.memory else None,
             **self.plan.to_dict(),
         }
 
@@ -104,6 +109,7 @@ def parse_run_document(text: str, *, source: str = "plan.json") -> RunDocument:
         explore=data.get("explore"),
         cost=_cost_from_dict(cost) if cost else None,
         notes=tuple(data.get("run_notes", ())),
+        memory=MemoryPlan.from_dict(data["memory"]) if data.get("memory") else None,
     )
 
 

@@ -140,11 +140,14 @@ def plan(
 ) -> RunDocument:
     """The validated run document; with `expected_num_stages` (a compiled pipeline's), refuses another
     stage count before anything is resized."""
+    from batchpilot.train.shape import model_shape  # torch: only where a plan is made
+
     document = make_run_document(
         config,
         micro_batch_size=micro_batch_size,
         explore=explore,
         samples_per_s_per_device=samples_per_s_per_device,
+        shape=model_shape(factory=config.model.factory, args=config.model.args),
     )
     count = len(document.plan.stages)
     if expected_num_stages is not None and count != expected_num_stages:
@@ -155,6 +158,12 @@ def plan(
         )
     for note in document.notes:
         logger.info(note)
+    if document.memory is not None:
+        peak = document.memory.peak
+        logger.info(
+            "parallelism %s (train.parallelism: %s): at most %s per device (%s)",
+            document.plan.parallelism, config.train.parallelism, peak.estimate.describe(), peak.stage,
+        )  # fmt: skip
     return document
 
 

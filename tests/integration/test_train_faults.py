@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,15 @@ import torch
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE
 from batchpilot.train.checkpoint import Checkpointer
 from batchpilot.train.metrics import read_metrics
-from helpers import processes_with, run_batchpilot, tiny_config, trainer_ranks, write_plan
+from helpers import (
+    launch,
+    processes_with,
+    run_batchpilot,
+    tiny_config,
+    trainer_ranks,
+    wait_for_steps,
+    write_plan,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,29 +42,8 @@ def one_stage_config(data_uri: str, root: Path, **overrides) -> dict:
     )
 
 
-def launch(plan: str, out: Path, **kwargs) -> subprocess.Popen:
-    args = ["launch", "--plan", plan, "--stage", "final", "--output-dir", str(out)]
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchpilot", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kwargs,
-    )
-
-
-def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    raise AssertionError(f"{metrics} did not reach {steps} steps")
-
-
 def final_weights(root: Path) -> dict[str, torch.Tensor]:
-    return Checkpointer(uri=f"file://{root}/ckpt").load().model
+    return Checkpointer(uri=f"file://{root}/ckpt").load().full_state()["model"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""A 3-stage ramp-up on 1 -> 2 -> 2 local nodes (torchx local_cwd) is the same training as one job."""
+"""A 3-stage ramp-up on 1 -> 2 -> 2 local nodes (torchx local_cwd) is the same training as one job, under
+DDP and under FSDP (where the 1 -> 2 node change reshards the checkpoint: one process's whole tensors
+become two ranks' shards)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ def audited_positions(output_dir: Path) -> list[tuple[int, int, list[int]]]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def staged_and_single(demo_data_uri, tmp_path_factory):
-    root = tmp_path_factory.mktemp("stages")
-    staged = tiny_config(data_uri=demo_data_uri, checkpoint_uri=f"file://{root}/staged/ckpt")
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def staged_and_single(demo_data_uri, tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(f"stages-{request.param}")
+    staged = tiny_config(
+        data_uri=demo_data_uri, checkpoint_uri=f"file://{root}/staged/ckpt", train__parallelism=request.param
+    )
     plan = write_plan(root / "staged", staged)
     logs = []
     for stage in ("0", "1", "2"):
@@ -37,7 +41,9 @@ def staged_and_single(demo_data_uri, tmp_path_factory):
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         logs.append(result.stdout)
-    single = tiny_config(data_uri=demo_data_uri, checkpoint_uri=f"file://{root}/single/ckpt")
+    single = tiny_config(
+        data_uri=demo_data_uri, checkpoint_uri=f"file://{root}/single/ckpt", train__parallelism=request.param
+    )
     plan = write_plan(root / "single", single)
     result = run_batchpilot(
         "train", "--plan", plan, "--stage", "all",
@@ -55,6 +61,21 @@ def test_stages_run_on_their_planned_node_counts_and_say_when_done(staged_and_si
     assert "final done" in logs[2] and "training complete" in logs[2]
     worlds = {(r["stage"], r["world_size"]) for r in read_metrics(root / "staged" / "out" / "metrics.jsonl")}
     assert worlds == {(0, 1), (1, 2), (2, 2)}
+    strategy = json.loads((root / "staged" / "plan.json").read_text())["parallelism"]
+    assert f"saved by 1 process(es) under {strategy}" in logs[1]
+    if strategy == "fsdp":
+        assert "fsdp: parameters sharded 2 ways" in logs[1]
+
+
+def test_each_rank_writes_its_own_checkpoint_files(staged_and_single):
+    root, _ = staged_and_single
+    ckpt = root / "staged" / "ckpt"
+    latest = (ckpt / "latest").read_text().strip()
+    meta = json.loads((ckpt / latest / "meta.json").read_text())
+    assert meta["format"] == "sharded" and meta["world_size"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng.pt"} <= set(meta["files"])
+    for name in meta["files"]:
+        assert (ckpt / latest / name).stat().st_size == meta["files"][name]["size_bytes"]
 
 
 def test_every_sample_is_consumed_exactly_once(staged_and_single):

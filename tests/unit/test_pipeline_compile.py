@@ -75,7 +75,8 @@ def inner_tasks(spec: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("name", "stages"), [("demo.yaml", 4), ("nemo_gpt3_5b.yaml", 8), ("maxtext_per_device.yaml", 4)]
+    ("name", "stages"),
+    [("demo.yaml", 4), ("nemo_gpt3_5b.yaml", 8), ("llama_5b.yaml", 8), ("maxtext_per_device.yaml", 4)],
 )
 def test_stage_groups_run_in_order(compiled, name, stages):
     tasks = inner_tasks(compiled[name])

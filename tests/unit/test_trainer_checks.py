@@ -1,10 +1,13 @@
 """Checks the trainer makes before it touches a model: resume point, data order, vocabulary, stages."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 from torch import nn
 
 from batchpilot.config import parse_config
+from batchpilot.data.storage import LocalStorage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planner import build_plan
 from batchpilot.train.checkpoint import Checkpoint
@@ -24,7 +27,14 @@ def demo_config(**data):
 
 
 def checkpoint(consumed: int, meta: dict | None = None) -> Checkpoint:
-    return Checkpoint(step=1, consumed_samples=consumed, model={}, optimizer={}, rng={}, meta=meta or {})
+    return Checkpoint(
+        step=1,
+        consumed_samples=consumed,
+        rng={},
+        meta=meta or {},
+        folder="000000001",
+        storage=LocalStorage(Path(".")),
+    )
 
 
 def test_resume_point_must_lie_in_the_stages():
@@ -102,17 +112,18 @@ def test_one_rank_measures_noise_and_coherence_from_its_micro_batches():
 
     from batchpilot.models.gpt import build
     from batchpilot.train.distributed import DistContext
+    from batchpilot.train.parallel import wrap_model
     from batchpilot.train.step import accumulate_gradients
 
     torch.manual_seed(0)
     model = build(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     batches = [torch.randint(0, 64, (4, 17)) for _ in range(4)]
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     outcome = accumulate_gradients(
         model=model,
-        wrapped=model,
-        hook=None,
+        parallel=wrap_model(model, ctx, strategy="fsdp", bf16=False),  # one process: the bare model
         micro_batches=batches,
-        ctx=DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu")),
+        ctx=ctx,
         autocast=contextlib.nullcontext,
         stop_requested=lambda: False,
         measure_noise=True,

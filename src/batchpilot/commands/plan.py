@@ -14,6 +14,7 @@ from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
 from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.table import plan_table
 
 
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="")
         return 0
     console = wide_console()
-    print_plan(config.name, document.plan, document.cost, console=console)
+    print_plan(config.name, document.plan, document.cost, document.memory, console=console)
     if document.cost is None:
         console.print(
             "add --samples-per-s-per-device (or --explore explore.json) for durations and node-hours"
@@ -83,9 +84,11 @@ def wide_console() -> Console:
     return console if console.is_terminal else Console(width=140, soft_wrap=True)
 
 
-def print_plan(name: str, plan: Plan, cost: CostEstimate | None, *, console: Console) -> None:
+def print_plan(
+    name: str, plan: Plan, cost: CostEstimate | None, memory: MemoryPlan | None = None, *, console: Console
+) -> None:
     """The stage table (the one plan-table model, rendered with rich) and its footer lines."""
-    model = plan_table(plan, cost)
+    model = plan_table(plan, cost, memory)
     table = Table(title=f"batchpilot plan: {name}", title_justify="left")
     for column in model.columns:
         table.add_column(column.name, justify="left" if column.align == "left" else "right")

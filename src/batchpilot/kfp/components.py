@@ -63,7 +63,7 @@ def plan(
     )
     text = document.to_json()
     Path(plan_file.path).write_text(text)
-    Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost))
+    Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost, document.memory))
     if run_dir:
         workflow.keep_copies(run_dir, {"plan.json": Path(plan_file.path), "plan.md": Path(plan_table.path)})
     return text

@@ -56,6 +56,8 @@ class Plan:
     max_nodes: int
     lr_schedule: LRSchedule
     notes: tuple[str, ...] = ()
+    parallelism: str = "ddp"
+    """How the trainers spread the model: ddp, fsdp or hsdp (train.parallelism, `auto` resolved)."""
 
     @property
     def trained_samples(self) -> int:
@@ -96,6 +98,7 @@ class Plan:
             "devices_per_node": self.devices_per_node,
             "max_nodes": self.max_nodes,
             "lr_schedule": asdict(self.lr_schedule),
+            "parallelism": self.parallelism,
             "notes": list(self.notes),
             "stages": [asdict(stage) for stage in self.stages],
         }
@@ -110,6 +113,7 @@ class Plan:
             max_nodes=data["max_nodes"],
             lr_schedule=LRSchedule(**data["lr_schedule"]),
             notes=tuple(data.get("notes", ())),
+            parallelism=data["parallelism"],
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchpilot.planning.cost import CostEstimate
+from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.stages import Plan
 from batchpilot.planning.units import short_count
 
@@ -29,9 +30,16 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:,.2f}"
 
 
-def plan_table(plan: Plan, cost: CostEstimate | None = None) -> PlanTable:
-    """The stage table of `plan`, with duration and node-hour columns when `cost` is given."""
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
+
+
+def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> PlanTable:
+    """The stage table of `plan`, with duration and node-hour columns when `cost` is given and the
+    per-device memory estimate when `memory` is."""
     names = ["stage", "batch", "samples", "steps", "nodes", "dp", "micro", "accum", "lr"]
+    if memory is not None:
+        names += ["mem/device"]
     if cost is not None:
         names += ["est. hours", "node-hours"]
     columns = tuple(Column(name, "left" if name == "stage" else "right") for name in names)
@@ -48,14 +56,36 @@ def plan_table(plan: Plan, cost: CostEstimate | None = None) -> PlanTable:
             str(stage.gradient_accumulation_steps),
             f"{stage.lr:.2e}",
         ]
+        if memory is not None:
+            row += [_gib(memory.stages[stage.index].estimate.total)]
         if cost is not None:
             stage_cost = cost.stages[stage.index]
             row += [_hours(stage_cost.duration_s), f"{stage_cost.node_hours:,.2f}"]
         rows.append(tuple(row))
-    return PlanTable(columns=columns, rows=tuple(rows), footer=plan_footer(plan, cost))
+    return PlanTable(columns=columns, rows=tuple(rows), footer=plan_footer(plan, cost, memory))
 
 
-def plan_footer(plan: Plan, cost: CostEstimate | None) -> tuple[str, ...]:
+def memory_line(plan: Plan, memory: MemoryPlan) -> str:
+    """The strategy and the per-device memory of the stage where it peaks, against the device's."""
+    peak = memory.peak
+    estimate = peak.estimate
+    spread = (
+        "full replicas"
+        if estimate.shard_degree == 1
+        else f"sharded {estimate.shard_degree} ways"
+        + (" within a node" if plan.parallelism == "hsdp" else "")
+    )
+    device = (
+        f" of the device's {_gib(memory.device_memory_bytes)}"
+        if memory.device_memory_bytes
+        else " (device memory unknown: set cluster.device_memory_bytes to check it)"
+    )
+    return (
+        f"parallelism {plan.parallelism} ({spread}): {estimate.describe()} per device at {peak.stage}{device}"
+    )
+
+
+def plan_footer(plan: Plan, cost: CostEstimate | None, memory: MemoryPlan | None = None) -> tuple[str, ...]:
     """The final stage's batch arithmetic, the totals, the plan's notes and the cost summary."""
     final = plan.stages[-1]
     lines = [
@@ -65,6 +95,8 @@ def plan_footer(plan: Plan, cost: CostEstimate | None) -> tuple[str, ...]:
         f"{plan.devices_per_node} device(s))",
         f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, {plan.trained_samples:,} samples",
     ]
+    if memory is not None:
+        lines.append(memory_line(plan, memory))
     lines += [f"note: {note}" for note in plan.notes]
     if cost is not None:
         lines.append(

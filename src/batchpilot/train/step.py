@@ -1,15 +1,26 @@
 """One optimizer step's forward/backward passes with gradient accumulation.
 
 Each micro-batch's loss is the mean token loss of its samples divided by the accumulation steps, and
-DDP averages over ranks, so the accumulated gradient is the gradient of the mean loss over the global
-batch whatever the split (world x accumulation x micro). DDP synchronises only on the last micro-batch
-(`no_sync` on the others).
+the gradient reduction averages over ranks, so the accumulated gradient is the gradient of the mean loss
+over the global batch whatever the split (world x accumulation x micro).
 
-Out of memory (CUDA): all ranks agree after every micro-batch (and before the last, synchronising
-backward) whether any rank ran out; if so, every rank drops the step's partial gradients and the trainer
-retries the same global batch with half the micro batch. An OOM *inside* the last micro-batch's backward
-cannot be agreed on (the other ranks are already in its all-reduce), so it fails the job; the stage then
-restarts from its last checkpoint.
+- DDP synchronises only on the last micro-batch (`no_sync` on the others). Out of memory (CUDA): all
+  ranks agree after every micro-batch (and before the last, synchronising backward) whether any rank ran
+  out; if so, every rank drops the step's partial gradients and the trainer retries the same global batch
+  with half the micro batch. An OOM *inside* the last micro-batch's backward cannot be agreed on (the
+  other ranks are already in its all-reduce), so it fails the job; the stage then restarts from its last
+  checkpoint.
+- FSDP/HSDP reduce-scatter every micro-batch's gradients into the shards (no unsharded gradient is kept
+  between passes). Their forward and backward passes are full of collectives (a block's parameters are
+  all-gathered before it runs), so an OOM on one rank cannot be agreed on at all: `accumulate_sharded`
+  raises `UnagreedOutOfMemory` and the trainer records the halved micro batch and ends the job, whose
+  retry resumes from the last checkpoint with it (trainer.py).
+
+Gradient noise scale (McCandlish et al. 2018, appendix A) needs the squared norm of a small-batch and a
+big-batch gradient. DDP: each rank's own accumulated gradient (batch micro x accumulation) before the
+all-reduce vs the global one. FSDP/HSDP: there is no rank-local gradient (every backward reduces), so the
+small batch is the first accumulation pass over all ranks (micro x world), read from the shards after
+the first backward; it needs accumulation >= 2.
 """
 
 from __future__ import annotations
@@ -21,53 +32,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.parallel import Parallel, dot, gradients, squared_norm
 
 # Testing hook: simulate a device on which micro-batches larger than this run out of memory (rank 0).
 INJECT_OOM_ENV = "BATCHPILOT_INJECT_OOM_ABOVE_MICRO_BATCH"
 
 
-@dataclass
-class LocalNormHook:
-    """DDP communication hook state: the squared norm of this rank's gradient before the all-reduce."""
+class UnagreedOutOfMemory(Exception):
+    """This rank ran out of memory where the other ranks cannot be told (inside FSDP's collectives)."""
 
-    world_size: int
-    sq_norm: torch.Tensor | None = None
-
-    def reset(self) -> None:
-        self.sq_norm = None
-
-
-def _allreduce_with_local_norm(state, bucket):
-    """DDP's default mean all-reduce, recording the local squared norm on the way (one norm per bucket).
-
-    No annotations: DDP compares them with `dist.GradBucket` at run time, and postponed (string)
-    annotations would fail that check.
-    """
-    buffer = bucket.buffer()
-    # float64: DDP regroups buckets after its first iteration, so the per-bucket sums must not depend on grouping.
-    local = buffer.detach().double().pow(2).sum()
-    state.sq_norm = local if state.sq_norm is None else state.sq_norm + local
-    buffer.div_(state.world_size)
-    future = dist.all_reduce(buffer, async_op=True).get_future()
-    return future.then(lambda done: done.value()[0])
-
-
-def wrap_model(model: nn.Module, ctx: DistContext) -> tuple[nn.Module, LocalNormHook | None]:
-    """DDP across ranks (with the local-norm hook) or the bare model on one rank."""
-    _install_oom_injection(model, ctx)
-    if not ctx.distributed:
-        return model, None
-    hook = LocalNormHook(world_size=ctx.world_size)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
-    ddp.register_comm_hook(hook, _allreduce_with_local_norm)
-    return ddp, hook
+    def __init__(self, micro_batch_size: int) -> None:
+        super().__init__(f"out of memory at micro batch {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
 
 
 @dataclass
@@ -87,10 +68,11 @@ def _grad_vector(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().flatten().float() for p in model.parameters() if p.grad is not None])
 
 
-def _install_oom_injection(model: nn.Module, ctx: DistContext) -> None:
+def install_oom_injection(model: nn.Module, ctx: DistContext) -> None:
     """Testing hook (INJECT_OOM_ENV): rank 0 raises a CUDA OOM inside forward for larger micro-batches.
 
-    It fires inside the module's forward, after DDP's own pre-forward work, as a real OOM would.
+    Installed before the model is wrapped, it fires after DDP's or FSDP's own pre-forward work (FSDP's
+    root all-gather included), inside the forward as a real OOM would.
     """
     limit = os.environ.get(INJECT_OOM_ENV)
     if limit is None or ctx.rank != 0:
@@ -150,8 +132,7 @@ def _abandon(model: nn.Module, *, out_of_memory: bool) -> StepOutcome:
 def accumulate_gradients(
     *,
     model: nn.Module,
-    wrapped: nn.Module,
-    hook: LocalNormHook | None,
+    parallel: Parallel,
     micro_batches: Sequence[torch.Tensor],
     ctx: DistContext,
     autocast: Callable[[], contextlib.AbstractContextManager],
@@ -160,6 +141,17 @@ def accumulate_gradients(
     measure_coherence: bool,
 ) -> StepOutcome:
     """Runs every micro-batch; agrees with all ranks on OOM or stop requests at each boundary."""
+    if parallel.sharded:
+        return accumulate_sharded(
+            model=model,
+            micro_batches=micro_batches,
+            ctx=ctx,
+            autocast=autocast,
+            stop_requested=stop_requested,
+            measure_noise=measure_noise,
+            measure_coherence=measure_coherence,
+        )
+    wrapped, hook = parallel.wrapped, parallel.hook
     accumulation = len(micro_batches)
     micro = micro_batches[0].shape[0]
     total_loss = 0.0
@@ -199,4 +191,45 @@ def accumulate_gradients(
         outcome.small_sq_norm, outcome.small_batch = float(hook.sq_norm), micro * accumulation
     elif noise_from_first and first_grad is not None:
         outcome.small_sq_norm, outcome.small_batch = float(first_grad.pow(2).sum()), micro
+    return outcome
+
+
+def accumulate_sharded(
+    *,
+    model: nn.Module,
+    micro_batches: Sequence[torch.Tensor],
+    ctx: DistContext,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    stop_requested: Callable[[], bool],
+    measure_noise: bool,
+    measure_coherence: bool,
+) -> StepOutcome:
+    """FSDP/HSDP: every micro-batch's backward reduces into the shards; stop requests are agreed between
+    passes; an OOM raises UnagreedOutOfMemory (see the module docstring)."""
+    accumulation = len(micro_batches)
+    micro = micro_batches[0].shape[0]
+    total_loss = 0.0
+    outcome = StepOutcome(completed=False)
+    first: list[torch.Tensor] | None = None
+    for index, batch in enumerate(micro_batches):
+        try:
+            loss = micro_batch_loss(model, batch.to(ctx.device, non_blocking=True), autocast())
+            (loss / accumulation).backward()
+        except torch.cuda.OutOfMemoryError:
+            raise UnagreedOutOfMemory(micro) from None
+        total_loss += loss.item()
+        if index < accumulation - 1 and ctx.any_true(stop_requested())[0]:
+            return _abandon(model, out_of_memory=False)
+        if index == 0 and accumulation > 1 and measure_noise:
+            # The mean gradient of the first pass over all ranks: batch micro x world.
+            outcome.small_sq_norm = squared_norm(gradients(model), scale=accumulation)
+            outcome.small_batch = micro * ctx.world_size
+        if index == 0 and accumulation > 1 and measure_coherence:
+            first = [g.clone() for g in gradients(model)]  # a sharded copy: 1/shard_degree of the model
+        if index == 1 and first is not None and measure_coherence:
+            second = [g - f for g, f in zip(gradients(model), first, strict=True)]
+            norms = squared_norm(first) * squared_norm(second)
+            outcome.coherence = dot(first, second) / norms**0.5 if norms > 0 else None
+    outcome.completed = True
+    outcome.loss = total_loss / accumulation
     return outcome

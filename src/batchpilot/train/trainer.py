@@ -8,8 +8,10 @@ training (stage, batch, accumulation, LR, data order) is a function of `consumed
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
 import resource
 import signal
 import sys
@@ -17,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -25,15 +27,26 @@ from torch import nn
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.sampling import rank_micro_batches
+from batchpilot.data.storage import ObjectNotFound
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.planning.devices import device_peak_flops
+from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA
-from batchpilot.train.step import StepOutcome, accumulate_gradients, wrap_model
+from batchpilot.train.parallel import Parallel, Strategy, global_sum, wrap_model
+from batchpilot.train.shape import model_shape
+from batchpilot.train.state import restore_training_state, training_state
+from batchpilot.train.step import (
+    StepOutcome,
+    UnagreedOutOfMemory,
+    accumulate_gradients,
+    install_oom_injection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +67,66 @@ def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Opti
     return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8)
 
 
+MICRO_BATCH_OBJECT = "micro_batch.json"
+"""Beside the checkpoints: the micro batch each stage was halved to after running out of memory, so a
+retried or resumed stage starts with the size that fits (`{"stages": {"<index>": size}}`)."""
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def autocast_factory(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if use_bf16:
+def uses_bf16(device: torch.device, precision: str) -> bool:
+    """`train.precision`: auto is bf16 on CUDA and fp32 elsewhere."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def autocast_factory(
+    device: torch.device, precision: str, parallel: Parallel | None = None
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """bf16 autocast over fp32 weights (bare model and DDP); FSDP's mixed-precision policy casts itself."""
+    if uses_bf16(device, precision) and not (parallel is not None and parallel.mixed_precision):
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def device_peak(config: Config, device: torch.device, *, bf16: bool) -> float | None:
+    """The bf16 peak FLOP/s of one device (`cluster.device_peak_flops`, else the device table by the pool's
+    accelerator type or the CUDA device's name); None for fp32 training or an unknown device."""
+    if config.cluster.device_peak_flops is not None:
+        return config.cluster.device_peak_flops
+    if not bf16:
+        return None
+    if device.type == "cuda":
+        return peak_bf16_flops(torch.cuda.get_device_name(device))
+    return device_peak_flops(config.cluster.accelerator_type)
+
+
+def model_flops_per_token(config: Config) -> float:
+    """Training FLOPs per token of the config's model (6N plus attention, planning/flops.py)."""
+    shape = model_shape(factory=config.model.factory, args=config.model.args)
+    return flops_per_token(
+        num_params=shape.num_params,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        seq_len=config.data.seq_len,
+    )
+
+
+def read_micro_batch_overrides(checkpointer: Checkpointer) -> dict[int, int]:
+    """The halved micro batches recorded by earlier attempts (MICRO_BATCH_OBJECT), by stage index."""
+    try:
+        data = json.loads(checkpointer.storage.read(MICRO_BATCH_OBJECT))
+    except ObjectNotFound:
+        return {}
+    return {int(index): int(size) for index, size in data["stages"].items()}
+
+
+def write_micro_batch_overrides(checkpointer: Checkpointer, overrides: dict[int, int]) -> None:
+    data = {"stages": {str(index): size for index, size in sorted(overrides.items())}}
+    checkpointer.storage.write(MICRO_BATCH_OBJECT, json.dumps(data, indent=2).encode())
 
 
 def data_order(config: Config) -> dict[str, Any]:
@@ -141,8 +203,7 @@ class _Loop:
     plan: Plan
     stages: list[Stage]
     model: nn.Module
-    wrapped: nn.Module
-    hook: Any
+    parallel: Parallel
     optimizer: torch.optim.Optimizer
     loader: TokenLoader
     checkpointer: Checkpointer
@@ -152,6 +213,8 @@ class _Loop:
     step: int
     audit_dir: Path | None
     autocast: Callable[[], contextlib.AbstractContextManager]
+    flops_per_token: float = 0.0
+    peak_flops: float | None = None
     noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
     micro_override: dict[int, int] = field(default_factory=dict)
     stop_requested: bool = False
@@ -173,7 +236,10 @@ class _Loop:
                     why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
                 )
             stage = self.plan.stage_at(self.consumed)
-            outcome, micro, accumulation, step_time_s, lr = self._attempt(stage)
+            try:
+                outcome, micro, accumulation, step_time_s, lr = self._attempt(stage)
+            except UnagreedOutOfMemory as error:
+                self._end_after_unagreed_oom(stage, error.micro_batch_size)
             if outcome.stopped:
                 return self._preempted()
             if outcome.out_of_memory:
@@ -217,8 +283,7 @@ class _Loop:
         )
         outcome = accumulate_gradients(
             model=self.model,
-            wrapped=self.wrapped,
-            hook=self.hook,
+            parallel=self.parallel,
             micro_batches=batches,
             ctx=self.ctx,
             autocast=self.autocast,
@@ -230,14 +295,21 @@ class _Loop:
             self._audit(stage, micro)
         return outcome, micro, accumulation, time.perf_counter() - started, lr
 
-    def _halve_micro_batch(self, stage: Stage, micro: int) -> None:
+    def _halved(self, stage: Stage, micro: int) -> int:
         if micro % 2:
             raise BatchpilotError(
                 "batch.micro_batch_size",
                 f"out of memory at micro batch {micro} in {stage.name}, which cannot be halved evenly",
                 "use a smaller micro batch (batchpilot explore finds one that fits)",
             )
-        self.micro_override[stage.index] = micro // 2
+        return micro // 2
+
+    def _halve_micro_batch(self, stage: Stage, micro: int) -> None:
+        self.micro_override[stage.index] = self._halved(stage, micro)
+        if self.ctx.device.type == "cuda":  # peak_memory_bytes reports the attempts that fit, not this one
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        if self.ctx.is_main:
+            write_micro_batch_overrides(self.checkpointer, self.micro_override)
         log(
             self.ctx,
             f"out of memory at micro_batch_size={micro} (agreed by all ranks): retrying the same global batch "
@@ -245,11 +317,27 @@ class _Loop:
             f"gradient_accumulation_steps={stage.global_batch_size // (micro // 2 * self.ctx.world_size)}",
         )
 
+    def _end_after_unagreed_oom(self, stage: Stage, micro: int) -> NoReturn:
+        """Under FSDP an OOM happens inside collectives the other ranks wait in: record the halved size where
+        the retry reads it, and end this process at once (torchrun, or the pod's exit, stops the others)."""
+        self.micro_override[stage.index] = self._halved(stage, micro)
+        write_micro_batch_overrides(self.checkpointer, self.micro_override)
+        logger.error(
+            "rank %d ran out of memory at micro_batch_size=%d in %s under %s, inside the collectives of a "
+            "sharded pass where the ranks cannot agree to retry: recorded micro_batch_size=%d in %s; the "
+            "stage's retry resumes from the last checkpoint with it",
+            self.ctx.rank, micro, stage.name, self.parallel.strategy, micro // 2,
+            f"{self.checkpointer.uri.rstrip('/')}/{MICRO_BATCH_OBJECT}",
+        )  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
     def _finish_step(
         self, stage: Stage, outcome: StepOutcome, micro: int, accumulation: int, step_time_s: float, lr: float
     ) -> None:
         clip = self.config.train.grad_clip or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = global_sum(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.consumed += stage.global_batch_size
@@ -263,6 +351,12 @@ class _Loop:
                 b_small=outcome.small_batch,
                 b_big=stage.global_batch_size,
             )
+        tokens_per_s = stage.global_batch_size * self.config.data.seq_len / step_time_s
+        mfu = (
+            tokens_per_s * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
+            if self.peak_flops
+            else None
+        )
         record = {
             "step": self.step,
             "consumed_samples": self.consumed,
@@ -274,7 +368,8 @@ class _Loop:
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": stage.global_batch_size * self.config.data.seq_len / step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
             "step_time_s": step_time_s,
             "peak_memory_bytes": peak_memory_bytes(self.ctx.device),
             "noise_scale": noise_scale,
@@ -290,6 +385,7 @@ class _Loop:
             return
         self.last_log_s = now
         noise = f" | noise scale {record['noise_scale']:,.0f}" if record["noise_scale"] else ""
+        noise += f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
         log(
             self.ctx,
             f"{stage.name} step {self.step} | samples {self.consumed:,}/{stage.end_sample:,} | batch "
@@ -314,26 +410,25 @@ class _Loop:
     def _save(self, why: str = "") -> None:
         if self.saved_step == self.step:
             return
-        if self.ctx.is_main:
-            if self.metrics is not None:
-                # Before `latest` moves: the copy always covers the checkpoint's steps (a resume truncates
-                # the steps after it), even when the process dies between the two writes.
-                self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
-            where = self.checkpointer.save(
-                step=self.step,
-                consumed_samples=self.consumed,
-                model=self.model.state_dict(),
-                optimizer=self.optimizer.state_dict(),
-                rng=capture_rng_state(),
-                extra={
-                    "world_size": self.ctx.world_size,
-                    "stage": self.plan.stage_at(self.consumed - 1).index,
-                    "data_order": data_order(self.config),
-                    "noise_scale_ema": self.noise.state_dict(),
-                },
-            )
-            log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}")
-        self.ctx.barrier()
+        if self.metrics is not None:
+            # Before `latest` moves: the copy always covers the checkpoint's steps (a resume truncates
+            # the steps after it), even when the process dies between the two writes.
+            self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
+        # Every rank writes its own shards; returns when the checkpoint is complete everywhere.
+        where = self.checkpointer.save_sharded(
+            step=self.step,
+            consumed_samples=self.consumed,
+            state=training_state(self.model, self.optimizer),
+            rng=capture_rng_state(),
+            extra={
+                "world_size": self.ctx.world_size,
+                "parallelism": self.parallel.strategy,
+                "stage": self.plan.stage_at(self.consumed - 1).index,
+                "data_order": data_order(self.config),
+                "noise_scale_ema": self.noise.state_dict(),
+            },
+        )
+        log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}")
         self.saved_step = self.step
         self.last_save_s = time.monotonic()
 
@@ -405,18 +500,21 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
     check_vocabulary(model, vocab_size=loader.vocab_size)
     set_activation_checkpointing(model, config.train.activation_checkpointing)
     model.to(ctx.device)
-    optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint.model)
-        optimizer.load_state_dict(checkpoint.optimizer)
-        restore_rng_state(checkpoint.rng)
-        log(
-            ctx,
-            f"resumed from step {checkpoint.step} ({consumed:,} samples) of {config.train.checkpoint_uri}",
-        )
     if config.train.compile:
         model.compile()
-    wrapped, hook = wrap_model(model, ctx)
+    install_oom_injection(model, ctx)
+    strategy: Strategy = plan.parallelism  # type: ignore[assignment]
+    parallel = wrap_model(model, ctx, strategy=strategy, bf16=uses_bf16(ctx.device, config.train.precision))
+    optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)  # after sharding: on the shards
+    if checkpoint is not None:
+        restore_training_state(checkpoint, model, optimizer)
+        restore_rng_state(checkpoint.rng)
+        saved = checkpoint.meta.get("parallelism", "ddp")
+        log(
+            ctx,
+            f"resumed from step {checkpoint.step} ({consumed:,} samples) of {config.train.checkpoint_uri} "
+            f"(saved by {checkpoint.meta.get('world_size', '?')} process(es) under {saved})",
+        )
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a previous run's marker is not this run's
     metrics = MetricsLog(output_dir / "metrics.jsonl") if ctx.is_main else None
@@ -431,8 +529,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         plan=plan,
         stages=stages,
         model=model,
-        wrapped=wrapped,
-        hook=hook,
+        parallel=parallel,
         optimizer=optimizer,
         loader=loader,
         checkpointer=checkpointer,
@@ -441,16 +538,20 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         consumed=consumed,
         step=checkpoint.step if checkpoint else 0,
         audit_dir=audit_dir,
-        autocast=autocast_factory(ctx.device, config.train.precision),
+        autocast=autocast_factory(ctx.device, config.train.precision, parallel),
+        flops_per_token=model_flops_per_token(config),
+        peak_flops=device_peak(config, ctx.device, bf16=uses_bf16(ctx.device, config.train.precision)),
         preempted_file=output_dir / PREEMPTED_FILE,
     )
     loop.saved_step = loop.step if checkpoint else -1
+    loop.micro_override = read_micro_batch_overrides(checkpointer)
     if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:
         loop.noise.load_state_dict(checkpoint.meta["noise_scale_ema"])
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))
     log(
         ctx,
-        f"training {', '.join(s.name for s in stages)} on {ctx.world_size} process(es) ({ctx.device.type}) from sample {consumed:,}",
+        f"training {', '.join(s.name for s in stages)} on {ctx.world_size} process(es) ({ctx.device.type}, "
+        f"{parallel.describe()}) from sample {consumed:,}",
     )
     try:
         return loop.run()

@@ -1,0 +1,152 @@
+"""How the model is spread over the ranks: DDP replicas, or FSDP2 shards on a 1-D or 2-D device mesh.
+
+- `ddp`: a full fp32 replica per rank; gradients are all-reduced once per optimizer step (the local-norm
+  hook records each rank's gradient norm for the noise scale, see step.py).
+- `fsdp`: `fully_shard` on every block of `model.blocks`, then on the root, over one mesh dimension of all
+  ranks: parameters, gradients and AdamW state are split `world_size` ways.
+- `hsdp`: the same on a 2-D mesh `(dp_replicate, dp_shard)` = `(nodes, devices per node)`: sharded
+  within a node, replicated across nodes, so per-device memory does not depend on the node count.
+
+On a single process every strategy is the bare model (nothing to shard or replicate). With bf16 on a
+GPU, FSDP runs its mixed-precision policy (bf16 parameters and compute, fp32 gradient reductions, fp32
+sharded master weights and optimizer state); DDP uses autocast over its fp32 replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.train.distributed import DistContext
+
+Strategy = Literal["ddp", "fsdp", "hsdp"]
+
+
+@dataclass
+class LocalNormHook:
+    """DDP communication hook state: the squared norm of this rank's gradient before the all-reduce."""
+
+    world_size: int
+    sq_norm: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.sq_norm = None
+
+
+def _allreduce_with_local_norm(state, bucket):
+    """DDP's default mean all-reduce, recording the local squared norm on the way (one norm per bucket).
+
+    No annotations: DDP compares them with `dist.GradBucket` at run time, and postponed (string)
+    annotations would fail that check.
+    """
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    # float64: DDP regroups buckets after its first iteration, so the per-bucket sums must not depend on grouping.
+    local = buffer.detach().double().pow(2).sum()
+    state.sq_norm = local if state.sq_norm is None else state.sq_norm + local
+    buffer.div_(state.world_size)
+    future = dist.all_reduce(buffer, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0])
+
+
+@dataclass
+class Parallel:
+    """The model as the loop runs it.
+
+    Attributes:
+        strategy: what was asked (`ddp`, `fsdp`, `hsdp`).
+        wrapped: the module whose forward the loop calls (DDP wrapper, or the model itself).
+        hook: DDP's local-norm hook (None otherwise).
+        sharded: the gradients are FSDP shards (DTensors) reduced after every backward.
+        shard_degree: ranks one parameter is split over (1: replicas).
+        mixed_precision: bf16 parameters and compute under FSDP's policy (autocast is then not used).
+    """
+
+    strategy: Strategy
+    wrapped: nn.Module
+    hook: LocalNormHook | None
+    sharded: bool
+    shard_degree: int
+    mixed_precision: bool
+
+    def describe(self) -> str:
+        if self.sharded:
+            precision = "bf16 compute, fp32 reductions" if self.mixed_precision else "fp32"
+            return f"{self.strategy}: parameters sharded {self.shard_degree} ways ({precision})"
+        return f"{self.strategy}: full replicas"
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP shards one at a time: `model.blocks` (a ModuleList), else none (the root only)."""
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: bool) -> Parallel:
+    """Spreads `model` (already on `ctx.device`) over the ranks; see the module docstring."""
+    if not ctx.distributed:
+        return Parallel(strategy, model, None, sharded=False, shard_degree=1, mixed_precision=False)
+    if strategy == "ddp":
+        hook = LocalNormHook(world_size=ctx.world_size)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        ddp.register_comm_hook(hook, _allreduce_with_local_norm)
+        return Parallel(strategy, ddp, hook, sharded=False, shard_degree=1, mixed_precision=False)
+    if strategy == "hsdp":
+        if ctx.world_size % ctx.local_world_size:
+            raise BatchpilotError(
+                "train.parallelism",
+                f"hsdp needs whole nodes: world {ctx.world_size} is not a multiple of {ctx.local_world_size} "
+                "processes per node",
+                "launch every node with the same number of processes",
+            )
+        shape = (ctx.world_size // ctx.local_world_size, ctx.local_world_size)
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+        degree = ctx.local_world_size
+    else:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
+        degree = ctx.world_size
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for block in model_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return Parallel(strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16)
+
+
+def global_sum(value: torch.Tensor) -> float:
+    """A reduction over sharded gradients as one number (DTensor partial sums are added over the mesh)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return float(value)
+
+
+def gradients(model: nn.Module) -> list[torch.Tensor]:
+    """The model's gradients (local tensors, or DTensor shards under FSDP)."""
+    return [p.grad.detach() for p in model.parameters() if p.grad is not None]
+
+
+def squared_norm(grads: list[torch.Tensor], *, scale: float = 1.0) -> float:
+    """The squared L2 norm of the whole gradient `scale x grads`, across shards."""
+    if not grads:
+        return 0.0
+    total = sum((g.double() * scale).pow(2).sum() for g in grads)
+    return global_sum(total)  # type: ignore[arg-type]
+
+
+def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The inner product of two gradients laid out alike, across shards."""
+    total = sum((x.double() * y.double()).sum() for x, y in zip(a, b, strict=True))
+    return global_sum(total)  # type: ignore[arg-type]

@@ -1,0 +1,99 @@
+"""Sharded (DCP) checkpoints through the storage layer on one process, and `full` checkpoints of earlier
+versions loading into the current trainer's state. Several ranks: tests/integration/test_train_fsdp.py and
+test_train_stages.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.models.gpt import build
+from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+from batchpilot.train.state import restore_training_state, training_state
+from batchpilot.train.trainer import make_optimizer
+
+ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32}
+
+
+def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and its AdamW after two steps (so the optimizer holds moments and a step count)."""
+    torch.manual_seed(seed)
+    model = build(**ARGS)
+    optimizer = make_optimizer(model, weight_decay=0.1)
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2
+    for _ in range(2):
+        batch = torch.randint(0, 32, (4, 9))
+        logits = model(batch[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(123)
+    model = build(**ARGS)
+    return model, make_optimizer(model, weight_decay=0.1)
+
+
+def assert_same_state(a: tuple, b: tuple) -> None:
+    for (name, pa), pb in zip(a[0].named_parameters(), b[0].parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    sa, sb = training_state(*a)["optimizer"], training_state(*b)["optimizer"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for name, moments in sa["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, sb["state"][name][key]), (name, key)
+
+
+def test_sharded_round_trip_with_checksums(tmp_path):
+    source = trained()
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}")
+    where = checkpointer.save_sharded(
+        step=2,
+        consumed_samples=8,
+        state=training_state(*source),
+        rng=capture_rng_state(),
+        extra={"world_size": 1},
+    )
+    assert where == f"file://{tmp_path}/000000002"
+    checkpoint = checkpointer.load()
+    assert checkpoint.sharded and checkpoint.consumed_samples == 8
+    assert {"__0_0.distcp", ".metadata", "rng.pt"} <= set(checkpoint.meta["files"])
+    target = fresh()
+    restore_training_state(checkpoint, *target)
+    assert_same_state(source, target)
+    assert set(checkpoint.full_state()["model"]) == set(source[0].state_dict())
+
+
+def test_a_corrupted_shard_is_refused(tmp_path):
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}")
+    checkpointer.save_sharded(
+        step=1, consumed_samples=4, state=training_state(*trained()), rng=capture_rng_state()
+    )
+    shard = tmp_path / "000000001" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(BatchpilotError, match=r"__0_0\.distcp: is corrupted"):
+        restore_training_state(checkpointer.load(), *fresh())
+
+
+def test_full_checkpoints_of_earlier_versions_keep_loading(tmp_path):
+    """The format before sharding: model.pt and optimizer.pt (parameters numbered by position)."""
+    source = trained()
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}")
+    checkpointer.save(
+        step=2,
+        consumed_samples=8,
+        model=source[0].state_dict(),
+        optimizer=source[1].state_dict(),
+        rng=capture_rng_state(),
+    )
+    checkpoint = checkpointer.load()
+    assert not checkpoint.sharded
+    target = fresh()
+    restore_training_state(checkpoint, *target)
+    assert_same_state(source, target)
