@@ -167,6 +167,17 @@ def plan(
     return document
 
 
+def preflight(config: Config) -> RunDocument | None:
+    """What `config check` and `compile` verify before any accelerator is asked for: with an integer micro
+    batch the whole plan (stages, node schedule, memory); with `explore`, the plan at micro batch 1, so a
+    strategy that cannot even hold the model is refused now. Returns the document when the micro batch is
+    known."""
+    if config.batch.micro_batch_size != "explore":
+        return plan(config)
+    plan(config, micro_batch_size=1)
+    return None
+
+
 def expected_stage_count(config: Config) -> int:
     """The stage count a pipeline compiled from `config` has (independent of the micro batch)."""
     return num_stages(config)

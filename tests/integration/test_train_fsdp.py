@@ -1,4 +1,5 @@
-"""FSDP2 on 2 local processes (gloo): the same training as DDP, exact resume after kill -9, out of memory.
+"""FSDP2 on 2 local processes (gloo): the same training as DDP, exact resume after kill -9 and SIGTERM
+(with a loading host), out of memory.
 
 Stage changes between node counts under FSDP (resharding) are in test_train_stages.py.
 """
@@ -14,10 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchpilot.exitcodes import EXIT_PREEMPTED
 from batchpilot.train.checkpoint import Checkpointer
 from batchpilot.train.metrics import read_metrics
 from batchpilot.train.shape import model_shape
-from helpers import launch, run_batchpilot, tiny_config, trainer_ranks, wait_for_steps, write_plan
+from helpers import (
+    launch,
+    processes_with,
+    run_batchpilot,
+    tiny_config,
+    trainer_ranks,
+    wait_for_steps,
+    write_plan,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +139,28 @@ def test_out_of_memory_under_fsdp_ends_the_job_and_the_retry_trains_with_half(ru
     reference = read_metrics(runs["fsdp"] / "out" / "metrics.jsonl")
     for a, b in zip(metrics, reference, strict=True):  # the same global batches, split finer
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_sigterm_under_fsdp_with_a_loading_host_resumes_exactly(runs, demo_data_uri, tmp_path):
+    """Preemption under FSDP while one loading host reads for both nodes (data.expansion_factor_real_data
+    2): the ranks agree between passes, every rank writes its shards, and the resumed run ends with the
+    same parameters as the uninterrupted one (which read on both hosts: the data order is the same)."""
+    config = two_rank_config(demo_data_uri, tmp_path, "fsdp", data__expansion_factor_real_data=2.0)
+    plan = write_plan(tmp_path, config)
+    out = tmp_path / "out"
+    proc = launch(plan, out)
+    wait_for_steps(out / "metrics.jsonl", random.Random().randint(5, STEPS - 10), proc)
+    agents = [
+        pid for pid, argv, _ in processes_with(str(out)) if any(a.endswith("torchrun") for a in argv[:2])
+    ]
+    for pid in agents:
+        os.kill(pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    checkpoint = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    assert checkpoint.meta["parallelism"] == "fsdp" and checkpoint.step < STEPS
+    result = train_final(plan, out)
+    assert result.returncode == 0, result.stdout[-3000:]
+    expected, actual = weights(runs["fsdp"]), weights(tmp_path)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name

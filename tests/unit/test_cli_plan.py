@@ -158,3 +158,51 @@ def test_config_schema_and_check(capsys, tmp_path):
     assert "8 stage(s) valid" in capsys.readouterr().out
     assert main(["config", "check", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def nemo_with_train(tmp_path, **train):
+    data = yaml.safe_load(Path(NEMO).read_text())
+    data["train"].update(train)
+    return write(tmp_path, data)
+
+
+def test_nemo_5b_plans_sharded_and_fits_an_h100(capsys):
+    """auto: ddp's full replicas cannot fit 80 GB with this model; the plan shards within a node."""
+    assert main(["plan", "--config", NEMO, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["parallelism"] == "hsdp"
+    memory = document["memory"]
+    assert memory["device_memory_bytes"] == 81559 * 2**20  # an H100 80GB as nvidia-smi reports it
+    peak = max(stage["total_bytes"] for stage in memory["stages"])
+    assert 20 * 2**30 < peak < memory["device_memory_bytes"]
+    assert len(memory["stages"]) == len(document["stages"])
+
+
+@pytest.mark.parametrize("command", [["plan", "--config"], ["config", "check"], ["compile", "--config"]])
+def test_ddp_for_the_5b_model_is_refused_before_anything_runs(tmp_path, capsys, command):
+    config = nemo_with_train(tmp_path, parallelism="ddp")
+    out = tmp_path / "pipeline.yaml"
+    extra = ["--out", str(out)] if command[0] == "compile" else []
+    assert main([*command, config, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("batchpilot: error: train.parallelism: ddp needs ")
+    assert "more than the device's 79.6 GiB (fix: use hsdp" in err
+    assert not out.exists()
+
+
+def test_device_memory_override_decides(tmp_path, capsys):
+    """A device with 200 GB holds ddp replicas of the 5B model; auto then takes ddp."""
+    data = yaml.safe_load(Path(NEMO).read_text())
+    data["cluster"]["device_memory_bytes"] = "200GB"
+    assert main(["plan", "--config", write(tmp_path, data), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parallelism"] == "ddp"
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel_size", "tensor_parallel_size"])
+def test_model_parallelism_is_refused_until_implemented(tmp_path, capsys, key):
+    assert main(["plan", "--config", write(tmp_path, nemo_with(**{key: 2}))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"batchpilot: error: batch.{key}: is 2, but the trainer implements data parallelism only"
+    )

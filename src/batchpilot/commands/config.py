@@ -25,12 +25,13 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from batchpilot import workflow
+
     config = load_config(args.file)
-    if config.batch.micro_batch_size == "explore":
+    document = workflow.preflight(config)
+    if document is None:
         detail = "stage divisibility is checked once the micro batch is explored"
     else:
-        from batchpilot import workflow
-
-        detail = f"{len(workflow.plan(config).plan.stages)} stage(s) valid"
+        detail = f"{len(document.plan.stages)} stage(s) valid"
     print(f"{args.file}: ok (name={config.name}, {config.total_samples:,} samples, {detail})")
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from batchpilot.config import Config, load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
-from batchpilot.workflow import expected_stage_count
+from batchpilot.workflow import expected_stage_count, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def compile_pipeline(config: Config, *, image: str | None = None, target: str = 
     from batchpilot.kfp.pipeline import build_pipeline
 
     check_target(target)
+    preflight(config)  # a config that cannot run is refused before a pipeline exists
     pipeline = build_pipeline(config, image=image)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.yaml"

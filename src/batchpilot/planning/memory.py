@@ -131,13 +131,15 @@ class MemoryEstimate:
         )
 
     def describe(self) -> str:
-        """One line, GiB: `31.2 GiB = params 1.2 + grads 1.2 + ... + reserve 0.7`."""
-        return (
-            f"{_gib(self.total)} GiB = params {_gib(self.parameters)} + grads {_gib(self.gradients)}"
-            f" + optimizer {_gib(self.optimizer)} + working set {_gib(self.unsharded_working_set)}"
-            f" + activations {_gib(self.activations)} ({self.activations_source})"
-            f" + reserve {_gib(self.reserve)}"
+        """One line in GiB (MiB below 1 GiB): `31.2 GiB = params 1.2 + grads 1.2 + ... + reserve 0.7`."""
+        unit, size = ("GiB", GIB) if self.total >= GIB else ("MiB", 2**20)
+        parts = (
+            f"params {self.parameters / size:.1f} + grads {self.gradients / size:.1f}"
+            f" + optimizer {self.optimizer / size:.1f} + working set {self.unsharded_working_set / size:.1f}"
+            f" + activations {self.activations / size:.1f} ({self.activations_source})"
+            f" + reserve {self.reserve / size:.1f}"
         )
+        return f"{self.total / size:.1f} {unit} = {parts}"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain ints and strings for plan.json; byte counts end in `_bytes`."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from batchpilot.planning.cost import CostEstimate
 from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.stages import Plan
-from batchpilot.planning.units import short_count
+from batchpilot.planning.units import format_bytes, short_count
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,6 @@ class PlanTable:
 
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:,.2f}"
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:,.1f} GiB"
 
 
 def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> PlanTable:
@@ -57,7 +53,7 @@ def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan 
             f"{stage.lr:.2e}",
         ]
         if memory is not None:
-            row += [_gib(memory.stages[stage.index].estimate.total)]
+            row += [format_bytes(memory.stages[stage.index].estimate.total)]
         if cost is not None:
             stage_cost = cost.stages[stage.index]
             row += [_hours(stage_cost.duration_s), f"{stage_cost.node_hours:,.2f}"]
@@ -76,7 +72,7 @@ def memory_line(plan: Plan, memory: MemoryPlan) -> str:
         + (" within a node" if plan.parallelism == "hsdp" else "")
     )
     device = (
-        f" of the device's {_gib(memory.device_memory_bytes)}"
+        f" of the device's {format_bytes(memory.device_memory_bytes)}"
         if memory.device_memory_bytes
         else " (device memory unknown: set cluster.device_memory_bytes to check it)"
     )

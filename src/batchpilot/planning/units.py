@@ -96,3 +96,10 @@ def short_count(value: int) -> str:
         if value >= scale:
             return f"{value / scale:.3g}{suffix}"
     return f"{value:,}"
+
+
+def format_bytes(value: float) -> str:
+    """`46.7 GiB`, or `312.5 MiB` below a GiB (memory estimates and budgets)."""
+    if value >= 2**30:
+        return f"{value / 2**30:,.1f} GiB"
+    return f"{value / 2**20:,.1f} MiB"
