@@ -39,8 +39,16 @@ CONTRACT_RECOMMENDATION_KEYS = {
 }
 
 
-def explore_config(tmp_path: Path, data_uri: str, *, factory: str | None = None, **explore) -> str:
-    config = tiny_config(data_uri=data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt")
+def explore_config(
+    tmp_path: Path,
+    data_uri: str,
+    *,
+    factory: str | None = None,
+    sections: dict[str, object] | None = None,
+    **explore,
+) -> str:
+    """The tiny config with an explore section; `sections` overrides other keys (`cluster__devices_per_node`)."""
+    config = tiny_config(data_uri=data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt", **(sections or {}))
     config["batch"]["micro_batch_size"] = "explore"
     config["explore"] = {
         "max_probes": 5,

@@ -1,15 +1,11 @@
-"""Plan notes of a recommendation, the study's advice, and the probe process runner (timeouts, crashes)."""
+"""Plan notes of a recommendation and the study's advice (the probe process runner: test_explore_process.py)."""
 
 from __future__ import annotations
 
-import sys
-import textwrap
-
 import pytest
 
-from batchpilot.explore.process import run_child
 from batchpilot.explore.recommend import Recommendation, Topology, plan_notes
-from batchpilot.explore.records import RESULT_MARKER, ProbeResult, Setting
+from batchpilot.explore.records import ProbeResult, Setting
 from batchpilot.explore.search import SearchState
 from batchpilot.explore.study import MultiplierResult, advise, format_samples
 
@@ -143,45 +139,6 @@ def test_an_unmeasurable_noise_scale_says_so_instead_of_guessing():
     )
     assert report.critical_batch_size is None and report.recommended_global_batch_size is None
     assert "not measurable" in report.reasoning[0]
-
-
-@pytest.fixture
-def child_module(tmp_path, monkeypatch):
-    def write(body: str) -> str:
-        (tmp_path / "fake_probe.py").write_text(textwrap.dedent(body))
-        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-        return "fake_probe"
-
-    return write
-
-
-def test_a_hanging_probe_is_killed_at_its_timeout(child_module):
-    module = child_module("import time\ntime.sleep(60)\n")
-    data, reason = run_child(module=module, payload="{}", timeout_s=1.0)
-    assert data is None and reason.startswith("timed out after 1 s")
-
-
-def test_a_crashing_probe_reports_its_last_error_line(child_module):
-    module = child_module(
-        "import sys\nprint('Traceback ...', file=sys.stderr)\nprint('RuntimeError: bad', file=sys.stderr)\nsys.exit(3)\n"
-    )
-    data, reason = run_child(module=module, payload="{}", timeout_s=30)
-    assert data is None and reason == "the probe process exited with 3: RuntimeError: bad"
-
-
-def test_only_the_marked_line_is_the_result(child_module):
-    module = child_module(
-        f"import sys, json\nprint('model chatter {{\"fits\": false}}')\nprint('{RESULT_MARKER} ' + json.dumps(json.loads(sys.stdin.read())))\n"
-    )
-    data, _ = run_child(module=module, payload='{"fits": true}', timeout_s=30)
-    assert data == {"fits": True}
-
-
-def test_a_killed_probe_names_the_signal(child_module):
-    module = child_module("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    data, reason = run_child(module=module, payload="{}", timeout_s=30)
-    assert data is None and "killed by SIGKILL" in reason
-    assert sys.platform.startswith("linux")
 
 
 def test_batch_sizes_are_printed_for_people_and_small_noise_scales_are_not_zero():

@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "batchpilot"
 ROOT = "batchpilot"
 """The package's own `__init__` (only `__version__`), a package of its own."""
 
-EVERYONE = frozenset({ROOT, "threads"})
+EVERYONE = frozenset({ROOT, "threads", "ports"})
 """Standard library only (+ errors): any module may import these."""
 
 ALLOWED: dict[str, frozenset[str]] = {
@@ -27,6 +27,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "logs": frozenset({"errors"}),
     "exitcodes": frozenset({"errors"}),
     "threads": frozenset({"errors"}),
+    "ports": frozenset(),
     "images": frozenset({"errors"}),
     "planning": frozenset({"planning", "errors"}),
     "config": frozenset({"config", "planning", "errors"}),
@@ -64,7 +65,7 @@ IMPORTED_ONLY_BY: dict[str, frozenset[str]] = {
 """Package -> the only packages that may import it (nothing below it does)."""
 
 STANDARD_LIBRARY_ONLY = frozenset(
-    {ROOT, "errors", "files", "logs", "exitcodes", "threads", "images", "planning"}
+    {ROOT, "errors", "files", "logs", "exitcodes", "threads", "ports", "images", "planning"}
 )
 """Packages whose third-party imports must all be standard library."""
 

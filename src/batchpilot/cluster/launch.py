@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -27,15 +26,10 @@ from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.planning import Stage
+from batchpilot.ports import free_port
 from batchpilot.threads import local_trainer_threads
 
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "explore",
         help="measure the fastest micro batch that fits one device, and the critical batch size",
-        description="Runs probes (one fresh process each) of micro batch x activation checkpointing, prints "
+        description="Runs probes (fresh processes each: one, or a node of devices_per_node under fsdp/hsdp, "
+        "as the stages run) of micro batch x activation checkpointing, prints "
         "a recommendation after every probe, then studies the effective batch at the recommended size. "
         "Writes explore.json, explore.html and explore_metrics.json.",
     )

@@ -5,6 +5,11 @@ happened to the measurement; the model's own prints cannot be mistaken for it. A
 probe means a CUDA out-of-memory error (or a fragmented allocator) cannot poison the next probe, and the
 peak resident memory of the process is the peak of this one configuration.
 
+Under fsdp/hsdp a probe is `ProbeRequest.processes` such processes (one per device of a node, see
+process.py): each joins the process group, reads its own samples, runs the trainer's sharded passes and
+reports its own peak; the pass times are the slowest rank's. A rank that runs out of memory reports it
+and exits; its peers, stuck in its collectives, are killed by the parent.
+
 On CPU there is no out-of-memory error to catch before the machine swaps or the kernel kills the
 process, so a watchdog thread compares the resident set with `memory_budget_bytes` every few
 milliseconds and ends the probe as soon as it is exceeded (the search then knows the size does not fit
@@ -24,14 +29,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
-from batchpilot.explore.records import RESULT_MARKER, ProbeRequest, ProbeResult, timing_from_steps
+from batchpilot.explore.records import (
+    RESULT_MARKER,
+    ProbeRequest,
+    ProbeResult,
+    factory_errors,
+    pair_ratios,
+    timing_from_steps,
+)
 from batchpilot.models.factory import build_model, set_activation_checkpointing
-from batchpilot.train.step import micro_batch_loss
-from batchpilot.train.trainer import autocast_factory, check_vocabulary, make_optimizer, peak_memory_bytes
+from batchpilot.train.distributed import DistContext
+from batchpilot.train.parallel import Parallel, Strategy, wrap_model
+from batchpilot.train.step import UnagreedOutOfMemory, accumulate_gradients
+from batchpilot.train.trainer import (
+    autocast_factory,
+    check_vocabulary,
+    make_optimizer,
+    peak_memory_bytes,
+    uses_bf16,
+)
 
 WATCHDOG_INTERVAL_S = 0.005
 MAX_TIMED_STEPS = 200
@@ -52,14 +73,60 @@ def resident_bytes() -> int:
 
 @dataclass
 class Session:
-    """A model, its optimizer and the real data loader, set up for one probe or one study."""
+    """A model as the stages run it (wrapped by the strategy), its optimizer and this rank's real data.
+
+    Attributes:
+        model: the model (under fsdp/hsdp its parameters are this rank's shards).
+        parallel: the strategy's wrapping (the bare model on one process).
+        ctx: this process's rank and device; a pass reads `micro x world` samples, this rank's share.
+    """
 
     model: nn.Module
+    parallel: Parallel
+    ctx: DistContext
     optimizer: torch.optim.Optimizer
     loader: TokenLoader
-    device: torch.device
     autocast: Callable[[], contextlib.AbstractContextManager[Any]]
     consumed_samples: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    def next_micro_batches(self, micro_batch_size: int, accumulation: int = 1) -> list[torch.Tensor]:
+        """This rank's micro batches of the next `micro x world x accumulation` samples, on the device."""
+        global_batch_size = micro_batch_size * self.ctx.world_size * accumulation
+        batches = self.loader.micro_batches(
+            consumed_samples=self.consumed_samples,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=accumulation,
+        )
+        self.consumed_samples += global_batch_size
+        return [batch.to(self.device) for batch in batches]
+
+    def backward(self, micro_batches: list[torch.Tensor]) -> None:
+        """The trainer's forward + backward passes (`accumulate_gradients`, under the strategy).
+
+        Raises:
+            torch.cuda.OutOfMemoryError: this rank ran out of memory (inside a sharded pass the other
+                ranks cannot be told: the parent ends the whole probe).
+        """
+        try:
+            outcome = accumulate_gradients(
+                model=self.model,
+                parallel=self.parallel,
+                micro_batches=micro_batches,
+                ctx=self.ctx,
+                autocast=self.autocast,
+                stop_requested=lambda: False,
+                measure_noise=False,
+                measure_coherence=False,
+            )
+        except UnagreedOutOfMemory:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory inside a sharded pass") from None
+        if not outcome.completed:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     def timed_pass(self, micro_batch_size: int, activation_checkpointing: bool | None = None) -> float:
         """Seconds of one forward + backward pass on the next micro batch; then an untimed optimizer step.
@@ -68,17 +135,10 @@ class Session:
         """
         if activation_checkpointing is not None:
             set_activation_checkpointing(self.model, activation_checkpointing)
-        (batch,) = self.loader.micro_batches(
-            consumed_samples=self.consumed_samples,
-            global_batch_size=micro_batch_size,
-            micro_batch_size=micro_batch_size,
-            gradient_accumulation_steps=1,
-        )
-        self.consumed_samples += micro_batch_size
-        batch = batch.to(self.device)
+        batches = self.next_micro_batches(micro_batch_size)
         _synchronize(self.device)
         started = time.perf_counter()
-        micro_batch_loss(self.model, batch, self.autocast()).backward()
+        self.backward(batches)
         _synchronize(self.device)
         elapsed = time.perf_counter() - started
         self.optimizer.step()
@@ -88,36 +148,38 @@ class Session:
 
 @contextlib.contextmanager
 def open_session(request: ProbeRequest) -> Iterator[Session]:
-    """Opens the data and builds the model; user errors (dataset, factory) raise BatchpilotError."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and request.cpu_threads:
+    """Joins the probe's process group, opens this rank's data, builds and wraps the model as the trainer
+    does; user errors (dataset, factory) raise BatchpilotError."""
+    ctx = DistContext.from_env()
+    if ctx.device.type == "cpu" and request.cpu_threads:
         torch.set_num_threads(request.cpu_threads)
     torch.manual_seed(request.seed)
     loader = TokenLoader(
         uri=request.data_uri,
         seq_len=request.seq_len,
         seed=request.seed,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        local_world_size=ctx.local_world_size,
         split=request.split,
         verify_checksums=request.verify_checksums,
     )
     try:
-        try:
+        with factory_errors(request.factory):
             model = build_model(factory=request.factory, args=request.model_args)
-        except BatchpilotError:
-            raise
-        except Exception as error:  # the user's factory itself failed: no probe can succeed
-            raise BatchpilotError(
-                "model.factory", f"{request.factory} raised {type(error).__name__}: {error}"
-            ) from None
         check_vocabulary(model, vocab_size=loader.vocab_size)
         set_activation_checkpointing(model, request.activation_checkpointing)
-        model.to(device)
+        model.to(ctx.device)
         model.train()
-        optimizer = make_optimizer(model, weight_decay=0.0)
         if request.compile:
             model.compile()
-        autocast = autocast_factory(device, request.precision)
-        yield Session(model=model, optimizer=optimizer, loader=loader, device=device, autocast=autocast)
+        strategy: Strategy = request.parallelism  # type: ignore[assignment]
+        parallel = wrap_model(model, ctx, strategy=strategy, bf16=uses_bf16(ctx.device, request.precision))
+        optimizer = make_optimizer(model, weight_decay=0.0)  # after sharding: on the shards
+        autocast = autocast_factory(ctx.device, request.precision, parallel)
+        yield Session(
+            model=model, parallel=parallel, ctx=ctx, optimizer=optimizer, loader=loader, autocast=autocast
+        )
     finally:
         loader.close()
 
@@ -139,14 +201,15 @@ def _watch_memory(*, budget_bytes: int, result: ProbeResult, done: threading.Eve
 def _timed_passes(session: Session, request: ProbeRequest) -> tuple[list[float], list[float]]:
     """Warm-up passes, then timed forward + backward passes (each followed by an untimed optimizer step).
 
+    Every rank runs the same passes: whether to go on is agreed between passes (outside the timing).
+
     Returns:
-        (pass times of the requested size, ratios of its throughput over the reference's pass next to
-        each of them; empty without a reference).
+        (pass times of the requested size, the reference's pass time next to each; empty without one).
     """
     micro = request.micro_batch_size
     reference = request.reference_micro_batch_size
     times_s: list[float] = []
-    ratios: list[float] = []
+    reference_times_s: list[float] = []
 
     def one_pass(size: int, checkpointing: bool) -> float:
         # Only a paired probe switches the model between its setting and the reference's.
@@ -155,8 +218,9 @@ def _timed_passes(session: Session, request: ProbeRequest) -> tuple[list[float],
     step = 0
     while True:
         timed = step - request.warmup_steps
-        if timed >= MAX_TIMED_STEPS or (timed >= request.timed_steps and sum(times_s) >= request.min_timed_s):
-            return times_s, ratios
+        enough = timed >= request.timed_steps and sum(times_s) >= request.min_timed_s
+        if timed >= MAX_TIMED_STEPS or session.ctx.any_true(enough)[0]:
+            return times_s, reference_times_s
         # With a reference, the two passes of a pair alternate in order, so neither always goes first.
         if reference is None:
             elapsed = one_pass(micro, request.activation_checkpointing)
@@ -169,8 +233,17 @@ def _timed_passes(session: Session, request: ProbeRequest) -> tuple[list[float],
         if timed >= 0:
             times_s.append(elapsed)
             if reference is not None:
-                ratios.append((micro / elapsed) / (reference / reference_s))
+                reference_times_s.append(reference_s)
         step += 1
+
+
+def slowest_rank(ctx: DistContext, values: list[float]) -> list[float]:
+    """Element-wise maximum over ranks: a pass of a multi-process probe lasts as long as its slowest rank."""
+    if not ctx.distributed or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(value) for value in tensor.tolist()]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -178,34 +251,60 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(request: ProbeRequest) -> ProbeResult:
-    """Runs the probe in this process and returns its result (never raises for a failed measurement)."""
-    result = ProbeResult.not_fitting(request)
+def _start_memory_watch(session: Session, request: ProbeRequest, result: ProbeResult) -> threading.Event:
+    """CPU: the budget watchdog thread; CUDA: a fresh peak. Set the returned event to stop watching."""
     done = threading.Event()
+    if session.device.type == "cpu":
+        watchdog = threading.Thread(
+            target=_watch_memory,
+            kwargs={"budget_bytes": request.memory_budget_bytes, "result": result, "done": done},
+            daemon=True,
+        )
+        watchdog.start()
+    else:
+        torch.cuda.reset_peak_memory_stats(session.device)
+    return done
+
+
+def _record_timing(session: Session, request: ProbeRequest, result: ProbeResult) -> None:
+    """Runs the passes and fills in the timing (each pass as long as its slowest rank) and this rank's peak."""
+    done = _start_memory_watch(session, request, result)
+    try:
+        times_s, reference_times_s = _timed_passes(session, request)
+    finally:
+        done.set()
+    result.peak_memory_bytes = peak_memory_bytes(session.device)
+    slowest = slowest_rank(session.ctx, times_s + reference_times_s)
+    times_s, reference_times_s = slowest[: len(times_s)], slowest[len(times_s) :]
+    result.__dict__.update(
+        timing_from_steps(
+            step_times_s=times_s, micro_batch_size=request.micro_batch_size, seq_len=request.seq_len
+        )
+    )
+    if request.reference_micro_batch_size is not None:
+        result.pair_ratios = pair_ratios(
+            times_s=times_s,
+            reference_times_s=reference_times_s,
+            micro_batch_size=request.micro_batch_size,
+            reference_micro_batch_size=request.reference_micro_batch_size,
+        )
+        result.relative_throughput = statistics.median(result.pair_ratios)
+
+
+def measure(request: ProbeRequest) -> ProbeResult:
+    """Runs this rank's part of the probe and returns its result (never raises for a failed measurement).
+
+    The peak is this rank's own (the parent takes the largest over ranks); samples/s is per device: each
+    rank passes `micro_batch_size` samples in a pass's time.
+    """
+    result = ProbeResult.not_fitting(request)
     try:
         with open_session(request) as session:
             result.device = session.device.type
-            if session.device.type == "cpu":
-                watchdog = threading.Thread(
-                    target=_watch_memory,
-                    kwargs={"budget_bytes": request.memory_budget_bytes, "result": result, "done": done},
-                    daemon=True,
-                )
-                watchdog.start()
-            else:
-                torch.cuda.reset_peak_memory_stats(session.device)
-            times_s, ratios = _timed_passes(session, request)
-            done.set()
-            result.peak_memory_bytes = peak_memory_bytes(session.device)
-            result.__dict__.update(
-                timing_from_steps(
-                    step_times_s=times_s, micro_batch_size=request.micro_batch_size, seq_len=request.seq_len
-                )
+            _record_timing(session, request, result)
+            over = (
+                session.device.type == "cpu" and (result.peak_memory_bytes or 0) > request.memory_budget_bytes
             )
-            result.pair_ratios = ratios
-            if ratios:
-                result.relative_throughput = statistics.median(ratios)
-            over = session.device.type == "cpu" and result.peak_memory_bytes > request.memory_budget_bytes
             result.fits = not over
             if over:
                 result.error = (
@@ -222,8 +321,6 @@ def measure(request: ProbeRequest) -> ProbeResult:
         result.error = "out of memory (MemoryError)"
     except Exception as error:  # a crash of this configuration: recorded, the search goes on
         result.error = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-    finally:
-        done.set()
     return result
 
 
@@ -234,7 +331,14 @@ def main() -> int:
     result = measure(request)
     result.duration_s = time.perf_counter() - started
     emit(result.to_json())
+    end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """Leaves the probe's process group, if any (every rank reported; nothing more is exchanged)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,13 +5,28 @@ No torch here: the parent process (the search) only reads these records; the pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from batchpilot.errors import BatchpilotError
+
 RESULT_MARKER = "BATCHPILOT_PROBE_RESULT"
 """The prefix of the one result line a probe or study process prints on stdout."""
+
+
+@contextlib.contextmanager
+def factory_errors(factory: str) -> Iterator[None]:
+    """Any failure of the user's model factory as one line naming model.factory (no probe can avoid it)."""
+    try:
+        yield
+    except BatchpilotError:
+        raise
+    except Exception as error:
+        raise BatchpilotError("model.factory", f"{factory} raised {type(error).__name__}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,38 @@ class _Configuration:
 
 
 @dataclass(frozen=True)
+class ProbeLayout:
+    """How every probe of an exploration runs: the stages' strategy and the processes of one probe.
+
+    Attributes:
+        parallelism: `ddp`, `fsdp` or `hsdp` (`planner.probe_parallelism`).
+        processes: 1 under ddp (a replica holds the whole model, as one bare process does); under
+            fsdp/hsdp one process per device of a node (`cluster.devices_per_node`), sharded as the
+            stages shard (hsdp shards within a node, so one node is what a device sees).
+    """
+
+    parallelism: str = "ddp"
+    processes: int = 1
+
+    def line(self) -> str:
+        """`probes run as 2 processes under fsdp (what the stages run)`."""
+        if self.processes > 1:
+            return f"probes run as {self.processes} processes under {self.parallelism} (what the stages run)"
+        if self.parallelism == "ddp":
+            return (
+                "probes run as 1 process: under ddp a device holds the whole model as one process does "
+                "(what the stages run, apart from DDP's gradient buckets)"
+            )
+        return f"probes run as 1 process under {self.parallelism} (one device per node: nothing to shard)"
+
+
+def probe_layout(*, parallelism: str, devices_per_node: int) -> ProbeLayout:
+    """The probes' layout for the stages' strategy (see ProbeLayout)."""
+    sharded = parallelism in ("fsdp", "hsdp")
+    return ProbeLayout(parallelism=parallelism, processes=devices_per_node if sharded else 1)
+
+
+@dataclass(frozen=True)
 class ProbeRequest(_Configuration):
     """Everything one probe process needs (sent as JSON on its stdin).
 
@@ -59,6 +106,8 @@ class ProbeRequest(_Configuration):
             when set, every timed pass is paired with a pass of it in the same process (see
             `ProbeResult.pair_ratios`). None: no reference (the base probe itself, or another compile
             setting than the reference's).
+        parallelism: how the probe wraps the model (`train.parallelism` resolved, see `ProbeLayout`).
+        processes: how many processes the probe runs as (one node; each reads its own samples).
     """
 
     factory: str
@@ -79,6 +128,8 @@ class ProbeRequest(_Configuration):
     cpu_threads: int | None = None
     reference_micro_batch_size: int | None = None
     reference_activation_checkpointing: bool = False
+    parallelism: str = "ddp"
+    processes: int = 1
 
     @classmethod
     def from_json(cls, text: str) -> ProbeRequest:
@@ -156,3 +207,38 @@ def timing_from_steps(*, step_times_s: list[float], micro_batch_size: int, seq_l
         "repeats": len(step_times_s),
         "step_times_s": list(step_times_s),
     }
+
+
+def pair_ratios(
+    *,
+    times_s: list[float],
+    reference_times_s: list[float],
+    micro_batch_size: int,
+    reference_micro_batch_size: int,
+) -> list[float]:
+    """Per pair of passes, the probe's throughput over the reference's (samples/s over samples/s)."""
+    return [
+        (micro_batch_size / elapsed) / (reference_micro_batch_size / reference_s)
+        for elapsed, reference_s in zip(times_s, reference_times_s, strict=True)
+    ]
+
+
+def merge_ranks(request: ProbeRequest, *, results: dict[int, dict[str, Any]], reason: str) -> ProbeResult:
+    """One probe's result from what its processes reported.
+
+    A probe fits only if every rank fit and none crashed or hung (`reason`). The peak memory is the
+    largest peak any rank reported (the per-device peak); the timing is rank 0's, which every rank
+    already agreed on (each pass's time is the slowest rank's). A failing rank's error names the rank.
+    """
+    peaks = [data["peak_memory_bytes"] for data in results.values() if data.get("peak_memory_bytes")]
+    failing = [rank for rank in sorted(results) if not results[rank].get("fits")]
+    if reason:
+        merged = ProbeResult.not_fitting(request, error=reason)
+    elif failing:
+        merged = ProbeResult.from_dict(results[failing[0]])
+        if request.processes > 1 and merged.error:
+            merged.error = f"rank {failing[0]} of {request.processes}: {merged.error}"
+    else:
+        merged = ProbeResult.from_dict(results[0])
+    merged.peak_memory_bytes = max(peaks, default=None)
+    return merged

@@ -45,6 +45,8 @@ def explore_document(
         "format_version": EXPLORE_FORMAT_VERSION,
         "name": config.name,
         "device": result.probes[0].device if result.probes else None,
+        "probe_parallelism": result.layout.parallelism,
+        "processes_per_probe": result.layout.processes,
         "seq_len": config.data.seq_len,
         "memory_budget_bytes": config.explore.memory_budget_bytes,
         "stopped_because": result.stopped_because,
@@ -220,7 +222,8 @@ def explore_html(document: dict[str, Any], figures: list[tuple[str, str]]) -> st
         f"{html.escape(document['name'])}</title><style>{style}</style></head><body>"
         f"<h1>batchpilot explore: {html.escape(document['name'])}</h1>"
         f"<p><b>Recommendation:</b> {html.escape(summary)}</p>{_list(rec['reasoning'] + rec['plan_notes'])}"
-        f"<p>{len(document['probes'])} probes on {html.escape(str(document['device']))}, stopped: "
+        f"<p>{len(document['probes'])} probes on {html.escape(str(document['device']))}, each "
+        f"{document['processes_per_probe']} process(es) under {html.escape(document['probe_parallelism'])}, stopped: "
         f"{html.escape(document['stopped_because'])}, {document['elapsed_s']:.0f} s</p>"
         f"<h2>Throughput and memory</h2>{images}"
         "<p>The plotted throughput of a size is the base probe's tokens/s times the size's median ratio "

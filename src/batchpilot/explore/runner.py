@@ -14,7 +14,14 @@ from batchpilot.data.storage import open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.explore.process import run_probe
 from batchpilot.explore.recommend import Recommendation, Topology, plan_notes, recommend
-from batchpilot.explore.records import ProbeRequest, ProbeResult, Setting
+from batchpilot.explore.records import (
+    ProbeLayout,
+    ProbeRequest,
+    ProbeResult,
+    Setting,
+    factory_errors,
+    probe_layout,
+)
 from batchpilot.explore.search import Candidate, SearchState, next_probe
 from batchpilot.explore.study import NoiseScaleReport, StudyRequest, advise, format_samples, run_study
 from batchpilot.threads import local_trainer_threads
@@ -22,6 +29,7 @@ from batchpilot.threads import local_trainer_threads
 logger = logging.getLogger(__name__)
 
 Measure = Callable[[ProbeRequest], ProbeResult]
+SINGLE_PROCESS = ProbeLayout()
 
 
 @dataclass
@@ -34,12 +42,18 @@ class ExploreResult:
     output_dir: Path
     elapsed_s: float
     stopped_because: str
+    layout: ProbeLayout = SINGLE_PROCESS
 
 
 def probe_request(
-    *, config: Config, micro_batch_size: int, setting: Setting, reference: ProbeResult | None = None
+    *,
+    config: Config,
+    micro_batch_size: int,
+    setting: Setting,
+    reference: ProbeResult | None = None,
+    layout: ProbeLayout = SINGLE_PROCESS,
 ) -> ProbeRequest:
-    """The probe of one configuration on the config's model and real data.
+    """The probe of one configuration on the config's model and real data, run as `layout` says.
 
     `reference` (the base probe) is timed next to every pass when it is another configuration, not
     compiled (neither is the probe) and not larger than the probe (so it cannot raise its peak memory).
@@ -73,7 +87,38 @@ def probe_request(
         cpu_threads=local_trainer_threads() if config.cluster.backend == "local" else None,
         reference_micro_batch_size=paired.micro_batch_size if paired else None,
         reference_activation_checkpointing=paired.activation_checkpointing if paired else False,
+        parallelism=layout.parallelism,
+        processes=layout.processes,
     )
+
+
+def layout_of(config: Config) -> ProbeLayout:
+    """How this exploration's probes run: the strategy the stages will run (`planner.probe_parallelism`,
+    from the model's meta-device shape), and the processes of one node under fsdp/hsdp."""
+    from batchpilot.planner import probe_parallelism
+    from batchpilot.train.shape import model_shape
+
+    with factory_errors(config.model.factory):
+        shape = model_shape(factory=config.model.factory, args=dict(config.model.args))
+    layout = probe_layout(
+        parallelism=probe_parallelism(config, shape), devices_per_node=config.cluster.devices_per_node
+    )
+    check_devices(layout)
+    return layout
+
+
+def check_devices(layout: ProbeLayout) -> None:
+    """A multi-process probe on a GPU machine needs a GPU per process (on CPU, any count runs on gloo)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and layout.processes > gpus:
+        raise BatchpilotError(
+            "cluster.devices_per_node",
+            f"probes under {layout.parallelism} run {layout.processes} processes, one per GPU, and this "
+            f"machine has {gpus}",
+            "run explore on a node of the cluster's accelerator type",
+        )
 
 
 def settings_of(config: Config) -> list[Setting]:
@@ -162,6 +207,7 @@ def search_micro_batch(
     max_minutes: float,
     micro_batch_sizes: Sequence[int] | None,
     measure: Measure,
+    layout: ProbeLayout = SINGLE_PROCESS,
 ) -> tuple[SearchState, Recommendation, str]:
     """Probes until the search converges or a budget runs out; logs each probe and recommendation."""
     explore = config.explore
@@ -186,6 +232,7 @@ def search_micro_batch(
                 micro_batch_size=candidate.micro_batch_size,
                 setting=candidate.setting,
                 reference=state.base(),
+                layout=layout,
             )
         )
         if result.user_error:
@@ -201,7 +248,7 @@ def search_micro_batch(
     return state, recommendation, stopped
 
 
-def _study(*, config: Config, recommendation: Recommendation) -> NoiseScaleReport:
+def _study(*, config: Config, recommendation: Recommendation, layout: ProbeLayout) -> NoiseScaleReport:
     explore = config.explore
     micro = recommendation.micro_batch_size
     multipliers = list(explore.accumulation_multipliers)
@@ -211,7 +258,7 @@ def _study(*, config: Config, recommendation: Recommendation) -> NoiseScaleRepor
     )  # fmt: skip
     setting = Setting(recommendation.activation_checkpointing, recommendation.compile)
     request = StudyRequest(
-        probe=probe_request(config=config, micro_batch_size=micro, setting=setting),
+        probe=probe_request(config=config, micro_batch_size=micro, setting=setting, layout=layout),
         multipliers=multipliers,
         measure_batches=explore.study_measure_batches,
         train_steps=explore.study_train_steps,
@@ -232,6 +279,7 @@ def _study(*, config: Config, recommendation: Recommendation) -> NoiseScaleRepor
         min_nodes=config.cluster.min_nodes,
         max_nodes=config.cluster.max_nodes,
         train_steps=explore.study_train_steps,
+        processes=layout.processes,
     )
 
 
@@ -286,18 +334,21 @@ def run_exploration(
     minutes = max_minutes if max_minutes is not None else config.explore.max_minutes
     _check_inputs(config=config, max_probes=probes, max_minutes=minutes, sizes=micro_batch_sizes)
     timeout_s = config.explore.probe_timeout_s
+    layout = layout_of(config)
+    logger.info(layout.line())
     state, recommendation, stopped = search_micro_batch(
         config=config,
         max_probes=probes,
         max_minutes=minutes,
         micro_batch_sizes=sorted(set(micro_batch_sizes)) if micro_batch_sizes else None,
         measure=measure or (lambda request: run_probe(request=request, timeout_s=timeout_s)),
+        layout=layout,
     )
     plan_notes(recommendation=recommendation, state=state, topology=topology_of(config))
     noise, study_error = None, None
     if study:
         try:
-            noise = _study(config=config, recommendation=recommendation)
+            noise = _study(config=config, recommendation=recommendation, layout=layout)
         except BatchpilotError as error:
             study_error = error
     result = ExploreResult(
@@ -307,6 +358,7 @@ def run_exploration(
         output_dir=output_dir,
         elapsed_s=time.monotonic() - started,
         stopped_because=stopped,
+        layout=layout,
     )
     write_outputs(
         result=result, state=state, config=config, study_error=str(study_error) if study_error else None

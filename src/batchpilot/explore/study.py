@@ -1,13 +1,17 @@
 """The effective-batch study: at the recommended micro batch, accumulate 2x, 4x, 8x, 16x micro-batches
 and measure the gradient noise scale (the critical batch size), the gradient norm and the coherence.
 
-It runs in a fresh process too (`python -m batchpilot.explore.study`, JSON on stdin, one result line).
-The model first trains `train_steps` optimizer steps on real data (the noise scale of an untrained model
-says little), then, with the parameters frozen, every multiplier `k` measures `measure_batches` batches
-of `k` micro-batches: from the micro-batch gradients `g_i` (batch `m`) and their mean (batch `k m`),
-`noise_terms` (McCandlish et al. 2018) gives unbiased |G|^2 and S; B_simple = mean S / mean |G|^2.
-Coherence is the cosine between the mean gradients of the two halves of the `k` micro-batches: close to
-0 when noise dominates a batch of `k m / 2`, close to 1 when the signal does.
+It runs in fresh processes too (`python -m batchpilot.explore.study`, JSON on stdin, one result line),
+laid out as the probes are: one process, or under fsdp/hsdp one per device of a node, sharded as the
+stages shard. The model first trains `train_steps` optimizer steps on real data (the noise scale of an
+untrained model says little), then, with the parameters frozen, every multiplier `k` measures
+`measure_batches` batches of `k` passes of micro batch `m` over the `w` processes: from the gradient of
+each pass `g_i` (batch `m w`: under fsdp every backward reduces over the ranks) and their mean (batch
+`k m w`), `noise_terms` (McCandlish et al. 2018) gives unbiased |G|^2 and S; B_simple = mean S / mean
+|G|^2. This is the trainer's own estimator under fsdp (first pass, micro x world, against the global
+batch) with every pass used as a small batch; on one process `w` is 1. Coherence is the cosine between
+the mean gradients of the two halves of the `k` passes: close to 0 when noise dominates a batch of
+`k m w / 2`, close to 1 when the signal does.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.explore.process import run_child
-from batchpilot.explore.records import RESULT_MARKER, ProbeRequest
+from batchpilot.explore.process import run_ranks
+from batchpilot.explore.records import ProbeRequest
 from batchpilot.planning.nodes import nearest_valid_batch_sizes
 
 
@@ -44,7 +48,7 @@ class StudyRequest:
 
 @dataclass
 class MultiplierResult:
-    """One accumulation multiplier: batch `multiplier x micro_batch_size`."""
+    """One accumulation multiplier: batch `multiplier x micro_batch_size x processes`."""
 
     multiplier: int
     global_batch_size: int
@@ -55,55 +59,60 @@ class MultiplierResult:
     coherence: float
 
 
-def _measure_multiplier(
-    session: Any, request: StudyRequest, *, multiplier: int, consumed: int
-) -> dict[str, Any]:
-    """|G|^2, S, gradient norm and coherence of `measure_batches` batches of `multiplier` micro-batches."""
-    import torch
-    from torch.nn import functional as F
+def _gradient_copy(grads: list[Any]) -> list[Any]:
+    """fp32 copies to sum micro-batch gradients in: on the host for a whole model (as before sharding
+    existed), on the device for FSDP shards (1/shard_degree of the model; DTensors stay on their mesh)."""
+    from torch.distributed.tensor import DTensor
 
+    return [g.float().clone() if isinstance(g, DTensor) else g.float().cpu() for g in grads]
+
+
+def _measure_multiplier(session: Any, request: StudyRequest, multiplier: int) -> dict[str, Any]:
+    """|G|^2, S, gradient norm and coherence of `measure_batches` batches of `multiplier` micro-batches.
+
+    A micro-batch's gradient is that of `micro x world` samples (under fsdp/hsdp every backward reduces
+    over the ranks; on one process world is 1); norms and inner products are taken across the shards.
+    """
     from batchpilot.train.noise import noise_terms
-    from batchpilot.train.step import micro_batch_loss
+    from batchpilot.train.parallel import dot, gradients, squared_norm
 
-    micro, params = request.probe.micro_batch_size, [p for p in session.model.parameters() if p.requires_grad]
+    micro, world = request.probe.micro_batch_size, session.ctx.world_size
     g2s, ss, norms, cosines = [], [], [], []
     for _ in range(request.measure_batches):
-        batches = session.loader.micro_batches(
-            consumed_samples=consumed,
-            global_batch_size=micro * multiplier,
-            micro_batch_size=micro,
-            gradient_accumulation_steps=multiplier,
-        )
-        consumed += micro * multiplier
-        halves = [torch.zeros(sum(p.numel() for p in params)) for _ in range(2)]
+        batches = session.next_micro_batches(micro, multiplier)
+        halves: list[list[Any] | None] = [None, None]
         small_sq = 0.0
         for index, batch in enumerate(batches):
             session.model.zero_grad(set_to_none=True)
-            micro_batch_loss(session.model, batch.to(session.device), session.autocast()).backward()
-            grad = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
-            )
-            grad = grad.detach().float().cpu()
-            small_sq += float(grad.pow(2).sum()) / multiplier
-            halves[0 if index < multiplier // 2 else 1] += grad
-        big = (halves[0] + halves[1]) / multiplier
+            session.backward([batch])
+            grads = _gradient_copy(gradients(session.model))
+            small_sq += squared_norm(grads) / multiplier
+            half = 0 if index < multiplier // 2 else 1
+            total = halves[half]
+            halves[half] = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
+        first, second = halves
+        assert first is not None and second is not None, "multipliers are at least 2"
+        big_sq = squared_norm([a + b for a, b in zip(first, second, strict=True)], scale=1 / multiplier)
         g2, s = noise_terms(
             small_sq_norm=small_sq,
-            big_sq_norm=float(big.pow(2).sum()),
-            b_small=micro,
-            b_big=micro * multiplier,
+            big_sq_norm=big_sq,
+            b_small=micro * world,
+            b_big=micro * multiplier * world,
         )
         g2s.append(g2)
         ss.append(s)
-        norms.append(float(big.norm()))
-        cosines.append(float(F.cosine_similarity(halves[0], halves[1], dim=0)))
+        norms.append(big_sq**0.5)
+        sq_first, sq_second = squared_norm(first), squared_norm(second)
+        cosines.append(
+            dot(first, second) / (sq_first * sq_second) ** 0.5 if sq_first * sq_second > 0 else 0.0
+        )
     session.model.zero_grad(set_to_none=True)
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     g2, s = mean(g2s), mean(ss)
     return asdict(
         MultiplierResult(
             multiplier=multiplier,
-            global_batch_size=micro * multiplier,
+            global_batch_size=micro * multiplier * world,
             noise_scale=s / g2 if g2 > 0 and s > 0 else None,
             g2=g2,
             s=s,
@@ -126,14 +135,8 @@ def measure_study(request: StudyRequest) -> dict[str, Any]:
                 group["lr"] = request.lr
             for _ in range(request.train_steps):
                 session.timed_pass(micro)  # a training step on the next micro batch
-            consumed = session.consumed_samples
-            results = []
-            for multiplier in request.multipliers:
-                results.append(
-                    _measure_multiplier(session, request, multiplier=multiplier, consumed=consumed)
-                )
-                consumed += micro * multiplier * request.measure_batches
-            return {"per_multiplier": results}
+            # Each multiplier reads the next samples: no batch is measured twice.
+            return {"per_multiplier": [_measure_multiplier(session, request, k) for k in request.multipliers]}
     except BatchpilotError as error:
         return {"user_error": str(error)}
     except torch.cuda.OutOfMemoryError:
@@ -143,18 +146,28 @@ def measure_study(request: StudyRequest) -> dict[str, Any]:
 
 
 def main() -> int:
+    from batchpilot.explore.probe import emit, end_process_group
+
     request = StudyRequest.from_json(sys.stdin.read())
-    result = measure_study(request)
-    sys.stdout.write(f"\n{RESULT_MARKER} {json.dumps(result)}\n")
-    sys.stdout.flush()
+    emit(json.dumps(measure_study(request)))
+    end_process_group()
     return 0
 
 
 def run_study(*, request: StudyRequest, timeout_s: float) -> list[MultiplierResult]:
     """The study in a fresh process; a failure is one line naming explore.accumulation_multipliers."""
-    data, reason = run_child(
-        module="batchpilot.explore.study", payload=request.to_json(), timeout_s=timeout_s
+    ranks = run_ranks(
+        module="batchpilot.explore.study",
+        payload=request.to_json(),
+        timeout_s=timeout_s,
+        processes=request.probe.processes,
+        failed=lambda result: "per_multiplier" not in result,
+        timeout_field="explore.study_timeout_s",
     )
+    # Every rank computes the same global numbers; a failing rank's report says why.
+    failing = [result for result in ranks.results.values() if "per_multiplier" not in result]
+    data = failing[0] if failing else None if ranks.reason else ranks.results.get(0)
+    reason = ranks.reason
     if data is not None and data.get("user_error"):
         raise BatchpilotError("explore", f"the effective-batch study failed: {data['user_error']}")
     if data is None or "per_multiplier" not in data:
@@ -178,6 +191,7 @@ class NoiseScaleReport:
     reasoning: list[str] = field(default_factory=list)
     micro_batch_size: int = 0
     train_steps: int = 0
+    processes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,6 +235,7 @@ def advise(
     min_nodes: int,
     max_nodes: int,
     train_steps: int,
+    processes: int = 1,
 ) -> NoiseScaleReport:
     """The critical batch size, a target global batch near it that the cluster can split, and an LR rule."""
     critical = pooled_noise_scale(per_multiplier)
@@ -231,9 +246,15 @@ def advise(
         lr_scaling="none",
         micro_batch_size=micro_batch_size,
         train_steps=train_steps,
+        processes=processes,
+    )
+    sharded = (
+        f" on {processes} sharded processes (small batch {micro_batch_size * processes})"
+        if processes > 1
+        else ""
     )
     measured_at = (
-        f"measured at micro_batch_size={micro_batch_size} after {train_steps} training step(s), pooled over "
+        f"measured at micro_batch_size={micro_batch_size}{sharded} after {train_steps} training step(s), pooled over "
         f"accumulation {', '.join(f'{r.multiplier}x' for r in per_multiplier)}"
     )
     if critical is None:
