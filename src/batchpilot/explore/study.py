@@ -59,12 +59,10 @@ class MultiplierResult:
     coherence: float
 
 
-def _gradient_copy(grads: list[Any]) -> list[Any]:
+def _gradient_copy(grads: list[Any], *, sharded: bool) -> list[Any]:
     """fp32 copies to sum micro-batch gradients in: on the host for a whole model (as before sharding
-    existed), on the device for FSDP shards (1/shard_degree of the model; DTensors stay on their mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    return [g.float().clone() if isinstance(g, DTensor) else g.float().cpu() for g in grads]
+    existed), on the device for this rank's FSDP shards (1/shard_degree of the model)."""
+    return [g.float().clone() if sharded else g.float().cpu() for g in grads]
 
 
 def _measure_multiplier(session: Any, request: StudyRequest, multiplier: int) -> dict[str, Any]:
@@ -77,6 +75,7 @@ def _measure_multiplier(session: Any, request: StudyRequest, multiplier: int) ->
     from batchpilot.train.parallel import dot, gradients, squared_norm
 
     micro, world = request.probe.micro_batch_size, session.ctx.world_size
+    group = session.parallel.shard_group  # sums over shards (None: whole tensors on one process)
     g2s, ss, norms, cosines = [], [], [], []
     for _ in range(request.measure_batches):
         batches = session.next_micro_batches(micro, multiplier)
@@ -85,14 +84,16 @@ def _measure_multiplier(session: Any, request: StudyRequest, multiplier: int) ->
         for index, batch in enumerate(batches):
             session.model.zero_grad(set_to_none=True)
             session.backward([batch])
-            grads = _gradient_copy(gradients(session.model))
-            small_sq += squared_norm(grads) / multiplier
+            grads = _gradient_copy(gradients(session.model), sharded=session.parallel.sharded)
+            small_sq += squared_norm(grads, group=group) / multiplier
             half = 0 if index < multiplier // 2 else 1
             total = halves[half]
             halves[half] = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
         first, second = halves
         assert first is not None and second is not None, "multipliers are at least 2"
-        big_sq = squared_norm([a + b for a, b in zip(first, second, strict=True)], scale=1 / multiplier)
+        big_sq = squared_norm(
+            [a + b for a, b in zip(first, second, strict=True)], group=group, scale=1 / multiplier
+        )
         g2, s = noise_terms(
             small_sq_norm=small_sq,
             big_sq_norm=big_sq,
@@ -102,9 +103,11 @@ def _measure_multiplier(session: Any, request: StudyRequest, multiplier: int) ->
         g2s.append(g2)
         ss.append(s)
         norms.append(big_sq**0.5)
-        sq_first, sq_second = squared_norm(first), squared_norm(second)
+        sq_first, sq_second = squared_norm(first, group=group), squared_norm(second, group=group)
         cosines.append(
-            dot(first, second) / (sq_first * sq_second) ** 0.5 if sq_first * sq_second > 0 else 0.0
+            dot(first, second, group=group) / (sq_first * sq_second) ** 0.5
+            if sq_first * sq_second > 0
+            else 0.0
         )
     session.model.zero_grad(set_to_none=True)
     mean = lambda values: sum(values) / len(values)  # noqa: E731

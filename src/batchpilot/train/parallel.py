@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -47,8 +48,6 @@ def _allreduce_with_local_norm(state, bucket):
     No annotations: DDP compares them with `dist.GradBucket` at run time, and postponed (string)
     annotations would fail that check.
     """
-    import torch.distributed as dist
-
     buffer = bucket.buffer()
     # float64: DDP regroups buckets after its first iteration, so the per-bucket sums must not depend on grouping.
     local = buffer.detach().double().pow(2).sum()
@@ -69,6 +68,8 @@ class Parallel:
         sharded: the gradients are FSDP shards (DTensors) reduced after every backward.
         shard_degree: ranks one parameter is split over (1: replicas).
         mixed_precision: bf16 parameters and compute under FSDP's policy (autocast is then not used).
+        shard_group: the ranks one parameter's shards are spread over (fsdp: all; hsdp: the node's), over
+            which sums of per-shard quantities add up to the whole gradient's.
     """
 
     strategy: Strategy
@@ -77,6 +78,7 @@ class Parallel:
     sharded: bool
     shard_degree: int
     mixed_precision: bool
+    shard_group: dist.ProcessGroup | None = None
 
     def describe(self) -> str:
         if self.sharded:
@@ -115,6 +117,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
         degree = ctx.world_size
+    group = mesh["dp_shard"].get_group()
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -123,7 +126,9 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
     for block in model_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    return Parallel(strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16)
+    return Parallel(
+        strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16, shard_group=group
+    )
 
 
 def global_sum(value: torch.Tensor) -> float:
@@ -134,19 +139,29 @@ def global_sum(value: torch.Tensor) -> float:
 
 
 def gradients(model: nn.Module) -> list[torch.Tensor]:
-    """The model's gradients (local tensors, or DTensor shards under FSDP)."""
-    return [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    """This rank's gradients: whole tensors, or its local part of each FSDP shard."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 
 
-def squared_norm(grads: list[torch.Tensor], *, scale: float = 1.0) -> float:
-    """The squared L2 norm of the whole gradient `scale x grads`, across shards."""
+def _sum_over(total: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    """`total` added up over `group` (None: this rank's alone)."""
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return float(total)
+
+
+def squared_norm(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, scale: float = 1.0) -> float:
+    """The squared L2 norm of the gradient `scale x grads`: this rank's tensors (or shards), summed over
+    `group` when they are shards (one small all-reduce; shards of one replica do not overlap)."""
     if not grads:
         return 0.0
-    total = sum((g.double() * scale).pow(2).sum() for g in grads)
-    return global_sum(total)  # type: ignore[arg-type]
+    norms = torch._foreach_norm(grads, 2.0)
+    total = torch.stack([n.double() for n in norms]).pow(2).sum() * scale**2
+    return _sum_over(total, group)
 
 
-def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """The inner product of two gradients laid out alike, across shards."""
-    total = sum((x.double() * y.double()).sum() for x, y in zip(a, b, strict=True))
-    return global_sum(total)  # type: ignore[arg-type]
+def dot(a: list[torch.Tensor], b: list[torch.Tensor], *, group: dist.ProcessGroup | None) -> float:
+    """The inner product of two gradients laid out alike (summed over `group` for shards)."""
+    total = torch.stack([(x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)]).sum()
+    return _sum_over(total, group)

@@ -64,10 +64,6 @@ class StepOutcome:
     stopped: bool = False
 
 
-def _grad_vector(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().flatten().float() for p in model.parameters() if p.grad is not None])
-
-
 def install_oom_injection(model: nn.Module, ctx: DistContext) -> None:
     """Testing hook (INJECT_OOM_ENV): rank 0 raises a CUDA OOM inside forward for larger micro-batches.
 
@@ -144,6 +140,7 @@ def accumulate_gradients(
     if parallel.sharded:
         return accumulate_sharded(
             model=model,
+            group=parallel.shard_group,
             micro_batches=micro_batches,
             ctx=ctx,
             autocast=autocast,
@@ -156,7 +153,7 @@ def accumulate_gradients(
     micro = micro_batches[0].shape[0]
     total_loss = 0.0
     outcome = StepOutcome(completed=False)
-    first_grad: torch.Tensor | None = None
+    first: list[torch.Tensor] | None = None
     # Gradients stay rank-local until the last micro-batch's backward synchronises them.
     noise_from_first = measure_noise and accumulation > 1 and not ctx.distributed
     coherence_local = measure_coherence and (accumulation > 2 or (accumulation > 1 and not ctx.distributed))
@@ -180,23 +177,32 @@ def accumulate_gradients(
                 return _abandon(model, out_of_memory=oom_anywhere)
         assert loss is not None
         total_loss += loss.item()
-        if index == 0 and (noise_from_first or coherence_local):
-            first_grad = _grad_vector(model) * accumulation  # the mean gradient of this micro-batch
-        if index == 1 and first_grad is not None and coherence_local:
-            second = _grad_vector(model) * accumulation - first_grad
-            outcome.coherence = float(F.cosine_similarity(first_grad, second, dim=0))
+        if index == 0 and noise_from_first:  # the first micro-batch's mean gradient: batch `micro`
+            outcome.small_sq_norm = squared_norm(gradients(model), group=None, scale=accumulation)
+            outcome.small_batch = micro
+        if index == 0 and coherence_local:
+            first = [g.clone() for g in gradients(model)]  # one copy of the gradient
+        if index == 1 and first is not None:
+            outcome.coherence = _cosine(
+                first, [g - f for g, f in zip(gradients(model), first, strict=True)], None
+            )
     outcome.completed = True
     outcome.loss = total_loss / accumulation
     if measure_noise and hook is not None and hook.sq_norm is not None:
         outcome.small_sq_norm, outcome.small_batch = float(hook.sq_norm), micro * accumulation
-    elif noise_from_first and first_grad is not None:
-        outcome.small_sq_norm, outcome.small_batch = float(first_grad.pow(2).sum()), micro
     return outcome
+
+
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor], group: Any) -> float | None:
+    """The cosine between two gradients (shards summed over `group`); None when one is zero."""
+    norms = squared_norm(a, group=group) * squared_norm(b, group=group)
+    return dot(a, b, group=group) / norms**0.5 if norms > 0 else None
 
 
 def accumulate_sharded(
     *,
     model: nn.Module,
+    group: Any,
     micro_batches: Sequence[torch.Tensor],
     ctx: DistContext,
     autocast: Callable[[], contextlib.AbstractContextManager],
@@ -222,14 +228,14 @@ def accumulate_sharded(
             return _abandon(model, out_of_memory=False)
         if index == 0 and accumulation > 1 and measure_noise:
             # The mean gradient of the first pass over all ranks: batch micro x world.
-            outcome.small_sq_norm = squared_norm(gradients(model), scale=accumulation)
+            outcome.small_sq_norm = squared_norm(gradients(model), group=group, scale=accumulation)
             outcome.small_batch = micro * ctx.world_size
         if index == 0 and accumulation > 1 and measure_coherence:
             first = [g.clone() for g in gradients(model)]  # a sharded copy: 1/shard_degree of the model
         if index == 1 and first is not None and measure_coherence:
-            second = [g - f for g, f in zip(gradients(model), first, strict=True)]
-            norms = squared_norm(first) * squared_norm(second)
-            outcome.coherence = dot(first, second) / norms**0.5 if norms > 0 else None
+            outcome.coherence = _cosine(
+                first, [g - f for g, f in zip(gradients(model), first, strict=True)], group
+            )
     outcome.completed = True
     outcome.loss = total_loss / accumulation
     return outcome
