@@ -75,17 +75,23 @@ class Plan:
         return self.stages[bisect.bisect_right(starts, consumed_samples) - 1]
 
     def select(self, text: str, *, allow_all: bool = False) -> tuple[Stage, ...]:
-        """The stages `--stage TEXT` names: an index, `final`, or (with `allow_all`) `all`.
+        """The stages `--stage TEXT` names: an index, `final`, or (with `allow_all`) `all` or a range
+        `A-B` of consecutive stages (inclusive; B may be `final`), which one job trains in turn.
 
         Raises:
             BatchpilotError: TEXT names no stage of this plan.
         """
+        last = len(self.stages) - 1
+        choices = f"0..{last}" + (", final, all or a range such as 0-2" if allow_all else " or final")
         if allow_all and text == "all":
             return self.stages
         if text == "final":
             return self.stages[-1:]
-        if not text.isdigit() or int(text) >= len(self.stages):
-            choices = f"0..{len(self.stages) - 1}" + (", final or all" if allow_all else " or final")
+        first, dash, end = text.partition("-")
+        end = str(last) if end == "final" else end
+        if dash and allow_all and first.isdigit() and end.isdigit() and int(first) <= int(end) <= last:
+            return self.stages[int(first) : int(end) + 1]
+        if dash or not text.isdigit() or int(text) > last:
             raise BatchpilotError("--stage", f"{text!r} is not a stage of this plan", f"use {choices}")
         return (self.stages[int(text)],)
 

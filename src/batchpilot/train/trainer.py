@@ -466,11 +466,14 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
     """Trains the selected stage(s) of `plan` in this process (one rank of a torchrun job); returns the exit code."""
     stages = list(plan.select(stage, allow_all=True))
     ctx = DistContext.from_env()
-    if stage != "all" and stages[0].world_size != ctx.world_size:
+    # `all` trains every stage on whatever world divides them (tests, one-machine runs); a stage or a range
+    # of stages (one launch) runs at its planned size.
+    wrong = next((s for s in stages if s.world_size != ctx.world_size), None) if stage != "all" else None
+    if wrong is not None:
         raise BatchpilotError(
             "--stage",
-            f"{stages[0].name} is planned for {stages[0].num_nodes} node(s) x {plan.devices_per_node} = "
-            f"{stages[0].world_size} processes, this job has {ctx.world_size}",
+            f"{wrong.name} is planned for {wrong.num_nodes} node(s) x {plan.devices_per_node} = "
+            f"{wrong.world_size} processes, this job has {ctx.world_size}",
             "start it with `batchpilot launch` (or torchrun) at the planned size",
         )
     checkpointer = Checkpointer(uri=config.train.checkpoint_uri, keep_last=config.train.keep_checkpoints)
