@@ -351,6 +351,14 @@ class TrainConfig(_Section):
     measure_coherence: bool = Field(
         False, description="cosine between successive micro-batch gradients (costs a gradient copy)"
     )
+    eval_samples: Count = Field(
+        256,
+        description="validation samples per evaluation, from the data's validation split (the same ones "
+        "every time); 0: no validation loss",
+    )
+    eval_every_samples: Count = Field(
+        0, description="also evaluate every N training samples (0: only at the end of each stage)"
+    )
 
     @model_validator(mode="after")
     def _one_total(self) -> TrainConfig:
@@ -412,25 +420,6 @@ class ExploreConfig(_Section):
     )
 
 
-class RLConfig(_Section):
-    """MaxText RL batch semantics: the training batch is batch_size prompts x num_generations."""
-
-    batch_size: PositiveInt = Field(description="unique prompts loaded per batch")
-    num_generations: PositiveInt = Field(1, description="responses generated per prompt")
-    micro_batch_size: int = Field(
-        -1, description="split of the prompt-response pairs; -1 = no micro-batching"
-    )
-
-    @model_validator(mode="after")
-    def _micro_divides(self) -> RLConfig:
-        batch = self.batch_size * self.num_generations
-        if self.micro_batch_size != -1 and (self.micro_batch_size <= 0 or batch % self.micro_batch_size):
-            raise ValueError(
-                f"micro_batch_size {self.micro_batch_size} must be -1 or divide batch_size x num_generations = {batch}"
-            )
-        return self
-
-
 class Config(_Section):
     """The whole batchpilot config (see DESIGN.md for the vocabulary)."""
 
@@ -441,7 +430,6 @@ class Config(_Section):
     batch: BatchConfig
     train: TrainConfig
     explore: ExploreConfig = Field(default_factory=ExploreConfig)  # type: ignore[arg-type]
-    rl: RLConfig | None = None
 
     @model_validator(mode="before")
     @classmethod

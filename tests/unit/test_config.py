@@ -102,11 +102,6 @@ INVALID = [
         "explore.activation_checkpointing: List should have at least 1 item",
     ),
     ("name", "Demo Run", "name: String should match pattern"),
-    (
-        "rl",
-        {"batch_size": 8, "num_generations": 4, "micro_batch_size": 5},
-        "rl: micro_batch_size 5 must be -1",
-    ),
     ("model.factory", "not a path", "model.factory: String should match pattern"),
 ]
 
@@ -160,4 +155,14 @@ def test_checkpoints_by_time_every_30_minutes_by_default_and_0_turns_them_off():
     assert parse_config(data).train.checkpoint_every_s == 0
     data["train"]["checkpoint_every_s"] = -1
     with pytest.raises(ConfigError, match=r"train\.checkpoint_every_s"):
+        parse_config(data)
+
+
+def test_the_rl_section_is_gone():
+    """It was validated and then drove nothing (#13): a config with it is refused, naming the valid keys."""
+    from batchpilot.config import ConfigError, parse_config
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
+    data["rl"] = {"batch_size": 8, "num_generations": 4}
+    with pytest.raises(ConfigError, match="unknown key 'rl'"):
         parse_config(data)

@@ -6,7 +6,7 @@ import pytest
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import gradient_accumulation_steps, num_loading_hosts, schedule_nodes
-from batchpilot.planning.batch import check_pipeline_microbatches, global_batch_to_load, rl_training_batch
+from batchpilot.planning.batch import check_pipeline_microbatches, global_batch_to_load
 from batchpilot.planning.nodes import data_parallel_size
 
 
@@ -79,10 +79,3 @@ def test_pipeline_microbatches():
         check_pipeline_microbatches(num_pipeline_microbatches=6, pipeline_parallel_size=4, per_pass_batch=24)
     with pytest.raises(BatchpilotError, match="does not divide the per-pass batch"):
         check_pipeline_microbatches(num_pipeline_microbatches=8, pipeline_parallel_size=4, per_pass_batch=12)
-
-
-def test_rl_batch():
-    assert rl_training_batch(prompts_per_batch=8, num_generations=4, micro_batch_size=-1) == 32
-    assert rl_training_batch(prompts_per_batch=8, num_generations=4, micro_batch_size=8) == 32
-    with pytest.raises(BatchpilotError, match=r"rl\.micro_batch_size"):
-        rl_training_batch(prompts_per_batch=8, num_generations=4, micro_batch_size=5)

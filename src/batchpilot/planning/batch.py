@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
 
 from batchpilot.errors import BatchpilotError
+
+
+class Problems(BatchpilotError):
+    """Several problems found at once; printed one `field: problem (fix: ...)` line each.
+
+    `field`, `problem` and `fix` are the first problem's, so code that reads one error still works.
+    """
+
+    def __init__(self, problems: Sequence[BatchpilotError]) -> None:
+        assert problems, "Problems needs at least one problem"
+        self.problems: tuple[BatchpilotError, ...] = tuple(
+            line
+            for problem in problems
+            for line in (problem.problems if isinstance(problem, Problems) else (problem,))
+        )
+        first = self.problems[0]
+        super().__init__(first.field, first.problem, first.fix)
+
+    def __str__(self) -> str:
+        return "\n".join(str(problem) for problem in self.problems)
+
+
+def raise_problems(problems: Sequence[BatchpilotError]) -> None:
+    """Raises the one problem as itself, several as `Problems`; nothing when there are none."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise Problems(problems)
+
+
+def split_problems(error: BatchpilotError) -> list[BatchpilotError]:
+    """The single problems an error holds (itself, or the lines of a `Problems`)."""
+    return list(error.problems) if isinstance(error, Problems) else [error]
 
 
 def gradient_accumulation_steps(
@@ -81,15 +115,3 @@ def check_pipeline_microbatches(
             f"(micro_batch_size x data_parallel_size = {per_pass_batch})",
             "use a divisor of that batch",
         )
-
-
-def rl_training_batch(*, prompts_per_batch: int, num_generations: int, micro_batch_size: int) -> int:
-    """MaxText RL: the training batch is prompts x generations; micro_batch_size -1 means no micro-batching."""
-    batch = prompts_per_batch * num_generations
-    if micro_batch_size != -1 and (micro_batch_size <= 0 or batch % micro_batch_size):
-        raise BatchpilotError(
-            "rl.micro_batch_size",
-            f"{micro_batch_size} does not divide batch_size x num_generations = {batch}",
-            "use -1 (no micro-batching) or a divisor of that number",
-        )
-    return batch
