@@ -3,7 +3,7 @@ arguments. `make_run_document` is the one place where the plan's micro batch is 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -106,21 +106,59 @@ def num_stages(config: Config) -> int:
     return len(sample_ranges(batch_schedule(config), total_samples=config.total_samples))
 
 
-def explored_micro_batch(explore: dict[str, Any]) -> tuple[int, str | None]:
-    """The micro batch a plan takes from explore.json, and a note when it is not the fastest measured.
+@dataclass(frozen=True)
+class ExploredSetting:
+    """What the plan takes from explore.json: the micro batch and the setting it was measured with (None:
+    explore.json does not say, and the config's setting stands)."""
+
+    micro_batch_size: int
+    activation_checkpointing: bool | None
+    compile: bool | None
+    note: str | None = None
+
+
+def explored_setting(explore: dict[str, Any]) -> ExploredSetting:
+    """The micro batch a plan takes from explore.json with its activation-checkpointing and compile
+    settings, and a note when it is not the fastest measured.
 
     The fastest size may not fit every ramp-up stage; explore then names the fastest one that does
-    (`plan_compatible_micro_batch_size`), and that is the one to plan with.
+    (`plan_compatible_*`), and that is the one to plan with.
     """
     recommendation = explore["recommendation"]
-    fastest = int(recommendation["micro_batch_size"])
-    compatible = recommendation.get("plan_compatible_micro_batch_size")
-    if compatible is None or int(compatible) == fastest:
-        return fastest, None
-    return int(compatible), (
-        f"explore's fastest micro_batch_size={fastest} does not fit every stage of this ramp-up; planning with "
-        f"micro_batch_size={compatible}, the fastest measured size that does"
+    fastest = ExploredSetting(
+        int(recommendation["micro_batch_size"]),
+        recommendation.get("activation_checkpointing"),
+        recommendation.get("compile"),
     )
+    compatible = recommendation.get("plan_compatible_micro_batch_size")
+    if compatible is None or int(compatible) == fastest.micro_batch_size:
+        return fastest
+    return ExploredSetting(
+        int(compatible),
+        recommendation.get("plan_compatible_activation_checkpointing"),
+        recommendation.get("plan_compatible_compile"),
+        f"explore's fastest micro_batch_size={fastest.micro_batch_size} does not fit every stage of this "
+        f"ramp-up; planning with micro_batch_size={compatible}, the fastest measured size that does",
+    )
+
+
+def with_explored_setting(config: Config, setting: ExploredSetting) -> tuple[Config, list[str]]:
+    """The config the stages run: explore's activation checkpointing and compile settings replace the
+    config's (a size measured with activation checkpointing may not fit without it), with notes."""
+    train = config.train
+    notes: list[str] = []
+    update: dict[str, bool] = {}
+    for key, value in (
+        ("activation_checkpointing", setting.activation_checkpointing),
+        ("compile", setting.compile),
+    ):
+        if value is not None and getattr(train, key) != value:
+            update[key] = bool(value)
+            notes.append(
+                f"train.{key}: {str(value).lower()} (explore measured micro_batch_size={setting.micro_batch_size} "
+                f"with it; the config said {str(getattr(train, key)).lower()})"
+            )
+    return config.model_copy(update={"train": train.model_copy(update=update)}), notes
 
 
 def explored_throughput(explore: dict[str, Any], *, micro_batch_size: int) -> float | None:
@@ -148,7 +186,8 @@ def choose_micro_batch(
     then an integer in the config, then the exploration (when the config says `explore`).
     """
     notes: list[str] = []
-    explored, explored_note = explored_micro_batch(explore) if explore is not None else (None, None)
+    setting = explored_setting(explore) if explore is not None else None
+    explored = setting.micro_batch_size if setting else None
     if override is not None:
         if override <= 0:
             raise BatchpilotError("--micro-batch-size", f"must be positive, got {override}")
@@ -157,7 +196,7 @@ def choose_micro_batch(
         micro, source = config.batch.micro_batch_size, "config"
     elif explored is not None:
         micro, source = explored, "explore"
-        notes += [explored_note] if explored_note else []
+        notes += [setting.note] if setting and setting.note else []
     else:
         raise BatchpilotError(
             "batch.micro_batch_size",
@@ -259,6 +298,10 @@ def make_run_document(
             stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
     """
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
+    if source == "explore":
+        assert explore is not None
+        config, setting_notes = with_explored_setting(config, explored_setting(explore))
+        notes += setting_notes
     if samples_per_s_per_device is not None and samples_per_s_per_device <= 0:
         raise BatchpilotError(
             "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -155,6 +156,8 @@ def test_out_of_memory_halves_the_micro_batch_on_every_rank(reference, demo_data
     assert "micro_batch_size=4, gradient_accumulation_steps=4" in result.stdout
     metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert {(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in metrics} == {(4, 4)}
+    # Kept beside the checkpoints: a retry or a resume of this stage starts at 4 (test_train_fsdp.py).
+    assert json.loads((tmp_path / "ckpt" / "micro_batch.json").read_text()) == {"stages": {"0": 4}}
     ref = read_metrics(reference / "out" / "metrics.jsonl")
     for a, b in zip(metrics, ref, strict=True):  # the same global batches: the same training, up to rounding
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)

@@ -133,3 +133,41 @@ def test_one_rank_measures_noise_and_coherence_from_its_micro_batches():
     global_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
     assert outcome.small_sq_norm > global_sq  # one micro-batch's gradient is noisier than the mean of four
     assert -1.0 <= outcome.coherence <= 1.0
+
+
+def test_out_of_memory_in_the_last_backward_cannot_be_retried_in_place():
+    """With accumulation 1 the only backward is the synchronising one: the OOM is reported as unagreed
+    (the trainer then records the halved size and ends the job), not raised raw."""
+    import contextlib
+
+    import torch
+
+    from batchpilot.models.gpt import build
+    from batchpilot.train.distributed import DistContext
+    from batchpilot.train.parallel import wrap_model
+    from batchpilot.train.step import UnagreedOutOfMemory, accumulate_gradients
+
+    class OutOfMemoryInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise torch.cuda.OutOfMemoryError("injected in backward")
+
+    model = build(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    model.blocks[0].register_forward_hook(lambda module, inputs, output: OutOfMemoryInBackward.apply(output))
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    with pytest.raises(UnagreedOutOfMemory) as raised:
+        accumulate_gradients(
+            model=model,
+            parallel=wrap_model(model, ctx, strategy="ddp", bf16=False),
+            micro_batches=[torch.randint(0, 64, (4, 17))],
+            ctx=ctx,
+            autocast=contextlib.nullcontext,
+            stop_requested=lambda: False,
+            measure_noise=True,
+            measure_coherence=False,
+        )
+    assert raised.value.micro_batch_size == 4

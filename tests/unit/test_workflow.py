@@ -14,9 +14,18 @@ from helpers import REPO, run_batchpilot
 DEMO = (REPO / "configs" / "demo.yaml").read_text()
 
 
-def explore_file(folder: Path, *, micro: int = 16, compatible: int | None = None) -> Path:
+def explore_file(
+    folder: Path, *, micro: int = 16, compatible: int | None = None, checkpointing: bool = False
+) -> Path:
     path = folder / "explore.json"
-    recommendation = {"micro_batch_size": micro, "plan_compatible_micro_batch_size": compatible}
+    recommendation = {
+        "micro_batch_size": micro,
+        "activation_checkpointing": checkpointing,
+        "compile": False,
+        "plan_compatible_micro_batch_size": compatible,
+        "plan_compatible_activation_checkpointing": None if compatible is None else checkpointing,
+        "plan_compatible_compile": None if compatible is None else False,
+    }
     probes = [{"micro_batch_size": micro, "fits": True, "samples_per_s": 400.0}]
     path.write_text(json.dumps({"recommendation": recommendation, "probes": probes, "noise_scale": None}))
     return path
@@ -40,6 +49,21 @@ def test_plan_uses_the_explored_micro_batch_and_records_what_it_used(tmp_path):
     overridden = workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=8, explore=explore)
     assert overridden.plan.micro_batch_size == 8 and overridden.micro_batch_source == "override"
     assert any("explore recommends micro_batch_size=16" in note for note in overridden.notes)
+
+
+def test_the_stages_run_the_setting_explore_measured(tmp_path):
+    """A size that fits only with activation checkpointing is trained with it: the plan's resolved config
+    takes explore's setting, says so, and sizes memory with it."""
+    explore = workflow.read_explore(explore_file(tmp_path, micro=16, checkpointing=True))
+    document = workflow.plan(workflow.config_from_text(DEMO), explore=explore)
+    assert document.config.train.activation_checkpointing is True
+    assert any(
+        "train.activation_checkpointing: true (explore measured micro_batch_size=16" in n
+        for n in document.notes
+    )
+    assert parse_run_document(document.to_json()).config.train.activation_checkpointing is True
+    integer = workflow.config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 16"))
+    assert workflow.plan(integer, explore=explore).config.train.activation_checkpointing is False
 
 
 def test_an_integer_in_the_config_stands_and_explore_is_noted(tmp_path):

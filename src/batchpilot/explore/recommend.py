@@ -40,6 +40,8 @@ class Recommendation:
     reasoning: list[str] = field(default_factory=list)
     plan_notes: list[str] = field(default_factory=list)
     plan_compatible_micro_batch_size: int | None = None
+    plan_compatible_activation_checkpointing: bool | None = None
+    plan_compatible_compile: bool | None = None
 
     def line(self) -> str:
         """`current recommendation: micro_batch_size=24 (activation checkpointing off), ...`."""
@@ -179,9 +181,12 @@ def plan_notes(*, recommendation: Recommendation, state: SearchState, topology: 
     )
     compatible = [p for p in state.all_points() if topology.divides(p.micro_batch_size)]
     fastest_compatible = plan_choice(compatible)
-    recommendation.plan_compatible_micro_batch_size = (
-        fastest_compatible.micro_batch_size if fastest_compatible else None
-    )
+    if fastest_compatible is not None:
+        recommendation.plan_compatible_micro_batch_size = fastest_compatible.micro_batch_size
+        recommendation.plan_compatible_activation_checkpointing = (
+            fastest_compatible.setting.activation_checkpointing
+        )
+        recommendation.plan_compatible_compile = fastest_compatible.setting.compile
     final_divides = dp is not None and target % (micro * dp) == 0
     if final_divides and not topology.divides(micro):
         assert topology.stage_error is not None

@@ -8,8 +8,7 @@ over the global batch whatever the split (world x accumulation x micro).
   ranks agree after every micro-batch (and before the last, synchronising backward) whether any rank ran
   out; if so, every rank drops the step's partial gradients and the trainer retries the same global batch
   with half the micro batch. An OOM *inside* the last micro-batch's backward cannot be agreed on (the
-  other ranks are already in its all-reduce), so it fails the job; the stage then restarts from its last
-  checkpoint.
+  other ranks are already in its all-reduce): it raises `UnagreedOutOfMemory`, handled as under FSDP.
 - FSDP/HSDP reduce-scatter every micro-batch's gradients into the shards (no unsharded gradient is kept
   between passes). Their forward and backward passes are full of collectives (a block's parameters are
   all-gathered before it runs), so an OOM on one rank cannot be agreed on at all: `accumulate_sharded`
@@ -108,13 +107,14 @@ def _arm_gradient_sync(wrapped: nn.Module) -> None:
     wrapped.reducer.prepare_for_backward([])
 
 
-def _backward(loss: torch.Tensor, *, may_fail: bool) -> bool:
-    """Backpropagates; an OOM returns False where it can be agreed on (not inside the synchronising pass)."""
+def _backward(loss: torch.Tensor, *, may_fail: bool, micro: int) -> bool:
+    """Backpropagates; an OOM returns False where it can be agreed on, and raises UnagreedOutOfMemory inside
+    the synchronising pass (the other ranks are in its all-reduce)."""
     try:
         loss.backward()
     except torch.cuda.OutOfMemoryError:
         if not may_fail:
-            raise
+            raise UnagreedOutOfMemory(micro) from None
         return False
     return True
 
@@ -170,7 +170,7 @@ def accumulate_gradients(
         if last and ctx.distributed:
             _arm_gradient_sync(wrapped)
         with wrapped.no_sync() if ctx.distributed and not last else contextlib.nullcontext():  # type: ignore[operator]
-            out_of_memory = loss is None or not _backward(loss / accumulation, may_fail=not last)
+            out_of_memory = loss is None or not _backward(loss / accumulation, may_fail=not last, micro=micro)
         if not last:
             oom_anywhere, stop = ctx.any_true(out_of_memory, stop_requested())
             if oom_anywhere or stop:

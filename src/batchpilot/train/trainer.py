@@ -318,14 +318,15 @@ class _Loop:
         )
 
     def _end_after_unagreed_oom(self, stage: Stage, micro: int) -> NoReturn:
-        """Under FSDP an OOM happens inside collectives the other ranks wait in: record the halved size where
-        the retry reads it, and end this process at once (torchrun, or the pod's exit, stops the others)."""
+        """An OOM inside collectives the other ranks wait in (any pass under FSDP, the last micro-batch's
+        backward under DDP): record the halved size where the retry reads it, and end this process at once
+        (torchrun, or the pod's exit, stops the others)."""
         self.micro_override[stage.index] = self._halved(stage, micro)
         write_micro_batch_overrides(self.checkpointer, self.micro_override)
         logger.error(
-            "rank %d ran out of memory at micro_batch_size=%d in %s under %s, inside the collectives of a "
-            "sharded pass where the ranks cannot agree to retry: recorded micro_batch_size=%d in %s; the "
-            "stage's retry resumes from the last checkpoint with it",
+            "rank %d ran out of memory at micro_batch_size=%d in %s under %s, inside collectives where the "
+            "ranks cannot agree to retry: recorded micro_batch_size=%d in %s; the stage's retry resumes from "
+            "the last checkpoint with it",
             self.ctx.rank, micro, stage.name, self.parallel.strategy, micro // 2,
             f"{self.checkpointer.uri.rstrip('/')}/{MICRO_BATCH_OBJECT}",
         )  # fmt: skip
