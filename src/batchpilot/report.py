@@ -54,13 +54,20 @@ def _png(figure: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def ramp_and_loss_figures(plan: Plan, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(title, base64 PNG) of the batch-size ramp with node counts, and of the loss curve."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing off-screen (reports are files, often made where there is no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib import pyplot
 
+    return pyplot
+
+
+def ramp_and_loss_figures(plan: Plan, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(title, base64 PNG) of the batch-size ramp with node counts, and of the loss curves (training and
+    validation; none without records)."""
+    plt = _pyplot()
     figures = []
     fig, axis = plt.subplots(figsize=(7, 3.2))
     xs = [x for s in plan.stages for x in (s.start_sample, s.end_sample)]
@@ -81,17 +88,35 @@ def ramp_and_loss_figures(plan: Plan, records: list[dict[str, Any]]) -> list[tup
     figures.append(("Batch-size ramp and nodes per stage", _png(fig)))
     plt.close(fig)
     if records:
-        fig, axis = plt.subplots(figsize=(7, 3.2))
-        for stage in plan.stages:
-            points = [(r["consumed_samples"], r["loss"]) for r in records if r["stage"] == stage.index]
-            if points:
-                axis.plot(*zip(*points, strict=True), label=f"{stage.name} (batch {stage.global_batch_size})")
-        axis.set_xlabel("consumed samples")
-        axis.set_ylabel("training loss")
-        axis.legend(fontsize=7)
+        fig = loss_figure(plan, records)
         figures.append(("Loss", _png(fig)))
         plt.close(fig)
     return figures
+
+
+def validation_points(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(consumed samples, validation loss) of the steps that ended with an evaluation (`val_loss` not null;
+    records of runs before validation have no such key)."""
+    return [(r["consumed_samples"], float(r["val_loss"])) for r in records if r.get("val_loss") is not None]
+
+
+def loss_figure(plan: Plan, records: list[dict[str, Any]]) -> Any:
+    """The training loss of each stage as lines and the validation loss as markers, over consumed samples."""
+    fig, axis = _pyplot().subplots(figsize=(7, 3.2))
+    for stage in plan.stages:
+        points = [(r["consumed_samples"], r["loss"]) for r in records if r["stage"] == stage.index]
+        if points:
+            axis.plot(*zip(*points, strict=True), label=f"{stage.name} (batch {stage.global_batch_size})")
+    validation = validation_points(records)
+    if validation:
+        axis.plot(
+            *zip(*validation, strict=True), linestyle="none", marker="o", markersize=4, color="black",
+            label="validation",
+        )  # fmt: skip
+    axis.set_xlabel("consumed samples")
+    axis.set_ylabel("loss")
+    axis.legend(fontsize=7)
+    return fig
 
 
 def write_report(
@@ -120,6 +145,9 @@ def write_report(
         mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
         if mfu:
             summary["mean_mfu"] = sum(mfu) / len(mfu)
+        validation = validation_points(records)
+        if validation:
+            summary["final_val_loss"] = validation[-1][1]
         noise = [r["noise_scale"] for r in records if r.get("noise_scale")]
         if noise:
             summary["noise_scale_last"] = float(noise[-1])

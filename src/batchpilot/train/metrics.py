@@ -27,9 +27,11 @@ METRIC_KEYS = (
     "lr",
     "grad_norm",
     "tokens_per_s",
+    "mfu",
     "step_time_s",
     "peak_memory_bytes",
     "noise_scale",
+    "val_loss",
 )
 
 

@@ -36,6 +36,7 @@ from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.evaluate import Validator
 from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.parallel import Parallel, Strategy, global_sum, wrap_model
@@ -213,6 +214,7 @@ class _Loop:
     step: int
     audit_dir: Path | None
     autocast: Callable[[], contextlib.AbstractContextManager]
+    validator: Validator | None = None
     flops_per_token: float = 0.0
     peak_flops: float | None = None
     noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
@@ -341,8 +343,14 @@ class _Loop:
         grad_norm = global_sum(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        before = self.consumed
         self.consumed += stage.global_batch_size
         self.step += 1
+        val_loss = None
+        if self.validator is not None and self.validator.due(
+            before, self.consumed, stage_end=self.consumed == stage.end_sample
+        ):
+            val_loss = self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
         loss, small_sq = self.ctx.mean([outcome.loss, outcome.small_sq_norm or 0.0])
         noise_scale = None
         if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
@@ -375,6 +383,7 @@ class _Loop:
             "peak_memory_bytes": peak_memory_bytes(self.ctx.device),
             "noise_scale": noise_scale,
             "gradient_coherence": outcome.coherence,
+            "val_loss": val_loss,
         }
         if self.metrics is not None:
             self.metrics.append(record)
@@ -382,11 +391,12 @@ class _Loop:
 
     def _progress(self, stage: Stage, record: dict[str, Any]) -> None:
         now = time.monotonic()
-        if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample:
+        if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample and record["val_loss"] is None:
             return
         self.last_log_s = now
         noise = f" | noise scale {record['noise_scale']:,.0f}" if record["noise_scale"] else ""
         noise += f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
+        noise += f" | val loss {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
         log(
             self.ctx,
             f"{stage.name} step {self.step} | samples {self.consumed:,}/{stage.end_sample:,} | batch "
@@ -499,6 +509,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         shuffle_block_samples=config.data.shuffle_block_samples,
         shuffle_window_blocks=config.data.shuffle_window_blocks,
     )
+    validator = Validator.from_config(config, ctx)  # a missing validation split fails here, before training
     torch.manual_seed(config.train.seed)
     model = build_model(factory=config.model.factory, args=config.model.args)
     check_vocabulary(model, vocab_size=loader.vocab_size)
@@ -543,6 +554,7 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         step=checkpoint.step if checkpoint else 0,
         audit_dir=audit_dir,
         autocast=autocast_factory(ctx.device, config.train.precision, parallel),
+        validator=validator if validator.enabled else None,
         flops_per_token=model_flops_per_token(config),
         peak_flops=device_peak(config, ctx.device, bf16=uses_bf16(ctx.device, config.train.precision)),
         preempted_file=output_dir / PREEMPTED_FILE,
@@ -562,4 +574,5 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
     finally:
         signal.signal(signal.SIGTERM, previous)
         loader.close()
+        validator.close()
         sys.stdout.flush()
