@@ -3,6 +3,8 @@ arguments. `make_run_document` is the one place where the plan's micro batch is 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 from batchpilot.config import Config, MaxTextRampup, MegatronRampup
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import (
+    MAX_STAGES,
     BatchSchedule,
     LRSchedule,
     Plan,
@@ -18,8 +21,12 @@ from batchpilot.planning import (
     explicit_schedule,
     maxtext_rampup,
     megatron_rampup,
+    nearest_ramp,
+    node_counts,
     plan_stages,
+    unschedulable_stages,
 )
+from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.devices import device_memory_bytes
 from batchpilot.planning.memory import (
     RESERVE_FIXED_BYTES,
@@ -28,7 +35,10 @@ from batchpilot.planning.memory import (
     activation_bytes_per_sample,
     plan_memory,
 )
+from batchpilot.planning.nodes import check_loading_factor, data_parallel_size, nearest_valid_batch_sizes
+from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import sample_ranges
+from batchpilot.planning.units import format_count
 from batchpilot.rundoc import MicroBatchSource, RunDocument
 
 
@@ -84,8 +94,13 @@ def check_parallelism(config: Config) -> None:
 
 
 def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
-    """Validates every stage of the config's ramp-up and schedules its nodes."""
-    check_parallelism(config)
+    """Validates every stage of the config's ramp-up and schedules its nodes.
+
+    Raises:
+        BatchpilotError: every micro-batch-independent problem (`check_plan_config`), one line each; else
+            the stages this micro batch cannot place.
+    """
+    check_plan_config(config)
     return plan_stages(
         schedule=batch_schedule(config),
         total_samples=config.total_samples,
@@ -102,8 +117,234 @@ def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
 
 
 def num_stages(config: Config) -> int:
-    """How many stages the config's ramp-up has (it does not depend on the micro batch)."""
+    """How many stages the config's ramp-up has (it does not depend on the micro batch); refuses a config
+    that `check_plan_config` refuses."""
+    check_plan_config(config)
     return len(sample_ranges(batch_schedule(config), total_samples=config.total_samples))
+
+
+# --- checks that do not depend on the micro batch ---------------------------------------------------
+
+SHOWN_STAGES = 8
+"""How many unplaceable stages one error line names; it counts the rest (a ramp may have hundreds)."""
+
+
+def check_plan_config(config: Config) -> None:
+    """Refuses a config whose plan no micro batch could make: one line per problem (`plan_problems`)."""
+    raise_problems(plan_problems(config))
+
+
+def plan_problems(config: Config) -> list[BatchpilotError]:
+    """Every problem of the config's plan that does not depend on the micro batch, one error each.
+
+    Model parallelism, the loading factor against the node range, the ramp-up's shape (or the schedule's
+    entries), training shorter than the ramp, stages that no micro batch can place (micro batch 1 cannot:
+    every micro batch is a multiple of it) and more than `MAX_STAGES` stages. Fixes are written in the
+    user's form: a corrected `rampup: [start, increment, samples]` or `schedule: "..."`.
+    """
+    problems: list[BatchpilotError] = []
+    try:
+        check_parallelism(config)
+    except BatchpilotError as error:
+        problems.append(error)
+    cluster = config.cluster
+    try:
+        check_loading_factor(
+            loading_factor=loading_factor(config), min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes
+        )
+    except BatchpilotError as error:
+        return [*problems, error]  # no node count to judge the stages on
+    try:
+        ranges = sample_ranges(batch_schedule(config), total_samples=config.total_samples)
+    except BatchpilotError as error:
+        return problems + [_with_corrected_ramp(config, line) for line in split_problems(error)]
+    batches = [batch for batch, _, _ in ranges]
+    unplaceable = unschedulable_stages(batch_sizes=batches, **_placement(config))
+    if unplaceable:
+        problems.append(_unplaceable_stages(config, batches, unplaceable))
+    if len(ranges) > MAX_STAGES:
+        problems.append(
+            BatchpilotError(
+                _ramp_field(config),
+                f"makes {len(ranges)} stages, more than {MAX_STAGES} (each stage resizes the node pool, "
+                "launches the job and writes a checkpoint)",
+                _corrected(config, unplaceable=set()) or "use fewer, larger steps",
+            )
+        )
+    return problems
+
+
+def loading_factor(config: Config) -> int:
+    """The whole `data.expansion_factor_real_data` that node counts must be multiples of (1: no rule)."""
+    factor = Fraction(str(config.data.expansion_factor_real_data))
+    return int(factor) if factor > 1 and factor.denominator == 1 else 1
+
+
+def _placement(config: Config) -> dict[str, int]:
+    cluster, batch = config.cluster, config.batch
+    return {
+        "devices_per_node": cluster.devices_per_node,
+        "max_nodes": cluster.max_nodes,
+        "min_nodes": cluster.min_nodes,
+        "pipeline_parallel_size": batch.pipeline_parallel_size,
+        "tensor_parallel_size": batch.tensor_parallel_size,
+        "loading_factor": loading_factor(config),
+    }
+
+
+def _placeable(config: Config, batch_sizes: Sequence[int]) -> bool:
+    return not unschedulable_stages(batch_sizes=batch_sizes, **_placement(config))
+
+
+def _allowed_nodes(config: Config) -> list[int]:
+    cluster = config.cluster
+    return node_counts(
+        min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, loading_factor=loading_factor(config)
+    )
+
+
+def _nearest_placeable(config: Config, batch: int) -> tuple[int | None, int | None]:
+    return nearest_valid_batch_sizes(
+        batch,
+        node_range=_allowed_nodes(config),
+        micro_batch_size=1,
+        devices_per_node=config.cluster.devices_per_node,
+        pp=config.batch.pipeline_parallel_size,
+        tp=config.batch.tensor_parallel_size,
+    )
+
+
+def _ramp_field(config: Config) -> str:
+    return "batch.schedule" if config.batch.schedule is not None else "batch.rampup"
+
+
+def _unplaceable_stages(config: Config, batches: list[int], unplaceable: list[int]) -> BatchpilotError:
+    cluster = config.cluster
+    factor = loading_factor(config)
+    where = f"{cluster.min_nodes}-{cluster.max_nodes} nodes of {cluster.devices_per_node} device(s)"
+    where += f" (node counts divisible by data.expansion_factor_real_data {factor})" if factor > 1 else ""
+    if unplaceable[-1] == len(batches) - 1:  # the target itself: fix it first, the ramp follows from it
+        nearby = " or ".join(str(b) for b in _nearest_placeable(config, batches[-1]) if b is not None)
+        return BatchpilotError(
+            "batch.global_batch_size",
+            f"{batches[-1]} splits over no node count at any micro batch on {where} (even "
+            "micro_batch_size 1 leaves a remainder)",
+            f"use {nearby}" if nearby else "change cluster.devices_per_node or the node range",
+        )
+    named = ", ".join(f"stage {i} ({batches[i]})" for i in unplaceable[:SHOWN_STAGES])
+    more = len(unplaceable) - SHOWN_STAGES
+    return BatchpilotError(
+        _ramp_field(config),
+        f"{len(unplaceable)} of its {len(batches)} stages fit no micro batch on {where}, not even "
+        f"micro_batch_size 1: {named}" + (f" and {more} more" if more > 0 else ""),
+        _corrected(config, unplaceable={batches[i] for i in unplaceable})
+        or "use global batch sizes that split over whole nodes",
+    )
+
+
+def _with_corrected_ramp(config: Config, error: BatchpilotError) -> BatchpilotError:
+    """A ramp-up shape error (start not below the target, increment not dividing the span, a per-device
+    value that is no whole number of samples) with the nearest valid ramp as its fix."""
+    if not error.field.startswith("batch.rampup") or error.field == "batch.rampup.samples":
+        return error
+    corrected = _corrected(config, unplaceable=set())
+    if corrected is None:
+        return error
+    return BatchpilotError(error.field, error.problem, f"{corrected}, or remove the ramp-up")
+
+
+def _corrected(config: Config, *, unplaceable: set[int]) -> str | None:
+    """The config's ramp-up in its own form, corrected to pass every micro-batch-independent check."""
+    if config.batch.schedule is not None:
+        return _corrected_schedule(config, unplaceable=unplaceable)
+    return _corrected_rampup(config)
+
+
+def _smallest_unit(config: Config) -> int:
+    """The smallest global batch that one pass of micro batch 1 takes on an allowed node count."""
+    sizes = [
+        data_parallel_size(
+            num_nodes=n,
+            devices_per_node=config.cluster.devices_per_node,
+            pipeline_parallel_size=config.batch.pipeline_parallel_size,
+            tensor_parallel_size=config.batch.tensor_parallel_size,
+        )
+        for n in _allowed_nodes(config)
+    ]
+    return min((size for size in sizes if size is not None), default=1)
+
+
+def _corrected_rampup(config: Config) -> str | None:
+    rampup, target = config.batch.rampup, config.batch.global_batch_size
+    unit = _smallest_unit(config)
+    step = unit if target % unit == 0 else 1
+    devices = 0  # the MaxText form's device count; 0 for the NeMo/Megatron form
+    if isinstance(rampup, MaxTextRampup):
+        devices = config.cluster.max_nodes * config.cluster.devices_per_node
+        # per-device values must be exact decimals: an increment that is a multiple of the devices' odd part
+        step = math.lcm(step, _without_2_and_5(devices))
+        start = Fraction(str(rampup.per_device_start)) * devices
+        increment = Fraction(str(rampup.per_device_increment)) * devices
+    elif isinstance(rampup, MegatronRampup):
+        start, increment = Fraction(rampup.start), Fraction(rampup.increment)
+    else:
+        return None
+
+    def accept(start: int, increment: int) -> bool:
+        if devices and not (_decimal(Fraction(start, devices)) and _decimal(Fraction(increment, devices))):
+            return False
+        return _placeable(config, range(start, target + 1, increment))
+
+    found = nearest_ramp(
+        start=start, increment=increment, target=target, max_levels=MAX_STAGES, step=step, accept=accept
+    )
+    if found is None:
+        return None
+    samples = _count_text(rampup.samples)
+    if devices:
+        first, each = (_decimal(Fraction(value, devices)) for value in found)
+        return f"rampup: {{per_device_start: {first}, per_device_increment: {each}, samples: {samples}}}"
+    return f"rampup: [{found[0]}, {found[1]}, {samples}]"
+
+
+def _corrected_schedule(config: Config, *, unplaceable: set[int]) -> str | None:
+    """The schedule with each unplaceable batch replaced by the nearest placeable one (repeats dropped),
+    thinned to `MAX_STAGES` entries when longer."""
+    assert config.batch.schedule is not None
+    fixed: list[tuple[str, int]] = []
+    for raw, _, batch in parse_schedule(config.batch.schedule, seq_len=config.data.seq_len):
+        if batch in unplaceable:
+            nearby = [b for b in _nearest_placeable(config, batch) if b is not None]
+            batch = min(nearby, key=lambda b: (abs(b - batch), -b), default=batch)
+        if not fixed or batch > fixed[-1][1]:
+            fixed.append((raw, batch))
+    if len(fixed) > MAX_STAGES:
+        keep = sorted({round(i * (len(fixed) - 1) / (MAX_STAGES - 1)) for i in range(MAX_STAGES)})
+        fixed = [fixed[i] for i in keep]
+    if fixed[-1][1] != config.batch.global_batch_size or not _placeable(config, [b for _, b in fixed]):
+        return None
+    return f'schedule: "{format_schedule(fixed)}"'
+
+
+def _without_2_and_5(value: int) -> int:
+    for prime in (2, 5):
+        while value % prime == 0:
+            value //= prime
+    return value
+
+
+def _decimal(value: Fraction) -> str | None:
+    """`value` as an exact decimal (0.75), or None when it has none (1/3)."""
+    if _without_2_and_5(value.denominator) != 1:
+        return None
+    text = f"{float(value):.12f}".rstrip("0").rstrip(".")
+    return text if Fraction(text) == value else None
+
+
+def _count_text(value: int) -> str:
+    """A sample count as a config writes it: `10M`, else the plain integer."""
+    text = format_count(value)
+    return str(value) if "," in text else text
 
 
 @dataclass(frozen=True)
@@ -279,6 +520,19 @@ def probe_parallelism(config: Config, shape: ModelShape) -> str:
         return "fsdp"
 
 
+def study_advice(config: Config, explore: dict[str, Any] | None) -> list[str]:
+    """The effective-batch study's advice beside the config's own numbers (which stand), as a note."""
+    study = (explore or {}).get("noise_scale") or {}
+    target = study.get("recommended_global_batch_size")
+    if not target or not study.get("critical_batch_size"):
+        return []
+    return [
+        f"explore's gradient-noise study: critical batch ~{study['critical_batch_size']:,.0f} samples, advises a "
+        f"target global batch of {target} with train.lr_scaling: {study.get('lr_scaling')}; this plan keeps "
+        f"batch.global_batch_size {config.batch.global_batch_size} and lr_scaling {config.train.lr_scaling}"
+    ]
+
+
 def make_run_document(
     config: Config,
     *,
@@ -297,11 +551,13 @@ def make_run_document(
         shape: the model's shape (a meta-device build, `train.shape`): gives the per-device memory of every
             stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
     """
+    check_plan_config(config)  # what no micro batch can fix is reported before asking for one
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
     if source == "explore":
         assert explore is not None
         config, setting_notes = with_explored_setting(config, explored_setting(explore))
         notes += setting_notes
+    notes += study_advice(config, explore)
     if samples_per_s_per_device is not None and samples_per_s_per_device <= 0:
         raise BatchpilotError(
             "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"

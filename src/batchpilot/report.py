@@ -155,6 +155,8 @@ def write_report(
     if explore is not None:
         parts.append(_explore_section(explore, explore_html))
     parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
+    if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
+        parts.append("<ul>" + "".join(f"<li>{html.escape(note)}</li>" for note in document.notes) + "</ul>")
     for title, png in ramp_and_loss_figures(plan, records):
         parts.append(
             f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"

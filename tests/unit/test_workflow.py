@@ -66,6 +66,24 @@ def test_the_stages_run_the_setting_explore_measured(tmp_path):
     assert workflow.plan(integer, explore=explore).config.train.activation_checkpointing is False
 
 
+def test_the_studys_advice_is_shown_beside_the_configs_numbers(tmp_path):
+    path = explore_file(tmp_path, micro=16)
+    data = json.loads(path.read_text())
+    data["noise_scale"] = {
+        "critical_batch_size": 183.4,
+        "recommended_global_batch_size": 192,
+        "lr_scaling": "sqrt",
+    }
+    path.write_text(json.dumps(data))
+    document = workflow.plan(workflow.config_from_text(DEMO), explore=workflow.read_explore(path))
+    assert document.config.batch.global_batch_size == 64  # the user's numbers stand
+    assert any(
+        "critical batch ~183 samples, advises a target global batch of 192 with train.lr_scaling: sqrt; this plan "
+        "keeps batch.global_batch_size 64" in note
+        for note in document.notes
+    )
+
+
 def test_an_integer_in_the_config_stands_and_explore_is_noted(tmp_path):
     config = workflow.config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 8"))
     explore = workflow.read_explore(explore_file(tmp_path, micro=16))
