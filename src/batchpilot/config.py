@@ -98,6 +98,20 @@ class DataConfig(_Section):
         8, description="blocks whose samples are shuffled together; memory ~ 2 windows of blocks"
     )
 
+    @field_validator("expansion_factor_real_data")
+    @classmethod
+    def _whole_loading_factor(cls, value: float) -> float:
+        # The trainer's loader makes every f-th host a loading host and refuses a fractional f > 1 at
+        # start-up; refuse it here instead. f <= 1 (every host reads; f < 1 shrinks the batch to load) stays.
+        if value > 1 and not float(value).is_integer():
+            whole = " or ".join(str(f) for f in sorted({max(int(value), 2), int(value) + 1}))
+            raise ValueError(
+                f"{value} is not a whole number: with a factor above 1 each loading host reads for itself "
+                f"and f - 1 whole other hosts, and the trainer refuses it at start-up; use {whole} (node "
+                "counts are then multiples of it) or 1"
+            )
+        return value
+
     @model_validator(mode="after")
     def _known_scheme(self) -> DataConfig:
         if not self.uri.startswith(("file://", "gs://")):

@@ -88,6 +88,11 @@ INVALID = [
     ("data.uri", "s3://bucket/x", "data: uri 's3://bucket/x' must start with file:// or gs://"),
     ("data.seq_len", 1.5, "data.seq_len: Input should be a valid integer"),
     ("data.expansion_factor_real_data", 0, "data.expansion_factor_real_data: Input should be greater than 0"),
+    (
+        "data.expansion_factor_real_data",
+        1.5,
+        "data.expansion_factor_real_data: 1.5 is not a whole number: with a factor above 1 each loading host",
+    ),
     ("train.total_tokens", 1000, "train: set exactly one of total_samples and total_tokens"),
     ("train.lr_scaling", "cubic", "train.lr_scaling: Input should be 'none', 'linear' or 'sqrt'"),
     ("train.min_lr_ratio", 2, "train.min_lr_ratio: Input should be less than or equal to 1"),
@@ -166,3 +171,12 @@ def test_the_rl_section_is_gone():
     data["rl"] = {"batch_size": 8, "num_generations": 4}
     with pytest.raises(ConfigError, match="unknown key 'rl'"):
         parse_config(data)
+
+
+def test_loading_factors_the_trainer_accepts_load():
+    """Whole factors above 1 and any factor up to 1 (every host reads; below 1 shrinks the batch to load)."""
+    for factor in (0.5, 1, 2, 4.0):
+        assert (
+            parse_config(mutate("data.expansion_factor_real_data", factor)).data.expansion_factor_real_data
+            == factor
+        )

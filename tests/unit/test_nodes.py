@@ -5,7 +5,12 @@ from fractions import Fraction
 import pytest
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning import gradient_accumulation_steps, num_loading_hosts, schedule_nodes
+from batchpilot.planning import (
+    gradient_accumulation_steps,
+    num_loading_hosts,
+    schedule_nodes,
+    unschedulable_stages,
+)
 from batchpilot.planning.batch import check_pipeline_microbatches, global_batch_to_load
 from batchpilot.planning.nodes import data_parallel_size
 
@@ -79,3 +84,42 @@ def test_pipeline_microbatches():
         check_pipeline_microbatches(num_pipeline_microbatches=6, pipeline_parallel_size=4, per_pass_batch=24)
     with pytest.raises(BatchpilotError, match="does not divide the per-pass batch"):
         check_pipeline_microbatches(num_pipeline_microbatches=8, pipeline_parallel_size=4, per_pass_batch=12)
+
+
+def test_every_stage_that_cannot_fit_is_named_on_one_line_with_fitting_micro_batches():
+    """NeMo's 5B ramp at micro batch 3: five stages cannot split; 2 and 4 fit them all."""
+    with pytest.raises(BatchpilotError) as info:
+        schedule_nodes(
+            batch_sizes=[256, 512, 768, 1024, 1280, 1536, 1792, 2048],
+            micro_batch_size=3,
+            devices_per_node=8,
+            max_nodes=16,
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("stage 7 (global_batch_size=2048): no node count in [1, 16]")
+    assert "; nor stage(s) 6 (1792), 4 (1280), 3 (1024), 1 (512), 0 (256) (fix:" in message
+    assert "or micro_batch_size 2 or 4 (each fits every stage)" in message
+
+
+def test_loading_hosts_divide_the_chosen_node_counts():
+    """Factor 4: only multiples of 4 nodes; before, the walk chose 10 and 14 and the trainer refused them."""
+    batches = [256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    nodes = schedule_nodes(
+        batch_sizes=batches, micro_batch_size=4, devices_per_node=8, max_nodes=16, loading_factor=4
+    )
+    assert nodes == [8, 8, 8, 8, 8, 8, 8, 16]
+    assert schedule_nodes(
+        batch_sizes=batches, micro_batch_size=4, devices_per_node=8, max_nodes=16, loading_factor=2
+    ) == [8, 8, 8, 8, 10, 12, 14, 16]
+    with pytest.raises(BatchpilotError, match=r"^data\.expansion_factor_real_data: 32 divides no node count"):
+        schedule_nodes(
+            batch_sizes=batches, micro_batch_size=4, devices_per_node=8, max_nodes=16, loading_factor=32
+        )
+
+
+def test_unschedulable_stages_are_those_micro_batch_1_cannot_place():
+    # 8 devices per node: 100 and 108 leave a remainder of 4 on every node count, at any micro batch.
+    assert unschedulable_stages(batch_sizes=[100, 104, 108, 2048], devices_per_node=8, max_nodes=16) == [0, 2]
+    assert unschedulable_stages(batch_sizes=[96, 128], devices_per_node=8, max_nodes=16, min_nodes=3) == []
+    assert unschedulable_stages(batch_sizes=[16, 32], devices_per_node=8, max_nodes=4, min_nodes=3) == [0]

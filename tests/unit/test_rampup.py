@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning import explicit_schedule, maxtext_rampup, megatron_rampup
+from batchpilot.planning import explicit_schedule, maxtext_rampup, megatron_rampup, nearest_ramp
 from batchpilot.planning.stages import sample_ranges
 
 
@@ -109,3 +109,51 @@ def test_explicit_schedule_samples_suffixes_and_tokens():
 def test_explicit_schedule_invalid(text, message):
     with pytest.raises(BatchpilotError, match=message):
         explicit_schedule(text, target=64, seq_len=128)
+
+
+def test_explicit_schedule_reports_every_bad_entry_and_suggests_the_ordered_schedule():
+    with pytest.raises(BatchpilotError) as info:
+        explicit_schedule("0:16 5X:32 1Y:48 4K:64", target=64, seq_len=128)
+    assert str(info.value).splitlines() == [
+        "batch.schedule (5X:32): '5X' is not a count (fix: write a number with an optional K, M, B or T "
+        "suffix, e.g. 10M)",
+        "batch.schedule (1Y:48): '1Y' is not a count (fix: write a number with an optional K, M, B or T "
+        "suffix, e.g. 10M)",
+    ]
+    with pytest.raises(BatchpilotError) as info:
+        explicit_schedule("0:32 1K:16 2K:64", target=64, seq_len=128)
+    assert str(info.value).endswith(
+        '(fix: list thresholds and batch sizes in increasing order, e.g. schedule: "0:16 1K:32 2K:64")'
+    )
+
+
+def test_nearest_ramp_keeps_the_shape_within_the_limit():
+    """NeMo's [100, 4] to 2048 on 8-device nodes: the closest ramp of multiples of 8 within 64 levels."""
+    found = nearest_ramp(
+        start=Fraction(100),
+        increment=Fraction(4),
+        target=2048,
+        max_levels=64,
+        step=8,
+        accept=lambda s, i: True,
+    )
+    assert found == (96, 32)  # 62 levels, start 96 ~ 100
+    assert nearest_ramp(
+        start=Fraction(16),
+        increment=Fraction(16),
+        target=2048,
+        max_levels=64,
+        step=8,
+        accept=lambda s, i: s % 32 == 0,
+    ) == (32, 32)
+    assert (
+        nearest_ramp(
+            start=Fraction(1),
+            increment=Fraction(1),
+            target=8,
+            max_levels=64,
+            step=1,
+            accept=lambda s, i: False,
+        )
+        is None
+    )

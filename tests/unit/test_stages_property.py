@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning import LRSchedule, explicit_schedule, maxtext_rampup, megatron_rampup, plan_stages
+from batchpilot.planning import (
+    LRSchedule,
+    explicit_schedule,
+    maxtext_rampup,
+    megatron_rampup,
+    plan_stages,
+    schedule_nodes,
+    unschedulable_stages,
+)
 
 LR = LRSchedule(
     lr=1e-3,
@@ -123,3 +131,32 @@ def test_any_input_either_plans_or_raises_a_user_error(
         assert "\n" not in str(error)
     else:
         assert plan.stages[-1].global_batch_size == target
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(st.integers(1, 600), min_size=1, max_size=6, unique=True).map(sorted),
+    micro=st.integers(1, 8),
+    devices_per_node=st.integers(1, 8),
+    max_nodes=st.integers(1, 12),
+    min_nodes=st.integers(1, 12),
+    loading_factor=st.integers(1, 4),
+)
+def test_a_stage_micro_batch_1_cannot_place_no_micro_batch_can(
+    batches, micro, devices_per_node, max_nodes, min_nodes, loading_factor
+):
+    """What `config check` refuses before the micro batch is known is refused at every micro batch, and
+    the node counts chosen are always whole numbers of loading groups."""
+    if min_nodes > max_nodes or min_nodes > max_nodes // loading_factor * loading_factor:
+        return
+    where = dict(devices_per_node=devices_per_node, max_nodes=max_nodes, min_nodes=min_nodes)
+    unplaceable = unschedulable_stages(batch_sizes=batches, loading_factor=loading_factor, **where)
+    try:
+        nodes = schedule_nodes(
+            batch_sizes=batches, micro_batch_size=micro, loading_factor=loading_factor, **where
+        )
+    except BatchpilotError as error:
+        assert "\n" not in str(error)
+    else:
+        assert not unplaceable
+        assert all(n % loading_factor == 0 and min_nodes <= n <= max_nodes for n in nodes)

@@ -30,7 +30,11 @@ def _check(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     document = workflow.preflight(config)
     if document is None:
-        detail = "stage divisibility is checked once the micro batch is explored"
+        count = workflow.expected_stage_count(config)
+        detail = (
+            f"{count} stage(s), each placeable at some micro batch; their divisibility at the chosen micro "
+            "batch is checked once it is explored"
+        )
     else:
         detail = f"{len(document.plan.stages)} stage(s) valid"
     print(f"{args.file}: ok (name={config.name}, {config.total_samples:,} samples, {detail})")

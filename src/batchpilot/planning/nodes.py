@@ -2,13 +2,14 @@
 
 Walking down from the target batch, which may use up to `max_nodes`, each smaller batch `b` gets the
 largest node count `n <= nodes(next larger batch)` (and `>= min_nodes`) such that
-`b % (micro_batch_size x data_parallel_size(n)) == 0`.
+`b % (micro_batch_size x data_parallel_size(n)) == 0`. With loading hosts (an integer
+`expansion_factor_real_data` f > 1) only node counts that f divides are candidates: the trainer makes
+every f-th host a loading host and refuses a node count that f does not divide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
 
 from batchpilot.errors import BatchpilotError
 
@@ -30,21 +31,43 @@ def fits(
     devices_per_node: int,
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    loading_factor: int = 1,
 ) -> bool:
-    """Whether `global_batch_size` splits into whole micro-batches on `num_nodes` nodes."""
+    """Whether `global_batch_size` splits into whole micro-batches on `num_nodes` nodes, and the loading
+    hosts (one per `loading_factor` nodes) divide the node count."""
     dp = data_parallel_size(
         num_nodes=num_nodes,
         devices_per_node=devices_per_node,
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
     )
-    return dp is not None and global_batch_size % (micro_batch_size * dp) == 0
+    return (
+        dp is not None
+        and num_nodes % loading_factor == 0
+        and global_batch_size % (micro_batch_size * dp) == 0
+    )
+
+
+def node_counts(*, min_nodes: int, max_nodes: int, loading_factor: int = 1) -> list[int]:
+    """The node counts a stage may run on, ascending: [min_nodes, max_nodes], multiples of the factor."""
+    return [n for n in range(min_nodes, max_nodes + 1) if n % loading_factor == 0]
+
+
+def check_loading_factor(*, loading_factor: int, min_nodes: int, max_nodes: int) -> None:
+    """Some node count in [min_nodes, max_nodes] must be a multiple of the (whole) loading factor."""
+    if not node_counts(min_nodes=min_nodes, max_nodes=max_nodes, loading_factor=loading_factor):
+        raise BatchpilotError(
+            "data.expansion_factor_real_data",
+            f"{loading_factor} divides no node count in [{min_nodes}, {max_nodes}] (cluster.min_nodes, "
+            "max_nodes), and the trainer needs every node count to be a whole number of loading groups",
+            f"use 1 or a factor that divides cluster.max_nodes ({max_nodes})",
+        )
 
 
 def nearest_valid_batch_sizes(
     global_batch_size: int,
     *,
-    node_range: range,
+    node_range: Sequence[int],
     micro_batch_size: int,
     devices_per_node: int,
     pp: int,
@@ -65,6 +88,75 @@ def nearest_valid_batch_sizes(
     return below, above
 
 
+def walk_nodes(
+    *,
+    batch_sizes: Sequence[int],
+    micro_batch_size: int,
+    devices_per_node: int,
+    max_nodes: int,
+    min_nodes: int = 1,
+    pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    loading_factor: int = 1,
+) -> list[int | None]:
+    """The NeMo walk: node count per (ascending) batch size, None where no count in [min_nodes, cap] fits.
+
+    A stage that does not fit leaves the cap where it was, so every stage after it is still judged.
+    """
+    assert list(batch_sizes) == sorted(batch_sizes), batch_sizes
+    nodes: list[int | None] = [None] * len(batch_sizes)
+    cap = max_nodes
+    for index in reversed(range(len(batch_sizes))):
+        chosen = next(
+            (
+                n
+                for n in range(cap, min_nodes - 1, -1)
+                if fits(
+                    global_batch_size=batch_sizes[index],
+                    num_nodes=n,
+                    micro_batch_size=micro_batch_size,
+                    devices_per_node=devices_per_node,
+                    pipeline_parallel_size=pipeline_parallel_size,
+                    tensor_parallel_size=tensor_parallel_size,
+                    loading_factor=loading_factor,
+                )
+            ),
+            None,
+        )
+        if chosen is not None:
+            nodes[index] = cap = chosen
+    return nodes
+
+
+def unschedulable_stages(
+    *,
+    batch_sizes: Sequence[int],
+    devices_per_node: int,
+    max_nodes: int,
+    min_nodes: int = 1,
+    pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    loading_factor: int = 1,
+) -> list[int]:
+    """Indexes of the stages that no micro batch can place on the cluster.
+
+    Every micro batch is a multiple of 1, so a stage that micro batch 1 cannot split over any node count
+    the walk allows cannot be split with any other micro batch either (a larger micro batch only removes
+    node counts, and the walk's caps only shrink with it).
+    """
+    nodes = walk_nodes(
+        batch_sizes=batch_sizes,
+        micro_batch_size=1,
+        devices_per_node=devices_per_node,
+        max_nodes=max_nodes,
+        min_nodes=min_nodes,
+        pipeline_parallel_size=pipeline_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
+        loading_factor=loading_factor,
+    )
+    return [index for index, n in enumerate(nodes) if n is None]
+
+
 def schedule_nodes(
     *,
     batch_sizes: Sequence[int],
@@ -74,61 +166,69 @@ def schedule_nodes(
     min_nodes: int = 1,
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    loading_factor: int = 1,
 ) -> list[int]:
-    """Node count for each (ascending) global batch size; raises naming the first stage that cannot fit."""
-    assert list(batch_sizes) == sorted(batch_sizes), batch_sizes
+    """Node count for each (ascending) global batch size.
+
+    Raises:
+        BatchpilotError: one line naming the first stage (from the top) that cannot fit, every other
+            stage that cannot, the nearest batch sizes that would and micro batch sizes that fit them all.
+    """
     if min_nodes > max_nodes:
         raise BatchpilotError("cluster.min_nodes", f"{min_nodes} exceeds cluster.max_nodes {max_nodes}")
-    nodes: list[int] = [0] * len(batch_sizes)
-    cap = max_nodes
-    for index in reversed(range(len(batch_sizes))):
-        batch = batch_sizes[index]
-        chosen = next(
-            (
-                n
-                for n in range(cap, min_nodes - 1, -1)
-                if fits(
-                    global_batch_size=batch,
-                    num_nodes=n,
-                    micro_batch_size=micro_batch_size,
-                    devices_per_node=devices_per_node,
-                    pipeline_parallel_size=pipeline_parallel_size,
-                    tensor_parallel_size=tensor_parallel_size,
-                )
-            ),
-            None,
+    check_loading_factor(loading_factor=loading_factor, min_nodes=min_nodes, max_nodes=max_nodes)
+
+    def walk(micro: int) -> list[int | None]:
+        return walk_nodes(
+            batch_sizes=batch_sizes,
+            micro_batch_size=micro,
+            devices_per_node=devices_per_node,
+            max_nodes=max_nodes,
+            min_nodes=min_nodes,
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            loading_factor=loading_factor,
         )
-        if chosen is None:
-            _raise_no_fit(
-                index,
-                batch,
-                cap,
-                min_nodes,
-                micro_batch_size,
-                devices_per_node,
-                pipeline_parallel_size,
-                tensor_parallel_size,
-            )
-        nodes[index] = cap = chosen
-    return nodes
 
-
-def _raise_no_fit(
-    index: int, batch: int, cap: int, min_nodes: int, micro: int, devices_per_node: int, pp: int, tp: int
-) -> NoReturn:
+    nodes = walk(micro_batch_size)
+    failed = [index for index in reversed(range(len(nodes))) if nodes[index] is None]
+    if not failed:
+        return [n for n in nodes if n is not None]
+    first = failed[0]
+    cap = next((n for n in nodes[first + 1 :] if n is not None), max_nodes)
     below, above = nearest_valid_batch_sizes(
-        batch,
-        node_range=range(min_nodes, cap + 1),
-        micro_batch_size=micro,
+        batch_sizes[first],
+        node_range=node_counts(min_nodes=min_nodes, max_nodes=cap, loading_factor=loading_factor),
+        micro_batch_size=micro_batch_size,
         devices_per_node=devices_per_node,
-        pp=pp,
-        tp=tp,
+        pp=pipeline_parallel_size,
+        tp=tensor_parallel_size,
     )
     suggestions = " or ".join(str(b) for b in (below, above) if b is not None) or "none"
+    others = ", ".join(f"{index} ({batch_sizes[index]})" for index in failed[1:])
+    loading = f" divisible by the loading factor {loading_factor}" if loading_factor > 1 else ""
+    micros = _fitting_micro_batches(micro_batch_size, walk=walk, largest=min(batch_sizes))
     raise BatchpilotError(
-        f"stage {index} (global_batch_size={batch})",
-        f"no node count in [{min_nodes}, {cap}] splits it into whole micro-batches of "
-        f"micro_batch_size={micro} x devices_per_node={devices_per_node}",
-        f"use a nearby global batch size ({suggestions}) in batch.rampup/schedule, or change "
-        "micro_batch_size or cluster.min_nodes",
+        f"stage {first} (global_batch_size={batch_sizes[first]})",
+        f"no node count in [{min_nodes}, {cap}]{loading} splits it into whole micro-batches of "
+        f"micro_batch_size={micro_batch_size} x devices_per_node={devices_per_node}"
+        + (f"; nor stage(s) {others}" if others else ""),
+        f"use a nearby global batch size ({suggestions}) in batch.rampup/schedule"
+        + (
+            f", or micro_batch_size {micros} (each fits every stage)"
+            if micros
+            else ", or change micro_batch_size"
+        )
+        + ", or cluster.min_nodes",
     )
+
+
+def _fitting_micro_batches(
+    micro_batch_size: int, *, walk: Callable[[int], list[int | None]], largest: int
+) -> str:
+    """The nearest micro batch sizes below and above `micro_batch_size` that fit every stage."""
+    found = []
+    for candidates in (range(micro_batch_size - 1, 0, -1), range(micro_batch_size + 1, largest + 1)):
+        fitting = next((m for m in candidates if None not in walk(m)), None)
+        found += [str(fitting)] if fitting is not None else []
+    return " or ".join(found)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from batchpilot.errors import BatchpilotError
+from batchpilot.planning.batch import raise_problems
 from batchpilot.planning.units import parse_count, parse_threshold
 
 
@@ -141,40 +143,110 @@ def maxtext_rampup(
     return BatchSchedule(tuple(thresholds), tuple(batches))
 
 
+def parse_schedule(text: str, *, seq_len: int) -> list[tuple[str, int, int]]:
+    """The entries of an explicit schedule as (threshold as written, threshold in samples, batch).
+
+    Raises:
+        BatchpilotError: one line per entry that does not parse (`Problems` when several do not).
+    """
+    field = "batch.schedule"
+    entries: list[tuple[str, int, int]] = []
+    problems: list[BatchpilotError] = []
+    for entry in text.split():
+        try:
+            if entry.count(":") != 1:
+                raise BatchpilotError(field, f"entry {entry!r} is not THRESHOLD:BATCH", 'write e.g. "5M:512"')
+            raw_threshold, raw_batch = entry.split(":")
+            value, is_tokens = parse_threshold(raw_threshold, field=f"{field} ({entry})")
+            batch = parse_count(raw_batch, field=f"{field} ({entry})")
+            if batch <= 0:
+                raise BatchpilotError(f"{field} ({entry})", "batch sizes must be positive")
+            entries.append((raw_threshold, -(-value // seq_len) if is_tokens else value, batch))
+        except BatchpilotError as error:
+            problems.append(error)
+    raise_problems(problems)
+    return entries
+
+
+def format_schedule(entries: Sequence[tuple[str, int]]) -> str:
+    """`THRESHOLD:BATCH ...` from (threshold as written, batch) pairs."""
+    return " ".join(f"{threshold}:{batch}" for threshold, batch in entries)
+
+
 def explicit_schedule(text: str, *, target: int, seq_len: int) -> BatchSchedule:
     """An explicit schedule such as `"0:256 5M:512 10M:1024"`.
 
     Thresholds are samples (`K/M/B/T` suffixes allowed) or tokens with a `t` suffix (`20Mt`); a token
     threshold becomes the first sample index at which that many tokens have been consumed.
+
+    Raises:
+        BatchpilotError: one line per problem (`Problems` when there are several); an order problem
+            suggests the schedule with its thresholds and batch sizes each in increasing order.
     """
     field = "batch.schedule"
-    entries = text.split()
-    if not entries:
+    if not text.split():
         raise BatchpilotError(field, "is empty", 'write e.g. "0:256 5M:512 10M:1024"')
-    thresholds: list[int] = []
-    batches: list[int] = []
-    for entry in entries:
-        if entry.count(":") != 1:
-            raise BatchpilotError(field, f"entry {entry!r} is not THRESHOLD:BATCH", 'write e.g. "5M:512"')
-        raw_threshold, raw_batch = entry.split(":")
-        value, is_tokens = parse_threshold(raw_threshold, field=f"{field} ({entry})")
-        thresholds.append(-(-value // seq_len) if is_tokens else value)
-        batches.append(parse_count(raw_batch, field=f"{field} ({entry})"))
-    if thresholds[0] != 0:
-        raise BatchpilotError(field, f"must start at 0, starts at {entries[0]!r}", 'begin with "0:<batch>"')
-    for i in range(1, len(entries)):
-        if thresholds[i] <= thresholds[i - 1] or batches[i] <= batches[i - 1]:
-            raise BatchpilotError(
-                field,
-                f"{entries[i]!r} must come after {entries[i - 1]!r} with a larger threshold and batch",
-                "list thresholds and batch sizes in increasing order",
-            )
-    if batches[0] <= 0:
-        raise BatchpilotError(field, "batch sizes must be positive")
-    if batches[-1] != target:
-        raise BatchpilotError(
-            field,
-            f"ends at batch {batches[-1]} but batch.global_batch_size is {target}",
-            "make the last entry's batch the global_batch_size",
+    entries = parse_schedule(text, seq_len=seq_len)
+    problems: list[BatchpilotError] = []
+    written = [f"{raw}:{batch}" for raw, _, batch in entries]
+    if entries[0][1] != 0:
+        problems.append(
+            BatchpilotError(field, f"must start at 0, starts at {written[0]!r}", 'begin with "0:<batch>"')
         )
-    return BatchSchedule(tuple(thresholds), tuple(batches))
+    ordered = _ordered(entries)
+    for i in range(1, len(entries)):
+        if entries[i][1] <= entries[i - 1][1] or entries[i][2] <= entries[i - 1][2]:
+            problems.append(
+                BatchpilotError(
+                    field,
+                    f"{written[i]!r} must come after {written[i - 1]!r} with a larger threshold and batch",
+                    f'list thresholds and batch sizes in increasing order, e.g. schedule: "{ordered}"',
+                )
+            )
+    if entries[-1][2] != target:
+        problems.append(
+            BatchpilotError(
+                field,
+                f"ends at batch {entries[-1][2]} but batch.global_batch_size is {target}",
+                "make the last entry's batch the global_batch_size",
+            )
+        )
+    raise_problems(problems)
+    return BatchSchedule(tuple(t for _, t, _ in entries), tuple(b for _, _, b in entries))
+
+
+def _ordered(entries: Sequence[tuple[str, int, int]]) -> str:
+    """The entries with thresholds and batch sizes each sorted, repeats dropped: the likely intent."""
+    thresholds = sorted({(value, raw) for raw, value, _ in entries})
+    batches = sorted({batch for _, _, batch in entries})
+    return format_schedule([(raw, batch) for (_, raw), batch in zip(thresholds, batches, strict=False)])
+
+
+def nearest_ramp(
+    *,
+    start: Fraction,
+    increment: Fraction,
+    target: int,
+    max_levels: int,
+    step: int,
+    accept: Callable[[int, int], bool],
+    max_tries: int = 2000,
+) -> tuple[int, int] | None:
+    """The linear ramp `(start, increment)` to `target` closest to the given one that `accept` takes.
+
+    Candidates have an increment that is a multiple of `step`, `target - start` a multiple of it (so
+    the ramp ends exactly at the target) and at most `max_levels` levels; they are tried from the closest
+    (the sum of |log ratio| of start and increment) until `accept` takes one, at most `max_tries` times.
+    """
+    candidates: set[tuple[int, int]] = set()
+    for inc in range(step, target, step):
+        ideal = (target - start) / inc
+        for k in (math.floor(ideal), math.ceil(ideal)):
+            k = min(max(k, 1), max_levels - 1)
+            if target - k * inc > 0:
+                candidates.add((target - k * inc, inc))
+    ranked = sorted(
+        candidates,
+        key=lambda c: (abs(math.log(c[0] / start)) + abs(math.log(c[1] / increment)), c),
+    )
+    return next((c for c in ranked[:max_tries] if accept(*c)), None)

@@ -19,6 +19,11 @@ from batchpilot.planning.nodes import data_parallel_size, schedule_nodes
 from batchpilot.planning.rampup import BatchSchedule
 from batchpilot.planning.units import format_count
 
+MAX_STAGES = 64
+"""The most stages a plan may have: each stage resizes the node pool, launches the job on it and writes a
+checkpoint (minutes of idle accelerators each), and a compiled pipeline holds one task group per stage.
+A ramp with more stages is refused with a coarser ramp of the same shape that stays within this."""
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -172,10 +177,18 @@ def plan_stages(
     tensor_parallel_size: int = 1,
     num_pipeline_microbatches: int | None = None,
 ) -> Plan:
-    """Turns a batch schedule into validated stages with node counts; raises on the first invalid stage."""
+    """Turns a batch schedule into validated stages with node counts.
+
+    Raises:
+        BatchpilotError: a stage that the micro batch cannot place (one line naming every such stage), or
+            another per-stage rule (accumulation, loading hosts, pipeline microbatches) broken.
+    """
     if micro_batch_size <= 0:
         raise BatchpilotError("batch.micro_batch_size", f"must be positive, got {micro_batch_size}")
     ranges = sample_ranges(schedule, total_samples=total_samples)
+    # The trainer makes every f-th host a loading host: with a whole factor f > 1, only node counts that f
+    # divides can run (a fractional f > 1 is refused below, by num_loading_hosts, as the trainer does).
+    whole = expansion_factor > 1 and expansion_factor.denominator == 1
     nodes = schedule_nodes(
         batch_sizes=[batch for batch, _, _ in ranges],
         micro_batch_size=micro_batch_size,
@@ -184,6 +197,7 @@ def plan_stages(
         min_nodes=min_nodes,
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
+        loading_factor=int(expansion_factor) if whole else 1,
     )
     stages = []
     for index, ((batch, start, end), num_nodes) in enumerate(zip(ranges, nodes, strict=True)):
