@@ -22,8 +22,9 @@ import yaml
 from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
-from batchpilot.planner import make_run_document, num_stages
+from batchpilot.planner import check_plan_config, make_run_document, num_stages
 from batchpilot.planning import Stage
+from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.rundoc import RunDocument
 
 if TYPE_CHECKING:
@@ -137,9 +138,10 @@ def plan(
     explore: dict[str, Any] | None = None,
     samples_per_s_per_device: float | None = None,
     expected_num_stages: int | None = None,
+    announce: bool = True,
 ) -> RunDocument:
     """The validated run document; with `expected_num_stages` (a compiled pipeline's), refuses another
-    stage count before anything is resized."""
+    stage count before anything is resized. `announce` logs its notes and the memory estimate."""
     from batchpilot.train.shape import model_shape  # torch: only where a plan is made
 
     document = make_run_document(
@@ -156,6 +158,8 @@ def plan(
             f"implies {count} stage(s) but this pipeline was compiled for {expected_num_stages}",
             "recompile it with `batchpilot compile --config <your config>` and upload the result",
         )
+    if not announce:
+        return document
     for note in document.notes:
         logger.info(note)
     if document.memory is not None:
@@ -168,13 +172,17 @@ def plan(
 
 
 def preflight(config: Config) -> RunDocument | None:
-    """What `config check` and `compile` verify before any accelerator is asked for: with an integer micro
-    batch the whole plan (stages, node schedule, memory); with `explore`, the plan at micro batch 1, so a
-    strategy that cannot even hold the model is refused now. Returns the document when the micro batch is
-    known."""
+    """What `config check` and `compile` verify before any accelerator is asked for.
+
+    First everything that does not depend on the micro batch (`planner.check_plan_config`: ramp shape,
+    schedule entries, stages no micro batch can place, the stage limit, the loading factor), every problem
+    on its own line; then with an integer micro batch the whole plan (stages, node schedule, memory); with
+    `explore`, the plan at micro batch 1, so a strategy that cannot even hold the model is refused now.
+    Returns the document when the micro batch is known."""
+    check_plan_config(config)  # each micro-batch-independent problem on its own line, before the model
     if config.batch.micro_batch_size != "explore":
-        return plan(config)
-    plan(config, micro_batch_size=1)
+        return plan(config, announce=False)
+    plan(config, micro_batch_size=1, announce=False)
     return None
 
 
@@ -258,6 +266,28 @@ def select_stage(document: RunDocument, stage: str | int) -> Stage:
     return document.plan.select(str(stage))[0]
 
 
+def select_launch(document: RunDocument, stage: str | int) -> Launch:
+    """The launch `--stage` names: an index, `final`, a range `A-B` of stages on one node count, or a
+    launch's name (`stages-0-3`). One stage of a larger launch runs alone (e.g. to repeat it).
+
+    Raises:
+        BatchpilotError: no such stage, or a range whose stages run on different node counts.
+    """
+    plan = document.plan
+    groups = launches(plan)
+    text = str(stage)
+    named = [launch for launch in groups if launch.name == text]
+    if named:
+        return named[0]
+    chosen = plan.select(text, allow_all=True)
+    try:
+        launch = launch_of(chosen, index=launch_containing(plan, chosen[0].index).index)
+    except ValueError as error:
+        choices = ", ".join(f"{g.stage_arg} ({g.name}, {g.num_nodes} node(s))" for g in groups)
+        raise BatchpilotError("--stage", str(error), f"give one launch of this plan: {choices}") from None
+    return launch
+
+
 def plan_file(document: RunDocument, folder: Path) -> Path:
     """The run document as `folder/plan.json`, for trainers started by torchx (written when it differs)."""
     path = folder / "plan.json"
@@ -275,15 +305,17 @@ def run_stage(
     audit: bool = False,
     log_dir: Path | None = None,
 ) -> int:
-    """Launches the stage's trainers at its planned node count; returns 0, 75 (preempted) or 1.
+    """Launches the trainers of the stage(s) `stage` names (see `select_launch`) at their node count;
+    returns 0, 75 (preempted) or 1.
 
     Local (torchx `local_cwd`): trainers read `work_dir/plan.json` and write metrics and logs under
     `work_dir` (default: runs/<name>). GKE: a JobSet or Volcano Job carrying the run document.
     """
-    from batchpilot.cluster import launch
+    from batchpilot.cluster import launch as launcher
 
     config = document.config
-    chosen = select_stage(document, stage)
+    chosen = select_launch(document, stage)
+    logger.info("launch %s", chosen.describe())
     if config.cluster.backend == "gke":
         if work_dir is not None or log_dir is not None:
             raise BatchpilotError(
@@ -291,21 +323,21 @@ def run_stage(
                 "applies to local launches; gke trainers write checkpoints to train.checkpoint_uri",
                 "remove the option",
             )
-        spec = launch.cluster_launch_spec(
-            run_name=config.name, stage=chosen, devices_per_node=config.cluster.devices_per_node,
+        spec = launcher.cluster_launch_spec(
+            run_name=config.name, launch=chosen, devices_per_node=config.cluster.devices_per_node,
             plan_text=document.to_json(), audit=audit,
         )  # fmt: skip
-        return launch.run_cluster(spec, cluster=config.cluster)
+        return launcher.run_cluster(spec, cluster=config.cluster)
     folder = (work_dir or Path(f"runs/{config.name}")).absolute()
-    spec = launch.stage_launch_spec(
-        run_name=config.name, stage=chosen, devices_per_node=document.plan.devices_per_node,
+    spec = launcher.stage_launch_spec(
+        run_name=config.name, launch=chosen, devices_per_node=document.plan.devices_per_node,
         plan_path=str(plan_file(document, folder)), output_dir=str(folder), audit=audit,
     )  # fmt: skip
-    return launch.run_local(spec, log_dir=log_dir or folder / "torchx")
+    return launcher.run_local(spec, log_dir=log_dir or folder / "torchx")
 
 
 def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = False) -> str:
-    """The JobSet or Volcano Job of a gke stage as YAML, without any API call."""
+    """The JobSet or Volcano Job of a gke launch as YAML, without any API call."""
     from batchpilot.cluster import launch
     from batchpilot.cluster.gke import require_gke_settings
 
@@ -316,36 +348,120 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
         )
     require_gke_settings(config.cluster)
     spec = launch.cluster_launch_spec(
-        run_name=config.name, stage=select_stage(document, stage),
+        run_name=config.name, launch=select_launch(document, stage),
         devices_per_node=config.cluster.devices_per_node, plan_text=document.to_json(), audit=audit,
     )  # fmt: skip
     return launch.render_cluster_yaml(spec, cluster=config.cluster)
 
 
-def train_stage(document: RunDocument, *, stage_index: int, work_dir: Path | None) -> dict[str, float]:
-    """A pipeline stage: runs it to its last sample and returns its last step's metrics; raises on failure."""
-    stage = select_stage(document, stage_index)
+# --- launches in the pipeline ----------------------------------------------------------------------
+
+
+def pipeline_launch_names(config: Config) -> tuple[str, ...]:
+    """The launch task groups a pipeline compiled from `config` has.
+
+    With an integer micro batch the node counts, hence the launches, are known now: one group per launch,
+    named after it (`stages-0-3`, `stage-4`, ..., `final`). With `explore` they follow from the explored
+    micro batch: one slot per stage (`launch-0`, `launch-1`, ...), of which the plan's launches take the
+    first and the rest do nothing.
+    """
+    from batchpilot.planner import build_plan
+
+    micro = config.batch.micro_batch_size
+    if micro == "explore":
+        return tuple(f"launch-{k}" for k in range(num_stages(config)))
+    return tuple(launch.name for launch in launches(build_plan(config, micro_batch_size=micro)))
+
+
+def check_pipeline_launches(document: RunDocument, *, expected: Sequence[str], num_slots: int | None) -> None:
+    """Refuses a plan whose launches a compiled pipeline cannot run: other launches than the compiled
+    ones (`expected`, when the pipeline named them), or more than its `num_slots` groups (when given)."""
+    names = [launch.name for launch in launches(document.plan)]
+    if (expected and names != list(expected)) or (num_slots is not None and len(names) > num_slots):
+        compiled = ", ".join(expected) if expected else f"at most {num_slots} launch(es)"
+        raise BatchpilotError(
+            "micro_batch_size",
+            f"the plan's launches are {', '.join(names)} but this pipeline was compiled for {compiled}",
+            "recompile it with `batchpilot compile` for this micro batch (or set `batch.micro_batch_size: "
+            "explore`, whose pipeline takes any), and upload the result",
+        )
+
+
+def plan_metrics(document: RunDocument) -> dict[str, float]:
+    """The plan's numbers for the KFP UI: the launch count and, with a cost estimate, its node-hours,
+    hours and what a pool held at max_nodes would cost."""
+    metrics = {
+        "num_stages": float(len(document.plan.stages)),
+        "num_launches": float(len(launches(document.plan))),
+    }
+    cost = document.cost
+    if cost is not None:
+        metrics |= {
+            "estimated_node_hours": cost.node_hours,
+            "estimated_hours": cost.duration_s / 3600,
+            "static_pool_node_hours": cost.static_pool_node_hours,
+        }
+    return metrics
+
+
+def pipeline_launch(document: RunDocument, *, slot: int) -> Launch | None:
+    """The launch pipeline group `slot` runs, or None when the plan has fewer launches (an unused slot
+    of an explored micro batch's pipeline)."""
+    groups = launches(document.plan)
+    if slot < len(groups):
+        return groups[slot]
+    logger.info("launch-%d: not used (the plan has %d launch(es))", slot, len(groups))
+    return None
+
+
+def prepare_launch_pool(document: RunDocument, *, slot: int) -> int | None:
+    """Resizes the pool to the node count of the launch in `slot`; returns it (None: an unused slot)."""
+    launch = pipeline_launch(document, slot=slot)
+    if launch is None:
+        return None
+    logger.info("launch-%d is %s", slot, launch.describe())
+    return prepare_pool(document.config, num_nodes=launch.num_nodes).after
+
+
+def train_stage(document: RunDocument, *, launch_index: int, work_dir: Path | None) -> dict[str, float]:
+    """A pipeline launch group: trains the stages of the launch in `launch_index` (one job, one process
+    group) to the last one's end sample and returns the last step's metrics; nothing for an unused slot.
+
+    Raises:
+        RuntimeError: the trainers failed.
+    """
+    launch = pipeline_launch(document, slot=launch_index)
+    if launch is None:
+        return {}
     local = document.config.cluster.backend == "local"
     if local and work_dir is None:
         work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-"))
-    code = run_stage(document, stage=stage_index, work_dir=work_dir if local else None)
+    code = run_stage(document, stage=launch.stage_arg, work_dir=work_dir if local else None)
     if code != 0:
-        raise RuntimeError(f"{stage.name} ended with exit code {code}; see its trainers' lines above")
-    return stage_metrics(document, stage_index=stage_index)
+        raise RuntimeError(f"{launch.name} ended with exit code {code}; see its trainers' lines above")
+    return stage_metrics(document, launch=launch)
 
 
-def stage_metrics(document: RunDocument, *, stage_index: int) -> dict[str, float]:
-    """The stage's last recorded step (loss, samples, batch, throughput), from the metrics kept beside
-    the checkpoints."""
+def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
+    """The launch's last recorded step (loss, samples, batch, throughput), from the metrics kept beside
+    the checkpoints, plus the last validation loss (`val_loss`) when one was recorded."""
     from batchpilot.train.metrics import load_metrics
 
-    records = [r for r in load_metrics(document.config.train.checkpoint_uri) if r["stage"] == stage_index]
+    records = [
+        r
+        for r in load_metrics(document.config.train.checkpoint_uri)
+        if launch.first_stage <= r["stage"] <= launch.last_stage
+    ]
     if not records:
-        raise BatchpilotError(f"stage {stage_index}", "finished without recording a single step")
+        raise BatchpilotError(launch.name, "finished without recording a single step")
     last = records[-1]
-    return {
+    metrics = {
         key: float(last[key]) for key in ("loss", "consumed_samples", "global_batch_size", "tokens_per_s")
     }
+    validated = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    if validated:
+        metrics["val_loss"] = float(validated[-1])
+    return metrics
 
 
 # --- report ----------------------------------------------------------------------------------------

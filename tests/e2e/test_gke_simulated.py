@@ -254,11 +254,12 @@ def start_pipeline(simulated_cluster: SimulatedGke, tmp_path: Path) -> Iterator[
             process.wait(timeout=30)
 
 
-def stage_pods_training(gke: SimulatedGke, stage: str) -> bool:
-    """Whether a pod of the stage's JobSet has logged that it trains."""
+def stage_pods_training(gke: SimulatedGke, stage: str, *, launch: str | None = None) -> bool:
+    """Whether a pod of the JobSet of the stage's launch (default: the stage alone) has logged that it
+    trains the stage."""
     for key in list(gke.sim.pods):
         with contextlib.suppress(KeyError):  # the pod went meanwhile
-            if key[1].startswith(f"tiny-{stage}-") and f"training {stage}" in gke.sim.pod_log(*key):
+            if key[1].startswith(f"tiny-{launch or stage}-") and f"training {stage}" in gke.sim.pod_log(*key):
                 return True
     return False
 
@@ -266,8 +267,9 @@ def stage_pods_training(gke: SimulatedGke, stage: str) -> bool:
 def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_resized_for_it(
     simulated_cluster, start_pipeline, demo_data_uri, tmp_path
 ):
-    """pool 0 -> 1 -> explore -> plan -> stages on 1, 2 and 2 nodes, a node preempted in the middle of
-    stage 1 (the JobSet restarts, the stage resumes exactly) -> report -> scale down to 0."""
+    """pool 0 -> 1 -> explore -> plan -> stages on 1, 2 and 2 nodes as two launches (stage-0 on 1 node,
+    then stages 1 and final in one JobSet on 2), a node preempted in the middle of stage 1 (the JobSet
+    restarts, the stage resumes exactly) -> report -> scale down to 0."""
     gke = simulated_cluster
     config = gke_config(demo_data_uri, f"file://{tmp_path}/ckpt")
     # The pipeline has an explore task (the noise-scale study at the fixed micro batch), kept short.
@@ -276,17 +278,22 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
         "accumulation_multipliers": [2], "study_train_steps": 1, "study_measure_batches": 1,
     }  # fmt: skip
     run = start_pipeline(config)
-    run.wait_for("stage-1 training", lambda: stage_pods_training(gke, "stage-1"), timeout_s=420)
+    run.wait_for(
+        "stage-1 training",
+        lambda: stage_pods_training(gke, "stage-1", launch="stages-1-final"),
+        timeout_s=420,
+    )
     time.sleep(1.0)  # a few of its 120 steps
     (jobset,) = [j for j in gke.sim.jobsets.values() if "terminalState" not in j["status"]]
     victim = max(p["spec"]["nodeName"] for p in gke.sim.pods.values() if p["status"]["phase"] == "Running")
     gke.sim.preempt_node(victim)
     assert run.finish(timeout_s=420) == 0, run.log[-6000:]
     assert jobset["status"]["restarts"] == 1
-    # Stage 1 starts at step 20 and resumes once, from where the preemption stopped it (its trainers'
-    # logs: the train task streams only the first attempt's pods).
+    # Launch stages-1-final starts at step 20 and resumes once, from where the preemption stopped stage 1
+    # (its trainers' logs: the train task streams only the first attempt's pods); the final stage follows
+    # in the same process group, without a resume.
     logs = "".join(
-        path.read_text(errors="replace") for path in (tmp_path / "pods").glob("tiny-stage-1-*.log")
+        path.read_text(errors="replace") for path in (tmp_path / "pods").glob("tiny-stages-1-final-*.log")
     )
     resumed = sorted(int(step) for step in re.findall(r"resumed from step (\d+)", logs))
     assert len(resumed) == 2 and resumed[0] == 20 < resumed[1] < 140, resumed
@@ -294,14 +301,15 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
     plan = json.loads((run.output / "plan.json").read_text())
     assert [s["num_nodes"] for s in plan["stages"]] == [1, 2, 2]
     assert (run.output / "explore" / "explore.json").exists()  # explore ran, on the pool brought up for it
-    # 0 nodes, 1 for explore, then each stage's count, then cluster.idle_nodes.
-    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 1, 2, 2, 0]
+    # 0 nodes, 1 for explore, then each launch's count (not each stage's), then cluster.idle_nodes.
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 1, 2, 0]
     created = run.jobsets_created()
-    stages = [j["metadata"]["labels"]["batchpilot.dev/stage"] for j in created]
-    assert stages == ["stage-0", "stage-1", "final"]  # one JobSet per stage: the preemption restarted it
-    for body, stage in zip(created, plan["stages"], strict=True):
+    launches = [j["metadata"]["labels"]["batchpilot.dev/stage"] for j in created]
+    # One JobSet per launch: the preemption restarted it, and the final stage ran in stage 1's job.
+    assert launches == ["stage-0", "stages-1-final"]
+    for body, num_nodes in zip(created, [1, 2], strict=True):
         nodes = run.nodes_of(body["metadata"]["name"])
-        assert len(nodes) == stage["num_nodes"], (stage["name"], nodes)
+        assert len(nodes) == num_nodes, (body["metadata"]["name"], nodes)
         assert all(node.startswith("gke-train-cpu-") for node in nodes), nodes  # the pool's nodes
     records = read_metrics(run.checkpoints / "metrics.jsonl")
     assert [r["consumed_samples"] for r in records] == (

@@ -39,6 +39,15 @@ def run_pipeline(
     )
 
 
+def launches_of(plan_json: Path) -> list[tuple[str, list[int]]]:
+    """(launch name, its stage indices) of a run document's plan."""
+    from batchpilot.planning.launches import launches
+    from batchpilot.rundoc import read_run_document
+
+    plan = read_run_document(plan_json).plan
+    return [(g.name, list(range(g.first_stage, g.last_stage + 1))) for g in launches(plan)]
+
+
 def demo_config(data_uri: str) -> dict:
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     config["data"]["uri"] = data_uri
@@ -53,7 +62,7 @@ def demo_run(demo_data_uri, tmp_path_factory):
     return output, result
 
 
-def test_demo_goes_through_explore_plan_stages_and_final(demo_run):
+def test_demo_goes_through_explore_plan_and_one_launch_per_node_count(demo_run):
     output, result = demo_run
     explore = json.loads((output / "explore" / "explore.json").read_text())
     plan = json.loads((output / "plan.json").read_text())
@@ -65,8 +74,30 @@ def test_demo_goes_through_explore_plan_stages_and_final(demo_run):
     stages = plan["stages"]
     assert len([s for s in stages if not s["is_final"]]) >= 3 and stages[-1]["is_final"]
     assert len({s["num_nodes"] for s in stages}) >= 2, stages
+    # Launches follow node counts: consecutive stages on one node count are one torchx job.
+    launches = launches_of(output / "plan.json")
+    if plan["micro_batch_size"] == 16:  # the demo's usual explore result: 16@1n, 32@1n, 48@1n, 64@2n
+        assert [(s["global_batch_size"], s["num_nodes"]) for s in stages] == [
+            (16, 1),
+            (32, 1),
+            (48, 1),
+            (64, 2),
+        ]
+        assert launches == [("stages-0-2", [0, 1, 2]), ("final", [3])]
+    launched = [line.split("launched demo-", 1)[1].split(":")[0] for line in result.stdout.splitlines()
+                if "launched demo-" in line]  # fmt: skip
+    assert launched == [name for name, _ in launches]
     records = read_metrics(output / "metrics.jsonl")
     assert [r["stage"] for r in records] == sorted(r["stage"] for r in records)
+    # Every step of every stage once, in order, within and across launches: nothing lost or repeated.
+    expected = [
+        consumed
+        for s in stages
+        for consumed in range(
+            s["start_sample"] + s["global_batch_size"], s["end_sample"] + 1, s["global_batch_size"]
+        )
+    ]
+    assert [r["consumed_samples"] for r in records] == expected
     assert {r["stage"] for r in records} == {s["index"] for s in stages}
     assert {(r["stage"], r["world_size"]) for r in records} == {(s["index"], s["num_nodes"]) for s in stages}
     assert records[-1]["consumed_samples"] == plan["trained_samples"]
@@ -81,8 +112,18 @@ def test_demo_console_is_short_and_the_full_log_is_in_the_run_folder(demo_run):
     assert len(console) < 150, len(console)
     assert "KFP Executor" not in result.stdout and '"outputFile"' not in result.stdout  # no executor JSON
     assert "Warning" not in result.stdout + result.stderr
-    for task in ("> explore", "> plan", "> stage-0: train (1/4)", "done final: train (4/4)", "> scale-down"):
+    # An explored micro batch: the pipeline has a launch slot per stage; the plan's launches take the first.
+    for task in (
+        "> explore",
+        "> plan",
+        "> launch-0: train (1/4)",
+        "done launch-3: train (4/4)",
+        "> scale-down",
+    ):
         assert any(line.startswith(task) or line.strip().startswith(task) for line in console), task
+    assert any("launch-0 is stages-0-" in line for line in console), console
+    assert any("launch-3: not used (the plan has" in line for line in console), console
+    assert "launch(es) stages-0-" in result.stdout  # the summary names the launches
     assert any(" step " in line and "| loss " in line for line in console)  # the stages' training lines
     log = (output / "pipeline.log").read_text()
     assert "KFP Executor" in log and '"outputFile"' in log  # everything else went to the log

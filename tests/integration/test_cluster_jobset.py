@@ -195,6 +195,26 @@ def test_a_launch_replaces_the_stage_s_failed_jobset(kube, tmp_path, capsys):
     assert f"deleting JobSet(s) {failed} (replaced by this launch)" in capsys.readouterr().out
 
 
+def test_a_launch_deletes_a_running_leftover_of_its_run_s_other_launches(kube, tmp_path, capsys):
+    """Launches of a run follow one another: another launch's JobSet still running (e.g. `stages-0-2` of
+    a plan with another grouping, whose exit handler never ran) would write the same checkpoints."""
+
+    def leftover(name: str, run: str, stage: str, status: dict) -> dict:
+        labels = {"batchpilot.dev/run": run, "batchpilot.dev/stage": stage, "batchpilot.dev/plan": "0" * 12}
+        return {"metadata": {"name": name, "labels": labels}, "spec": {}, "status": status}
+
+    kube.state.jobsets["ramp-stages-0-1"] = leftover("ramp-stages-0-1", "ramp", "stages-0-1", RUNNING)
+    kube.state.jobsets["ramp-stage-0"] = leftover(
+        "ramp-stage-0", "ramp", "stage-0", COMPLETED
+    )  # its logs stay
+    kube.state.jobsets["other-final"] = leftover("other-final", "other", "final", RUNNING)  # another run's
+    kube.state.jobset_statuses = [COMPLETED]
+    assert launch(tmp_path) == 0
+    assert deletes(kube) == [("ramp-stages-0-1", "Foreground")]
+    assert {"ramp-stage-0", "other-final"} <= set(kube.state.jobsets)
+    assert "deleting JobSet(s) ramp-stages-0-1 (replaced by this launch)" in capsys.readouterr().out
+
+
 def test_scale_down_deletes_the_run_s_jobsets_before_the_pool_shrinks(kube, tmp_path, monkeypatch):
     from batchpilot import workflow
     from batchpilot.cluster import nodepool

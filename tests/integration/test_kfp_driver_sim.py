@@ -93,7 +93,7 @@ def test_the_compiled_explore_pod_is_valid_and_runs_once_its_pool_has_a_node(gke
 def test_every_compiled_task_pod_passes_api_validation(gke):
     pipeline, platform = load_compiled(NEMO)
     labels = pipeline["deploymentSpec"]["executors"]
-    tasks = ["explore", "plan", "report", "stage-0/train-stage", "stage-0/resize-pool", "scale-down"]
+    tasks = ["explore", "plan", "report", "stages-0-3/train-stage", "stages-0-3/resize-pool", "scale-down"]
     for task in tasks:
         pod = task_pod(pipeline, platform, task)
         assert submit(gke, pod).metadata.name, task

@@ -128,6 +128,46 @@ def test_the_jobset_validates_against_the_published_crd(jobset):
         validate_crd(broken, "jobset.x-k8s.io_jobsets.yaml")
 
 
+@pytest.fixture(scope="module")
+def launch_jobset(tmp_path_factory) -> dict:
+    """All three stages of gke_config's plan run on 4 nodes: one launch, `stages-0-final`."""
+    return dryrun(tmp_path_factory.mktemp("launch"), "0-final", kueue_queue="lm-queue")
+
+
+def test_a_launch_of_several_stages_is_one_valid_jobset_training_them_in_turn(launch_jobset, tmp_path):
+    validate_crd(launch_jobset, "jobset.x-k8s.io_jobsets.yaml")
+    (replicated,) = launch_jobset["spec"]["replicatedJobs"]
+    validate_k8s(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "x"},
+            "spec": replicated["template"]["spec"],
+        }
+    )
+    assert launch_jobset["metadata"]["labels"]["batchpilot.dev/stage"] == "stages-0-final"
+    assert launch_jobset["metadata"]["name"].startswith("ramp-stages-0-final")
+    job = replicated["template"]["spec"]
+    assert job["parallelism"] == 4
+    command = job["template"]["spec"]["containers"][0]["command"][-1]
+    assert "--nnodes 4 --nproc_per_node 8" in command and "--stage 0-2" in command
+    # The launch's name selects it too, and renders the same job.
+    plan = write_plan(tmp_path, gke_config(kueue_queue="lm-queue"))
+    code, out, err = launch_in_process("--plan", plan, "--stage", "stages-0-final", "--dryrun")
+    assert code == 0, err
+    assert yaml.safe_load(out)["metadata"]["labels"] == launch_jobset["metadata"]["labels"]
+
+
+def test_a_range_over_two_node_counts_is_refused_naming_the_launches(tmp_path):
+    config = gke_config()
+    config["batch"]["micro_batch_size"] = 16  # 128 on 1 node, 256 on 2, 512 on 4
+    plan = write_plan(tmp_path, config)
+    code, _, err = launch_in_process("--plan", plan, "--stage", "0-1", "--dryrun")
+    assert code == 2
+    assert "stages 0-1 run on 1, 2 nodes; one launch runs on one node count" in err
+    assert "give one launch of this plan: 0 (stage-0, 1 node(s)), 1 (stage-1, 2 node(s)), 2 (final" in err
+
+
 def test_the_jobset_job_template_is_a_valid_kubernetes_job(jobset):
     (replicated,) = jobset["spec"]["replicatedJobs"]
     job = {
@@ -216,10 +256,12 @@ def test_placement_helpers_for_kfp_tasks():
 
 def test_a_name_too_long_for_pod_hostnames_is_refused():
     from batchpilot.planning import Stage
+    from batchpilot.planning.launches import launch_of
 
     config = parse_config(gke_config())
     stage = Stage(0, "stage-0", 128, 0, 1024, 4, 32, 4, 1, 3e-4, 8, 32, 128, 4, False)
-    spec = cluster_launch_spec(run_name="r" * 60, stage=stage, devices_per_node=8, plan_text="{}")
+    launch = launch_of([stage], index=0)
+    spec = cluster_launch_spec(run_name="r" * 60, launch=launch, devices_per_node=8, plan_text="{}")
     appdef = cluster_appdef(spec, cluster=config.cluster)
     with pytest.raises(ValueError, match="limit 63"):
         app_to_jobset(appdef, JobSetOpts(namespace="ns"))

@@ -1,4 +1,4 @@
-"""The compiled pipeline: stage groups in order, side-effect tasks uncached, exit handler, no drift."""
+"""The compiled pipeline: launch groups in order, side-effect tasks uncached, exit handler, no drift."""
 
 from __future__ import annotations
 
@@ -75,29 +75,50 @@ def inner_tasks(spec: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("name", "stages"),
-    [("demo.yaml", 4), ("nemo_gpt3_5b.yaml", 8), ("llama_5b.yaml", 8), ("maxtext_per_device.yaml", 4)],
+    ("name", "groups"),
+    [
+        # An explored micro batch: one launch slot per stage (node counts follow from the explored size).
+        ("demo.yaml", ["launch-0", "launch-1", "launch-2", "launch-3"]),
+        # A fixed micro batch: one group per launch, i.e. per node count (NeMo: 8 stages, 5 launches).
+        ("nemo_gpt3_5b.yaml", ["stages-0-3", "stage-4", "stage-5", "stage-6", "final"]),
+        ("llama_5b.yaml", ["stages-0-3", "stage-4", "stage-5", "stage-6", "final"]),
+        ("maxtext_per_device.yaml", ["stages-0-1", "stage-2", "final"]),
+    ],
 )
-def test_stage_groups_run_in_order(compiled, name, stages):
+def test_launch_groups_run_in_order(compiled, name, groups):
     tasks = inner_tasks(compiled[name])
-    names = [f"stage-{k}" for k in range(stages - 1)] + ["final"]
-    assert [tasks[n]["taskInfo"]["name"] for n in names] == names
-    assert tasks["stage-0"]["dependentTasks"] == ["plan"]
-    for before, after in itertools.pairwise(names):
+    assert {n for n in tasks if n not in ("prepare-explore-pool", "explore", "plan", "report")} == set(groups)
+    assert [tasks[n]["taskInfo"]["name"] for n in groups] == groups
+    assert tasks[groups[0]]["dependentTasks"] == ["plan"]
+    for before, after in itertools.pairwise(groups):
         assert before in tasks[after]["dependentTasks"]
-    assert "final" in tasks["report"]["dependentTasks"]
-    for stage in names:
-        group = compiled[name]["components"][f"comp-{stage}"]["dag"]["tasks"]
+    assert groups[-1] in tasks["report"]["dependentTasks"]
+    for k, group_name in enumerate(groups):
+        group = compiled[name]["components"][f"comp-{group_name}"]["dag"]["tasks"]
         assert group["train-stage"]["dependentTasks"] == ["resize-pool"]
+        for task in ("resize-pool", "train-stage"):
+            assert group[task]["inputs"]["parameters"]["launch_index"]["runtimeValue"]["constant"] == k
+    plan_inputs = tasks["plan"]["inputs"]["parameters"]
+    assert plan_inputs["num_launch_slots"]["runtimeValue"]["constant"] == len(groups)
+    named = "" if name == "demo.yaml" else ",".join(groups)
+    assert plan_inputs["expected_launches"]["runtimeValue"]["constant"] == named
+
+
+def test_the_nemo_pipeline_has_five_launch_groups_for_eight_stages(compiled):
+    """Issue #13: the 256..1024 stages on 8 nodes are one launch, not four resize-launch-restart cycles."""
+    spec = compiled["nemo_gpt3_5b.yaml"]
+    groups = [task for task in inner_tasks(spec) if task.startswith(("stage", "final"))]
+    assert len(groups) == 5
+    assert "8-stage ramp-up" in spec["pipelineInfo"]["description"]
 
 
 def test_side_effect_tasks_are_not_cached_and_retry(compiled):
     spec = compiled["demo.yaml"]
     tasks = inner_tasks(spec)
     # The plan too: it copies plan.json into the run folder, which a cache hit would skip.
-    for name in ("prepare-explore-pool", "explore", "plan", "stage-0", "final", "report"):
+    for name in ("prepare-explore-pool", "explore", "plan", "launch-0", "launch-3", "report"):
         assert tasks[name]["cachingOptions"] == {}, name
-    group = spec["components"]["comp-stage-1"]["dag"]["tasks"]
+    group = spec["components"]["comp-launch-1"]["dag"]["tasks"]
     for name in ("resize-pool", "train-stage"):
         assert group[name]["cachingOptions"] == {}
         assert group[name]["retryPolicy"]["maxRetryCount"] >= 2
@@ -179,7 +200,7 @@ def test_nothing_to_explore_means_no_explore_task(tmp_path):
     tasks = inner_tasks(compile_and_load(path, tmp_path / "fixed-pipeline.yaml"))
     assert "explore" not in tasks and "prepare-explore-pool" not in tasks
     assert "explore_dir" not in tasks["plan"].get("inputs", {}).get("artifacts", {})
-    assert tasks["stage-0"]["dependentTasks"] == ["plan"]
+    assert tasks["stages-0-3"]["dependentTasks"] == ["plan"]
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
-"""Launch a stage's trainers through torchx: one AppDef built from the plan's stage.
+"""Launch trainers through torchx: one AppDef per launch (consecutive stages on one node count).
 
 The embedded default is torchx's `local_cwd` scheduler: a "node" is a torchrun agent with
 `devices_per_node` processes on this machine, all joined over gloo on loopback. On GKE the same
-stage becomes a JobSet (batchpilot's `jobset` torchx scheduler) or a Volcano Job (torchx `kubernetes`),
+launch becomes a JobSet (batchpilot's `jobset` torchx scheduler) or a Volcano Job (torchx `kubernetes`),
 one pod per node, placed on the node pool by its label.
 """
 
@@ -25,7 +25,7 @@ from batchpilot.cluster.machines import TrainerResources
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
-from batchpilot.planning import Stage
+from batchpilot.planning.launches import Launch
 from batchpilot.ports import free_port
 from batchpilot.threads import local_trainer_threads
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What one stage's job needs, independent of the scheduler."""
+    """What one launch's job needs, independent of the scheduler."""
 
     name: str
     num_nodes: int
@@ -42,29 +42,30 @@ class LaunchSpec:
     trainer_args: tuple[str, ...]
     env: dict[str, str]
     labels: dict[str, str] = field(default_factory=dict)
-    """Labels of the cluster job (run, stage, plan): how a retry and the scale-down find it."""
+    """Labels of the cluster job (run, launch, plan): how a retry and the scale-down find it."""
 
 
 def stage_launch_spec(
     *,
     run_name: str,
-    stage: Stage,
+    launch: Launch,
     devices_per_node: int,
     plan_path: str,
     output_dir: str,
     audit: bool = False,
 ) -> LaunchSpec:
-    """The trainer command line and topology of `stage`: `batchpilot train --plan ... --stage N`."""
+    """The trainer command line and topology of `launch`: `batchpilot train --plan ... --stage A-B`
+    (or `--stage K` for one stage): one process group trains the launch's stages in turn."""
     return LaunchSpec(
-        name=f"{run_name}-{stage.name}",
-        num_nodes=stage.num_nodes,
+        name=f"{run_name}-{launch.name}",
+        num_nodes=launch.num_nodes,
         processes_per_node=devices_per_node,
         trainer_args=(
             "train",
             "--plan",
             plan_path,
             "--stage",
-            str(stage.index),
+            launch.stage_arg,
             "--output-dir",
             output_dir,
             *(("--audit",) if audit else ()),
@@ -163,15 +164,16 @@ def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> Non
         sys.stdout.flush()
 
 
-# --- GKE: the same stage as a JobSet or a Volcano Job -------------------------------------------
+# --- GKE: the same launch as a JobSet or a Volcano Job -------------------------------------------
 
 TRAINER_DIR = "/tmp/batchpilot"
 """Inside a trainer pod: where the config and plan are written (the root filesystem is read-only)."""
 TRAINER_OUTPUT_DIR = f"{TRAINER_DIR}/out"
 # Labels on every JobSet and its pods, under a domain batchpilot owns (Kubernetes "Labels and Selectors":
 # a prefix is a DNS subdomain; kubernetes.io/ and k8s.io/ are reserved). Values are the config's name (a
-# DNS label of at most 40 characters, so a valid label value), the stage's name, and the first 12 hex
-# digits of the run document's SHA-256.
+# DNS label of at most 40 characters, so a valid label value), the launch's name (`stage-K`, `final`,
+# `stages-A-B`, `stages-A-final`: its stages; the key keeps its name for the selectors already in use),
+# and the first 12 hex digits of the run document's SHA-256.
 RUN_LABEL = "batchpilot.dev/run"
 STAGE_LABEL = "batchpilot.dev/stage"
 PLAN_LABEL = "batchpilot.dev/plan"
@@ -191,19 +193,19 @@ def _torchrun_shutdown_env() -> dict[str, str]:
 def cluster_launch_spec(
     *,
     run_name: str,
-    stage: Stage,
+    launch: Launch,
     devices_per_node: int,
     plan_text: str,
     audit: bool = False,
 ) -> LaunchSpec:
-    """The stage's spec for pods: the run document travels as an environment variable, written to a file first.
+    """The launch's spec for pods: the run document travels as an environment variable, written to a file first.
 
     The launching process (a pipeline task or a laptop) holds the files; pods do not share its disk.
     Metrics and logs under `output_dir` stay in the pod; checkpoints go to `train.checkpoint_uri`.
     """
     spec = stage_launch_spec(
         run_name=run_name,
-        stage=stage,
+        launch=launch,
         devices_per_node=devices_per_node,
         plan_path=f"{TRAINER_DIR}/plan.json",
         output_dir=TRAINER_OUTPUT_DIR,
@@ -212,12 +214,12 @@ def cluster_launch_spec(
     # Compact JSON: the plan rides in the pod spec, which the API server stores whole.
     compact_plan = json.dumps(json.loads(plan_text), separators=(",", ":"))
     env = {"BATCHPILOT_PLAN_JSON": compact_plan, **_torchrun_shutdown_env()}
-    labels = stage_labels(run_name=run_name, stage_name=stage.name, plan_text=compact_plan)
+    labels = stage_labels(run_name=run_name, stage_name=launch.name, plan_text=compact_plan)
     return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env, labels)
 
 
 def stage_labels(*, run_name: str, stage_name: str, plan_text: str) -> dict[str, str]:
-    """The run, stage and plan labels of a stage's job.
+    """The run, stage and plan labels of a launch's job; the stage label's value is the launch's name.
 
     The run is the config's name: the pool, `checkpoint_uri` and the exit handler (which has the config,
     not the plan: it runs when planning failed) are the run's by that name too, so two runs of one config
@@ -412,8 +414,8 @@ def render_cluster_yaml(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
 
 
 def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
-    """Submits the stage to GKE (or adopts its running JobSet), streams every node's log, returns 0, 75
-    (preempted) or 1. SIGTERM or Ctrl-C deletes the stage's job, then raises KeyboardInterrupt."""
+    """Submits the launch to GKE (or adopts its running JobSet), streams every node's log, returns 0, 75
+    (preempted) or 1. SIGTERM or Ctrl-C deletes the launch's job, then raises KeyboardInterrupt."""
     runner = cluster_runner()
     # The pool was resized and its nodes found ready just before: they can size the pods when the config
     # does not (a dry run never asks the API).
@@ -460,11 +462,12 @@ def _stage_selector(labels: dict[str, str]) -> dict[str, str]:
 
 
 def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig) -> tuple[str, str]:
-    """(handle, how) of the stage's job: the stage's JobSet of this plan still pending or running (a
-    retried task: it is followed, not started twice), else a new one, after deleting the stage's others.
+    """(handle, how) of the launch's job: the launch's JobSet of this plan still pending or running (a
+    retried task: it is followed, not started twice), else a new one, after deleting the launch's others.
 
-    Finished, failed or other-plan JobSets of the stage are deleted first and waited for, so no old
-    trainer still holds the GPUs or writes a checkpoint when the new one starts.
+    Finished, failed or other-plan JobSets of the launch, and pending or running ones of the run's other
+    launches, are deleted first and waited for, so no old trainer still holds the GPUs or writes a
+    checkpoint when the new one starts.
     """
     from torchx.specs.builders import make_app_handle
 
@@ -473,11 +476,16 @@ def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
 
     if cluster.launcher == "jobset" and spec.labels:
         client = kube_api_client()
-        existing = jobset.list_jobsets(
-            client, namespace=cluster.namespace, labels=_stage_selector(spec.labels)
+        of_run = jobset.list_jobsets(
+            client, namespace=cluster.namespace, labels={RUN_LABEL: spec.labels[RUN_LABEL]}
         )
+        existing = [item for item in of_run if _labels(item).get(STAGE_LABEL) == spec.labels[STAGE_LABEL]]
         live = [item for item in existing if _adoptable(item, plan=spec.labels[PLAN_LABEL])]
-        stale = [item["metadata"]["name"] for item in existing if item not in live[:1]]
+        # The run's launches follow one another: another launch's JobSet still pending or running is a
+        # leftover (another plan's grouping, a run whose exit handler never ran) that would write the same
+        # checkpoints. Finished ones stay for their logs until the exit handler or their TTL.
+        others = [item for item in of_run if item not in existing and _running(item)]
+        stale = [item["metadata"]["name"] for item in [*existing, *others] if item not in live[:1]]
         if stale:
             _delete_named(client, cluster, names=stale, why="replaced by this launch")
         if live:
@@ -488,17 +496,24 @@ def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
     return runner.schedule(info), cluster.launcher
 
 
-def _adoptable(item: dict[str, Any], *, plan: str) -> bool:
+def _labels(item: dict[str, Any]) -> dict[str, str]:
+    return item["metadata"].get("labels") or {}
+
+
+def _running(item: dict[str, Any]) -> bool:
+    """Whether a JobSet is pending or running and not being deleted."""
     from torchx.specs import AppState
 
     from batchpilot.cluster.jobset import jobset_state
 
-    metadata = item["metadata"]
-    return (
-        metadata.get("labels", {}).get(PLAN_LABEL) == plan
-        and not metadata.get("deletionTimestamp")
-        and jobset_state(item.get("status")) in (AppState.PENDING, AppState.RUNNING)
+    return not item["metadata"].get("deletionTimestamp") and jobset_state(item.get("status")) in (
+        AppState.PENDING,
+        AppState.RUNNING,
     )
+
+
+def _adoptable(item: dict[str, Any], *, plan: str) -> bool:
+    return _labels(item).get(PLAN_LABEL) == plan and _running(item)
 
 
 def _delete_wait_s() -> float:

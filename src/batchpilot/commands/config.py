@@ -26,6 +26,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from batchpilot import workflow
+    from batchpilot.planning.units import format_bytes
 
     config = load_config(args.file)
     document = workflow.preflight(config)
@@ -36,6 +37,8 @@ def _check(args: argparse.Namespace) -> int:
             "batch is checked once it is explored"
         )
     else:
-        detail = f"{len(document.plan.stages)} stage(s) valid"
+        detail = f"{len(document.plan.stages)} stage(s) valid, parallelism {document.plan.parallelism}"
+        if document.memory is not None:
+            detail += f" at most {format_bytes(document.memory.peak.estimate.total)} per device"
     print(f"{args.file}: ok (name={config.name}, {config.total_samples:,} samples, {detail})")
     return 0

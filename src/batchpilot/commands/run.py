@@ -1,7 +1,8 @@
 """`batchpilot run --local`: compile the pipeline for a config and run all of it on this machine.
 
-The console shows one line when each task starts and ends (with the stage it belongs to), the lines
-batchpilot's own code logs (explore's probes, the stages' training lines) and a summary; everything
+The console shows one line when each task starts and ends (with the launch it belongs to: consecutive
+stages on one node count, trained by one job), the lines batchpilot's own code logs (explore's probes,
+each launch's stages and training lines) and a summary; everything
 else kfp.local and the tasks print goes to `pipeline.log` in the run folder.
 """
 
@@ -62,22 +63,23 @@ class TaskConsole:
     """Turns the pipeline log's lines into the console's: task starts and ends, batchpilot's own lines,
     and a failed task's last lines."""
 
-    def __init__(self, console: Console, *, stage_names: list[str]) -> None:
+    def __init__(self, console: Console, *, launch_names: list[str]) -> None:
         self.console = console
-        self.stage_names = stage_names
+        self.launch_names = launch_names
         self.started: dict[str, float] = {}
         self.task_lines: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
         self.last_step_line_s = 0.0
 
     def label(self, task: str) -> str:
-        """`train-stage-3` -> `stage-2: train (3/4)`: kfp.local numbers repeated tasks from the second on."""
+        """`train-stage-3` -> `launch-2: train (3/4)` (or the launch's name, `stages-0-2: train (1/2)`, when
+        the pipeline names its launches): kfp.local numbers repeated tasks from the second on."""
         match = re.fullmatch(r"(resize-pool|train-stage)(?:-(\d+))?", task)
         if not match:
             return task
         index = int(match.group(2) or 1) - 1
         action = "resize pool" if match.group(1) == "resize-pool" else "train"
-        name = self.stage_names[index] if index < len(self.stage_names) else f"stage-{index}"
-        return f"{name}: {action} ({index + 1}/{len(self.stage_names)})"
+        name = self.launch_names[index] if index < len(self.launch_names) else f"launch-{index}"
+        return f"{name}: {action} ({index + 1}/{len(self.launch_names)})"
 
     def __call__(self, raw: str) -> None:
         line = COLOUR.sub("", raw).rstrip()
@@ -131,24 +133,24 @@ def run(args: argparse.Namespace) -> int:
         local_run_config,
         run_pipeline,
     )
-    from batchpilot.kfp.pipeline import stage_names
-    from batchpilot.workflow import expected_stage_count
+    from batchpilot.workflow import expected_stage_count, pipeline_launch_names
 
     if not args.local:
         raise BatchpilotError("--local", "is required: `batchpilot run` only runs pipelines on this machine")
     output = Path(args.output)
     config = local_run_config(load_config(args.config), output=output)
     check_local_run(config, output, resume=args.resume)
-    names = stage_names(expected_stage_count(config))
+    num_stages = expected_stage_count(config)
+    names = list(pipeline_launch_names(config))
     output.mkdir(parents=True, exist_ok=True)
     log_path = output / LOG_NAME
     console = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False, soft_wrap=True)
     console.print(
-        f"{PREFIX}running pipeline batchpilot-{config.name} locally: explore, plan, {len(names)} stage(s), "
-        f"report -> {output} (full log: {log_path})",
+        f"{PREFIX}running pipeline batchpilot-{config.name} locally: explore, plan, {num_stages} stage(s) in "
+        f"{_launch_groups(names)}, report -> {output} (full log: {log_path})",
         markup=False,
     )
-    tasks = TaskConsole(console, stage_names=names)
+    tasks = TaskConsole(console, launch_names=names)
     started = time.monotonic()
     try:
         with captured_output(log_path, tasks):
@@ -165,16 +167,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_groups(names: list[str]) -> str:
+    """`launches stages-0-3, stage-4, final`, or `up to 4 launch(es)` for an explored micro batch's slots."""
+    if names and all(name.startswith("launch-") for name in names):
+        return f"up to {len(names)} launch(es) (their node counts follow from the explored micro batch)"
+    return f"launches {', '.join(names)}"
+
+
 def _summary(console: Console, output: Path, *, elapsed_s: float) -> None:
+    from batchpilot.planning.launches import launches
     from batchpilot.rundoc import read_run_document
     from batchpilot.train.metrics import read_metrics
 
     records = read_metrics(output / "metrics.jsonl")
     plan = read_run_document(output / "plan.json").plan
-    nodes = " -> ".join(f"{s.global_batch_size}@{s.num_nodes}n" for s in plan.stages)
+    groups = [
+        f"{launch.name} ("
+        + ", ".join(
+            f"{s.global_batch_size}@{s.num_nodes}n"
+            for s in plan.stages[launch.first_stage : launch.last_stage + 1]
+        )
+        + ")"
+        for launch in launches(plan)
+    ]
     console.print(
         f"{PREFIX}done in {elapsed_s / 60:.1f} min: micro_batch_size {plan.micro_batch_size}, "
-        f"stages {nodes}, {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}",
+        f"{len(groups)} launch(es) {' -> '.join(groups)}, {len(records)} steps, "
+        f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}",
         markup=False,
     )
     for name in (

@@ -20,14 +20,22 @@ def register(subparsers: Any) -> None:
         description="Resumes from the checkpoint `latest`, trains to the stage's end sample, checkpoints and "
         "exits 0. SIGTERM checkpoints at the next micro-batch boundary and exits 75.",
     )
-    _common(train, stage_help="stage index, `final`, or `all` (every stage in one job)")
+    _common(
+        train,
+        stage_help="stage index, `final`, a range A-B of stages on one node count (one launch), or `all` "
+        "(every stage in one job)",
+    )
     train.set_defaults(handler=run_train)
     launch = subparsers.add_parser(
         "launch",
-        help="run a stage on its planned node count through torchx (local_cwd: a node = local processes; "
-        "gke: a JobSet or Volcano Job)",
+        help="run a stage, or a launch (consecutive stages on one node count), on its planned node count "
+        "through torchx (local_cwd: a node = local processes; gke: a JobSet or Volcano Job)",
     )
-    _common(launch, stage_help="stage index or `final`")
+    _common(
+        launch,
+        stage_help="stage index, `final`, a range A-B of stages on one node count, or a launch's name "
+        "(e.g. stages-0-3; `batchpilot plan` lists them)",
+    )
     launch.add_argument("--log-dir", help="torchx log folder (default: OUTPUT_DIR/torchx)")
     launch.add_argument(
         "--dryrun",

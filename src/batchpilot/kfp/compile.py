@@ -12,7 +12,7 @@ from pathlib import Path
 from batchpilot.config import Config, load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
-from batchpilot.workflow import expected_stage_count, preflight
+from batchpilot.workflow import expected_stage_count, pipeline_launch_names, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -63,5 +63,6 @@ def compile_file(
     config = load_config(config_path)
     write_atomically(output, compile_pipeline(config, image=image, target=target))
     count = expected_stage_count(config)
-    logger.info("compiled %s -> %s (%d stage(s))", config_path, output, count)
+    groups = len(pipeline_launch_names(config))
+    logger.info("compiled %s -> %s (%d stage(s), %d launch group(s))", config_path, output, count, groups)
     return count

@@ -46,8 +46,15 @@ def plan(
     plan_file: Output[Artifact],
     plan_table: Output[Markdown],
     explore_dir: Input[Artifact] = None,
+    expected_launches: str = "",
+    num_launch_slots: int = 0,
+    plan_metrics: Output[Metrics] = None,
 ) -> str:
-    """Validates every stage of the ramp-up and schedules its nodes; returns the run document (plan.json)."""
+    """Validates every stage of the ramp-up and schedules its nodes; returns the run document (plan.json).
+
+    `expected_launches`: the compiled launch groups' names, comma-separated ("": slots for any launches);
+    `num_launch_slots`: how many launch groups the pipeline has (0: not checked). The launch count and
+    the cost estimate, when there is one, go to `plan_metrics` (the pipeline always passes one)."""
     from pathlib import Path
 
     from batchpilot import workflow
@@ -61,6 +68,12 @@ def plan(
         explore=workflow.read_explore(Path(explore_dir.path) / "explore.json") if explore_dir else None,
         expected_num_stages=expected_num_stages,
     )
+    workflow.check_pipeline_launches(
+        document, expected=[n for n in expected_launches.split(",") if n], num_slots=num_launch_slots or None
+    )
+    if plan_metrics is not None:
+        for name, value in workflow.plan_metrics(document).items():
+            plan_metrics.log_metric(name, value)
     text = document.to_json()
     Path(plan_file.path).write_text(text)
     Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost, document.memory))
@@ -80,20 +93,21 @@ def prepare_explore_pool(config_yaml: str) -> int:
     ).after
 
 
-def resize_pool(plan_json: str, stage_index: int) -> int:
-    """Resizes the node pool to the stage's node count and waits for ready nodes."""
+def resize_pool(plan_json: str, launch_index: int) -> int:
+    """Resizes the node pool to the node count of the plan's launch `launch_index` and waits for ready
+    nodes; an unused launch slot leaves the pool alone (returns -1)."""
     from batchpilot import workflow
     from batchpilot.logs import configure_console
     from batchpilot.rundoc import parse_run_document
 
     configure_console()
-    document = parse_run_document(plan_json)
-    stage = document.plan.stages[stage_index]
-    return workflow.prepare_pool(document.config, num_nodes=stage.num_nodes).after
+    nodes = workflow.prepare_launch_pool(parse_run_document(plan_json), slot=launch_index)
+    return -1 if nodes is None else nodes
 
 
-def train_stage(plan_json: str, stage_index: int, run_dir: str, stage_metrics: Output[Metrics]):
-    """Trains the stage to its last sample on the pool, checkpoints and stops."""
+def train_stage(plan_json: str, launch_index: int, run_dir: str, launch_metrics: Output[Metrics]):
+    """Trains the stages of the plan's launch `launch_index` in one job to the last one's end sample,
+    checkpointing at every stage end; logs the last step's metrics."""
     from pathlib import Path
 
     from batchpilot import workflow
@@ -103,10 +117,10 @@ def train_stage(plan_json: str, stage_index: int, run_dir: str, stage_metrics: O
     configure_console()
     document = parse_run_document(plan_json)
     metrics = workflow.train_stage(
-        document, stage_index=stage_index, work_dir=Path(run_dir) if run_dir else None
+        document, launch_index=launch_index, work_dir=Path(run_dir) if run_dir else None
     )
     for name, value in metrics.items():
-        stage_metrics.log_metric(name, value)
+        launch_metrics.log_metric(name, value)
 
 
 def scale_down(config_yaml: str):

@@ -1,7 +1,8 @@
 """Running the whole pipeline on this machine with kfp.local (the embedded default).
 
 kfp.local's SubprocessRunner runs every task in this Python environment: storage is a local folder, the
-node pool is local (a node = a group of processes) and stages launch through torchx `local_cwd`.
+node pool is local (a node = a group of processes) and each launch (consecutive stages on one node
+count) runs as one torchx `local_cwd` job.
 Everything the tasks and kfp.local print goes to a log file in the run folder (`captured_output`); the
 caller picks the lines worth showing as they are written.
 """

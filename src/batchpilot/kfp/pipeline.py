@@ -1,8 +1,11 @@
-"""The pipeline: explore -> plan -> one named sub-DAG per ramp-up stage (resize pool, train) -> report,
-inside an exit handler that scales the pool down whatever happens.
+"""The pipeline: explore -> plan -> one named sub-DAG per launch (resize pool, train its stages) ->
+report, inside an exit handler that scales the pool down whatever happens.
 
-Stages are unrolled from the config at compile time, so each is a visible task group in the KFP UI;
-the plan step fails early, asking for a recompile, when a run's config implies another stage count.
+A launch is consecutive stages on one node count, trained by one job (`batchpilot.planning.launches`).
+Launch groups are unrolled at compile time, so each is a visible task group in the KFP UI: named after
+the launch (`stages-0-3`, `stage-4`, `final`) when the config fixes the micro batch, else one slot per
+stage (`launch-0`, ...), the plan's launches taking the first ones. The plan step fails early, asking for
+a recompile, when a run's config implies another stage count or launches the pipeline cannot run.
 """
 
 import json
@@ -17,12 +20,18 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.images import check_image
 from batchpilot.kfp.components import build_components
 from batchpilot.planning.stages import stage_name
-from batchpilot.workflow import TaskTimeouts, expected_stage_count, explore_in_pipeline, task_timeouts
+from batchpilot.workflow import (
+    TaskTimeouts,
+    expected_stage_count,
+    explore_in_pipeline,
+    pipeline_launch_names,
+    task_timeouts,
+)
 
 DEFAULT_IMAGE = f"batchpilot:{__version__}"
 """The image name of a local pipeline, which kfp.local never pulls; a gke pipeline runs cluster.image."""
 
-# Retries: a pool resize is idempotent; a stage resumes from its last checkpoint (e.g. after preemption).
+# Retries: a pool resize is idempotent; a launch resumes from its last checkpoint (e.g. after preemption).
 RESIZE_RETRIES = 3
 STAGE_RETRIES = 2
 
@@ -70,25 +79,27 @@ def _settings(task: Any, *, name: str, timeout_s: int | None, retries: int = 0, 
     return task
 
 
-def _stage_pipeline(ops: SimpleNamespace, *, index: int, name: str, timeouts: TaskTimeouts | None) -> Any:
+def _launch_pipeline(ops: SimpleNamespace, *, index: int, name: str, timeouts: TaskTimeouts | None) -> Any:
     @dsl.pipeline(
-        name=name, description=f"{name}: resize the node pool, then train the stage to its last sample"
+        name=name,
+        description=f"{name}: resize the node pool to the launch's node count, then train its stages in one "
+        "job to the last one's end sample",
     )
-    def stage(plan_json: str, run_dir: str):
-        resize = ops.resize_pool(plan_json=plan_json, stage_index=index)
+    def launch(plan_json: str, run_dir: str):
+        resize = ops.resize_pool(plan_json=plan_json, launch_index=index)
         _settings(
             resize,
             name=f"{name}: resize pool",
             timeout_s=_limit(timeouts, "pool_s"),
             retries=RESIZE_RETRIES,
         )
-        train = ops.train_stage(plan_json=plan_json, stage_index=index, run_dir=run_dir).after(resize)
+        train = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
         _settings(
             train, name=f"{name}: train", timeout_s=_limit(timeouts, "train_s"), retries=STAGE_RETRIES,
             backoff="60s",
         )  # fmt: skip
 
-    return stage
+    return launch
 
 
 def config_parameter(config: Config) -> str:
@@ -117,16 +128,18 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     """The pipeline for `config`, whose resolved form becomes the default of the `config_yaml` parameter."""
     config_yaml = config_parameter(config)
     ops = build_components(pipeline_image(config, image))
-    names = stage_names(expected_stage_count(config))
+    num_stages = expected_stage_count(config)
+    names = pipeline_launch_names(config)
     timeouts = task_timeouts(config) if config.cluster.backend == "gke" else None
-    stages = [_stage_pipeline(ops, index=k, name=name, timeouts=timeouts) for k, name in enumerate(names)]
+    groups = [_launch_pipeline(ops, index=k, name=name, timeouts=timeouts) for k, name in enumerate(names)]
+    named = config.batch.micro_batch_size != "explore"  # the groups are the plan's launches, by name
     explores = explore_in_pipeline(config)
     first = "explore the micro batch, plan" if explores else "plan"
 
     @dsl.pipeline(
         name=f"batchpilot-{config.name}",
-        description=f"batchpilot {__version__}: {first} a {len(names)}-stage ramp-up, train each stage on its "
-        "node count, report; the pool is scaled down at the end.",
+        description=f"batchpilot {__version__}: {first} a {num_stages}-stage ramp-up, train each launch "
+        "(consecutive stages on one node count) on its node count, report; the pool is scaled down at the end.",
     )
     def batchpilot(
         config_yaml: str = config_yaml,
@@ -139,7 +152,8 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
         Args:
             config_yaml: the batchpilot config (YAML or JSON text). Changing the ramp-up or the total may change the
                 stage count, which needs a recompiled pipeline (the plan step says so).
-            micro_batch_size: 0 = the config's value, or the explored one when it says `explore`.
+            micro_batch_size: 0 = the config's value, or the explored one when it says `explore`. A value that
+                changes the launches of a config with a fixed micro batch needs a recompiled pipeline.
             total_samples: 0 = the config's train.total_samples / total_tokens.
             run_dir: a local folder that receives copies of the plan, report and metrics ("" = none).
         """
@@ -161,14 +175,16 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 config_yaml=config_yaml,
                 micro_batch_size=micro_batch_size,
                 total_samples=total_samples,
-                expected_num_stages=len(names),
+                expected_num_stages=num_stages,
+                expected_launches=",".join(names) if named else "",
+                num_launch_slots=len(names),
                 run_dir=run_dir,
                 **explored,
             )
             _settings(plan, name="plan ramp-up", timeout_s=_limit(timeouts, "plan_s"))
             previous: Any = plan
-            for name, stage in zip(names, stages, strict=True):
-                task = stage(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
+            for name, group in zip(names, groups, strict=True):
+                task = group(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
                 task.set_display_name(name)
                 task.set_caching_options(False)  # resizes a pool and trains: side effects
                 previous = task

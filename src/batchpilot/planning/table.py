@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchpilot.planning.cost import CostEstimate
+from batchpilot.planning.launches import launch_summary
 from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.stages import Plan
 from batchpilot.planning.units import format_bytes, short_count
@@ -82,7 +83,7 @@ def memory_line(plan: Plan, memory: MemoryPlan) -> str:
 
 
 def plan_footer(plan: Plan, cost: CostEstimate | None, memory: MemoryPlan | None = None) -> tuple[str, ...]:
-    """The final stage's batch arithmetic, the totals, the plan's notes and the cost summary."""
+    """The final stage's batch arithmetic, the totals, the launches, the plan's notes and the cost summary."""
     final = plan.stages[-1]
     lines = [
         f"global_batch_size {final.global_batch_size} = micro_batch_size {final.micro_batch_size} x "
@@ -90,6 +91,8 @@ def plan_footer(plan: Plan, cost: CostEstimate | None, memory: MemoryPlan | None
         f"{final.gradient_accumulation_steps} (final stage, {final.num_nodes} node(s) x "
         f"{plan.devices_per_node} device(s))",
         f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, {plan.trained_samples:,} samples",
+        # A launch is one job: consecutive stages on one node count need no resize or restart between them.
+        launch_summary(plan),
     ]
     if memory is not None:
         lines.append(memory_line(plan, memory))
