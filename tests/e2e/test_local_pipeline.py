@@ -133,6 +133,9 @@ def test_demo_leaves_report_checkpoints_and_a_scaled_down_pool(demo_run):
     output, _ = demo_run
     report = (output / "report.html").read_text()
     assert "Loss" in report and "Batch-size ramp" in report and "data:image/png;base64," in report
+    # The validation loss and the cost estimate (#13): in the summary (also the KFP metrics) and the plan.
+    assert "<li>final_val_loss: " in report and "<li>estimated_node_hours: " in report
+    assert "node-hours" in report and "parallelism ddp" in report
     assert "| final |" in (output / "plan.md").read_text()
     assert (output / "ckpt" / "latest").exists()
     assert json.loads((output / "pool.json").read_text())["num_nodes"] == 0
