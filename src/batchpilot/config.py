@@ -293,7 +293,16 @@ Rampup = Annotated[
 
 
 class BatchConfig(_Section):
-    global_batch_size: PositiveInt = Field(description="the target global batch size (samples per step)")
+    global_batch_size: PositiveInt | Literal["auto"] = Field(
+        description="the target global batch size (samples per step), or `auto`: the target explore's "
+        "gradient-noise study recommends, rounded to a size the ramp-up and the node schedule accept, with "
+        "its LR rule (needs max_global_batch_size and explore.study)"
+    )
+    max_global_batch_size: PositiveInt | None = Field(
+        None,
+        description="with global_batch_size: auto, the largest target it may become: explore's largest micro "
+        "batch, config check and the compiled pipeline's launch slots are sized for it",
+    )
     micro_batch_size: PositiveInt | Literal["explore"] = Field(
         "explore", description="samples per device per pass, or `explore` to measure it"
     )
@@ -309,6 +318,10 @@ class BatchConfig(_Section):
     def _one_rampup_form(self) -> BatchConfig:
         if self.rampup is not None and self.schedule is not None:
             raise ValueError("set either rampup or schedule, not both")
+        if (self.global_batch_size == "auto") != (self.max_global_batch_size is not None):
+            raise ValueError(
+                "max_global_batch_size bounds global_batch_size: auto: set both (auto and a bound) or neither"
+            )
         if (
             self.num_pipeline_microbatches is not None
             and self.num_pipeline_microbatches % self.pipeline_parallel_size
@@ -318,6 +331,15 @@ class BatchConfig(_Section):
                 f"pipeline_parallel_size ({self.pipeline_parallel_size})"
             )
         return self
+
+    @property
+    def target_bound(self) -> int:
+        """The target global batch, or with `auto` the largest it may become (what must be planned for
+        before explore's study decides)."""
+        if self.global_batch_size == "auto":
+            assert self.max_global_batch_size is not None
+            return self.max_global_batch_size
+        return self.global_batch_size
 
 
 class TrainConfig(_Section):
@@ -462,6 +484,15 @@ class Config(_Section):
             )
         section["expansion_factor_real_data"] = factor
         return {**data, "batch": batch, "data": section}
+
+    @model_validator(mode="after")
+    def _auto_needs_the_study(self) -> Config:
+        if self.batch.global_batch_size == "auto" and not self.explore.study:
+            raise ValueError(
+                "batch.global_batch_size: auto takes its target from explore's gradient-noise study; set "
+                "explore.study: true (or an integer global_batch_size)"
+            )
+        return self
 
     @property
     def total_samples(self) -> int:

@@ -45,7 +45,7 @@ from batchpilot.rundoc import MicroBatchSource, RunDocument
 def batch_schedule(config: Config) -> BatchSchedule:
     """The global batch size as a function of consumed samples, from whichever ramp-up form is set."""
     batch = config.batch
-    target = batch.global_batch_size
+    target = batch.target_bound  # an `auto` target is resolved (make_run_document) before stages run
     if isinstance(batch.rampup, MegatronRampup):
         return megatron_rampup(
             start=batch.rampup.start,
@@ -72,7 +72,7 @@ def lr_schedule(config: Config) -> LRSchedule:
     return LRSchedule(
         lr=train.lr,
         scaling=train.lr_scaling,
-        reference_batch=train.lr_reference_batch or config.batch.global_batch_size,
+        reference_batch=train.lr_reference_batch or config.batch.target_bound,
         warmup_samples=train.warmup_samples,
         decay=train.lr_decay,
         decay_end_samples=train.lr_decay_samples or total,
@@ -275,7 +275,7 @@ def _smallest_unit(config: Config) -> int:
 
 
 def _corrected_rampup(config: Config) -> str | None:
-    rampup, target = config.batch.rampup, config.batch.global_batch_size
+    rampup, target = config.batch.rampup, config.batch.target_bound
     unit = _smallest_unit(config)
     step = unit if target % unit == 0 else 1
     devices = 0  # the MaxText form's device count; 0 for the NeMo/Megatron form
@@ -321,7 +321,7 @@ def _corrected_schedule(config: Config, *, unplaceable: set[int]) -> str | None:
     if len(fixed) > MAX_STAGES:
         keep = sorted({round(i * (len(fixed) - 1) / (MAX_STAGES - 1)) for i in range(MAX_STAGES)})
         fixed = [fixed[i] for i in keep]
-    if fixed[-1][1] != config.batch.global_batch_size or not _placeable(config, [b for _, b in fixed]):
+    if fixed[-1][1] != config.batch.target_bound or not _placeable(config, [b for _, b in fixed]):
         return None
     return f'schedule: "{format_schedule(fixed)}"'
 
@@ -529,8 +529,75 @@ def study_advice(config: Config, explore: dict[str, Any] | None) -> list[str]:
     return [
         f"explore's gradient-noise study: critical batch ~{study['critical_batch_size']:,.0f} samples, advises a "
         f"target global batch of {target} with train.lr_scaling: {study.get('lr_scaling')}; this plan keeps "
-        f"batch.global_batch_size {config.batch.global_batch_size} and lr_scaling {config.train.lr_scaling}"
+        f"batch.global_batch_size {config.batch.global_batch_size} and lr_scaling {config.train.lr_scaling} "
+        "(global_batch_size: auto with a max_global_batch_size takes the advice)"
     ]
+
+
+AUTO_TARGET_ATTEMPTS = 200
+"""How many candidate targets (nearest to the study's first) `resolve_auto_target` plans before giving up."""
+
+
+def resolve_auto_target(
+    config: Config, explore: dict[str, Any] | None, *, micro_batch_size: int
+) -> tuple[Config, list[str]]:
+    """`batch.global_batch_size: auto`: the study's recommended target, moved to the nearest size at most
+    `max_global_batch_size` that the ramp-up and the node schedule accept at `micro_batch_size`, and its LR
+    rule (sqrt up to twice the critical batch, none above, as the study advises); with notes."""
+    batch = config.batch
+    study = (explore or {}).get("noise_scale") or {}
+    recommended, critical = study.get("recommended_global_batch_size"), study.get("critical_batch_size")
+    if explore is None or not recommended or not critical:
+        why = "no exploration was given" if explore is None else "explore's study measured no noise scale"
+        raise BatchpilotError(
+            "batch.global_batch_size",
+            f"is auto, which takes the target from explore's gradient-noise study, but {why}",
+            "plan with --explore explore.json from an exploration whose study measured the noise scale, or "
+            "set an integer global_batch_size",
+        )
+    if batch.schedule is not None:
+        raise BatchpilotError(
+            "batch.global_batch_size",
+            "is auto, but an explicit schedule fixes the target (its last batch)",
+            "set the target as an integer, or use the rampup form",
+        )
+    unit = micro_batch_size * config.cluster.devices_per_node  # the final stage splits over whole nodes
+    bound = batch.target_bound
+    candidates = sorted(range(unit, bound + 1, unit), key=lambda t: (abs(t - recommended), -t))
+    for target in candidates[:AUTO_TARGET_ATTEMPTS]:
+        lr_scaling = "sqrt" if target <= 2 * critical else "none"
+        resolved = config.model_copy(
+            update={
+                # The resolved config is a plain one (what the trainers and later tasks read and validate).
+                "batch": batch.model_copy(
+                    update={"global_batch_size": target, "max_global_batch_size": None}
+                ),
+                "train": config.train.model_copy(update={"lr_scaling": lr_scaling}),
+            }
+        )
+        if isinstance(batch.rampup, MegatronRampup) and (
+            target <= batch.rampup.start or (target - batch.rampup.start) % batch.rampup.increment
+        ):
+            continue
+        try:
+            if plan_problems(resolved):
+                continue
+            build_plan(resolved, micro_batch_size=micro_batch_size)
+        except BatchpilotError:
+            continue
+        clamped = f", at most max_global_batch_size {bound}" if recommended > bound else ""
+        return resolved, [
+            f"batch.global_batch_size: auto -> {target} (explore's study: critical batch ~{critical:,.0f} "
+            f"samples, recommended {recommended}; the nearest size the ramp-up and the node schedule accept at "
+            f"micro_batch_size={micro_batch_size}{clamped}); train.lr_scaling: {lr_scaling} (the study's rule: "
+            "sqrt up to twice the critical batch, none above)"
+        ]
+    raise BatchpilotError(
+        "batch.global_batch_size",
+        f"is auto, but no target near the study's {recommended} up to max_global_batch_size {bound} fits the "
+        f"ramp-up and the node schedule at micro_batch_size={micro_batch_size}",
+        "set an integer global_batch_size (explore.json's noise_scale section has the study's advice)",
+    )
 
 
 def make_run_document(
@@ -553,11 +620,15 @@ def make_run_document(
     """
     check_plan_config(config)  # what no micro batch can fix is reported before asking for one
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
+    auto = config.batch.global_batch_size == "auto"
+    if auto:
+        config, auto_notes = resolve_auto_target(config, explore, micro_batch_size=micro)
+        notes += auto_notes
     if source == "explore":
         assert explore is not None
         config, setting_notes = with_explored_setting(config, explored_setting(explore))
         notes += setting_notes
-    notes += study_advice(config, explore)
+    notes += [] if auto else study_advice(config, explore)  # taken with auto, else shown beside
     if samples_per_s_per_device is not None and samples_per_s_per_device <= 0:
         raise BatchpilotError(
             "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"

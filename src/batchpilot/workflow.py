@@ -141,7 +141,7 @@ def plan(
     announce: bool = True,
 ) -> RunDocument:
     """The validated run document; with `expected_num_stages` (a compiled pipeline's), refuses another
-    stage count before anything is resized. `announce` logs its notes and the memory estimate."""
+    stage count before anything is resized (0 or None: any count; the launch slots are checked). `announce` logs its notes and the memory estimate."""
     from batchpilot.train.shape import model_shape  # torch: only where a plan is made
 
     document = make_run_document(
@@ -152,7 +152,7 @@ def plan(
         shape=model_shape(factory=config.model.factory, args=config.model.args),
     )
     count = len(document.plan.stages)
-    if expected_num_stages is not None and count != expected_num_stages:
+    if expected_num_stages and count != expected_num_stages:
         raise BatchpilotError(
             "config_yaml",
             f"implies {count} stage(s) but this pipeline was compiled for {expected_num_stages}",
@@ -178,10 +178,17 @@ def preflight(config: Config) -> RunDocument | None:
     schedule entries, stages no micro batch can place, the stage limit, the loading factor), every problem
     on its own line; then with an integer micro batch the whole plan (stages, node schedule, memory); with
     `explore`, the plan at micro batch 1, so a strategy that cannot even hold the model is refused now.
-    Returns the document when the micro batch is known."""
+    An `auto` target is checked at its bound (`batch.max_global_batch_size`). Returns the document when
+    the micro batch and the target are known."""
     check_plan_config(config)  # each micro-batch-independent problem on its own line, before the model
+    auto = config.batch.global_batch_size == "auto"
+    if auto:  # planned at its bound: the study sets the target later (planner.resolve_auto_target)
+        bound = config.batch.target_bound
+        batch = config.batch.model_copy(update={"global_batch_size": bound, "max_global_batch_size": None})
+        config = config.model_copy(update={"batch": batch})
     if config.batch.micro_batch_size != "explore":
-        return plan(config, announce=False)
+        document = plan(config, announce=False)
+        return None if auto else document
     plan(config, micro_batch_size=1, announce=False)
     return None
 
@@ -368,7 +375,8 @@ def pipeline_launch_names(config: Config) -> tuple[str, ...]:
     from batchpilot.planner import build_plan
 
     micro = config.batch.micro_batch_size
-    if micro == "explore":
+    if micro == "explore" or config.batch.global_batch_size == "auto":
+        # With an auto target, the stages at max_global_batch_size are as many as any target can make.
         return tuple(f"launch-{k}" for k in range(num_stages(config)))
     return tuple(launch.name for launch in launches(build_plan(config, micro_batch_size=micro)))
 

@@ -196,3 +196,84 @@ def test_explore_in_the_pipeline_only_when_there_is_something_to_explore():
     no_study = fixed.model_copy(update={"explore": fixed.explore.model_copy(update={"study": False})})
     assert workflow.explore_in_pipeline(searched) and workflow.explore_in_pipeline(fixed)
     assert not workflow.explore_in_pipeline(no_study)
+
+
+AUTO = DEMO.replace("global_batch_size: 64", "global_batch_size: auto\n  max_global_batch_size: 256")
+
+
+def study_file(folder: Path, *, critical: float, recommended: int) -> Path:
+    path = explore_file(folder, micro=16)
+    data = json.loads(path.read_text())
+    data["noise_scale"] = {
+        "critical_batch_size": critical,
+        "recommended_global_batch_size": recommended,
+        "lr_scaling": "sqrt",
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_an_auto_target_takes_the_studys_advice_rounded_to_what_the_ramp_accepts(tmp_path):
+    """global_batch_size: auto (#13): the demo's ramp [16, 16, 4096] on 1-2 nodes at micro 16 accepts
+    multiples of 16 above 16; the study's 100 becomes 96, with the sqrt rule (96 <= 2 x 90)."""
+    assert "global_batch_size: auto" in AUTO
+    explore = workflow.read_explore(study_file(tmp_path, critical=90.0, recommended=100))
+    document = workflow.plan(workflow.config_from_text(AUTO), explore=explore)
+    assert document.config.batch.global_batch_size == 96
+    assert document.config.train.lr_scaling == "sqrt"
+    assert [s.global_batch_size for s in document.plan.stages] == [16, 32, 48, 64, 80, 96]
+    assert any(
+        "batch.global_batch_size: auto -> 96 (explore's study: critical batch ~90" in n
+        for n in document.notes
+    )
+    assert parse_run_document(document.to_json()).config.batch.global_batch_size == 96  # the trainers see 96
+
+
+def test_an_auto_target_stays_within_its_bound_and_needs_the_study(tmp_path):
+    explore = workflow.read_explore(study_file(tmp_path, critical=600.0, recommended=1000))
+    document = workflow.plan(workflow.config_from_text(AUTO), explore=explore)
+    assert document.config.batch.global_batch_size == 256  # max_global_batch_size
+    assert any("at most max_global_batch_size 256" in n for n in document.notes)
+    no_study = workflow.read_explore(explore_file(tmp_path, micro=16))
+    with pytest.raises(
+        BatchpilotError, match=r"batch\.global_batch_size: is auto, which takes the target from"
+    ):
+        workflow.plan(workflow.config_from_text(AUTO), explore=no_study)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("  max_global_batch_size: 256\n", ""), r"set both \(auto and a bound\) or neither"),
+        (
+            ("global_batch_size: auto\n", "global_batch_size: 64\n"),
+            r"set both \(auto and a bound\) or neither",
+        ),
+    ],
+)
+def test_an_auto_target_needs_a_bound(edit, message):
+    from batchpilot.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        workflow.config_from_text(AUTO.replace(*edit))
+
+
+def test_the_pipeline_of_an_auto_target_has_slots_and_takes_any_stage_count(tmp_path):
+    """Compiled before the study: launch slots for the stages at the bound; the plan step resolves the
+    target and the stage count follows from it."""
+    from kfp.dsl import Artifact, Markdown
+
+    from batchpilot.kfp.components import plan as plan_component
+
+    config = workflow.config_from_text(AUTO)
+    assert workflow.pipeline_launch_names(config)[0] == "launch-0"
+    assert len(workflow.pipeline_launch_names(config)) == workflow.expected_stage_count(config) == 16
+    study_file(tmp_path, critical=90.0, recommended=100)
+    from kfp.dsl import Input  # noqa: F401  (the component takes an artifact with a .path)
+
+    text = plan_component(
+        config_yaml=AUTO, micro_batch_size=0, total_samples=0, expected_num_stages=0, run_dir="",
+        plan_file=Artifact(uri=str(tmp_path / "plan_file")), plan_table=Markdown(uri=str(tmp_path / "plan.md")),
+        explore_dir=Artifact(uri=str(tmp_path)), num_launch_slots=16,
+    )  # fmt: skip
+    assert parse_run_document(text).config.batch.global_batch_size == 96

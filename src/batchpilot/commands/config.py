@@ -30,7 +30,12 @@ def _check(args: argparse.Namespace) -> int:
 
     config = load_config(args.file)
     document = workflow.preflight(config)
-    if document is None:
+    if config.batch.global_batch_size == "auto":
+        detail = (
+            f"global_batch_size auto: explore's study sets it, at most {config.batch.target_bound}; the stages "
+            "at that bound are placeable, the chosen target's are checked when it is planned"
+        )
+    elif document is None:
         count = workflow.expected_stage_count(config)
         detail = (
             f"{count} stage(s), each placeable at some micro batch; their divisibility at the chosen micro "

@@ -213,7 +213,7 @@ def search_micro_batch(
     explore = config.explore
     state = SearchState(
         settings=settings_of(config),
-        max_micro_batch_size=explore.max_micro_batch_size or config.batch.global_batch_size,
+        max_micro_batch_size=explore.max_micro_batch_size or config.batch.target_bound,
         seq_len=config.data.seq_len,
     )
     deadline_s = time.monotonic() + max_minutes * 60
@@ -274,7 +274,7 @@ def _study(*, config: Config, recommendation: Recommendation, layout: ProbeLayou
     return advise(
         per_multiplier=per_multiplier,
         micro_batch_size=micro,
-        configured_global_batch_size=config.batch.global_batch_size,
+        configured_global_batch_size=config.batch.target_bound,
         devices_per_node=config.cluster.devices_per_node,
         min_nodes=config.cluster.min_nodes,
         max_nodes=config.cluster.max_nodes,
@@ -382,7 +382,7 @@ def plan_error(config: Config, micro_batch_size: int) -> str | None:
 def topology_of(config: Config) -> Topology:
     return Topology(
         stage_error=lambda micro: plan_error(config, micro),
-        global_batch_size=config.batch.global_batch_size,
+        global_batch_size=config.batch.target_bound,
         devices_per_node=config.cluster.devices_per_node,
         min_nodes=config.cluster.min_nodes,
         max_nodes=config.cluster.max_nodes,

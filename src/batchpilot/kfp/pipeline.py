@@ -132,7 +132,8 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     names = pipeline_launch_names(config)
     timeouts = task_timeouts(config) if config.cluster.backend == "gke" else None
     groups = [_launch_pipeline(ops, index=k, name=name, timeouts=timeouts) for k, name in enumerate(names)]
-    named = config.batch.micro_batch_size != "explore"  # the groups are the plan's launches, by name
+    # The groups are the plan's launches, by name, when the micro batch and the target are known now.
+    named = config.batch.micro_batch_size != "explore" and config.batch.global_batch_size != "auto"
     explores = explore_in_pipeline(config)
     first = "explore the micro batch, plan" if explores else "plan"
 
@@ -175,7 +176,8 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 config_yaml=config_yaml,
                 micro_batch_size=micro_batch_size,
                 total_samples=total_samples,
-                expected_num_stages=num_stages,
+                # auto: the study sets the target, so the stage count is known only then (0: any).
+                expected_num_stages=0 if config.batch.global_batch_size == "auto" else num_stages,
                 expected_launches=",".join(names) if named else "",
                 num_launch_slots=len(names),
                 run_dir=run_dir,
