@@ -514,25 +514,42 @@ class ConfigError(BatchpilotError):
         return "\n".join(self.lines)
 
 
+_UNION_MEMBER = re.compile(r"^(constrained-int|int|literal\[.*\])$")
+"""pydantic's tags for the members of `int | Literal[...]` fields (global_batch_size, micro_batch_size)."""
+
+
 def _location(loc: tuple[int | str, ...]) -> str:
     parts: list[str] = []
     for part in loc:
         if isinstance(part, int):
             parts[-1:] = [f"{parts[-1] if parts else ''}[{part}]"]
-        elif part not in ("megatron", "maxtext") and not str(part).startswith("function-"):
+        elif (
+            part not in ("megatron", "maxtext")
+            and not str(part).startswith("function-")
+            and not _UNION_MEMBER.match(str(part))
+        ):
             parts.append(str(part))
     return ".".join(parts) or "config"
 
 
 def format_validation_error(error: ValidationError) -> list[str]:
-    """One line per problem: `key.path: message (got value)`."""
-    lines = []
+    """One line per problem: `key.path: message (got value)`. A value that fits no member of an
+    `int | Literal["word"]` field gets the integer's message with `(or 'word')` added, on one line."""
+    lines: list[tuple[str, str, str]] = []  # (where, message, got)
+    words: dict[str, str] = {}
     for item in error.errors(include_url=False):
+        where = _location(tuple(item["loc"]))
+        if item["type"] == "literal_error" and item["loc"] and _UNION_MEMBER.match(str(item["loc"][-1])):
+            words[where] = str(item["ctx"]["expected"])  # the word the field also accepts
+            continue
         message = str(item["msg"]).removeprefix("Value error, ")
         shown = item.get("input")
         got = f" (got {shown!r})" if item["type"] != "missing" and not isinstance(shown, dict) else ""
-        lines.append(f"{_location(tuple(item['loc']))}: {message}{got}")
-    return lines
+        lines.append((where, message, got))
+    return [
+        f"{where}: {message}{f' (or {words[where]})' if where in words else ''}{got}"
+        for where, message, got in lines
+    ]
 
 
 def parse_config(data: Any) -> Config:

@@ -156,7 +156,9 @@ def test_invalid_config_in_a_real_process_has_no_traceback(tmp_path):
         "batchpilot: error: cluster: unknown key 'gpus'; valid keys are: backend, devices_per_node, max_nodes, "
         "min_nodes, "
     )
-    assert lines[1] == "batchpilot: error: batch.global_batch_size: Input should be greater than 0 (got -1)"
+    assert lines[1] == (
+        "batchpilot: error: batch.global_batch_size: Input should be greater than 0 (or 'auto') (got -1)"
+    )
 
 
 def test_config_schema_and_check(capsys, tmp_path):
