@@ -23,7 +23,6 @@ from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
 from batchpilot.planner import check_plan_config, make_run_document, num_stages
-from batchpilot.planning import Stage
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.rundoc import RunDocument
 
@@ -266,11 +265,6 @@ def pool_status(config: Config, *, state_path: str | None = None) -> str:
 
 
 # --- stages ----------------------------------------------------------------------------------------
-
-
-def select_stage(document: RunDocument, stage: str | int) -> Stage:
-    """The one stage `stage` names: an index or `final`."""
-    return document.plan.select(str(stage))[0]
 
 
 def select_launch(document: RunDocument, stage: str | int) -> Launch:
