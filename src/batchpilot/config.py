@@ -378,6 +378,12 @@ class TrainConfig(_Section):
         "over all devices (FSDP2); hsdp: sharded within a node, replicated across nodes; auto: the first of "
         "ddp, hsdp, fsdp whose per-device memory estimate fits every stage",
     )
+    runtime: Literal["auto", "eager", "xla"] = Field(
+        "auto",
+        description="eager: PyTorch on CUDA or CPU; xla: torch_xla (PJRT) with SPMD sharding over every device "
+        "of the slice, one process per host (needs the `tpu` extra's torch/torch_xla pair); auto: xla when "
+        "cluster.accelerator_type is a TPU type, else eager",
+    )
     activation_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     compile: bool = Field(False, description="torch.compile the model")
     precision: Literal["auto", "fp32", "bf16"] = Field(

@@ -38,6 +38,7 @@ from batchpilot.planning.memory import (
 from batchpilot.planning.nodes import check_loading_factor, data_parallel_size, nearest_valid_batch_sizes
 from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import sample_ranges
+from batchpilot.planning.tpu import TpuSlices, check_host_range, is_tpu, tpu_slices
 from batchpilot.planning.units import format_count
 from batchpilot.rundoc import MicroBatchSource, RunDocument
 
@@ -93,6 +94,76 @@ def check_parallelism(config: Config) -> None:
             )
 
 
+def runtime(config: Config) -> str:
+    """`train.runtime` resolved: xla on a TPU type (`auto`), else eager."""
+    if config.train.runtime != "auto":
+        return config.train.runtime
+    return "xla" if is_tpu(config.cluster.accelerator_type) else "eager"
+
+
+def tpu_plan_slices(config: Config) -> TpuSlices | None:
+    """The slices the config's TPU type can form (None: not a TPU pool).
+
+    Raises:
+        BatchpilotError: an unknown TPU type or machine type, or devices_per_node that is not its chips
+            per host.
+    """
+    cluster = config.cluster
+    if not is_tpu(cluster.accelerator_type):
+        return None
+    assert cluster.accelerator_type is not None
+    return tpu_slices(
+        accelerator_type=cluster.accelerator_type,
+        machine_type=cluster.machine_type,
+        devices_per_node=cluster.devices_per_node,
+    )
+
+
+def check_tpu(config: Config) -> list[BatchpilotError]:
+    """The TPU rules, one error each: a known type and machine type, devices_per_node = its chips per host,
+    max_nodes a whole slice, runtime xla on a TPU pool, and what the xla runtime does not implement."""
+    problems: list[BatchpilotError] = []
+    cluster, train = config.cluster, config.train
+    try:
+        slices = tpu_plan_slices(config)
+    except BatchpilotError as error:
+        return [error]
+    if slices is not None:
+        try:
+            check_host_range(slices, min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes)
+        except BatchpilotError as error:
+            problems.append(error)
+        if train.runtime == "eager":
+            problems.append(
+                BatchpilotError(
+                    "train.runtime",
+                    f"is eager, but {cluster.accelerator_type} nodes have TPUs, which PyTorch reaches only "
+                    "through torch_xla",
+                    "set train.runtime: xla (or auto)",
+                )
+            )
+    if runtime(config) == "xla":
+        if train.parallelism in ("ddp", "hsdp"):
+            problems.append(
+                BatchpilotError(
+                    "train.parallelism",
+                    f"{train.parallelism} is not implemented for runtime xla, which shards parameters, "
+                    "gradients and optimizer state over every device of the slice (SPMD)",
+                    "set train.parallelism: fsdp (or auto)",
+                )
+            )
+        if loading_factor(config) > 1 or config.data.expansion_factor_real_data != 1:
+            problems.append(
+                BatchpilotError(
+                    "data.expansion_factor_real_data",
+                    f"is {config.data.expansion_factor_real_data}, but loading hosts are not implemented "
+                    "for runtime xla (every host reads its own samples)",
+                    "set data.expansion_factor_real_data: 1",
+                )
+            )
+    return problems
+
+
 def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
     """Validates every stage of the config's ramp-up and schedules its nodes.
 
@@ -113,6 +184,7 @@ def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
         pipeline_parallel_size=config.batch.pipeline_parallel_size,
         tensor_parallel_size=config.batch.tensor_parallel_size,
         num_pipeline_microbatches=config.batch.num_pipeline_microbatches,
+        tpu=tpu_plan_slices(config),
     )
 
 
@@ -147,6 +219,9 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
         check_parallelism(config)
     except BatchpilotError as error:
         problems.append(error)
+    tpu_problems = check_tpu(config)
+    if tpu_problems:
+        return problems + tpu_problems  # no slice to judge the stages on
     cluster = config.cluster
     try:
         check_loading_factor(
@@ -180,7 +255,7 @@ def loading_factor(config: Config) -> int:
     return int(factor) if factor > 1 and factor.denominator == 1 else 1
 
 
-def _placement(config: Config) -> dict[str, int]:
+def _placement_numbers(config: Config) -> dict[str, int]:
     cluster, batch = config.cluster, config.batch
     return {
         "devices_per_node": cluster.devices_per_node,
@@ -192,14 +267,23 @@ def _placement(config: Config) -> dict[str, int]:
     }
 
 
+def _placement(config: Config) -> dict[str, Any]:
+    slices = tpu_plan_slices(config)
+    return _placement_numbers(config) | {"allowed_nodes": slices.host_counts() if slices else None}
+
+
 def _placeable(config: Config, batch_sizes: Sequence[int]) -> bool:
     return not unschedulable_stages(batch_sizes=batch_sizes, **_placement(config))
 
 
 def _allowed_nodes(config: Config) -> list[int]:
     cluster = config.cluster
+    slices = tpu_plan_slices(config)
     return node_counts(
-        min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, loading_factor=loading_factor(config)
+        min_nodes=cluster.min_nodes,
+        max_nodes=cluster.max_nodes,
+        loading_factor=loading_factor(config),
+        allowed_nodes=slices.host_counts() if slices else None,
     )
 
 
@@ -463,8 +547,8 @@ def mixed_precision(config: Config) -> bool:
     """Whether the trainers will compute in bf16: `train.precision: bf16`, or `auto` on a GPU pool (local
     runs are planned as CPU runs)."""
     precision = config.train.precision
-    on_gpu = config.cluster.backend == "gke" and config.cluster.accelerator_type is not None
-    return precision == "bf16" or (precision == "auto" and on_gpu)
+    on_accelerator = config.cluster.backend == "gke" and config.cluster.accelerator_type is not None
+    return precision == "bf16" or (precision == "auto" and on_accelerator)
 
 
 def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) -> float | None:
@@ -494,7 +578,8 @@ def memory_plan(
         config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
     )
     return plan_memory(
-        requested=config.train.parallelism,
+        # SPMD under xla shards over every device of the slice: the memory of fsdp.
+        requested="fsdp" if runtime(config) == "xla" else config.train.parallelism,
         shape=shape,
         stages=plan.stages,
         devices_per_node=cluster.devices_per_node,

@@ -5,13 +5,16 @@ the device reports as its total (`nvidia-smi --query-gpu=memory.total`, in MiB),
 rounded figure: an "80GB" H100 reports 81559 MiB (79.6 GiB), an "141GB" H200 143771 MiB (140.4 GiB).
 PyTorch sees a little less again (the CUDA context takes a few hundred MiB), which the memory model's
 reserve covers (`batchpilot.planning.memory`). Peaks are dense (no structured sparsity) bf16
-tensor-core FLOP/s from NVIDIA's data sheets; a device without bf16 has None. B200 is left out until its
+tensor-core FLOP/s from NVIDIA's data sheets; a device without bf16 has None. TPU chips (one device per
+chip) come from the TPU table in `batchpilot.planning.tpu`. B200 is left out until its
 reported memory has been checked on a real device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from batchpilot.planning.tpu import TPU_TYPES
 
 _MIB = 2**20
 
@@ -66,7 +69,8 @@ def device_memory_bytes(accelerator_type: str | None, override: int | None = Non
     if override is not None:
         return override
     device = DEVICES.get(accelerator_type) if accelerator_type else None
-    return device.memory_bytes if device else None
+    tpu = TPU_TYPES.get(accelerator_type) if accelerator_type else None
+    return device.memory_bytes if device else tpu.memory_bytes if tpu else None
 
 
 def device_peak_flops(accelerator_type: str | None, override: float | None = None) -> float | None:
@@ -77,4 +81,5 @@ def device_peak_flops(accelerator_type: str | None, override: float | None = Non
     if override is not None:
         return override
     device = DEVICES.get(accelerator_type) if accelerator_type else None
-    return device.peak_bf16_flops if device else None
+    tpu = TPU_TYPES.get(accelerator_type) if accelerator_type else None
+    return device.peak_bf16_flops if device else tpu.peak_bf16_flops if tpu else None

@@ -26,6 +26,8 @@ class Launch:
     last_stage: int
     num_nodes: int
     stage_names: tuple[str, ...]
+    tpu_topology: str | None = None
+    """The TPU slice topology the launch runs on (None: GPU or CPU nodes)."""
 
     @property
     def num_stages(self) -> int:
@@ -40,7 +42,12 @@ class Launch:
 
     def describe(self) -> str:
         """`stages-0-3: stage-0, stage-1, stage-2, stage-3 on 8 node(s)`."""
-        return f"{self.name}: {', '.join(self.stage_names)} on {self.num_nodes} node(s)"
+        return f"{self.name}: {', '.join(self.stage_names)} on {self.num_nodes} node(s){self.slice_text}"
+
+    @property
+    def slice_text(self) -> str:
+        """` (TPU slice 4x8)`, or nothing off TPUs."""
+        return f" (TPU slice {self.tpu_topology})" if self.tpu_topology else ""
 
 
 def launch_name(stages: Sequence[Stage]) -> str:
@@ -75,6 +82,7 @@ def launch_of(stages: Sequence[Stage], *, index: int) -> Launch:
         last_stage=indices[-1],
         num_nodes=nodes[0],
         stage_names=tuple(stage.name for stage in stages),
+        tpu_topology=stages[0].tpu_topology,
     )
 
 
@@ -100,6 +108,7 @@ def launch_containing(plan: Plan, stage_index: int) -> Launch:
 def launch_summary(plan: Plan) -> str:
     """One line: `5 launch(es): stages-0-3 on 8 node(s), stage-4 on 10, ...`."""
     groups = launches(plan)
-    parts = [f"{launch.name} on {launch.num_nodes} node(s)" if k == 0 else f"{launch.name} on {launch.num_nodes}"
+    parts = [(f"{launch.name} on {launch.num_nodes} node(s)" if k == 0 else f"{launch.name} on {launch.num_nodes}")
+             + (f" ({launch.tpu_topology})" if launch.tpu_topology else "")
              for k, launch in enumerate(groups)]  # fmt: skip
     return f"{len(groups)} launch(es): {', '.join(parts)}"

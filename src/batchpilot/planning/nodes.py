@@ -9,7 +9,7 @@ every f-th host a loading host and refuses a node count that f does not divide.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from batchpilot.errors import BatchpilotError
 
@@ -32,9 +32,11 @@ def fits(
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     loading_factor: int = 1,
+    allowed_nodes: Collection[int] | None = None,
 ) -> bool:
-    """Whether `global_batch_size` splits into whole micro-batches on `num_nodes` nodes, and the loading
-    hosts (one per `loading_factor` nodes) divide the node count."""
+    """Whether `global_batch_size` splits into whole micro-batches on `num_nodes` nodes, the loading
+    hosts (one per `loading_factor` nodes) divide the node count, and the count is one of `allowed_nodes`
+    (a TPU type's slice host counts; None: any)."""
     dp = data_parallel_size(
         num_nodes=num_nodes,
         devices_per_node=devices_per_node,
@@ -44,13 +46,21 @@ def fits(
     return (
         dp is not None
         and num_nodes % loading_factor == 0
+        and (allowed_nodes is None or num_nodes in allowed_nodes)
         and global_batch_size % (micro_batch_size * dp) == 0
     )
 
 
-def node_counts(*, min_nodes: int, max_nodes: int, loading_factor: int = 1) -> list[int]:
-    """The node counts a stage may run on, ascending: [min_nodes, max_nodes], multiples of the factor."""
-    return [n for n in range(min_nodes, max_nodes + 1) if n % loading_factor == 0]
+def node_counts(
+    *, min_nodes: int, max_nodes: int, loading_factor: int = 1, allowed_nodes: Collection[int] | None = None
+) -> list[int]:
+    """The node counts a stage may run on, ascending: [min_nodes, max_nodes], multiples of the factor,
+    and among `allowed_nodes` when given (a TPU type's slice host counts)."""
+    return [
+        n
+        for n in range(min_nodes, max_nodes + 1)
+        if n % loading_factor == 0 and (allowed_nodes is None or n in allowed_nodes)
+    ]
 
 
 def check_loading_factor(*, loading_factor: int, min_nodes: int, max_nodes: int) -> None:
@@ -98,6 +108,7 @@ def walk_nodes(
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     loading_factor: int = 1,
+    allowed_nodes: Collection[int] | None = None,
 ) -> list[int | None]:
     """The NeMo walk: node count per (ascending) batch size, None where no count in [min_nodes, cap] fits.
 
@@ -119,6 +130,7 @@ def walk_nodes(
                     pipeline_parallel_size=pipeline_parallel_size,
                     tensor_parallel_size=tensor_parallel_size,
                     loading_factor=loading_factor,
+                    allowed_nodes=allowed_nodes,
                 )
             ),
             None,
@@ -137,6 +149,7 @@ def unschedulable_stages(
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     loading_factor: int = 1,
+    allowed_nodes: Collection[int] | None = None,
 ) -> list[int]:
     """Indexes of the stages that no micro batch can place on the cluster.
 
@@ -153,6 +166,7 @@ def unschedulable_stages(
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         loading_factor=loading_factor,
+        allowed_nodes=allowed_nodes,
     )
     return [index for index, n in enumerate(nodes) if n is None]
 
@@ -167,6 +181,7 @@ def schedule_nodes(
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     loading_factor: int = 1,
+    allowed_nodes: Collection[int] | None = None,
 ) -> list[int]:
     """Node count for each (ascending) global batch size.
 
@@ -188,6 +203,7 @@ def schedule_nodes(
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             loading_factor=loading_factor,
+            allowed_nodes=allowed_nodes,
         )
 
     nodes = walk(micro_batch_size)
@@ -198,7 +214,9 @@ def schedule_nodes(
     cap = next((n for n in nodes[first + 1 :] if n is not None), max_nodes)
     below, above = nearest_valid_batch_sizes(
         batch_sizes[first],
-        node_range=node_counts(min_nodes=min_nodes, max_nodes=cap, loading_factor=loading_factor),
+        node_range=node_counts(
+            min_nodes=min_nodes, max_nodes=cap, loading_factor=loading_factor, allowed_nodes=allowed_nodes
+        ),
         micro_batch_size=micro_batch_size,
         devices_per_node=devices_per_node,
         pp=pipeline_parallel_size,
@@ -207,6 +225,7 @@ def schedule_nodes(
     suggestions = " or ".join(str(b) for b in (below, above) if b is not None) or "none"
     others = ", ".join(f"{index} ({batch_sizes[index]})" for index in failed[1:])
     loading = f" divisible by the loading factor {loading_factor}" if loading_factor > 1 else ""
+    loading += f" among the slice host counts {sorted(allowed_nodes)}" if allowed_nodes is not None else ""
     micros = _fitting_micro_batches(micro_batch_size, walk=walk, largest=min(batch_sizes))
     raise BatchpilotError(
         f"stage {first} (global_batch_size={batch_sizes[first]})",

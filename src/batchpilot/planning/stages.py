@@ -17,6 +17,7 @@ from batchpilot.planning.batch import (
 from batchpilot.planning.lr import LRSchedule
 from batchpilot.planning.nodes import data_parallel_size, schedule_nodes
 from batchpilot.planning.rampup import BatchSchedule
+from batchpilot.planning.tpu import TpuSlices
 from batchpilot.planning.units import format_count
 
 MAX_STAGES = 64
@@ -44,6 +45,8 @@ class Stage:
     global_batch_to_load: int
     num_loading_hosts: int
     is_final: bool
+    tpu_topology: str | None = None
+    """The TPU slice topology of the stage's node pool, e.g. `4x8` (None: GPU or CPU nodes)."""
 
     @property
     def num_samples(self) -> int:
@@ -176,8 +179,10 @@ def plan_stages(
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     num_pipeline_microbatches: int | None = None,
+    tpu: TpuSlices | None = None,
 ) -> Plan:
-    """Turns a batch schedule into validated stages with node counts.
+    """Turns a batch schedule into validated stages with node counts (with `tpu`, only host counts that
+    form a slice of the TPU type, and each stage's topology).
 
     Raises:
         BatchpilotError: a stage that the micro batch cannot place (one line naming every such stage), or
@@ -198,6 +203,7 @@ def plan_stages(
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
         loading_factor=int(expansion_factor) if whole else 1,
+        allowed_nodes=tpu.host_counts() if tpu else None,
     )
     stages = []
     for index, ((batch, start, end), num_nodes) in enumerate(zip(ranges, nodes, strict=True)):
@@ -240,6 +246,7 @@ def plan_stages(
                     samples_per_host_pass=micro_batch_size * devices_per_node,
                 ),
                 is_final=is_final,
+                tpu_topology=tpu.for_hosts(num_nodes).topology if tpu else None,
             )
         )
     notes = _notes(stages, total_samples=total_samples, max_nodes=max_nodes)

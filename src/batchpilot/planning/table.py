@@ -34,7 +34,9 @@ def _hours(seconds: float) -> str:
 def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> PlanTable:
     """The stage table of `plan`, with duration and node-hour columns when `cost` is given and the
     per-device memory estimate when `memory` is."""
-    names = ["stage", "batch", "samples", "steps", "nodes", "dp", "micro", "accum", "lr"]
+    tpu = any(stage.tpu_topology for stage in plan.stages)
+    names = ["stage", "batch", "samples", "steps", "nodes", *(["slice"] if tpu else []), "dp", "micro"]
+    names += ["accum", "lr"]
     if memory is not None:
         names += ["mem/device"]
     if cost is not None:
@@ -48,6 +50,7 @@ def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan 
             f"{short_count(stage.start_sample)} - {short_count(stage.end_sample)}",
             f"{stage.num_steps:,}",
             str(stage.num_nodes),
+            *([stage.tpu_topology or ""] if tpu else []),
             str(stage.data_parallel_size),
             str(stage.micro_batch_size),
             str(stage.gradient_accumulation_steps),
