@@ -152,6 +152,7 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
                     "set train.parallelism: fsdp (or auto)",
                 )
             )
+        problems += _explore_on_xla(config)
         if loading_factor(config) > 1 or config.data.expansion_factor_real_data != 1:
             problems.append(
                 BatchpilotError(
@@ -161,6 +162,32 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
                     "set data.expansion_factor_real_data: 1",
                 )
             )
+    return problems
+
+
+def _explore_on_xla(config: Config) -> list[BatchpilotError]:
+    """Explore's probes and study run eager PyTorch: under runtime xla they would measure another device
+    than the trainers', so what needs them is refused (docs/cluster.md, TPU)."""
+    why = "explore's probes and noise-scale study do not run on XLA (TPU) yet"
+    problems = []
+    if config.batch.micro_batch_size == "explore":
+        problems.append(
+            BatchpilotError(
+                "batch.micro_batch_size", f"is 'explore', but {why}", "set an integer micro batch"
+            )
+        )
+    if config.batch.global_batch_size == "auto":
+        problems.append(
+            BatchpilotError("batch.global_batch_size", f"is 'auto', but {why}", "set an integer target batch")
+        )
+    if config.explore.study:
+        problems.append(
+            BatchpilotError(
+                "explore.study",
+                f"is true, but {why}",
+                "set explore.study: false (the trainers still measure the noise scale every step)",
+            )
+        )
     return problems
 
 
