@@ -1,15 +1,35 @@
 """A local server speaking the few routes of the GKE Container API (REST, v1) that batchpilot uses.
 
-Routes: nodePools get, `:setSize`, `:setAutoscaling`, and operations get. Each write starts an
-operation that reports RUNNING for `polls_until_done` polls, then DONE. Faults are scripted:
-`conflicts` writes answer 400 FAILED_PRECONDITION as GKE does while another operation runs, and
-`deny` answers 403 PERMISSION_DENIED. Every request is recorded (method, path, query, JSON body) so
+Routes: nodePools list, create, get, delete, `:setSize`, `:setAutoscaling`, and operations get. Each
+write starts an operation that reports RUNNING for `polls_until_done` polls, then DONE. Faults are
+scripted: `conflicts` writes answer 400 FAILED_PRECONDITION as GKE does while another operation runs,
+and `deny` answers 403 PERMISSION_DENIED. Every request is recorded (method, path, query, JSON body) so
 tests can check what the real client sent.
 
 With `ContainerState.sim` (a `cluster_sim.ClusterSim`; `container_server_running(sim=...)`), a pool
 added with a `machine_type` is a pool of the simulated cluster: `:setSize` (nodes per zone) creates
 and deletes its Node objects there, and `:setAutoscaling` hands its bounds to the simulated cluster
-autoscaler. The pool's `config.machineType` (and `config.accelerators`) is served as GKE does.
+autoscaler. The pool's `config.machineType` (and `config.accelerators`) is served as GKE does. A pool
+created through the API gets its nodes there at once, and deleting a pool removes them.
+
+TPU slice node pools (machine types in `gke_nodes.TPU_MACHINES`) follow GKE's rules; the wording of
+the refusals is GKE's where a real message was seen (quoted below), else modelled on it:
+- create (GKE docs "Deploy TPU workloads in GKE Standard", "Plan TPUs in GKE"):
+  `placementPolicy.tpuTopology` must be a topology of the machine type; a multi-host slice (more than
+  one VM) needs a node count of zero or chips of the topology / chips per VM, and one zone;
+- a multi-host slice pool cannot be resized (GKE docs "About TPUs in GKE": once a multi-host slice
+  node pool exists, nodes cannot be added to it, and its hosts are one atomic unit; another shape
+  takes a new node pool): `:setSize` is refused;
+- autoscaling of a multi-host slice goes between 0 and the whole slice ("About TPUs in GKE":
+  the autoscaler gives such a pool exactly 0 or all of its hosts), and GKE checks the per-zone
+  maximum: "Maximum node count 0 is not a valid size of TPU pod slice with topology 2x2x2" (GKE's
+  answer when only totalMaxNodeCount was set, quoted in vllm-project/ci-infra pull request 545);
+- node pool names: GKE's own refusal, `Invalid value for field "node_pool.name": ... Must be a match
+  of regex '(?:[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?)' ...` (quoted in pulumi/pulumi-gcp issue 1510);
+  a second pool of one name: 409 ALREADY_EXISTS.
+Nodes of TPU pools carry the TPU labels, `google.com/tpu` and the TPU taint (`gke_nodes.py`); their
+topology label and a created pool's own labels need the simulated cluster to be a `GkeClusterSim`
+(`gke_sim.simulated_gke` makes one).
 
 Point `google.cloud.container_v1.ClusterManagerClient` at it with `transport="rest"`,
 `client_options={"api_endpoint": server.endpoint}` and anonymous credentials.
@@ -29,15 +49,35 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from cluster_sim import ClusterSim
-from gke_nodes import MACHINES
+from gke_nodes import MACHINES, TPU_MACHINES, tpu_hosts, tpu_topology_problem
 from loopback_http import QuietHandler, serving
 
+POOLS = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools$")
 POOL = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools/([^/:]+)(:\w+)?$")
 OPERATION = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/operations/([^/]+)$")
 # The client asks for `$alt=json;enum-encoding=int`, so enums go out as their numbers
 # (Operation.Status RUNNING/DONE, NodePool.Status RUNNING, Operation.Type values).
 STATUS_RUNNING, STATUS_DONE = 2, 3
+TYPE_CREATE_NODE_POOL, TYPE_DELETE_NODE_POOL = 7, 8
 TYPE_SET_NODE_POOL_MANAGEMENT, TYPE_SET_NODE_POOL_SIZE = 9, 14
+POOL_NAME = re.compile(r"(?:[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?)")  # GKE's own pattern, see above
+TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+
+
+@dataclass
+class GkeClusterSim(ClusterSim):
+    """The simulated cluster plus node labels that only GKE's node pools know: a pool's own Kubernetes
+    labels (`config.labels`; GKE docs "About node labels": GKE applies them to the pool's nodes) and a
+    TPU slice pool's topology as `cloud.google.com/gke-tpu-topology` (GKE docs "About TPUs in GKE")."""
+
+    pool_labels: dict[str, dict[str, str]] = field(default_factory=dict)  # node pool -> its labels
+
+    def node_objects(self) -> list[dict[str, Any]]:
+        nodes = super().node_objects()
+        for node in nodes:
+            labels = node["metadata"]["labels"]
+            labels.update(self.pool_labels.get(labels["cloud.google.com/gke-nodepool"], {}))
+        return nodes
 
 
 @dataclass
@@ -98,6 +138,70 @@ def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
     return code, {"error": {"code": code, "message": message, "status": status}}
 
 
+def _invalid(message: str) -> tuple[int, dict[str, Any]]:
+    return _error(400, "INVALID_ARGUMENT", message)
+
+
+def _slice(pool: dict[str, Any]) -> tuple[str, int] | None:
+    """(topology, hosts) of a TPU pool (None: not a TPU pool)."""
+    machine_type = pool.get("config", {}).get("machineType", "")
+    if machine_type not in TPU_MACHINES:
+        return None
+    topology = pool.get("placementPolicy", {}).get("tpuTopology") or TPU_MACHINES[machine_type].single_host
+    return topology, tpu_hosts(machine_type, topology)
+
+
+def tpu_create_problem(pool: dict[str, Any]) -> str | None:
+    """Why GKE refuses to create this TPU pool (None: it does not, or it is no TPU pool)."""
+    machine_type = pool.get("config", {}).get("machineType", "")
+    topology = pool.get("placementPolicy", {}).get("tpuTopology")
+    if machine_type not in TPU_MACHINES:
+        if topology:
+            return (
+                f'Invalid value for field "node_pool.placement_policy.tpu_topology": "{topology}". '
+                f"Machine type {machine_type} has no TPU."
+            )
+        return None
+    if topology and (problem := tpu_topology_problem(machine_type, topology)):
+        return f'Invalid value for field "node_pool.placement_policy.tpu_topology": "{topology}" {problem}.'
+    found = _slice(pool)
+    assert found is not None
+    topology, hosts = found
+    count = int(pool.get("initialNodeCount", 0))
+    if hosts > 1 and count not in (0, hosts):
+        return f"Node count {count} is not a valid size of TPU pod slice with topology {topology}"
+    if hosts > 1 and len(pool.get("locations", [])) != 1:
+        return (
+            f'Invalid value for field "node_pool.locations": {pool.get("locations", [])}. A multi-host TPU '
+            f"slice node pool (topology {topology}) must be in exactly one zone."
+        )
+    return None
+
+
+def tpu_resize_problem(pool: dict[str, Any]) -> str | None:
+    """Why GKE refuses `:setSize` on this pool (None: it does not)."""
+    found = _slice(pool)
+    if found is None or found[1] == 1:
+        return None
+    topology, hosts = found
+    return (
+        f"Node pool {pool['name']} is a multi-host TPU slice (topology {topology}, {hosts} nodes) and cannot "
+        "be resized; create a node pool of another topology instead."
+    )
+
+
+def tpu_autoscaling_problem(pool: dict[str, Any], autoscaling: dict[str, Any]) -> str | None:
+    """Why GKE refuses these autoscaling settings on this pool (None: it does not)."""
+    found = _slice(pool)
+    if found is None or found[1] == 1 or not autoscaling.get("enabled"):
+        return None
+    topology, hosts = found
+    maximum = int(autoscaling.get("maxNodeCount", 0))
+    if maximum != hosts:
+        return f"Maximum node count {maximum} is not a valid size of TPU pod slice with topology {topology}"
+    return None
+
+
 class _Handler(QuietHandler):
     state: ContainerState  # set on the subclass made per server
 
@@ -122,15 +226,25 @@ class _Handler(QuietHandler):
             code, payload = self._post(request.path, request.body or {})
         self.reply(code, payload)
 
+    def do_DELETE(self) -> None:
+        request = self._record()
+        with self.state.lock:
+            code, payload = self._delete(request.path)
+        self.reply(code, payload)
+
     def _get(self, path: str) -> tuple[int, dict[str, Any]]:
         state = self.state
+        if POOLS.match(path):
+            parent = path.removeprefix("/v1/").removesuffix("/nodePools")
+            pools = [_served(pool) for full, pool in state.pools.items() if full.startswith(f"{parent}/")]
+            return 200, {"nodePools": pools} if pools else {}
         if match := POOL.match(path):
             if match.group(5):
                 return _error(404, "NOT_FOUND", "no such method")
             full = path.removeprefix("/v1/")
             if full not in state.pools:
                 return _error(404, "NOT_FOUND", f"Not found: {full}.")
-            return 200, {k: v for k, v in state.pools[full].items() if k != "nodeCountPerZone"}
+            return 200, _served(state.pools[full])
         if match := OPERATION.match(path):
             name = match.group(3)
             if name not in state.operations:
@@ -144,51 +258,128 @@ class _Handler(QuietHandler):
             return 200, operation
         return _error(404, "NOT_FOUND", f"no route {path}")
 
-    def _post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _refused(self, full: str, cluster: str, *, must_exist: bool) -> tuple[int, dict[str, Any]] | None:
+        """The scripted faults and a missing pool, in the order GKE checks them."""
         state = self.state
-        match = POOL.match(path)
-        if not match or match.group(5) not in (":setSize", ":setAutoscaling"):
-            return _error(404, "NOT_FOUND", f"no route {path}")
-        full = path.removeprefix("/v1/").rsplit(":", 1)[0]
         if state.deny:
             return _error(
                 403,
                 "PERMISSION_DENIED",
                 f'Required "container.clusters.update" permission(s) for "{full.rsplit("/nodePools", 1)[0]}".',
             )
-        if full not in state.pools:
+        if must_exist and full not in state.pools:
             return _error(404, "NOT_FOUND", f"Not found: {full}.")
         if state.conflicts > 0:
             state.conflicts -= 1
             return _error(
                 400,
                 "FAILED_PRECONDITION",
-                f"Operation operation-9999 is currently upgrading cluster {match.group(3)}. "
+                f"Operation operation-9999 is currently upgrading cluster {cluster}. "
                 "Please wait and try again once it is done.",
             )
+        return None
+
+    def _post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if match := POOLS.match(path):
+            parent = path.removeprefix("/v1/").removesuffix("/nodePools")
+            name = str(body.get("nodePool", {}).get("name", ""))
+            if refused := self._refused(f"{parent}/nodePools/{name}", match.group(3), must_exist=False):
+                return refused
+            return self._create(parent, dict(body.get("nodePool", {})), location=match.group(2))
+        match = POOL.match(path)
+        if not match or match.group(5) not in (":setSize", ":setAutoscaling"):
+            return _error(404, "NOT_FOUND", f"no route {path}")
+        full = path.removeprefix("/v1/").rsplit(":", 1)[0]
+        if refused := self._refused(full, match.group(3), must_exist=True):
+            return refused
+        state = self.state
         pool = state.pools[full]
         simulated = state.sim is not None and pool["name"] in state.sim.pools
         if match.group(5) == ":setSize":
+            if problem := tpu_resize_problem(pool):
+                return _invalid(problem)
             pool["nodeCountPerZone"] = int(body.get("nodeCount", 0))
             kind = TYPE_SET_NODE_POOL_SIZE
             if simulated:
                 assert state.sim is not None
                 state.sim.resize_pool(pool["name"], per_zone=pool["nodeCountPerZone"])
         else:
+            if problem := tpu_autoscaling_problem(pool, body.get("autoscaling", {})):
+                return _invalid(problem)
             pool["autoscaling"] = body.get("autoscaling", {})
             kind = TYPE_SET_NODE_POOL_MANAGEMENT
             if simulated:
                 assert state.sim is not None
                 state.sim.set_autoscaling(pool["name"], pool["autoscaling"])
+        return 200, self._operation(kind, location=match.group(2), target=full)
+
+    def _create(self, parent: str, pool: dict[str, Any], *, location: str) -> tuple[int, dict[str, Any]]:
+        state = self.state
+        name = str(pool.get("name", ""))
+        full = f"{parent}/nodePools/{name}"
+        if not POOL_NAME.fullmatch(name):
+            return _invalid(
+                f'Invalid value for field "node_pool.name": "{name}". Must be a match of regex '
+                "'(?:[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?)' (only lowercase alphanumerics and '-' allowed, "
+                "must start with a letter and end with an alphanumeric, and must be no longer than 40 "
+                "characters)."
+            )
+        if full in state.pools:
+            return _error(409, "ALREADY_EXISTS", f"Already exists: {full}.")
+        if problem := tpu_create_problem(pool):
+            return _invalid(problem)
+        count = int(pool.get("initialNodeCount", 0))
+        pool.update(status=STATUS_RUNNING, nodeCountPerZone=count)
+        pool.setdefault("autoscaling", {})
+        state.pools[full] = pool
+        machine_type = pool.get("config", {}).get("machineType")
+        if state.sim is not None and machine_type in MACHINES:
+            sim = state.sim
+            sim.add_pool(name, zones=list(pool.get("locations", [])), machine_type=machine_type)
+            labels = dict(pool.get("config", {}).get("labels", {}))
+            if (found := _slice(pool)) is not None:
+                labels[TOPOLOGY_LABEL] = found[0]
+            if labels:
+                assert isinstance(sim, GkeClusterSim), "pools with node labels need a GkeClusterSim"
+                sim.pool_labels[name] = labels
+            sim.resize_pool(name, per_zone=count)
+        return 200, self._operation(TYPE_CREATE_NODE_POOL, location=location, target=full)
+
+    def _delete(self, path: str) -> tuple[int, dict[str, Any]]:
+        state = self.state
+        match = POOL.match(path)
+        if not match or match.group(5):
+            return _error(404, "NOT_FOUND", f"no route {path}")
+        full = path.removeprefix("/v1/")
+        if refused := self._refused(full, match.group(3), must_exist=True):
+            return refused
+        name = state.pools.pop(full)["name"]
+        if state.sim is not None and name in state.sim.pools:
+            sim = state.sim
+            with sim.lock:  # the pool's nodes go with it, and their pods with them
+                sim.resize_pool(name, per_zone=0)
+                del sim.pools[name]
+                if isinstance(sim, GkeClusterSim):
+                    sim.pool_labels.pop(name, None)
+        return 200, self._operation(TYPE_DELETE_NODE_POOL, location=match.group(2), target=full)
+
+    def _operation(self, kind: int, *, location: str, target: str) -> dict[str, Any]:
+        """A new operation on `target`, RUNNING until polled `polls_until_done` times."""
+        state = self.state
         name = f"operation-{next(state.ids)}"
         state.operations[name] = {
             "name": name,
             "operationType": kind,
             "status": STATUS_RUNNING,
-            "location": match.group(2),
-            "targetLink": f"https://container.example/v1/{full}",
+            "location": location,
+            "targetLink": f"https://container.example/v1/{target}",
         }
-        return 200, state.operations[name]
+        return state.operations[name]
+
+
+def _served(pool: dict[str, Any]) -> dict[str, Any]:
+    """A pool as GET answers it (without the fake's own bookkeeping)."""
+    return {key: value for key, value in pool.items() if key != "nodeCountPerZone"}
 
 
 @dataclass

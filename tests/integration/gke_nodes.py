@@ -18,12 +18,21 @@ Sources for each fact:
 - `node.kubernetes.io/not-ready:NoSchedule` while the node is not Ready: the node lifecycle
   controller's taint (Well-Known Taints; TaintNodesByCondition);
 - a GPU node is Ready before the device plugin publishes `nvidia.com/gpu` (GKE docs "Run GPUs":
-  the driver installer runs after the node registers), so its GPUs appear after `gpu_delay_s`.
+  the driver installer runs after the node registers), so its GPUs appear after `gpu_delay_s`;
+- TPU slice nodes (`TPU_MACHINES`; GKE docs "About TPUs in GKE" and "Plan TPUs in GKE"): the labels
+  `cloud.google.com/gke-tpu-accelerator` (the TPU type, e.g. tpu-v6e-slice) and
+  `cloud.google.com/gke-tpu-topology` (the slice's topology, which only the node pool knows: the
+  caller adds it), `google.com/tpu` capacity and allocatable = the VM's chips, and the taint
+  `google.com/tpu=present:NoSchedule` that GKE puts on TPU slice nodes ("About TPUs in GKE", how TPUs
+  work). `google.com/tpu` is an extended resource published by a device plugin after the node
+  registers (kubernetes.io docs "Device Plugins"), so the chips appear after `gpu_delay_s` like GPUs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +45,65 @@ class Machine:
     memory_gib: float
     gpus: int = 0
     accelerator: str | None = None  # the GKE accelerator type, the gke-accelerator label's value
+    tpu_chips: int = 0  # TPU chips on the VM (a TPU machine type: `accelerator` is the TPU type)
+
+
+@dataclass(frozen=True)
+class TpuMachine:
+    """A GKE TPU machine type: its VM shape and the slice topologies a node pool of it can have.
+
+    `topologies` lists them; None means the 3D rule of `v5p_topology_problem`.
+    """
+
+    accelerator: str  # the cloud.google.com/gke-tpu-accelerator label
+    chips: int
+    cpus: int
+    memory_gib: float
+    single_host: str  # the topology of one VM (a pool created without placementPolicy.tpuTopology)
+    topologies: tuple[str, ...] | None
+
+
+# GKE docs "Plan TPUs in GKE" (machine types, chips per VM, topologies, single- or multi-host) and Cloud
+# TPU docs "TPU v5e", "TPU v5p", "TPU v6e" (vCPUs and memory of each TPU VM).
+_V5E_V6E_4_CHIPS = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+TPU_MACHINES = {
+    "ct5lp-hightpu-1t": TpuMachine("tpu-v5-lite-podslice", 1, 24, 48, "1x1", ("1x1",)),
+    "ct5lp-hightpu-4t": TpuMachine("tpu-v5-lite-podslice", 4, 112, 192, "2x2", _V5E_V6E_4_CHIPS),
+    "ct5lp-hightpu-8t": TpuMachine("tpu-v5-lite-podslice", 8, 224, 384, "2x4", ("2x4",)),
+    "ct6e-standard-1t": TpuMachine("tpu-v6e-slice", 1, 44, 176, "1x1", ("1x1",)),
+    "ct6e-standard-4t": TpuMachine("tpu-v6e-slice", 4, 180, 720, "2x2", _V5E_V6E_4_CHIPS),
+    "ct6e-standard-8t": TpuMachine("tpu-v6e-slice", 8, 180, 1440, "2x4", ("2x4",)),
+    "ct5p-hightpu-4t": TpuMachine("tpu-v5p-slice", 4, 208, 448, "2x2x1", None),
+}
+
+
+def v5p_topology_problem(topology: str) -> str | None:
+    """Cloud TPU docs "TPU v5p" (topologies): three dimensions A x B x C with A <= B <= C, all at most 4
+    or all multiples of 4, up to 16x16x24."""
+    dims = [int(d) for d in topology.split("x")] if re.fullmatch(r"\d+x\d+x\d+", topology) else []
+    if not dims or dims != sorted(dims) or min(dims) < 1:
+        return "must be AxBxC with A <= B <= C"
+    if not (max(dims) <= 4 or all(d % 4 == 0 for d in dims)):
+        return "A, B and C must all be at most 4 or all multiples of 4"
+    if math.prod(dims) > 16 * 16 * 24:
+        return "is larger than 16x16x24"
+    return None
+
+
+def tpu_topology_problem(machine_type: str, topology: str) -> str | None:
+    """Why `topology` is no slice of `machine_type` (None: it is one)."""
+    machine = TPU_MACHINES[machine_type]
+    if machine.topologies is None:
+        return v5p_topology_problem(topology)
+    if topology not in machine.topologies:
+        return f"is not a topology of {machine_type} (valid: {', '.join(machine.topologies)})"
+    return None
+
+
+def tpu_hosts(machine_type: str, topology: str) -> int:
+    """TPU VMs (nodes) of one slice: chips of the topology / chips per VM (at least 1)."""
+    chips = math.prod(int(d) for d in topology.split("x"))
+    return max(chips // TPU_MACHINES[machine_type].chips, 1)
 
 
 MACHINES = {
@@ -47,6 +115,10 @@ MACHINES = {
     "g2-standard-8": Machine(8, 32, 1, "nvidia-l4"),
     "e2-standard-4": Machine(4, 16),
     "n1-standard-8": Machine(8, 30),
+    **{
+        name: Machine(tpu.cpus, tpu.memory_gib, accelerator=tpu.accelerator, tpu_chips=tpu.chips)
+        for name, tpu in TPU_MACHINES.items()
+    },
 }
 
 
@@ -108,6 +180,11 @@ def gke_node(
         taints.append({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"})
         capacity["nvidia.com/gpu"] = str(machine.gpus)
         allocatable["nvidia.com/gpu"] = str(machine.gpus if gpus_published else 0)
+    if machine.tpu_chips:
+        labels["cloud.google.com/gke-tpu-accelerator"] = str(machine.accelerator)
+        taints.append({"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"})
+        capacity["google.com/tpu"] = str(machine.tpu_chips)
+        allocatable["google.com/tpu"] = str(machine.tpu_chips if gpus_published else 0)
     if not ready:
         taints.append({"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"})
     return {

@@ -8,6 +8,9 @@
         gke.sim.node_objects(), gke.sim.pods, gke.sim.events   # inspect the cluster directly
         gke.sim.pool_history        # (pool, node count) after every setSize, from the start
 
+Node pools created through the Container API (TPU slice pools among them) join the simulated cluster
+with their nodes, and leave it with them when deleted.
+
 The control loop runs in a thread while the block lasts (`ClusterSim.running`). With
 `simulated_gke(run_pods_in=folder)` bound pods run as local processes (`pod_runner.LocalKubelet`);
 without it they stay Running until `gke.sim.finish_pod(namespace, name, exit_code=...)`.
@@ -20,8 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster_sim import ClusterSim
-from container_api_server import ContainerServer, container_server_running
+from container_api_server import ContainerServer, GkeClusterSim, container_server_running
 from kube_api_server import KubeServer, kube_server_running
 from pod_runner import LocalKubelet
 
@@ -30,7 +32,7 @@ PROJECT, LOCATION, CLUSTER = "proj", "us-central1", "train"
 
 @dataclass
 class SimulatedGke:
-    sim: ClusterSim
+    sim: GkeClusterSim
     container: ContainerServer
     kube: KubeServer
 
@@ -64,7 +66,7 @@ def simulated_gke(
 ) -> Iterator[SimulatedGke]:
     """The simulated cluster; with `run_pods_in` (a folder) bound pods run there as local processes."""
     kubelet = LocalKubelet(workdir=run_pods_in) if run_pods_in else None
-    sim = ClusterSim(
+    sim = GkeClusterSim(
         cluster=CLUSTER,
         ready_delay_s=ready_delay_s,
         gpu_delay_s=gpu_delay_s,

@@ -9,7 +9,8 @@ Modes (`cluster.pool_mode`):
 
 A write that meets another operation on the cluster ("incompatible operation", "currently ...
 please wait and try again", or the concurrent-operations quota) is retried with backoff; a refused
-permission or a missing pool is one clear error.
+permission or a missing pool is one clear error (`ContainerCalls`, which the TPU slice pools of
+`batchpilot.cluster.tpu_pool` share).
 """
 
 from __future__ import annotations
@@ -47,8 +48,13 @@ class PoolRef:
     node_pool: str
 
     @property
+    def parent(self) -> str:
+        """The cluster's full name (the parent of its node pools)."""
+        return f"projects/{self.project}/locations/{self.location}/clusters/{self.cluster}"
+
+    @property
     def name(self) -> str:
-        return f"projects/{self.project}/locations/{self.location}/clusters/{self.cluster}/nodePools/{self.node_pool}"
+        return f"{self.parent}/nodePools/{self.node_pool}"
 
     def operation_name(self, operation: str) -> str:
         """The full name of an operation that the API returned by its short id."""
@@ -260,8 +266,60 @@ class GkeNodePool:
             num_nodes,
         )
 
+    def _calls(self) -> ContainerCalls:
+        return ContainerCalls(
+            client=self.client,
+            operation_timeout_s=self.operation_timeout_s,
+            retry_initial_s=self.retry_initial_s,
+            retry_maximum_s=self.retry_maximum_s,
+            poll_initial_s=self.poll_initial_s,
+            poll_maximum_s=self.poll_maximum_s,
+        )
+
     def _call(self, what: str, method: Any, request: Any) -> Any:
         """Calls the Container API, retrying while another operation holds the cluster."""
+        return self._calls().call(what, method, request, target=self.pool.name)
+
+    def _wait_operation(self, operation: Any, *, what: str) -> None:
+        """Polls the operation until DONE; raises on its error."""
+        self._calls().wait_operation(
+            self.pool.operation_name(operation.name), what=what, subject=self.pool.node_pool
+        )
+
+
+# --- Container API calls, shared by GkeNodePool and tpu_pool.TpuSlicePool ---------------------------
+
+
+@dataclass(frozen=True)
+class ContainerCalls:
+    """Container API calls with retries while another operation holds the cluster, operation polling
+    until DONE, and one-line errors for a refused permission, a missing resource or a timeout.
+
+    Attributes:
+        client: a `ClusterManagerClient` (`container_client`).
+        operation_timeout_s: how long retries of one call, or the polls of one operation, may take.
+        retry_initial_s: first backoff of a call that met another operation (doubles up to
+            `retry_maximum_s`).
+        poll_initial_s: first wait between polls of a running operation (x1.5 up to `poll_maximum_s`).
+    """
+
+    client: Any
+    operation_timeout_s: float
+    retry_initial_s: float = 5.0
+    retry_maximum_s: float = 60.0
+    poll_initial_s: float = 2.0
+    poll_maximum_s: float = 15.0
+
+    def call(
+        self, what: str, method: Any, request: Any, *, target: str, missing_field: str = "cluster.node_pool"
+    ) -> Any:
+        """Calls `method(request=...)`, retrying while another operation holds the cluster.
+
+        Args:
+            what: the action, for messages ("resize", "create node pool").
+            target: the resource's full name, for messages.
+            missing_field: the setting a NotFound error names.
+        """
         from google.api_core import exceptions
         from google.api_core.retry import Retry
 
@@ -281,30 +339,27 @@ class GkeNodePool:
         except (exceptions.PermissionDenied, exceptions.Forbidden) as error:  # gRPC, REST
             raise BatchpilotError(
                 "cluster.project",
-                f"GKE refused to {what} {self.pool.name}: {error.message}",
+                f"GKE refused to {what} {target}: {error.message}",
                 "give the caller's service account container.clusters.get/update "
                 "(e.g. roles/container.clusterAdmin) on the project",
             ) from None
         except exceptions.NotFound as error:
-            raise BatchpilotError(
-                "cluster.node_pool", f"{self.pool.name} was not found: {error.message}"
-            ) from None
+            raise BatchpilotError(missing_field, f"{target} was not found: {error.message}") from None
         except exceptions.RetryError as error:
             raise BatchpilotError(
                 "cluster.operation_timeout_s",
-                f"{what} {self.pool.name}: another operation kept the cluster busy for "
+                f"{what} {target}: another operation kept the cluster busy for "
                 f"{self.operation_timeout_s:g}s ({error.cause})",
                 "wait for the cluster's operations to finish, or raise cluster.operation_timeout_s",
             ) from None
 
-    def _wait_operation(self, operation: Any, *, what: str) -> None:
-        """Polls the operation until DONE (google-api-core Retry with backoff); raises on its error."""
+    def wait_operation(self, name: str, *, what: str, subject: str) -> None:
+        """Polls operation `name` (its full name) until DONE (google-api-core Retry with backoff);
+        raises on its error. `subject` (the node pool) and `what` name it in messages."""
         from google.api_core import exceptions
         from google.api_core.retry import Retry, if_exception_type
 
-        container_v1 = _container_v1()
-        name = self.pool.operation_name(operation.name)
-        done_status = container_v1.Operation.Status.DONE
+        done_status = _container_v1().Operation.Status.DONE
 
         def poll() -> Any:
             current = self.client.get_operation(name=name)
@@ -324,12 +379,10 @@ class GkeNodePool:
         except exceptions.RetryError:
             raise BatchpilotError(
                 "cluster.operation_timeout_s",
-                f"{what} of {self.pool.node_pool}: operation {name} not done after {self.operation_timeout_s:g}s",
+                f"{what} of {subject}: operation {name} not done after {self.operation_timeout_s:g}s",
                 "check the operation in the console, or raise cluster.operation_timeout_s",
             ) from None
         message = done.error.message if done.error and done.error.code else done.status_message
         if message:
-            raise BatchpilotError(
-                "cluster.node_pool", f"{what} of {self.pool.node_pool} failed: {message} ({name})"
-            )
-        logger.info("%s: %s done (%s)", self.pool.node_pool, what, name)
+            raise BatchpilotError("cluster.node_pool", f"{what} of {subject} failed: {message} ({name})")
+        logger.info("%s: %s done (%s)", subject, what, name)

@@ -26,6 +26,7 @@ from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.planning.launches import Launch
+from batchpilot.planning.tpu import is_tpu
 from batchpilot.ports import free_port
 from batchpilot.threads import local_trainer_threads
 
@@ -43,6 +44,8 @@ class LaunchSpec:
     env: dict[str, str]
     labels: dict[str, str] = field(default_factory=dict)
     """Labels of the cluster job (run, launch, plan): how a retry and the scale-down find it."""
+    tpu_topology: str | None = None
+    """The TPU slice the launch runs on (one trainer process per host, no torchrun); None: GPU or CPU nodes."""
 
 
 def stage_launch_spec(
@@ -213,8 +216,12 @@ def cluster_launch_spec(
     )
     # Compact JSON: the plan rides in the pod spec, which the API server stores whole.
     compact_plan = json.dumps(json.loads(plan_text), separators=(",", ":"))
-    env = {"BATCHPILOT_PLAN_JSON": compact_plan, **_torchrun_shutdown_env()}
     labels = stage_labels(run_name=run_name, stage_name=launch.name, plan_text=compact_plan)
+    if launch.tpu_topology is not None:
+        # One trainer process per TPU host drives all its chips (runtime xla): no torchrun, no agent timeout.
+        env = {"BATCHPILOT_PLAN_JSON": compact_plan}
+        return LaunchSpec(spec.name, spec.num_nodes, 1, spec.trainer_args, env, labels, launch.tpu_topology)
+    env = {"BATCHPILOT_PLAN_JSON": compact_plan, **_torchrun_shutdown_env()}
     return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env, labels)
 
 
@@ -240,6 +247,8 @@ def trainer_pod_resources(cluster: ClusterConfig, *, read_nodes: bool) -> Traine
     from batchpilot.cluster.machines import check_accelerators, trainer_resources
     from batchpilot.cluster.readiness import PoolNodes, kube_api_client
 
+    if is_tpu(cluster.accelerator_type):
+        return _tpu_pod_resources(cluster)
     check_accelerators(
         machine_type_name=cluster.machine_type,
         accelerator_type=cluster.accelerator_type,
@@ -269,6 +278,41 @@ def trainer_pod_resources(cluster: ClusterConfig, *, read_nodes: bool) -> Traine
     )
 
 
+def _tpu_pod_resources(cluster: ClusterConfig) -> TrainerResources:
+    """CPU and memory of a TPU trainer pod: explicit sizes, else the TPU machine type's allocatable less the
+    reserve (the type defaults to the TPU type's multi-host machine, as in planning). The slice pools are
+    not `cluster.node_pool`, so a launch never sizes from the nodes: an unlisted type needs both sizes."""
+    from batchpilot.cluster.machines import MACHINE_TYPES, check_accelerators, trainer_resources
+    from batchpilot.planning.tpu import tpu_type
+
+    assert cluster.accelerator_type is not None
+    machine = tpu_type(cluster.accelerator_type).machine(cluster.machine_type).name
+    explicit = cluster.cpu_per_node is not None and cluster.memory_per_node_bytes is not None
+    if machine not in MACHINE_TYPES and not explicit:
+        raise BatchpilotError(
+            "cluster.cpu_per_node",
+            f"and cluster.memory_per_node_bytes are needed to size the trainer pods on {machine} TPU VMs, whose "
+            "vCPUs and memory batchpilot has no documented figures for",
+            "set both to the node's allocatable less GKE's DaemonSets (`kubectl describe node`, Allocatable)",
+        )
+    check_accelerators(
+        machine_type_name=machine,
+        accelerator_type=cluster.accelerator_type,
+        devices_per_node=cluster.devices_per_node,
+    )
+    return trainer_resources(
+        machine_type_name=machine,
+        cpu_per_node=cluster.cpu_per_node,
+        memory_per_node_bytes=cluster.memory_per_node_bytes,
+        node_allocatable=None,
+    )
+
+
+def write_inputs_command() -> str:
+    """The start of a trainer pod's bash line: the run document from the environment into a file."""
+    return f'mkdir -p {TRAINER_DIR} && printf "%s" "$BATCHPILOT_PLAN_JSON" > {TRAINER_DIR}/plan.json && '
+
+
 def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool = False):
     """A torchx AppDef for `spec` on GKE: image, resources, node selector, tolerations, env.
 
@@ -282,8 +326,17 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool
 
     if not cluster.image:
         raise BatchpilotError("cluster.image", "is required when cluster.backend is gke", "set cluster.image")
-    gpus = spec.processes_per_node if cluster.accelerator_type else 0
     resources = trainer_pod_resources(cluster, read_nodes=read_nodes)
+    if is_tpu(cluster.accelerator_type):
+        from batchpilot.cluster.tpu_jobset import tpu_appdef
+
+        logger.info(
+            "trainer pods: %d CPU(s), %d MB memory, %d TPU chip(s) each, one per host of slice %s (from %s)",
+            resources.cpu, resources.memory_bytes // MEGABYTE, cluster.devices_per_node, spec.tpu_topology,
+            resources.source,
+        )  # fmt: skip
+        return tpu_appdef(spec, cluster=cluster, resources=resources)
+    gpus = spec.processes_per_node if cluster.accelerator_type else 0
     logger.info(
         "trainer pods: %d CPU(s), %d MB memory, %d GPU(s) each (from %s)",
         resources.cpu, resources.memory_bytes // MEGABYTE, gpus, resources.source,
@@ -308,10 +361,7 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool
     )
     role = appdef.roles[0]
     assert role.args[0] == "-c", role.args  # torchrun's component runs one bash command line
-    write_inputs = (
-        f'mkdir -p {TRAINER_DIR} && printf "%s" "$BATCHPILOT_PLAN_JSON" > {TRAINER_DIR}/plan.json && '
-    )
-    role.args = ["-c", write_inputs + role.args[1]]
+    role.args = ["-c", write_inputs_command() + role.args[1]]
     set_overlay(role, "kubernetes", "V1Pod", trainer_pod_overlay(cluster))
     return appdef
 
@@ -351,9 +401,10 @@ def cluster_scheduler(
     }
 
 
-def exit_75_when_preempted(command: str, *, marker: str) -> str:
-    """A trainer pod's bash line `command` (which runs torchrun) made to exit EXIT_PREEMPTED when the
-    trainers stopped for preemption, i.e. wrote `marker`.
+def exit_75_when_preempted(command: str, *, marker: str, program: str = "torchrun") -> str:
+    """A trainer pod's bash line `command` (which runs `program`: torchrun, or on TPU hosts the one trainer
+    process, `python`) made to exit EXIT_PREEMPTED when the trainers stopped for preemption, i.e. wrote
+    `marker`.
 
     The Job's podFailurePolicy reads the container's exit code (jobset.pod_failure_policy), but torchrun
     exits 1 (143 on SIGTERM) whatever its workers' codes were. torchrun therefore runs through a shell
@@ -361,14 +412,14 @@ def exit_75_when_preempted(command: str, *, marker: str) -> str:
     (Kubernetes "Pod termination"), forwards it to torchrun, waits until torchrun has really ended, then
     turns the trainers' marker into exit 75.
     """
-    assert "torchrun " in command, command
+    assert f"{program} " in command, command
     wrapper = (
         f"rm -f {marker}; "
-        "torchrun() { "
-        'command torchrun "$@" & child=$!; '
+        f"{program}() {{ "
+        f'command {program} "$@" & child=$!; '
         "trap 'kill -TERM $child 2>/dev/null' TERM; "
         "wait $child; code=$?; "
-        # wait returns early (128 + signal) when the trap runs; wait again until torchrun has exited.
+        # wait returns early (128 + signal) when the trap runs; wait again until the program has exited.
         "while kill -0 $child 2>/dev/null; do wait $child; code=$?; done; "
         f"if [ -e {marker} ]; then return {EXIT_PREEMPTED}; fi; "
         "return $code; }; "
@@ -387,6 +438,10 @@ def render_cluster_job(runner, appdef, *, cluster: ClusterConfig, labels: dict[s
     scheduler, cfg = cluster_scheduler(cluster, labels=labels)
     info = runner.dryrun(appdef, scheduler, cfg=cfg)
     resource = info.request.resource
+    if scheduler == "jobset" and is_tpu(cluster.accelerator_type):
+        from batchpilot.cluster.tpu_jobset import finish_tpu_jobset
+
+        finish_tpu_jobset(resource)
     if scheduler == "kubernetes":
         from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
 

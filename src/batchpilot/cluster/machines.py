@@ -5,6 +5,10 @@ Compute Engine API's `memoryMb`):
 
 - "Accelerator-optimized machine family" and "GPU machine types" (Compute Engine): vCPUs, memory,
   GPU count and model of each A2, A3 and G2 machine type.
+- TPU VMs: Cloud TPU "TPU v5p" (a 4-chip VM: 208 vCPUs, 448 GB RAM) and GKE "About TPUs in GKE" (v5e
+  machine types: ct5lp-hightpu-1t 24 vCPUs / 48 GB, -4t 112 / 192 GB, -8t 224 / 384 GB, as Compute Engine
+  lists them). The v6e types (ct6e-standard-*) are not here: batchpilot found no source it could cite for
+  their vCPUs and memory, so a v6e config sets cluster.cpu_per_node and memory_per_node_bytes.
 - "About GKE node sizing" (Plan GKE Standard node sizes, "Memory and CPU reservations"): what GKE
   reserves on every node (kube-reserved), and the kubelet's 100 MiB memory eviction threshold.
 
@@ -30,8 +34,10 @@ class MachineType:
     vcpus: int
     memory_bytes: int
     num_gpus: int
+    """GPUs of the node, or on a TPU VM its TPU chips (the node's `google.com/tpu` allocatable)."""
     gpu_label: str
-    """The node's `cloud.google.com/gke-accelerator` label, i.e. what `cluster.accelerator_type` names."""
+    """The node's `cloud.google.com/gke-accelerator` label, or on a TPU VM its
+    `cloud.google.com/gke-tpu-accelerator` label: what `cluster.accelerator_type` names."""
 
 
 def _machine(vcpus: int, memory_gb: int, num_gpus: int, gpu_label: str) -> MachineType:
@@ -66,6 +72,11 @@ MACHINE_TYPES: dict[str, MachineType] = {
     "g2-standard-32": _machine(32, 128, 1, "nvidia-l4"),
     "g2-standard-48": _machine(48, 192, 4, "nvidia-l4"),
     "g2-standard-96": _machine(96, 384, 8, "nvidia-l4"),
+    # TPU VMs (see the module docstring): chips per VM in place of GPUs, the TPU type's label.
+    "ct5lp-hightpu-1t": _machine(24, 48, 1, "tpu-v5-lite-podslice"),
+    "ct5lp-hightpu-4t": _machine(112, 192, 4, "tpu-v5-lite-podslice"),
+    "ct5lp-hightpu-8t": _machine(224, 384, 8, "tpu-v5-lite-podslice"),
+    "ct5p-hightpu-4t": _machine(208, 448, 4, "tpu-v5p-slice"),
 }
 
 # "About GKE node sizing", memory and CPU reservations: (upper bound of the band, share reserved in it).

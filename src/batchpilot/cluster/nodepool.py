@@ -6,6 +6,8 @@ Two implementations:
   steps (separate processes) agree on it; resizing checks that this machine can host the processes.
 - `GkeNodePool` (backend `gke`, in `batchpilot.cluster.gke`): a GKE node pool through the Container API,
   with node readiness read from the Kubernetes API.
+- `TpuSlicePool` (backend `gke` with a TPU `accelerator_type`, in `batchpilot.cluster.tpu_pool`): one
+  GKE node pool per TPU slice shape, created and deleted whole (multi-host slices cannot be resized).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Protocol, runtime_checkable
 from batchpilot.config import ClusterConfig, Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
+from batchpilot.planning.tpu import is_tpu
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,10 @@ def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> No
         )
     if state_path is not None:
         raise BatchpilotError("--pool-state", "only the local backend keeps its pool size in a file")
+    if is_tpu(cluster.accelerator_type):
+        from batchpilot.cluster.tpu_pool import tpu_node_pool
+
+        return tpu_node_pool(cluster)
     from batchpilot.cluster.gke import gke_node_pool
 
     return gke_node_pool(cluster)

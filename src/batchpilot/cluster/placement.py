@@ -1,6 +1,7 @@
 """Where trainer pods go on GKE: node selector, tolerations and the pod settings every launcher shares.
 
-The pipeline reuses `gpu_node_selector` and `gpu_tolerations` to place KFP tasks on the same pool.
+The pipeline reuses `gpu_node_selector` and `gpu_tolerations` to place KFP tasks on the same pool. TPU
+trainers (`tpu_node_selector`, `tpu_tolerations`) go to the node pool of their launch's slice shape.
 """
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ from typing import Any
 
 from batchpilot.cluster.readiness import GKE_NODE_POOL_LABEL, GPU_RESOURCE
 from batchpilot.config import ClusterConfig, Config
+from batchpilot.planning.tpu import TPU_RESOURCE_NAME, slice_pool_name
 
 GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+# The node labels of a TPU slice node (GKE "Deploy TPU workloads in GKE Standard": a workload selects the
+# TPU type and the slice topology with these two labels; the topology is the node pool's tpu_topology).
+GKE_TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+GKE_TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 # Trainers checkpoint on SIGTERM (exit 75); a scale-down must not evict them to save a node.
 SAFE_TO_EVICT_ANNOTATION = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 # The image's non-root user (see the Dockerfile).
@@ -49,13 +55,45 @@ def gpu_tolerations(config: Config | ClusterConfig) -> list[dict[str, Any]]:
     return tolerations
 
 
-def trainer_pod_overlay(cluster: ClusterConfig) -> dict[str, Any]:
-    """Pod-level fields of a trainer (torchx `kubernetes`/`V1Pod` overlay, honoured by both launchers)."""
+def tpu_node_selector(cluster: ClusterConfig, *, topology: str) -> dict[str, str]:
+    """Node labels a TPU trainer pod requires: the node pool of its slice shape (`slice_pool_name`), the TPU
+    type and the slice topology, then `cluster.node_selector`."""
+    if not cluster.accelerator_type:
+        raise ValueError("a TPU node selector needs cluster.accelerator_type")
+    selector: dict[str, str] = {}
+    if cluster.node_pool:
+        selector[GKE_NODE_POOL_LABEL] = slice_pool_name(cluster.node_pool, topology)
+    selector[GKE_TPU_ACCELERATOR_LABEL] = cluster.accelerator_type
+    selector[GKE_TPU_TOPOLOGY_LABEL] = topology
+    selector.update(cluster.node_selector)
+    return selector
+
+
+def tpu_tolerations(cluster: ClusterConfig) -> list[dict[str, Any]]:
+    """The `google.com/tpu` taint GKE puts on TPU nodes (GKE "Deploy TPU workloads in GKE Standard"), then
+    `cluster.tolerations`."""
+    tolerations: list[dict[str, Any]] = [
+        {"key": TPU_RESOURCE_NAME, "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    tolerations.extend(dict(item) for item in cluster.tolerations)
+    return tolerations
+
+
+def trainer_pod_overlay(cluster: ClusterConfig, *, tpu_topology: str | None = None) -> dict[str, Any]:
+    """Pod-level fields of a trainer (torchx `kubernetes`/`V1Pod` overlay, honoured by both launchers);
+    `tpu_topology`: a TPU trainer on the node pool of that slice shape."""
+    if tpu_topology is None:
+        node_selector, tolerations = gpu_node_selector(cluster), gpu_tolerations(cluster)
+    else:
+        node_selector, tolerations = (
+            tpu_node_selector(cluster, topology=tpu_topology),
+            tpu_tolerations(cluster),
+        )
     return {
         "metadata": {"annotations": {SAFE_TO_EVICT_ANNOTATION: "false"}},
         "spec": {
-            "nodeSelector": gpu_node_selector(cluster),
-            "tolerations": gpu_tolerations(cluster),
+            "nodeSelector": node_selector,
+            "tolerations": tolerations,
             "serviceAccountName": cluster.service_account,
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
             "securityContext": {
@@ -71,14 +109,15 @@ def trainer_pod_overlay(cluster: ClusterConfig) -> dict[str, Any]:
 
 
 def _requests_equal_limits(container: dict[str, Any]) -> None:
-    """CPU and memory requests equal to their limits (torchx asks for 100m CPU and 1024 MB less).
+    """CPU, memory and TPU requests equal to their limits (torchx asks for 100m CPU and 1024 MB less).
 
     A pod whose containers request what they limit is in the Guaranteed QoS class: the kubelet evicts it
     last under node memory pressure, and the scheduler reserves all the memory the trainer may use.
     """
     resources = container.get("resources") or {}
     limits, requests = resources.get("limits") or {}, resources.setdefault("requests", {})
-    for name in ("cpu", "memory"):
+    # torchx writes extended resources other than nvidia.com/gpu (here google.com/tpu) as limits only.
+    for name in ("cpu", "memory", TPU_RESOURCE_NAME):
         if name in limits:
             requests[name] = limits[name]
 

@@ -1,8 +1,9 @@
 """Node readiness through the Kubernetes API: which nodes of a pool can run a trainer now.
 
-A node counts when it is Ready, not cordoned, and (for GPU pools) advertises the expected number of
-allocatable GPUs: a GPU node is Ready some time before the device plugin publishes its GPUs, and a
-trainer scheduled in that window would wait or land short of devices.
+A node counts when it is Ready, not cordoned, and (for accelerator pools) advertises the expected number
+of allocatable devices: `nvidia.com/gpu` on GPU nodes, `google.com/tpu` (chips) on TPU slice nodes. A GPU
+node is Ready some time before the device plugin publishes its GPUs, and a trainer scheduled in that
+window would wait or land short of devices.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 
 from batchpilot.cluster.machines import Allocatable
 from batchpilot.errors import BatchpilotError
+from batchpilot.planning.tpu import TPU_RESOURCE_NAME
 
 GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 GPU_RESOURCE = "nvidia.com/gpu"
+TPU_RESOURCE = TPU_RESOURCE_NAME
 
 
 @dataclass(frozen=True)
@@ -27,18 +30,24 @@ class NodeState:
     name: str
     ready: bool
     cordoned: bool
-    allocatable_gpus: int
+    allocatable_devices: int
     allocatable_cpu_millicores: int
     allocatable_memory_bytes: int
+    device_resource: str = GPU_RESOURCE
+    """The extended resource `allocatable_devices` counts (`nvidia.com/gpu` or `google.com/tpu`)."""
 
     def problem(self, *, gpus_per_node: int) -> str | None:
-        """Why this node cannot take a trainer, or None when it can."""
+        """Why this node cannot take a trainer, or None when it can (`gpus_per_node`: devices of
+        `device_resource` a trainer needs)."""
         if not self.ready:
             return f"{self.name} is not Ready"
         if self.cordoned:
             return f"{self.name} is cordoned"
-        if self.allocatable_gpus < gpus_per_node:
-            return f"{self.name} has {self.allocatable_gpus} of {gpus_per_node} {GPU_RESOURCE} allocatable"
+        if self.allocatable_devices < gpus_per_node:
+            return (
+                f"{self.name} has {self.allocatable_devices} of {gpus_per_node} {self.device_resource} "
+                "allocatable"
+            )
         return None
 
 
@@ -78,7 +87,7 @@ def parse_bytes_quantity(quantity: str) -> int:
     return int(parse_quantity(quantity))
 
 
-def _node_state(node: Any) -> NodeState:
+def _node_state(node: Any, *, device_resource: str = GPU_RESOURCE) -> NodeState:
     conditions = (node.status.conditions or []) if node.status else []
     ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
     allocatable = (node.status.allocatable or {}) if node.status else {}
@@ -86,9 +95,10 @@ def _node_state(node: Any) -> NodeState:
         name=node.metadata.name,
         ready=ready,
         cordoned=bool(node.spec and node.spec.unschedulable),
-        allocatable_gpus=int(allocatable.get(GPU_RESOURCE, "0")),
+        allocatable_devices=int(allocatable.get(device_resource, "0")),
         allocatable_cpu_millicores=parse_cpu_millicores(allocatable.get("cpu", "0")),
         allocatable_memory_bytes=parse_bytes_quantity(allocatable.get("memory", "0")),
+        device_resource=device_resource,
     )
 
 
@@ -104,14 +114,22 @@ def smallest_allocatable(nodes: list[NodeState]) -> Allocatable | None:
 
 
 class PoolNodes:
-    """The nodes of one node pool, read from the Kubernetes API by their pool label."""
+    """The nodes of one node pool, read from the Kubernetes API by their pool label.
 
-    def __init__(self, *, api_client: Any, node_pool: str, gpus_per_node: int) -> None:
+    Args:
+        gpus_per_node: allocatable devices of `device_resource` a node must advertise (0: none needed).
+        device_resource: `GPU_RESOURCE` (GPU pools) or `TPU_RESOURCE` (TPU slice pools: chips per host).
+    """
+
+    def __init__(
+        self, *, api_client: Any, node_pool: str, gpus_per_node: int, device_resource: str = GPU_RESOURCE
+    ) -> None:
         from kubernetes import client
 
         self._core = client.CoreV1Api(api_client)
         self.node_pool = node_pool
         self.gpus_per_node = gpus_per_node
+        self.device_resource = device_resource
 
     def states(self) -> list[NodeState]:
         """Every node carrying the pool label, whatever its state."""
@@ -127,7 +145,10 @@ class PoolNodes:
                     "grant `list` on nodes (the chart's ClusterRole does)",
                 ) from None
             raise
-        return sorted((_node_state(node) for node in nodes.items), key=lambda node: node.name)
+        return sorted(
+            (_node_state(node, device_resource=self.device_resource) for node in nodes.items),
+            key=lambda node: node.name,
+        )
 
     def usable(self) -> tuple[list[NodeState], list[str]]:
         """(nodes that can take a trainer, one problem line per node that cannot)."""

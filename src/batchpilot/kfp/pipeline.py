@@ -48,11 +48,24 @@ model is chosen by the `cloud.google.com/gke-accelerator` node selector."""
 
 
 def _on_accelerator(task: Any, config: Config) -> None:
-    """Places a task that measures one device on the trainers' GPU pool (GKE); local runs need nothing."""
+    """Places a task that measures one device on the trainers' GPU pool (GKE); local runs need nothing.
+
+    Raises:
+        BatchpilotError: a TPU pool: explore's probes run eager PyTorch, which does not reach TPUs, and a
+            `nvidia.com/gpu` request would never schedule there (the planner refuses explore on TPU first).
+    """
     if config.cluster.backend != "gke":
         return
     from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
+    from batchpilot.planning.tpu import is_tpu
 
+    if is_tpu(config.cluster.accelerator_type):
+        raise BatchpilotError(
+            "batch.micro_batch_size",
+            f"explore does not run on TPU yet ({config.cluster.accelerator_type}): the pipeline has no TPU "
+            "explore task",
+            "set an integer batch.micro_batch_size and explore.study: false",
+        )
     if config.cluster.accelerator_type:
         task.set_accelerator_type(GPU_RESOURCE_NAME)
         task.set_accelerator_limit(1)
