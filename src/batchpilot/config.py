@@ -138,11 +138,18 @@ class ClusterConfig(_Section):
     node_pool: str | None = Field(None, description="gke: name of the node pool the trainers run on")
     pool_mode: Literal["resize", "autoscale", "static"] = Field(
         "resize",
-        description="gke: resize = set the pool's size per stage; autoscale = set the autoscaler's bounds "
-        "(nodes come when the job's pods are pending); static = never change the pool, only check capacity",
+        description="gke: resize = set the pool's size per stage (TPU: create the stage's slice pool, delete "
+        "the previous one); autoscale = set the autoscaler's bounds (nodes come when the job's pods are "
+        "pending; TPU: a pre-created pool per slice shape, scaled between 0 and one slice); static = never "
+        "change the pool, only check capacity",
     )
     accelerator_type: str | None = Field(
         None, description="gke: GPU type label of the pool's nodes, e.g. nvidia-l4 (none: CPU nodes)"
+    )
+    tpu_zone: str | None = Field(
+        None,
+        description="gke, TPU: the zone of the slice node pools, e.g. us-east5-b (none: cluster.location when "
+        "that is a zone); a multi-host slice lives in one zone",
     )
     machine_type: str | None = Field(
         None,
@@ -269,7 +276,42 @@ class MaxTextRampup(_Section):
     samples: PositiveCount = Field(description="MaxText global_rampup_samples")
 
 
+class AdaptiveSettings(_Section):
+    """The adaptive ramp-up's rule (batchpilot.planning.adaptive): stages end when the measured critical
+    batch (the smoothed gradient noise scale) stays above the next batch size."""
+
+    start: PositiveInt = Field(description="the first stage's global batch")
+    samples: PositiveCount = Field(
+        description="the ramp ends here at the latest: a stage that reaches it without the rule firing hands "
+        "over to the target (global_batch_size)"
+    )
+    patience_samples: Count = Field(
+        description="samples the smoothed estimate must stay at or above the next batch size before a stage "
+        "ends"
+    )
+    smoothing: float = Field(
+        0.9, gt=0, lt=1, description="decay per step of the moving averages of |G|^2 and S (as the trainer's)"
+    )
+    max_growth: float = Field(2.0, gt=1, description="the next batch is at most this times the current one")
+    min_stage_samples: Count = Field(0, description="no stage ends before training this many samples")
+    max_stages: int = Field(
+        6,
+        ge=2,
+        le=64,
+        description="stages at most, the final one included: the compiled pipeline has this many launch slots, "
+        "and the last ramp stage hands over to the target",
+    )
+
+
+class AdaptiveRampup(_Section):
+    """`rampup: {adaptive: {...}}`: stages decided at run time by the measured critical batch."""
+
+    adaptive: AdaptiveSettings
+
+
 def _rampup_form(value: Any) -> str:
+    if isinstance(value, AdaptiveRampup) or (isinstance(value, dict) and "adaptive" in value):
+        return "adaptive"
     if isinstance(value, MaxTextRampup):
         return "maxtext"
     if isinstance(value, dict) and any(str(key).startswith("per_device") for key in value):
@@ -286,7 +328,9 @@ def _rampup_list(value: Any) -> Any:
 
 
 Rampup = Annotated[
-    Annotated[MegatronRampup, Tag("megatron")] | Annotated[MaxTextRampup, Tag("maxtext")],
+    Annotated[MegatronRampup, Tag("megatron")]
+    | Annotated[MaxTextRampup, Tag("maxtext")]
+    | Annotated[AdaptiveRampup, Tag("adaptive")],
     Discriminator(_rampup_form),
     BeforeValidator(_rampup_list),
 ]
@@ -306,7 +350,11 @@ class BatchConfig(_Section):
     micro_batch_size: PositiveInt | Literal["explore"] = Field(
         "explore", description="samples per device per pass, or `explore` to measure it"
     )
-    rampup: Rampup | None = Field(None, description="NeMo/Megatron or MaxText per-device ramp-up")
+    rampup: Rampup | None = Field(
+        None,
+        description="NeMo/Megatron `[start, increment, samples]`, MaxText per-device, or `{adaptive: {...}}`: "
+        "stages decided at run time by the measured critical batch",
+    )
     schedule: str | None = Field(None, description='explicit ramp-up, e.g. "0:16 2K:32 4K:64" (`t` = tokens)')
     pipeline_parallel_size: PositiveInt = Field(1, description="pipeline stages per model replica")
     tensor_parallel_size: PositiveInt = Field(1, description="tensor-parallel devices per model replica")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-from batchpilot.config import Config, MaxTextRampup, MegatronRampup
+from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import (
     MAX_STAGES,
@@ -26,6 +26,7 @@ from batchpilot.planning import (
     plan_stages,
     unschedulable_stages,
 )
+from batchpilot.planning.adaptive import AdaptiveRule, StageDecision, adaptive_schedule
 from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.devices import device_memory_bytes
 from batchpilot.planning.memory import (
@@ -35,18 +36,35 @@ from batchpilot.planning.memory import (
     activation_bytes_per_sample,
     plan_memory,
 )
-from batchpilot.planning.nodes import check_loading_factor, data_parallel_size, nearest_valid_batch_sizes
+from batchpilot.planning.nodes import (
+    check_loading_factor,
+    data_parallel_size,
+    nearest_valid_batch_sizes,
+    walk_nodes,
+)
 from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import sample_ranges
-from batchpilot.planning.tpu import TpuSlices, check_host_range, is_tpu, tpu_slices
+from batchpilot.planning.tpu import TpuSlices, check_host_range, is_tpu, is_zone, tpu_slices
 from batchpilot.planning.units import format_count
 from batchpilot.rundoc import MicroBatchSource, RunDocument
 
 
-def batch_schedule(config: Config) -> BatchSchedule:
-    """The global batch size as a function of consumed samples, from whichever ramp-up form is set."""
+def batch_schedule(config: Config, decisions: Sequence[StageDecision] = ()) -> BatchSchedule:
+    """The global batch size as a function of consumed samples, from whichever ramp-up form is set; for the
+    adaptive form, as far as the run's `decisions` so far fix it (the open stage runs to the ramp's end)."""
     batch = config.batch
     target = batch.target_bound  # an `auto` target is resolved (make_run_document) before stages run
+    if isinstance(batch.rampup, AdaptiveRampup):
+        settings = batch.rampup.adaptive
+        if settings.start >= target:
+            raise BatchpilotError(
+                "batch.rampup.adaptive.start",
+                f"({settings.start}) must be smaller than the target global batch size ({target})",
+                "lower the start or remove the ramp-up",
+            )
+        return adaptive_schedule(
+            start=settings.start, target=target, ramp_samples=settings.samples, decisions=decisions
+        )
     if isinstance(batch.rampup, MegatronRampup):
         return megatron_rampup(
             start=batch.rampup.start,
@@ -133,6 +151,16 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
             check_host_range(slices, min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes)
         except BatchpilotError as error:
             problems.append(error)
+        zoned = cluster.tpu_zone or is_zone(cluster.location)
+        if cluster.backend == "gke" and cluster.pool_mode == "resize" and cluster.location and not zoned:
+            problems.append(
+                BatchpilotError(
+                    "cluster.tpu_zone",
+                    f"is not set and cluster.location {cluster.location!r} is a region, but batchpilot creates "
+                    "each stage's slice node pool in one zone",
+                    f"set cluster.tpu_zone to a zone of {cluster.location} that offers {cluster.accelerator_type}",
+                )
+            )
         if train.runtime == "eager":
             problems.append(
                 BatchpilotError(
@@ -191,8 +219,44 @@ def _explore_on_xla(config: Config) -> list[BatchpilotError]:
     return problems
 
 
-def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
-    """Validates every stage of the config's ramp-up and schedules its nodes.
+def is_adaptive(config: Config) -> bool:
+    """Whether the ramp-up's stages are decided at run time (`rampup: {adaptive: ...}`)."""
+    return isinstance(config.batch.rampup, AdaptiveRampup)
+
+
+def adaptive_rule(config: Config) -> AdaptiveRule:
+    """The adaptive ramp-up's rule with the target resolved."""
+    assert isinstance(config.batch.rampup, AdaptiveRampup)
+    settings = config.batch.rampup.adaptive
+    return AdaptiveRule(
+        start=settings.start,
+        target=config.batch.target_bound,
+        smoothing=settings.smoothing,
+        patience_samples=settings.patience_samples,
+        max_growth=settings.max_growth,
+        min_stage_samples=settings.min_stage_samples,
+        ramp_samples=settings.samples,
+    )
+
+
+def accepted_batch_sizes(config: Config, *, micro_batch_size: int) -> list[int]:
+    """The global batch sizes from the adaptive start to the target that the node schedule can place at
+    `micro_batch_size` (on some allowed node count up to the target's), ascending."""
+    rule = adaptive_rule(config)
+    target_nodes = build_plan(config, micro_batch_size=micro_batch_size).stages[-1].num_nodes
+    placement = _placement(config) | {"max_nodes": target_nodes}
+    candidates = range(rule.start, rule.target + 1)
+    return [
+        size
+        for size in candidates
+        if size % micro_batch_size == 0
+        and walk_nodes(batch_sizes=[size], micro_batch_size=micro_batch_size, **placement)[0] is not None
+    ]
+
+
+def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision] = ()) -> Plan:
+    """Validates every stage of the config's ramp-up and schedules its nodes (an adaptive ramp-up: the
+    stages its `decisions` fix, the open stage and the final one).
 
     Raises:
         BatchpilotError: every micro-batch-independent problem (`check_plan_config`), one line each; else
@@ -200,7 +264,7 @@ def build_plan(config: Config, *, micro_batch_size: int) -> Plan:
     """
     check_plan_config(config)
     return plan_stages(
-        schedule=batch_schedule(config),
+        schedule=batch_schedule(config, decisions),
         total_samples=config.total_samples,
         micro_batch_size=micro_batch_size,
         devices_per_node=config.cluster.devices_per_node,
@@ -219,6 +283,8 @@ def num_stages(config: Config) -> int:
     """How many stages the config's ramp-up has (it does not depend on the micro batch); refuses a config
     that `check_plan_config` refuses."""
     check_plan_config(config)
+    if isinstance(config.batch.rampup, AdaptiveRampup):
+        return config.batch.rampup.adaptive.max_stages  # decided at run time: at most this many
     return len(sample_ranges(batch_schedule(config), total_samples=config.total_samples))
 
 

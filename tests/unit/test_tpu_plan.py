@@ -166,6 +166,14 @@ BAD_TPU_CONFIGS = {
             "of ct6e-standard-1t, ct6e-standard-4t, ct6e-standard-8t)"
         ],
     ),
+    "a region and no zone for the slice pools": (
+        {"cluster": {"tpu_zone": None}},
+        [
+            "cluster.tpu_zone: is not set and cluster.location 'us-east5' is a region, but batchpilot creates "
+            "each stage's slice node pool in one zone (fix: set cluster.tpu_zone to a zone of us-east5 that "
+            "offers tpu-v6e-slice)"
+        ],
+    ),
     "eager on TPU and what xla does not implement": (
         {
             "train": {"runtime": "eager", "parallelism": "ddp"},

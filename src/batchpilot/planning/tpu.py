@@ -16,6 +16,7 @@ peaks are the data sheets' bf16 per chip.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from batchpilot.errors import BatchpilotError
@@ -283,3 +284,11 @@ def slice_pool_name(node_pool: str, topology: str) -> str:
     """The GKE node pool of one slice shape: `cluster.node_pool` and the topology, e.g. `v6e-4x8` (GKE
     pool names allow lower-case letters, digits and dashes; `x` is a letter)."""
     return f"{node_pool}-{topology}"
+
+
+_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")  # us-central2-b; a region (us-central2) has no zone letter
+
+
+def is_zone(location: str | None) -> bool:
+    """Whether a GKE location is a zone (a multi-host slice lives in one zone), not a region."""
+    return bool(location) and bool(_ZONE.match(str(location)))
