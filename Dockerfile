@@ -11,13 +11,23 @@
 #   TORCH_REQUIREMENT   the torch to install (default torch==2.13.0, what the package index serves for
 #                       that pin; the CPU build on the index these tests use)
 #   PIP_EXTRA_INDEX_URL an index to search as well, e.g. the PyTorch CUDA wheel index for your CUDA version
-#   TORCH_FLAVOR        cpu (default) or cuda; with cuda the build fails unless the installed torch is a
-#                       CUDA build, so a GPU image can never ship a CPU torch by accident
+#   TORCH_FLAVOR        cpu (default), cuda or tpu; with cuda the build fails unless the installed torch is
+#                       a CUDA build, with tpu unless torch_xla and libtpu import with the torch they need,
+#                       so an accelerator image can never ship the wrong build by accident
 # GPU nodes (A2, A3, G2) need the CUDA build, e.g.
 #   docker build --build-arg VERSION=$VERSION --build-arg TORCH_FLAVOR=cuda \
 #     --build-arg TORCH_REQUIREMENT=torch==2.13.0+cu128 \
 #     --build-arg PIP_EXTRA_INDEX_URL=<the PyTorch CUDA wheel index for cu128> \
 #     -t REGISTRY/batchpilot:$VERSION-cuda .
+# TPU nodes (GKE TPU slices: tpu-v5-lite-podslice, tpu-v6e-slice, tpu-v5p-slice) need torch_xla with
+# libtpu and the torch it was built for (torch_xla's metadata does not pin torch: the pair is pinned here
+# and in batchpilot's `tpu` extra), e.g.
+#   docker build --build-arg VERSION=$VERSION --build-arg TORCH_FLAVOR=tpu \
+#     --build-arg TORCH_REQUIREMENT="torch==2.9.0 torch-xla[tpu]==2.9.0" \
+#     -t REGISTRY/batchpilot:$VERSION-tpu .
+# (torch 2.9.0's default wheel is the CUDA build, several GB of unused libraries on a TPU VM: add
+# PIP_EXTRA_INDEX_URL=<the PyTorch CPU wheel index> and TORCH_REQUIREMENT="torch==2.9.0+cpu ..." to
+# avoid them.) The trainers then run train.runtime xla, one process per TPU host (docs/cluster.md).
 # The extras are everything a pipeline step or trainer imports: train (torch, numpy), data, gcs, report
 # (matplotlib: explore and the report draw charts), pipeline (kfp) and cluster (torchx, GKE, Kubernetes).
 # tests/integration/test_image_extras.py installs exactly these extras into a fresh venv and imports
@@ -47,14 +57,15 @@ LABEL org.opencontainers.image.title="batchpilot" \
 COPY constraints.txt /tmp/constraints.txt
 COPY --from=wheel /wheels /tmp/wheels
 # torch first: a bare `torch` requirement could pull a different build than the one asked for.
-RUN pip install "${TORCH_REQUIREMENT}" \
+RUN pip install ${TORCH_REQUIREMENT} \
     && wheel="$(ls /tmp/wheels/batchpilot-*.whl)" \
     && pip install -c /tmp/constraints.txt "${wheel}[train,data,gcs,report,pipeline,cluster]" \
     && rm -rf /tmp/wheels /tmp/constraints.txt
 RUN case "${TORCH_FLAVOR}" in \
       cpu) ;; \
       cuda) python -c "import sys, torch; sys.exit(0 if torch.version.cuda else f'TORCH_FLAVOR=cuda but {torch.__version__} is not a CUDA build: pass a CUDA TORCH_REQUIREMENT and its index')" ;; \
-      *) echo "TORCH_FLAVOR must be cpu or cuda, not ${TORCH_FLAVOR}" >&2; exit 1 ;; \
+      tpu) python -c "import importlib.util as u, sys, torch, torch_xla; sys.exit(0 if u.find_spec('libtpu') else 'TORCH_FLAVOR=tpu but libtpu is missing: install torch-xla[tpu] in TORCH_REQUIREMENT')" ;; \
+      *) echo "TORCH_FLAVOR must be cpu, cuda or tpu, not ${TORCH_FLAVOR}" >&2; exit 1 ;; \
     esac
 RUN test -n "${VERSION}" || { echo "build with --build-arg VERSION=<package version>" >&2; exit 1; } \
     && python -c "import sys, batchpilot; v = batchpilot.__version__; sys.exit(0 if v == '${VERSION}' else f'VERSION ${VERSION} is not the package version {v}')"

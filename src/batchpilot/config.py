@@ -557,6 +557,15 @@ class Config(_Section):
         return self.train.total_tokens // self.data.seq_len
 
 
+def resolved_runtime(config: Config) -> Literal["eager", "xla"]:
+    """`train.runtime` resolved: `auto` is xla when `cluster.accelerator_type` is a GKE TPU type (their labels
+    start with `tpu-`), else eager."""
+    runtime = config.train.runtime
+    if runtime != "auto":
+        return runtime
+    return "xla" if (config.cluster.accelerator_type or "").startswith("tpu-") else "eager"
+
+
 class ConfigError(BatchpilotError):
     """A config that does not validate; `lines` holds one message per problem."""
 

@@ -28,3 +28,19 @@ def test_the_image_installs_the_extras_the_trainers_and_launchers_import():
 def test_the_build_context_is_only_what_the_image_needs():
     lines = (REPO / ".dockerignore").read_text().splitlines()
     assert "*" in lines and "!src/" in lines and "!pyproject.toml" in lines
+
+
+def test_a_tpu_image_must_carry_torch_xla_and_libtpu():
+    """Issue #14: TORCH_FLAVOR=tpu fails the build unless torch_xla and libtpu are installed, and the
+    documented requirement pins the torch/torch_xla pair of the `tpu` extra."""
+    import tomllib
+
+    assert re.search(
+        r"^\s+tpu\) python -c \"[^\n]*import [^\n]*torch_xla[^\n]*libtpu", DOCKERFILE, re.MULTILINE
+    )
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tpu"]
+    pins = {
+        requirement.split("==")[0]: requirement.split("==")[1] for requirement in extra if "==" in requirement
+    }
+    documented = re.search(r'TORCH_REQUIREMENT="torch==([\d.]+) torch-xla\[tpu\]==([\d.]+)"', DOCKERFILE)
+    assert documented and (documented[1], documented[2]) == (pins["torch"], pins["torch-xla"])

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from batchpilot import __version__
@@ -164,14 +165,16 @@ class Checkpointer:
         state: dict[str, Any],
         rng: dict[str, Any],
         extra: dict[str, Any] | None = None,
+        planner: SavePlanner | None = None,
     ) -> str | None:
         """Every rank calls this: each writes its own shards of `state` (DCP), then rank 0 writes rng.pt and
         meta.json (with every rank's files and checksums) and moves `latest`. Returns the step folder's URI
-        on rank 0, None on the others; returns once the checkpoint is complete on every rank."""
+        on rank 0, None on the others; returns once the checkpoint is complete on every rank. `planner`:
+        DCP's save planner (None: its default; the XLA runtime passes torch_xla's SPMD planner)."""
         folder = f"{step:09d}"
         writer = StorageWriter(self.storage, folder)
         with dcp_quietly():
-            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized(), planner=planner)
         files = dict(writer.storage_fs.written)
         if dist.is_initialized():
             gathered: list[Any] = [None] * dist.get_world_size()

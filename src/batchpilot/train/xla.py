@@ -1,0 +1,219 @@
+"""The XLA runtime's pieces (torch_xla, PJRT, SPMD): which runtime a config asks for, the host's place in
+the slice, the device mesh, FSDP-style sharding, and checkpoints in the eager trainer's format.
+
+One process per TPU host drives every chip of that host; with SPMD (`xr.use_spmd()`) the program is
+written for one big device and the XLA compiler partitions it over all devices of the slice, inserting
+the collectives. The data-parallel ranks of the eager trainer become devices: device `d` of the mesh
+trains the samples rank `d` would train on a GPU job of the same world size (its rows of the batch).
+
+Sharding: `mark_sharding` on dim 0 of every parameter of two or more dimensions whose size divides by
+the shard degree (the others are replicated), not torch_xla's FSDPv2 wrapper: the wrapper renames every
+parameter (`_orig_module.`), and checkpoints are keyed by the model's own parameter names so that an XLA
+checkpoint loads in the eager trainer and back. The compiler gathers each parameter where it is used, as
+FSDP's all-gather does, and reduce-scatters its gradient into the same layout.
+
+torch_xla is imported lazily (inside functions): the eager trainer, the planner and the tests of the
+main venv never import it. Install it with the `tpu` extra (a torch/torch_xla pair pinned together).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchpilot.config import Config, resolved_runtime
+from batchpilot.errors import BatchpilotError
+
+XLA_RUNTIME = "xla"
+
+
+def resolve_runtime(config: Config) -> str:
+    """`train.runtime`: `eager` or `xla` (auto: xla when `cluster.accelerator_type` is a TPU type)."""
+    return resolved_runtime(config)
+
+
+def import_torch_xla() -> Any:
+    """torch_xla, or a one-line error saying how to install it."""
+    try:
+        import torch_xla  # noqa: F401
+        import torch_xla.runtime as xr
+    except ImportError as error:
+        raise BatchpilotError(
+            "train.runtime",
+            f"is xla but torch_xla cannot be imported ({error})",
+            "install the `tpu` extra (pip install 'batchpilot[train,data,gcs,tpu]', torch and torch-xla 2.9.0 "
+            "pinned together; scripts/setup_xla.sh builds .venv-xla), or set train.runtime: eager",
+        ) from None
+    return xr
+
+
+def refuse_unsupported(config: Config) -> None:
+    """Settings the XLA runtime does not implement: refused with one line each, never ignored."""
+    if config.data.expansion_factor_real_data > 1:
+        raise BatchpilotError(
+            "data.expansion_factor_real_data",
+            f"is {config.data.expansion_factor_real_data:g}: loading hosts are not implemented for runtime xla "
+            "(every host reads its own devices' samples)",
+            "set data.expansion_factor_real_data: 1, or train.runtime: eager",
+        )
+    if config.train.compile:
+        raise BatchpilotError(
+            "train.compile",
+            "is not implemented for runtime xla (XLA compiles every step's graph itself)",
+            "set train.compile: false",
+        )
+
+
+@dataclass(frozen=True)
+class XlaHost:
+    """This process in the slice: one process per host, each driving its host's devices.
+
+    Attributes:
+        host: this host's index (`TPU_WORKER_ID` on GKE TPU nodes, else `RANK`, else 0).
+        num_hosts: processes of the job (the entries of `TPU_WORKER_HOSTNAMES`, else `WORLD_SIZE`, else 1).
+        num_devices: devices of the whole slice (`xr.global_runtime_device_count()`): the data-parallel
+            world size, one logical rank per device.
+        num_local_devices: devices this host drives.
+    """
+
+    host: int
+    num_hosts: int
+    num_devices: int
+    num_local_devices: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.host == 0
+
+
+def host_from_env() -> tuple[int, int]:
+    """(host index, number of hosts) from GKE's TPU environment, or torchrun's, or a lone process."""
+    hostnames = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if "TPU_WORKER_ID" in os.environ and hostnames:
+        return int(os.environ["TPU_WORKER_ID"]), len([h for h in hostnames.split(",") if h.strip()])
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start_runtime() -> XlaHost:
+    """Turns SPMD on (before any XLA tensor exists) and, on several hosts, joins the CPU (gloo) process
+    group that DCP needs to agree on a checkpoint across hosts (torch_xla's `xla://` rendezvous)."""
+    xr = import_torch_xla()
+    import torch.distributed as dist
+
+    host, num_hosts = host_from_env()
+    xr.use_spmd()
+    if (xr.process_index(), xr.process_count()) != (host, num_hosts):
+        raise BatchpilotError(
+            "TPU_WORKER_ID",
+            f"this process is host {host} of {num_hosts} by its environment but PJRT sees process "
+            f"{xr.process_index()} of {xr.process_count()}",
+            "run one trainer process per TPU host, with GKE's TPU_WORKER_ID and TPU_WORKER_HOSTNAMES",
+        )
+    if num_hosts > 1 and not dist.is_initialized():
+        import torch_xla.distributed.xla_backend  # noqa: F401  # registers the xla:// init method
+
+        dist.init_process_group("gloo", init_method="xla://")
+    return XlaHost(
+        host=host,
+        num_hosts=num_hosts,
+        num_devices=int(xr.global_runtime_device_count()),
+        num_local_devices=int(xr.addressable_runtime_device_count()),
+    )
+
+
+def uses_bf16_on_xla(precision: str) -> bool:
+    """`train.precision`: auto is bf16 on TPUs and fp32 elsewhere (XLA on CPU, the local tests)."""
+    import torch_xla.runtime as xr
+
+    return precision == "bf16" or (precision == "auto" and xr.device_type() == "TPU")
+
+
+def xla_device() -> torch.device:
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def move_to_xla(model: nn.Module) -> None:
+    """Moves `model` to the XLA device keeping tied parameters tied.
+
+    `Module.to` cannot swap an XLA tensor into an existing CPU parameter, so it makes a new parameter per
+    module: a weight shared by two modules (the GPT's embedding and head) would become two separate
+    parameters, trained apart. The ties are recorded by identity before the move and restored after it.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, name))
+    model.to(xla_device())
+    for places in owners.values():
+        first_module, first_name = places[0]
+        shared = getattr(first_module, first_name)
+        for module, name in places[1:]:
+            setattr(module, name, shared)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The SPMD mesh and the partition specs of the batch and of sharded parameters.
+
+    fsdp: a 1-D mesh `("fsdp",)` of all devices, parameters and batch over it. hsdp: `("dp_replicate",
+    "dp_shard")` = (nodes, devices per node): parameters sharded within a node, the batch over both axes.
+    ddp: the 1-D mesh, parameters replicated.
+    """
+
+    mesh: Any
+    batch_spec: tuple[Any, ...]
+    param_axis: str | None
+    shard_degree: int
+
+
+def make_layout(*, strategy: str, num_devices: int, devices_per_node: int) -> Layout:
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    ids = np.arange(num_devices)
+    if strategy == "hsdp" and num_devices % devices_per_node == 0 and num_devices > devices_per_node:
+        shape = (num_devices // devices_per_node, devices_per_node)
+        mesh = xs.Mesh(ids, shape, ("dp_replicate", "dp_shard"))
+        return Layout(mesh, (("dp_replicate", "dp_shard"), None), "dp_shard", devices_per_node)
+    mesh = xs.Mesh(ids, (num_devices,), ("fsdp",))
+    if strategy == "ddp":
+        return Layout(mesh, ("fsdp", None), None, 1)
+    return Layout(mesh, ("fsdp", None), "fsdp", num_devices)
+
+
+def _param_spec(tensor: torch.Tensor, layout: Layout) -> tuple[Any, ...] | None:
+    """Dim 0 over the shard axis for >=2-D tensors whose dim 0 divides evenly; None: replicated."""
+    if layout.param_axis is None or tensor.dim() < 2 or tensor.shape[0] % layout.shard_degree:
+        return None
+    return (layout.param_axis,) + (None,) * (tensor.dim() - 1)
+
+
+def shard_parameters(model: nn.Module, layout: Layout) -> int:
+    """Marks every shardable parameter (see `_param_spec`); returns how many were sharded."""
+    import torch_xla.distributed.spmd as xs
+
+    sharded = 0
+    for param in model.parameters():
+        spec = _param_spec(param, layout)
+        if spec is not None:
+            xs.mark_sharding(param, layout.mesh, spec)
+            sharded += 1
+    return sharded
+
+
+def shard_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout) -> None:
+    """AdamW's moments laid out as their parameters (so they are sharded too, and DCP loads into shards)."""
+    import torch_xla.distributed.spmd as xs
+
+    for param in model.parameters():
+        spec = _param_spec(param, layout)
+        state = optimizer.state.get(param, {})
+        for value in state.values():
+            if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                xs.mark_sharding(value, layout.mesh, spec)

@@ -1,0 +1,166 @@
+"""The XLA runtime's checkpoints, host agreement and input transfer.
+
+Checkpoints: the eager trainer's sharded format (train/checkpoint.py), the state keyed by parameter name
+as `state.training_state` gives it. torch_xla's SPMD planners let DCP see each sharded XLA tensor as its
+shards: on saving, every host writes the shards its devices hold (replicated tensors once); on loading,
+every host reads the parts of each tensor its devices hold, whatever device count wrote them (the
+metadata records chunks by global offset, as for DTensors), so a checkpoint of 2 devices loads on 4, and
+eager and XLA checkpoints load in either runtime.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.train.checkpoint import Checkpoint, Checkpointer, dcp_quietly
+from batchpilot.train.state import _user_errors_of_dcp, training_state
+from batchpilot.train.xla import Layout, shard_optimizer_state
+
+
+def agree(*flags: bool) -> list[bool]:
+    """For each flag, whether it is set on any host (an all-reduce over the hosts' CPU process group; free
+    on one host)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(flags)
+    tensor = torch.tensor([float(flag) for flag in flags])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in tensor.tolist()]
+
+
+def send_rows(rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This host's rows of one pass (its devices' micro-batches, in device order) as the pass's global
+    batch on the XLA device, split along dim 0 over the mesh: device `d` holds rank d's samples. With
+    `minibatch`, each host gives only its own rows and the global batch is the hosts' rows in order."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    spec = xs.ShardingSpec(layout.mesh, layout.batch_spec, minibatch=True)
+    (batch,) = xm.send_cpu_data_to_device([rows], torch_xla.device(), spec)
+    return batch
+
+
+def peak_memory_bytes() -> int:
+    """The device's peak bytes in use where the runtime reports it (TPU), else the host's peak RSS."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    try:
+        info = xm.get_memory_info(torch_xla.device())
+        peak = info.get("peak_bytes_used")
+        if peak:
+            return int(peak)
+    except (RuntimeError, AttributeError, KeyError):  # CPU devices report no memory statistics
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def capture_xla_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    """The RNG state with the XLA device's seed added (the eager trainer ignores the extra key)."""
+    import torch_xla.core.xla_model as xm
+
+    return {**rng, "xla": int(xm.get_rng_state())}
+
+
+def save_xla_checkpoint(
+    checkpointer: Checkpointer,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    consumed_samples: int,
+    rng: dict[str, Any],
+    extra: dict[str, Any],
+) -> str | None:
+    """Every host calls this: each writes its devices' shards; host 0 writes rng.pt and meta.json and moves
+    `latest` (Checkpointer.save_sharded). Returns the step folder's URI on host 0."""
+    import torch_xla
+    import torch_xla.experimental.distributed_checkpoint as xc
+
+    torch_xla.sync()
+    state, mappings = _flat_state(model, optimizer)
+    return checkpointer.save_sharded(
+        step=step,
+        consumed_samples=consumed_samples,
+        state=state,
+        rng=capture_xla_rng(rng),
+        extra=extra,
+        planner=_save_planner(xc.SPMDSavePlanner, mappings),
+    )
+
+
+def restore_xla_state(
+    checkpoint: Checkpoint, *, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout
+) -> None:
+    """Loads a sharded checkpoint (written by either runtime, on any device count) into the sharded model
+    and its optimizer, each host reading its devices' parts."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.experimental.distributed_checkpoint as xc
+
+    if not checkpoint.sharded:
+        raise BatchpilotError(
+            "train.checkpoint_uri",
+            f"step {checkpoint.step} is a `full` checkpoint (batchpilot before sharding), which runtime xla "
+            "does not load",
+            "resume it once with train.runtime: eager, whose next checkpoint is sharded",
+        )
+    prime_optimizer(model, optimizer)
+    shard_optimizer_state(model, optimizer, layout)
+    torch_xla.sync()
+    flat, mappings = _flat_state(model, optimizer)  # the layout to read into: this host's shards
+    with _user_errors_of_dcp(), dcp_quietly():
+        dcp.load(
+            flat,
+            storage_reader=checkpoint.reader(),
+            planner=xc.SPMDLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+    state = unflatten_state_dict(flat, mappings)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    shard_optimizer_state(model, optimizer, layout)  # loading the optimizer made new tensors
+    torch_xla.sync()
+    if "xla" in checkpoint.rng:
+        xm.set_rng_state(int(checkpoint.rng["xla"]))
+
+
+def _flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Any]:
+    """The training state flattened as DCP's default planner (the eager trainer's) flattens it, and the
+    paths back. torch_xla's planners flatten with an older rule (a list of dicts, AdamW's `param_groups`,
+    stays one item); given the flat state they keep its keys, so both runtimes name every item alike."""
+    return flatten_state_dict(training_state(model, optimizer))
+
+
+def _save_planner(base: type, mappings: Any) -> Any:
+    """torch_xla's SPMD save planner recording the default planner's paths (`mappings`), which a loader
+    follows to put non-tensor values (the optimizer's settings) back where the eager trainer keeps them."""
+
+    class SavePlanner(base):
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)
+            self.mappings = mappings
+
+    return SavePlanner()
+
+
+def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Creates AdamW's state so that DCP can load into it: one step with zero gradients at lr 0 changes
+    no parameter; the state it creates (and its step count) is then overwritten by the checkpoint."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
