@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup
+from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import (
     MAX_STAGES,
@@ -26,7 +26,7 @@ from batchpilot.planning import (
     plan_stages,
     unschedulable_stages,
 )
-from batchpilot.planning.adaptive import AdaptiveRule, StageDecision, adaptive_schedule
+from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision, adaptive_schedule
 from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.devices import device_memory_bytes
 from batchpilot.planning.memory import (
@@ -114,9 +114,7 @@ def check_parallelism(config: Config) -> None:
 
 def runtime(config: Config) -> str:
     """`train.runtime` resolved: xla on a TPU type (`auto`), else eager."""
-    if config.train.runtime != "auto":
-        return config.train.runtime
-    return "xla" if is_tpu(config.cluster.accelerator_type) else "eager"
+    return resolved_runtime(config)
 
 
 def tpu_plan_slices(config: Config) -> TpuSlices | None:
@@ -181,6 +179,15 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
                 )
             )
         problems += _explore_on_xla(config)
+        if is_adaptive(config):
+            problems.append(
+                BatchpilotError(
+                    "batch.rampup",
+                    "is adaptive, which is not implemented for runtime xla yet (the XLA trainer does not run "
+                    "the decision rule)",
+                    "use a fixed ramp-up (rampup: [start, increment, samples] or schedule) on TPUs",
+                )
+            )
         if loading_factor(config) > 1 or config.data.expansion_factor_real_data != 1:
             problems.append(
                 BatchpilotError(
@@ -254,6 +261,17 @@ def accepted_batch_sizes(config: Config, *, micro_batch_size: int) -> list[int]:
     ]
 
 
+def adaptive_run(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision]) -> AdaptiveRun:
+    """The adaptive ramp-up's rule, accepted sizes at `micro_batch_size`, stage limit and `decisions`."""
+    assert isinstance(config.batch.rampup, AdaptiveRampup)
+    return AdaptiveRun(
+        rule=adaptive_rule(config),
+        accepted=tuple(accepted_batch_sizes(config, micro_batch_size=micro_batch_size)),
+        max_stages=config.batch.rampup.adaptive.max_stages,
+        decisions=tuple(decisions),
+    )
+
+
 def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision] = ()) -> Plan:
     """Validates every stage of the config's ramp-up and schedules its nodes (an adaptive ramp-up: the
     stages its `decisions` fix, the open stage and the final one).
@@ -263,7 +281,7 @@ def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[Sta
             the stages this micro batch cannot place.
     """
     check_plan_config(config)
-    return plan_stages(
+    plan = plan_stages(
         schedule=batch_schedule(config, decisions),
         total_samples=config.total_samples,
         micro_batch_size=micro_batch_size,
@@ -276,7 +294,24 @@ def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[Sta
         tensor_parallel_size=config.batch.tensor_parallel_size,
         num_pipeline_microbatches=config.batch.num_pipeline_microbatches,
         tpu=tpu_plan_slices(config),
+        each_stage_alone=isinstance(config.batch.rampup, AdaptiveRampup),
     )
+    if not isinstance(config.batch.rampup, AdaptiveRampup):
+        return plan
+    settings = config.batch.rampup.adaptive
+    open_stage = plan.stages[len(decisions)] if len(decisions) < len(plan.stages) - 1 else None
+    note = (
+        f"adaptive ramp-up: {len(decisions)} stage(s) decided so far; "
+        + (
+            f"{open_stage.name} (batch {open_stage.global_batch_size}) ends when the smoothed noise scale stays "
+            f"at or above the next accepted batch for {settings.patience_samples:,} samples, at sample "
+            f"{open_stage.end_sample:,} at the latest; "
+            if open_stage
+            else "the target is reached; "
+        )
+        + f"at most {settings.max_stages} stages in all"
+    )
+    return replace(plan, notes=(note, *plan.notes), stage_per_launch=True)
 
 
 def num_stages(config: Config) -> int:

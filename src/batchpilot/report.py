@@ -157,6 +157,9 @@ def write_report(
     parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
     if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
         parts.append("<ul>" + "".join(f"<li>{html.escape(note)}</li>" for note in document.notes) + "</ul>")
+    if document.decisions:
+        parts.append(_decisions_section(document))
+        summary["adaptive_decisions"] = len(document.decisions)
     for title, png in ramp_and_loss_figures(plan, records):
         parts.append(
             f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
@@ -173,6 +176,29 @@ def write_report(
     if markdown_path is not None:
         write_atomically(markdown_path, plan_markdown(plan, cost, document.memory))
     return summary
+
+
+def _decisions_section(document: RunDocument) -> str:
+    """The adaptive ramp-up's decision log: why each stage ended and what came next."""
+    rows = []
+    for taken in document.decisions:
+        decision = taken.decision
+        estimate = "" if decision.estimate is None else f"{decision.estimate:,.1f}"
+        stderr = "" if decision.stderr is None else f"{decision.stderr:,.1f}"
+        rows.append(
+            f"<tr><td>stage-{taken.stage}</td><td>{taken.end_sample:,}</td><td>{decision.stage_samples:,}</td>"
+            f"<td>{estimate}</td><td>{stderr}</td><td>{decision.threshold or ''}</td>"
+            f"<td>{html.escape(decision.reason)}</td><td>{taken.next_batch}</td></tr>"
+        )
+    return (
+        "<h2>Adaptive ramp-up decisions</h2><p>Each stage ended when the smoothed gradient noise scale (the "
+        "critical batch estimate) stayed at or above the next batch size the node schedule accepts for the "
+        "configured patience (reason noise_scale), or at the ramp's end (ramp_end).</p>"
+        "<table border='1' cellpadding='4'><tr><th>stage</th><th>ended at sample</th><th>samples in stage</th>"
+        "<th>estimate</th><th>+- (jackknife)</th><th>threshold</th><th>reason</th><th>next batch</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def _explore_plots(explore_html: Path | None) -> str:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from batchpilot import __version__
-from batchpilot.config import Config, parse_config
+from batchpilot.config import AdaptiveRampup, Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.adaptive import StageDecision
 from batchpilot.planning.memory import MemoryPlan
 
 FORMAT_VERSION = 3
@@ -52,6 +53,8 @@ class RunDocument:
     cost: CostEstimate | None = None
     notes: tuple[str, ...] = ()
     memory: MemoryPlan | None = None
+    decisions: tuple[StageDecision, ...] = ()
+    """An adaptive ramp-up's decisions so far (the plan's stages follow from them); empty otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         config = self.config.model_dump(mode="json")
@@ -74,7 +77,14 @@ class RunDocument:
             "run_notes": list(self.notes),
             "memory": self.memory.to_dict() if self.memory else None,
             **self.plan.to_dict(),
+            **self._adaptive(),
         }
+
+    def _adaptive(self) -> dict[str, Any]:
+        """The decision log of an adaptive ramp-up (no key for any other ramp-up)."""
+        if not isinstance(self.config.batch.rampup, AdaptiveRampup):
+            return {}
+        return {"adaptive_decisions": [decision.to_dict() for decision in self.decisions]}
 
     def to_json(self) -> str:
         """Deterministic JSON text (same input, same bytes)."""
@@ -110,6 +120,7 @@ def parse_run_document(text: str, *, source: str = "plan.json") -> RunDocument:
         cost=_cost_from_dict(cost) if cost else None,
         notes=tuple(data.get("run_notes", ())),
         memory=MemoryPlan.from_dict(data["memory"]) if data.get("memory") else None,
+        decisions=tuple(StageDecision.from_dict(item) for item in data.get("adaptive_decisions", ())),
     )
 
 

@@ -13,13 +13,13 @@ import logging
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from batchpilot.config import Config, parse_config
+from batchpilot.config import Config, parse_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
 from batchpilot.planner import check_plan_config, make_run_document, num_stages
@@ -267,6 +267,22 @@ def pool_status(config: Config, *, state_path: str | None = None) -> str:
 # --- stages ----------------------------------------------------------------------------------------
 
 
+def current_document(document: RunDocument) -> RunDocument:
+    """The run document as the run stands: for an adaptive ramp-up, the plan rebuilt with the decisions
+    the trainers recorded so far (`adaptive.json` beside the checkpoints); any other run's as it is."""
+    from batchpilot.planner import build_plan, is_adaptive
+    from batchpilot.train.decisions import read_decisions
+
+    config = document.config
+    if not is_adaptive(config):
+        return document
+    decisions = read_decisions(config.train.checkpoint_uri)
+    plan = build_plan(config, micro_batch_size=document.plan.micro_batch_size, decisions=decisions)
+    plan = replace(plan, parallelism=document.plan.parallelism)
+    # The plan step's memory estimate and cost were for the stages planned then, not these.
+    return replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
+
+
 def select_launch(document: RunDocument, stage: str | int) -> Launch:
     """The launch `--stage` names: an index, `final`, a range `A-B` of stages on one node count, or a
     launch's name (`stages-0-3`). One stage of a larger launch runs alone (e.g. to repeat it).
@@ -314,6 +330,7 @@ def run_stage(
     """
     from batchpilot.cluster import launch as launcher
 
+    document = current_document(document)
     config = document.config
     chosen = select_launch(document, stage)
     logger.info("launch %s", chosen.describe())
@@ -329,6 +346,13 @@ def run_stage(
             plan_text=document.to_json(), audit=audit,
         )  # fmt: skip
         return launcher.run_cluster(spec, cluster=config.cluster)
+    if resolved_runtime(config) == "xla":
+        raise BatchpilotError(
+            "train.runtime",
+            "is xla, but local launches start torchrun processes (one per device), not one XLA process per host",
+            "train the stage directly: PJRT_DEVICE=CPU CPU_NUM_DEVICES=<nodes x devices_per_node> batchpilot train "
+            "--plan plan.json --stage K (one process stands in for every host), or set train.runtime: eager",
+        )
     folder = (work_dir or Path(f"runs/{config.name}")).absolute()
     spec = launcher.stage_launch_spec(
         run_name=config.name, launch=chosen, devices_per_node=document.plan.devices_per_node,
@@ -348,6 +372,7 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
             "--dryrun", "renders the JobSet or Volcano Job of a gke config", "this config's backend is local"
         )
     require_gke_settings(config.cluster)
+    document = current_document(document)
     spec = launch.cluster_launch_spec(
         run_name=config.name, launch=select_launch(document, stage),
         devices_per_node=config.cluster.devices_per_node, plan_text=document.to_json(), audit=audit,
@@ -366,10 +391,11 @@ def pipeline_launch_names(config: Config) -> tuple[str, ...]:
     micro batch: one slot per stage (`launch-0`, `launch-1`, ...), of which the plan's launches take the
     first and the rest do nothing.
     """
-    from batchpilot.planner import build_plan
+    from batchpilot.planner import build_plan, is_adaptive
 
     micro = config.batch.micro_batch_size
-    if micro == "explore" or config.batch.global_batch_size == "auto":
+    if micro == "explore" or config.batch.global_batch_size == "auto" or is_adaptive(config):
+        # Adaptive: a slot per stage the ramp may have (max_stages), each trained as its own launch.
         # With an auto target, the stages at max_global_batch_size are as many as any target can make.
         return tuple(f"launch-{k}" for k in range(num_stages(config)))
     return tuple(launch.name for launch in launches(build_plan(config, micro_batch_size=micro)))
@@ -408,8 +434,9 @@ def plan_metrics(document: RunDocument) -> dict[str, float]:
 
 def pipeline_launch(document: RunDocument, *, slot: int) -> Launch | None:
     """The launch pipeline group `slot` runs, or None when the plan has fewer launches (an unused slot
-    of an explored micro batch's pipeline)."""
-    groups = launches(document.plan)
+    of an explored micro batch's pipeline). An adaptive ramp-up's slot K trains stage K of the plan as the
+    decisions so far make it (a stage alone: the next one's batch is decided when it ends)."""
+    groups = launches(current_document(document).plan)  # adaptive: one launch per stage, as decided so far
     if slot < len(groups):
         return groups[slot]
     logger.info("launch-%d: not used (the plan has %d launch(es))", slot, len(groups))
@@ -454,6 +481,9 @@ def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
         for r in load_metrics(document.config.train.checkpoint_uri)
         if launch.first_stage <= r["stage"] <= launch.last_stage
     ]
+    decided = [
+        d for d in current_document(document).decisions if launch.first_stage <= d.stage <= launch.last_stage
+    ]
     if not records:
         raise BatchpilotError(launch.name, "finished without recording a single step")
     last = records[-1]
@@ -463,6 +493,13 @@ def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
     validated = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     if validated:
         metrics["val_loss"] = float(validated[-1])
+    for taken in decided:  # an adaptive stage's decision, for the KFP UI
+        metrics["decision_next_batch"] = float(taken.next_batch)
+        metrics["decision_end_sample"] = float(taken.end_sample)
+        for key in ("estimate", "stderr", "threshold"):
+            value = getattr(taken.decision, key)
+            if value is not None:
+                metrics[f"decision_{key}"] = float(value)
     return metrics
 
 
@@ -476,6 +513,7 @@ def report(
     from batchpilot.report import write_report
     from batchpilot.train.metrics import load_metrics
 
+    document = current_document(document)  # an adaptive ramp-up's stages as the run decided them
     records = load_metrics(document.config.train.checkpoint_uri)
     explore_json = explore_dir / "explore.json" if explore_dir is not None else None
     explore_data = json.loads(explore_json.read_text()) if explore_json and explore_json.is_file() else None
@@ -485,6 +523,12 @@ def report(
     )  # fmt: skip
     logger.info("report: %s", html_path)
     return summary, records
+
+
+def keep_run_record(run_dir: str | Path, document: RunDocument) -> None:
+    """Rewrites the run folder's plan.json as the run stands at its end: an adaptive ramp-up's stages and
+    decisions (`adaptive_decisions`) as they were taken; any other run's plan is the one planned."""
+    write_atomically(Path(run_dir) / "plan.json", current_document(document).to_json())
 
 
 def keep_copies(run_dir: str | Path, files: dict[str, Path]) -> None:

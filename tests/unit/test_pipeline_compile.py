@@ -83,6 +83,10 @@ def inner_tasks(spec: dict) -> dict:
         ("nemo_gpt3_5b.yaml", ["stages-0-3", "stage-4", "stage-5", "stage-6", "final"]),
         ("llama_5b.yaml", ["stages-0-3", "stage-4", "stage-5", "stage-6", "final"]),
         ("maxtext_per_device.yaml", ["stages-0-1", "stage-2", "final"]),
+        # TPU: one group per slice shape (2x4, 4x4, 4x8).
+        ("llama_5b_tpu.yaml", ["stage-0", "stage-1", "stages-2-final"]),
+        # Adaptive: a slot per stage the ramp may have (max_stages 6), decided as the run goes.
+        ("demo_adaptive.yaml", [f"launch-{k}" for k in range(6)]),
     ],
 )
 def test_launch_groups_run_in_order(compiled, name, groups):
@@ -100,7 +104,7 @@ def test_launch_groups_run_in_order(compiled, name, groups):
             assert group[task]["inputs"]["parameters"]["launch_index"]["runtimeValue"]["constant"] == k
     plan_inputs = tasks["plan"]["inputs"]["parameters"]
     assert plan_inputs["num_launch_slots"]["runtimeValue"]["constant"] == len(groups)
-    named = "" if name == "demo.yaml" else ",".join(groups)
+    named = "" if name in ("demo.yaml", "demo_adaptive.yaml") else ",".join(groups)
     assert plan_inputs["expected_launches"]["runtimeValue"]["constant"] == named
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from batchpilot.errors import BatchpilotError
 from batchpilot.rundoc import read_run_document
 
 
@@ -59,12 +60,33 @@ def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from batchpilot.planner import adaptive_run, is_adaptive
     from batchpilot.train.trainer import train
+    from batchpilot.workflow import current_document
 
     document = read_run_document(args.plan)
     output_dir = Path(args.output_dir or f"runs/{document.config.name}")
+    adaptive = None
+    if is_adaptive(document.config):
+        # The stages as the decisions so far make them (adaptive.json beside the checkpoints), and the rule.
+        document = current_document(document)
+        if len(document.plan.select(args.stage, allow_all=True)) != 1:
+            raise BatchpilotError(
+                "--stage",
+                f"{args.stage!r} names several stages, but an adaptive ramp-up trains one stage per launch (the "
+                "next stage's batch is decided when it ends)",
+                f"give one stage: {document.plan.stages[-1].index} is the last one decided so far",
+            )
+        adaptive = adaptive_run(
+            document.config, micro_batch_size=document.plan.micro_batch_size, decisions=document.decisions
+        )
     return train(
-        config=document.config, plan=document.plan, stage=args.stage, output_dir=output_dir, audit=args.audit
+        config=document.config,
+        plan=document.plan,
+        stage=args.stage,
+        output_dir=output_dir,
+        audit=args.audit,
+        adaptive=adaptive,
     )
 
 

@@ -18,7 +18,14 @@ logger = logging.getLogger(__name__)
 
 EXAMPLE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 """The example configs shipped inside the package (the repository's configs/ links here)."""
-EXAMPLES = ("demo.yaml", "nemo_gpt3_5b.yaml", "llama_5b.yaml", "maxtext_per_device.yaml")
+EXAMPLES = (
+    "demo.yaml",
+    "demo_adaptive.yaml",
+    "nemo_gpt3_5b.yaml",
+    "llama_5b.yaml",
+    "llama_5b_tpu.yaml",
+    "maxtext_per_device.yaml",
+)
 
 
 TARGETS = ("kfp", "vertex")

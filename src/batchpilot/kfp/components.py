@@ -149,8 +149,9 @@ def report(
     from batchpilot.rundoc import parse_run_document
 
     configure_console()
+    document = parse_run_document(plan_json)
     summary, _ = workflow.report(
-        parse_run_document(plan_json),
+        document,
         explore_dir=Path(explore_dir.path) if explore_dir else None,
         html_path=Path(run_report.path),
         markdown_path=Path(plan_table.path),
@@ -159,6 +160,7 @@ def report(
         run_metrics.log_metric(name, value)
     if run_dir:
         workflow.keep_copies(run_dir, {"report.html": Path(run_report.path)})
+        workflow.keep_run_record(run_dir, document)
 
 
 COMPONENT_FUNCTIONS = (prepare_explore_pool, explore, plan, resize_pool, train_stage, scale_down, report)

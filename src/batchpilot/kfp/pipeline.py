@@ -19,6 +19,7 @@ from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.images import check_image
 from batchpilot.kfp.components import build_components
+from batchpilot.planner import is_adaptive
 from batchpilot.planning.stages import stage_name
 from batchpilot.workflow import (
     TaskTimeouts,
@@ -146,13 +147,21 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     timeouts = task_timeouts(config) if config.cluster.backend == "gke" else None
     groups = [_launch_pipeline(ops, index=k, name=name, timeouts=timeouts) for k, name in enumerate(names)]
     # The groups are the plan's launches, by name, when the micro batch and the target are known now.
-    named = config.batch.micro_batch_size != "explore" and config.batch.global_batch_size != "auto"
+    adaptive = is_adaptive(config)
+    named = (
+        config.batch.micro_batch_size != "explore"
+        and config.batch.global_batch_size != "auto"
+        and not adaptive
+    )
     explores = explore_in_pipeline(config)
     first = "explore the micro batch, plan" if explores else "plan"
+    ramp = (
+        f"an adaptive ramp-up of at most {num_stages} stages" if adaptive else f"a {num_stages}-stage ramp-up"
+    )
 
     @dsl.pipeline(
         name=f"batchpilot-{config.name}",
-        description=f"batchpilot {__version__}: {first} a {num_stages}-stage ramp-up, train each launch "
+        description=f"batchpilot {__version__}: {first} {ramp}, train each launch "
         "(consecutive stages on one node count) on its node count, report; the pool is scaled down at the end.",
     )
     def batchpilot(
@@ -190,7 +199,8 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 micro_batch_size=micro_batch_size,
                 total_samples=total_samples,
                 # auto: the study sets the target, so the stage count is known only then (0: any).
-                expected_num_stages=0 if config.batch.global_batch_size == "auto" else num_stages,
+                # adaptive: the stages are decided as the run goes (at most one per launch slot).
+                expected_num_stages=0 if config.batch.global_batch_size == "auto" or adaptive else num_stages,
                 expected_launches=",".join(names) if named else "",
                 num_launch_slots=len(names),
                 run_dir=run_dir,

@@ -294,3 +294,18 @@ def adaptive_schedule(
         thresholds.append(ramp_samples)
         batches.append(target)
     return BatchSchedule(thresholds=tuple(thresholds), batch_sizes=tuple(batches))
+
+
+@dataclass(frozen=True)
+class AdaptiveRun:
+    """What a trainer of an adaptive ramp-up needs: the rule, the batch sizes the node schedule accepts,
+    the pipeline's stage limit and the decisions taken before this launch."""
+
+    rule: AdaptiveRule
+    accepted: tuple[int, ...]
+    max_stages: int
+    decisions: tuple[StageDecision, ...]
+
+    def open_stage(self) -> int:
+        """The index of the stage whose end the rule decides (the one after the last decision)."""
+        return len(self.decisions)

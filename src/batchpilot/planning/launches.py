@@ -87,10 +87,11 @@ def launch_of(stages: Sequence[Stage], *, index: int) -> Launch:
 
 
 def launches(plan: Plan) -> list[Launch]:
-    """The plan's launches in order: maximal runs of consecutive stages with equal `num_nodes`."""
+    """The plan's launches in order: maximal runs of consecutive stages with equal `num_nodes` (one stage
+    each when the plan says `stage_per_launch`)."""
     groups: list[list[Stage]] = []
     for stage in plan.stages:
-        if groups and groups[-1][-1].num_nodes == stage.num_nodes:
+        if groups and groups[-1][-1].num_nodes == stage.num_nodes and not plan.stage_per_launch:
             groups[-1].append(stage)
         else:
             groups.append([stage])

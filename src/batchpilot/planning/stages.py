@@ -66,6 +66,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     parallelism: str = "ddp"
     """How the trainers spread the model: ddp, fsdp or hsdp (train.parallelism, `auto` resolved)."""
+    stage_per_launch: bool = False
+    """Every stage is its own launch (an adaptive ramp-up: the next stage's batch is decided when one ends)."""
 
     @property
     def trained_samples(self) -> int:
@@ -115,6 +117,7 @@ class Plan:
             "parallelism": self.parallelism,
             "notes": list(self.notes),
             "stages": [asdict(stage) for stage in self.stages],
+            **({"stage_per_launch": True} if self.stage_per_launch else {}),
         }
 
     @classmethod
@@ -128,6 +131,7 @@ class Plan:
             lr_schedule=LRSchedule(**data["lr_schedule"]),
             notes=tuple(data.get("notes", ())),
             parallelism=data["parallelism"],
+            stage_per_launch=data.get("stage_per_launch", False),
         )
 
 
@@ -180,6 +184,7 @@ def plan_stages(
     tensor_parallel_size: int = 1,
     num_pipeline_microbatches: int | None = None,
     tpu: TpuSlices | None = None,
+    each_stage_alone: bool = False,
 ) -> Plan:
     """Turns a batch schedule into validated stages with node counts (with `tpu`, only host counts that
     form a slice of the TPU type, and each stage's topology).
@@ -194,17 +199,28 @@ def plan_stages(
     # The trainer makes every f-th host a loading host: with a whole factor f > 1, only node counts that f
     # divides can run (a fractional f > 1 is refused below, by num_loading_hosts, as the trainer does).
     whole = expansion_factor > 1 and expansion_factor.denominator == 1
-    nodes = schedule_nodes(
-        batch_sizes=[batch for batch, _, _ in ranges],
-        micro_batch_size=micro_batch_size,
-        devices_per_node=devices_per_node,
-        max_nodes=max_nodes,
-        min_nodes=min_nodes,
-        pipeline_parallel_size=pipeline_parallel_size,
-        tensor_parallel_size=tensor_parallel_size,
-        loading_factor=int(expansion_factor) if whole else 1,
-        allowed_nodes=tpu.host_counts() if tpu else None,
-    )
+
+    def nodes_for(batch_sizes: list[int], cap: int) -> list[int]:
+        return schedule_nodes(
+            batch_sizes=batch_sizes,
+            micro_batch_size=micro_batch_size,
+            devices_per_node=devices_per_node,
+            max_nodes=cap,
+            min_nodes=min_nodes,
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            loading_factor=int(expansion_factor) if whole else 1,
+            allowed_nodes=tpu.host_counts() if tpu else None,
+        )
+
+    batches = [batch for batch, _, _ in ranges]
+    if each_stage_alone:
+        # Stages decided one at a time (adaptive): each batch gets the most nodes up to the target's that
+        # split it, whatever the stages after it, so a stage keeps its node count as later ones are added.
+        target_nodes = nodes_for(batches[-1:], max_nodes)[0]
+        nodes = [nodes_for([batch], target_nodes)[0] for batch in batches]
+    else:
+        nodes = nodes_for(batches, max_nodes)
     stages = []
     for index, ((batch, start, end), num_nodes) in enumerate(zip(ranges, nodes, strict=True)):
         dp = data_parallel_size(

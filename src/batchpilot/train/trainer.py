@@ -32,13 +32,15 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.planning.adaptive import AdaptiveRun, NoisePoint, StageDecision, decide
 from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
+from batchpilot.train.decisions import write_decisions
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
-from batchpilot.train.noise import NoiseScaleEMA
+from batchpilot.train.noise import NoiseScaleEMA, noise_terms
 from batchpilot.train.parallel import Parallel, Strategy, global_sum, wrap_model
 from batchpilot.train.shape import model_shape
 from batchpilot.train.state import restore_training_state, training_state
@@ -48,6 +50,7 @@ from batchpilot.train.step import (
     accumulate_gradients,
     install_oom_injection,
 )
+from batchpilot.train.xla import XLA_RUNTIME, resolve_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +227,11 @@ class _Loop:
     last_log_s: float = 0.0
     last_save_s: float = field(default_factory=time.monotonic)
     preempted_file: Path | None = None
+    adaptive: AdaptiveRun | None = None
+    trace: list[NoisePoint] = field(default_factory=list)
+    """An adaptive ramp-up's noise measurements so far (every step that measured one), in checkpoints."""
+    decided: StageDecision | None = None
+    """The decision that ended the open stage in this process, if it fired."""
 
     def run(self) -> int:
         end = self.stages[-1].end_sample
@@ -248,6 +256,10 @@ class _Loop:
                 self._halve_micro_batch(stage, micro)
                 continue
             self._finish_step(stage, outcome, micro, accumulation, step_time_s, lr)
+            if self.decided is not None:  # the adaptive rule ended the stage here: the next is another launch
+                self._save()
+                log(self.ctx, f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
+                return 0
             if self.consumed == stage.end_sample:
                 self._save()
                 self._stage_done(stage)
@@ -354,19 +366,21 @@ class _Loop:
         loss, small_sq = self.ctx.mean([outcome.loss, outcome.small_sq_norm or 0.0])
         noise_scale = None
         if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
+            b_small, b_big = outcome.small_batch, stage.global_batch_size
+            big_sq = grad_norm**2
             noise_scale = self.noise.update(
-                small_sq_norm=small_sq,
-                big_sq_norm=grad_norm**2,
-                b_small=outcome.small_batch,
-                b_big=stage.global_batch_size,
+                small_sq_norm=small_sq, big_sq_norm=big_sq, b_small=b_small, b_big=b_big
             )
+            if self.adaptive is not None:
+                g2, s = noise_terms(small_sq_norm=small_sq, big_sq_norm=big_sq, b_small=b_small, b_big=b_big)
+                self.trace.append(NoisePoint(consumed_samples=self.consumed, g2=g2, s=s))
         tokens_per_s = stage.global_batch_size * self.config.data.seq_len / step_time_s
         mfu = (
             tokens_per_s * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
             if self.peak_flops
             else None
         )
-        record = {
+        record: dict[str, Any] = {
             "step": self.step,
             "consumed_samples": self.consumed,
             "stage": stage.index,
@@ -385,9 +399,38 @@ class _Loop:
             "gradient_coherence": outcome.coherence,
             "val_loss": val_loss,
         }
+        if self.adaptive is not None:  # the rule's inputs and outcome, so that it can be replayed
+            last = self.trace[-1] if self.trace and self.trace[-1].consumed_samples == self.consumed else None
+            record["noise_g2"], record["noise_s"] = (last.g2, last.s) if last else (None, None)
+            record["adaptive_decision"] = self._adaptive_decision(stage)
         if self.metrics is not None:
             self.metrics.append(record)
         self._progress(stage, record)
+
+    def _adaptive_decision(self, stage: Stage) -> dict[str, Any] | None:
+        """The adaptive rule after this step, on the open stage only: when it fires, the decision goes to
+        `adaptive.json` (before the checkpoint that ends the stage: a replay from an earlier checkpoint
+        reaches the same decision at the same sample) and into this step's metrics record."""
+        assert self.adaptive is not None
+        if stage.is_final or stage.index != self.adaptive.open_stage():
+            return None
+        decision = decide(
+            self.trace,
+            rule=self.adaptive.rule,
+            current=stage.global_batch_size,
+            stage_start=stage.start_sample,
+            accepted=self.adaptive.accepted,
+            last_ramp_stage=stage.index >= self.adaptive.max_stages - 2,
+        )
+        if not decision.fired:
+            return None
+        assert decision.next_batch is not None
+        self.decided = StageDecision(
+            stage=stage.index, end_sample=self.consumed, next_batch=decision.next_batch, decision=decision
+        )
+        if self.ctx.is_main:
+            write_decisions(self.config.train.checkpoint_uri, [*self.adaptive.decisions, self.decided])
+        return self.decided.to_dict()
 
     def _progress(self, stage: Stage, record: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -437,6 +480,11 @@ class _Loop:
                 "stage": self.plan.stage_at(self.consumed - 1).index,
                 "data_order": data_order(self.config),
                 "noise_scale_ema": self.noise.state_dict(),
+                **(
+                    {"adaptive_trace": [[p.consumed_samples, p.g2, p.s] for p in self.trace]}
+                    if self.adaptive
+                    else {}
+                ),
             },
         )
         log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}")
@@ -473,8 +521,28 @@ def restore_metrics(metrics: MetricsLog, checkpointer: Checkpointer, *, consumed
     metrics.truncate_to(consumed)
 
 
-def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bool = False) -> int:
-    """Trains the selected stage(s) of `plan` in this process (one rank of a torchrun job); returns the exit code."""
+def train(
+    *,
+    config: Config,
+    plan: Plan,
+    stage: str,
+    output_dir: Path,
+    audit: bool = False,
+    adaptive: AdaptiveRun | None = None,
+) -> int:
+    """Trains the selected stage(s) of `plan` in this process (one rank of a torchrun job); returns the exit code.
+    With `adaptive` (an adaptive ramp-up) the open stage ends where the rule fires (`_adaptive_decision`)."""
+    if resolve_runtime(config) == XLA_RUNTIME:  # torch_xla, one process per host: train/xla_loop.py
+        from batchpilot.train.xla_loop import train_xla
+
+        return train_xla(
+            config=config,
+            plan=plan,
+            stage=stage,
+            output_dir=output_dir,
+            audit=audit,
+            adaptive=adaptive is not None,
+        )
     stages = list(plan.select(stage, allow_all=True))
     ctx = DistContext.from_env()
     # `all` trains every stage on whatever world divides them (tests, one-machine runs); a stage or a range
@@ -558,7 +626,12 @@ def train(*, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bo
         flops_per_token=model_flops_per_token(config),
         peak_flops=device_peak(config, ctx.device, bf16=uses_bf16(ctx.device, config.train.precision)),
         preempted_file=output_dir / PREEMPTED_FILE,
+        adaptive=adaptive,
     )
+    if adaptive is not None and checkpoint is not None:
+        loop.trace = [
+            NoisePoint(int(c), float(g2), float(s)) for c, g2, s in checkpoint.meta.get("adaptive_trace", [])
+        ]
     loop.saved_step = loop.step if checkpoint else -1
     loop.micro_override = read_micro_batch_overrides(checkpointer)
     if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:
