@@ -7,4 +7,7 @@ bash scripts/setup.sh
 if [ ! -f runs/demo/data/manifest.json ]; then
   .venv/bin/batchpilot data prepare --demo --out file://runs/demo/data
 fi
-exec .venv/bin/batchpilot run --local --config configs/demo.yaml --output "runs/demo/run-$(date +%Y%m%d-%H%M%S)" "$@"
+# DEMO_CONFIG=configs/demo_adaptive.yaml runs the adaptive ramp-up demo instead (stages decided at run time).
+config=${DEMO_CONFIG:-configs/demo.yaml}
+name=$(basename "$config" .yaml)
+exec .venv/bin/batchpilot run --local --config "$config" --output "runs/$name/run-$(date +%Y%m%d-%H%M%S)" "$@"

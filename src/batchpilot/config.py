@@ -583,11 +583,12 @@ _UNION_MEMBER = re.compile(r"^(constrained-int|int|literal\[.*\])$")
 
 def _location(loc: tuple[int | str, ...]) -> str:
     parts: list[str] = []
-    for part in loc:
+    for index, part in enumerate(loc):
         if isinstance(part, int):
             parts[-1:] = [f"{parts[-1] if parts else ''}[{part}]"]
         elif (
-            part not in ("megatron", "maxtext")
+            # the ramp-up union's tag, right after `rampup` (`adaptive` is also its member's only field)
+            not (index and loc[index - 1] == "rampup" and part in ("megatron", "maxtext", "adaptive"))
             and not str(part).startswith("function-")
             and not _UNION_MEMBER.match(str(part))
         ):

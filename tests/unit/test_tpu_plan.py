@@ -228,3 +228,26 @@ def test_plan_json_records_each_stage_topology(tmp_path):
     assert main(["plan", "--config", str(TPU_EXAMPLE), "--out", str(out)]) == 0
     stages = json.loads(out.read_text())["stages"]
     assert [stage["tpu_topology"] for stage in stages] == ["2x4", "4x4", "4x8", "4x8", "4x8"]
+
+
+def test_a_local_launch_of_runtime_xla_says_how_to_train_instead(tmp_path, capsys):
+    """Local launches start torchrun (a process per device); XLA wants one process per host: refused with
+    the command that does it, before any process starts."""
+    config = {
+        "name": "xla-local",
+        "data": {"uri": "file:///nonexistent", "seq_len": 32},
+        "cluster": {"devices_per_node": 2, "max_nodes": 1},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        "train": {"total_samples": 64, "lr": 1e-3, "runtime": "xla", "checkpoint_uri": f"file://{tmp_path}/c"},
+        "explore": {"study": False},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(path), "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["launch", "--plan", str(plan), "--stage", "0", "--output-dir", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("batchpilot: error: train.runtime: is xla, but local launches start torchrun")
+    assert "PJRT_DEVICE=CPU CPU_NUM_DEVICES=<nodes x devices_per_node> batchpilot train" in line
+    assert not (tmp_path / "out").exists()
