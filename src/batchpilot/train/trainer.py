@@ -26,7 +26,6 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
-from batchpilot.data.sampling import rank_micro_batches
 from batchpilot.data.storage import ObjectNotFound
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
@@ -50,6 +49,7 @@ from batchpilot.train.step import (
     accumulate_gradients,
     install_oom_injection,
 )
+from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
 from batchpilot.train.xla import XLA_RUNTIME, resolve_runtime
 
 logger = logging.getLogger(__name__)
@@ -374,31 +374,25 @@ class _Loop:
             if self.adaptive is not None:
                 g2, s = noise_terms(small_sq_norm=small_sq, big_sq_norm=big_sq, b_small=b_small, b_big=b_big)
                 self.trace.append(NoisePoint(consumed_samples=self.consumed, g2=g2, s=s))
-        tokens_per_s = stage.global_batch_size * self.config.data.seq_len / step_time_s
-        mfu = (
-            tokens_per_s * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
-            if self.peak_flops
-            else None
+        record = step_record(
+            step=self.step,
+            consumed=self.consumed,
+            stage=stage,
+            micro=micro,
+            accumulation=accumulation,
+            world_size=self.ctx.world_size,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=step_time_s,
+            seq_len=self.config.data.seq_len,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.peak_flops,
+            peak_memory_bytes=peak_memory_bytes(self.ctx.device),
+            noise_scale=noise_scale,
+            coherence=outcome.coherence,
+            val_loss=val_loss,
         )
-        record: dict[str, Any] = {
-            "step": self.step,
-            "consumed_samples": self.consumed,
-            "stage": stage.index,
-            "global_batch_size": stage.global_batch_size,
-            "micro_batch_size": micro,
-            "gradient_accumulation_steps": accumulation,
-            "world_size": self.ctx.world_size,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu,
-            "step_time_s": step_time_s,
-            "peak_memory_bytes": peak_memory_bytes(self.ctx.device),
-            "noise_scale": noise_scale,
-            "gradient_coherence": outcome.coherence,
-            "val_loss": val_loss,
-        }
         if self.adaptive is not None:  # the rule's inputs and outcome, so that it can be replayed
             last = self.trace[-1] if self.trace and self.trace[-1].consumed_samples == self.consumed else None
             record["noise_g2"], record["noise_s"] = (last.g2, last.s) if last else (None, None)
@@ -437,29 +431,14 @@ class _Loop:
         if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample and record["val_loss"] is None:
             return
         self.last_log_s = now
-        noise = f" | noise scale {record['noise_scale']:,.0f}" if record["noise_scale"] else ""
-        noise += f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
-        noise += f" | val loss {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
-        log(
-            self.ctx,
-            f"{stage.name} step {self.step} | samples {self.consumed:,}/{stage.end_sample:,} | batch "
-            f"{stage.global_batch_size} = {record['micro_batch_size']} x {self.ctx.world_size} x "
-            f"{record['gradient_accumulation_steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"{record['tokens_per_s']:,.0f} tok/s{noise}",
-        )
+        log(self.ctx, progress_line(stage, record, world=str(self.ctx.world_size)))
 
     def _audit(self, stage: Stage, micro: int) -> None:
         assert self.audit_dir is not None
-        positions = rank_micro_batches(
-            consumed_samples=self.consumed,
-            global_batch_size=stage.global_batch_size,
-            micro_batch_size=micro,
-            data_parallel_size=self.ctx.world_size,
-            data_parallel_rank=self.ctx.rank,
-        )
-        line = " ".join(str(p) for r in positions for p in r)
-        with (self.audit_dir / f"positions-rank{self.ctx.rank}.txt").open("a") as file:
-            file.write(f"{stage.index} {self.ctx.world_size} {line}\n")
+        append_audit(
+            self.audit_dir, stage, consumed=self.consumed, micro=micro, world_size=self.ctx.world_size,
+            ranks=[self.ctx.rank],
+        )  # fmt: skip
 
     def _save(self, why: str = "") -> None:
         if self.saved_step == self.step:
@@ -492,17 +471,7 @@ class _Loop:
         self.last_save_s = time.monotonic()
 
     def _stage_done(self, stage: Stage) -> None:
-        following = [s for s in self.plan.stages if s.index == stage.index + 1]
-        then = (
-            f"; next: {following[0].name} on {following[0].num_nodes} node(s)"
-            if following
-            else "; training complete"
-        )
-        log(
-            self.ctx,
-            f"{stage.name} done: samples [{stage.start_sample:,}, {stage.end_sample:,}) at global batch "
-            f"{stage.global_batch_size}, {self.step} optimizer steps so far{then}",
-        )
+        log(self.ctx, stage_done_line(self.plan, stage, step=self.step))
 
     def _preempted(self) -> int:
         self.optimizer.zero_grad(set_to_none=True)

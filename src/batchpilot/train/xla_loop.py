@@ -38,7 +38,6 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
-from batchpilot.data.sampling import rank_micro_batches
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.models.factory import build_model, set_activation_checkpointing
@@ -47,6 +46,7 @@ from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_st
 from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.step import INJECT_OOM_ENV, micro_batch_loss
+from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
 from batchpilot.train.trainer import (
     check_resume_point,
     check_same_data_order,
@@ -277,32 +277,25 @@ class XlaLoop:
         coherence: float | None,
         val_loss: float | None,
     ) -> None:
-        tokens_per_s = stage.global_batch_size * self.config.data.seq_len / step_time_s
-        mfu = (
-            tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
-            if self.peak_flops
-            else None
-        )
-        record = {
-            "step": self.step,
-            "consumed_samples": self.consumed,
-            "stage": stage.index,
-            "global_batch_size": stage.global_batch_size,
-            "micro_batch_size": micro,
-            "gradient_accumulation_steps": accumulation,
-            "world_size": self.world_size,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu,
-            "step_time_s": step_time_s,
-            "peak_memory_bytes": peak_memory_bytes(),
-            "noise_scale": noise_scale,
-            "gradient_coherence": coherence,
-            "val_loss": val_loss,
-            "runtime": XLA_RUNTIME,
-        }
+        record = step_record(
+            step=self.step,
+            consumed=self.consumed,
+            stage=stage,
+            micro=micro,
+            accumulation=accumulation,
+            world_size=self.world_size,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=step_time_s,
+            seq_len=self.config.data.seq_len,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.peak_flops,
+            peak_memory_bytes=peak_memory_bytes(),
+            noise_scale=noise_scale,
+            coherence=coherence,
+            val_loss=val_loss,
+        ) | {"runtime": XLA_RUNTIME}
         if self.metrics is not None:
             self.metrics.append(record)
         self._progress(stage, record)
@@ -312,30 +305,15 @@ class XlaLoop:
         if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample and record["val_loss"] is None:
             return
         self.last_log_s = now
-        extra = f" | noise scale {record['noise_scale']:,.0f}" if record["noise_scale"] else ""
-        extra += f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
-        extra += f" | val loss {record['val_loss']:.4f}" if record["val_loss"] is not None else ""
-        self.log(
-            f"{stage.name} step {self.step} | samples {self.consumed:,}/{stage.end_sample:,} | batch "
-            f"{stage.global_batch_size} = {record['micro_batch_size']} x {self.world_size} devices x "
-            f"{record['gradient_accumulation_steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"{record['tokens_per_s']:,.0f} tok/s{extra}",
-        )
+        self.log(progress_line(stage, record, world=f"{self.world_size} devices"))
 
     def _audit(self, stage: Stage, micro: int) -> None:
         """The positions every device (logical rank) trained, in the eager trainer's audit format."""
         assert self.audit_dir is not None
-        for device in range(self.world_size):
-            positions = rank_micro_batches(
-                consumed_samples=self.consumed,
-                global_batch_size=stage.global_batch_size,
-                micro_batch_size=micro,
-                data_parallel_size=self.world_size,
-                data_parallel_rank=device,
-            )
-            line = " ".join(str(p) for r in positions for p in r)
-            with (self.audit_dir / f"positions-rank{device}.txt").open("a") as file:
-                file.write(f"{stage.index} {self.world_size} {line}\n")
+        append_audit(
+            self.audit_dir, stage, consumed=self.consumed, micro=micro, world_size=self.world_size,
+            ranks=range(self.world_size),
+        )  # fmt: skip
 
     def _save(self, why: str = "") -> None:
         if self.saved_step == self.step:
@@ -364,16 +342,7 @@ class XlaLoop:
         self.last_save_s = time.monotonic()
 
     def _stage_done(self, stage: Stage) -> None:
-        following = [s for s in self.plan.stages if s.index == stage.index + 1]
-        then = (
-            f"; next: {following[0].name} on {following[0].num_nodes} node(s)"
-            if following
-            else "; training complete"
-        )
-        self.log(
-            f"{stage.name} done: samples [{stage.start_sample:,}, {stage.end_sample:,}) at global batch "
-            f"{stage.global_batch_size}, {self.step} optimizer steps so far{then}",
-        )
+        self.log(stage_done_line(self.plan, stage, step=self.step))
 
     def _preempted(self) -> int:
         self.optimizer.zero_grad(set_to_none=True)
