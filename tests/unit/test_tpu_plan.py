@@ -238,7 +238,12 @@ def test_a_local_launch_of_runtime_xla_says_how_to_train_instead(tmp_path, capsy
         "data": {"uri": "file:///nonexistent", "seq_len": 32},
         "cluster": {"devices_per_node": 2, "max_nodes": 1},
         "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-        "train": {"total_samples": 64, "lr": 1e-3, "runtime": "xla", "checkpoint_uri": f"file://{tmp_path}/c"},
+        "train": {
+            "total_samples": 64,
+            "lr": 1e-3,
+            "runtime": "xla",
+            "checkpoint_uri": f"file://{tmp_path}/c",
+        },
         "explore": {"study": False},
     }
     path = tmp_path / "c.yaml"
