@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from batchpilot.errors import BatchpilotError
+from batchpilot.planning.tpu import is_tpu
 from batchpilot.planning.units import parse_bytes, parse_count
 
 
@@ -558,12 +559,11 @@ class Config(_Section):
 
 
 def resolved_runtime(config: Config) -> Literal["eager", "xla"]:
-    """`train.runtime` resolved: `auto` is xla when `cluster.accelerator_type` is a GKE TPU type (their labels
-    start with `tpu-`), else eager."""
+    """`train.runtime` resolved: `auto` is xla when `cluster.accelerator_type` is a GKE TPU type, else eager."""
     runtime = config.train.runtime
     if runtime != "auto":
         return runtime
-    return "xla" if (config.cluster.accelerator_type or "").startswith("tpu-") else "eager"
+    return "xla" if is_tpu(config.cluster.accelerator_type) else "eager"
 
 
 class ConfigError(BatchpilotError):

@@ -112,11 +112,6 @@ def check_parallelism(config: Config) -> None:
             )
 
 
-def runtime(config: Config) -> str:
-    """`train.runtime` resolved: xla on a TPU type (`auto`), else eager."""
-    return resolved_runtime(config)
-
-
 def tpu_plan_slices(config: Config) -> TpuSlices | None:
     """The slices the config's TPU type can form (None: not a TPU pool).
 
@@ -168,7 +163,7 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
                     "set train.runtime: xla (or auto)",
                 )
             )
-    if runtime(config) == "xla":
+    if resolved_runtime(config) == "xla":
         if train.parallelism in ("ddp", "hsdp"):
             problems.append(
                 BatchpilotError(
@@ -707,7 +702,7 @@ def memory_plan(
     )
     return plan_memory(
         # SPMD under xla shards over every device of the slice: the memory of fsdp.
-        requested="fsdp" if runtime(config) == "xla" else config.train.parallelism,
+        requested="fsdp" if resolved_runtime(config) == "xla" else config.train.parallelism,
         shape=shape,
         stages=plan.stages,
         devices_per_node=cluster.devices_per_node,

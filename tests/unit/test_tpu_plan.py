@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from batchpilot.cli import main
-from batchpilot.config import load_config
+from batchpilot.config import load_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan, runtime
+from batchpilot.planner import build_plan
 from batchpilot.planning.launches import launch_summary
 from batchpilot.planning.nodes import walk_nodes
 from batchpilot.planning.table import plan_table
@@ -96,7 +96,7 @@ def test_the_node_walk_only_picks_slice_host_counts():
 
 def test_the_tpu_example_grows_its_slice_with_the_batch():
     config = load_config(TPU_EXAMPLE)
-    assert runtime(config) == "xla"
+    assert resolved_runtime(config) == "xla"
     plan = build_plan(config, micro_batch_size=2)
     assert [(s.global_batch_size, s.num_nodes, s.tpu_topology) for s in plan.stages] == [
         (16, 2, "2x4"),
@@ -116,7 +116,7 @@ def test_the_tpu_example_grows_its_slice_with_the_batch():
 def test_a_gpu_plan_has_no_slice_column():
     config = load_config(TPU_EXAMPLE.parent / "llama_5b.yaml")
     plan = build_plan(config, micro_batch_size=2)
-    assert runtime(config) == "eager"
+    assert resolved_runtime(config) == "eager"
     assert all(stage.tpu_topology is None for stage in plan.stages)
     assert "slice" not in [column.name for column in plan_table(plan).columns]
 

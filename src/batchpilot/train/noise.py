@@ -37,6 +37,10 @@ class NoiseScaleEMA:
         g2, s = noise_terms(
             small_sq_norm=small_sq_norm, big_sq_norm=big_sq_norm, b_small=b_small, b_big=b_big
         )
+        return self.add(g2=g2, s=s)
+
+    def add(self, *, g2: float, s: float) -> float | None:
+        """Adds one step's unbiased estimates (`noise_terms`); returns the smoothed B_simple."""
         self._g2 = self.decay * self._g2 + (1 - self.decay) * g2
         self._s = self.decay * self._s + (1 - self.decay) * s
         self._weight = self.decay * self._weight + (1 - self.decay)

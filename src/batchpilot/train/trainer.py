@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from batchpilot.config import Config
+from batchpilot.config import Config, resolved_runtime
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.storage import ObjectNotFound
 from batchpilot.errors import BatchpilotError
@@ -50,7 +50,7 @@ from batchpilot.train.step import (
     install_oom_injection,
 )
 from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
-from batchpilot.train.xla import XLA_RUNTIME, resolve_runtime
+from batchpilot.train.xla import XLA_RUNTIME
 
 logger = logging.getLogger(__name__)
 
@@ -366,13 +366,14 @@ class _Loop:
         loss, small_sq = self.ctx.mean([outcome.loss, outcome.small_sq_norm or 0.0])
         noise_scale = None
         if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
-            b_small, b_big = outcome.small_batch, stage.global_batch_size
-            big_sq = grad_norm**2
-            noise_scale = self.noise.update(
-                small_sq_norm=small_sq, big_sq_norm=big_sq, b_small=b_small, b_big=b_big
+            g2, s = noise_terms(
+                small_sq_norm=small_sq,
+                big_sq_norm=grad_norm**2,
+                b_small=outcome.small_batch,
+                b_big=stage.global_batch_size,
             )
+            noise_scale = self.noise.add(g2=g2, s=s)
             if self.adaptive is not None:
-                g2, s = noise_terms(small_sq_norm=small_sq, big_sq_norm=big_sq, b_small=b_small, b_big=b_big)
                 self.trace.append(NoisePoint(consumed_samples=self.consumed, g2=g2, s=s))
         record = step_record(
             step=self.step,
@@ -501,7 +502,7 @@ def train(
 ) -> int:
     """Trains the selected stage(s) of `plan` in this process (one rank of a torchrun job); returns the exit code.
     With `adaptive` (an adaptive ramp-up) the open stage ends where the rule fires (`_adaptive_decision`)."""
-    if resolve_runtime(config) == XLA_RUNTIME:  # torch_xla, one process per host: train/xla_loop.py
+    if resolved_runtime(config) == XLA_RUNTIME:  # torch_xla, one process per host: train/xla_loop.py
         from batchpilot.train.xla_loop import train_xla
 
         return train_xla(

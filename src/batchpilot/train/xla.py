@@ -25,15 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchpilot.config import Config, resolved_runtime
+from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 
 XLA_RUNTIME = "xla"
-
-
-def resolve_runtime(config: Config) -> str:
-    """`train.runtime`: `eager` or `xla` (auto: xla when `cluster.accelerator_type` is a TPU type)."""
-    return resolved_runtime(config)
 
 
 def import_torch_xla() -> Any:
