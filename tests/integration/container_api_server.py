@@ -16,10 +16,13 @@ TPU slice node pools (machine types in `gke_nodes.TPU_MACHINES`) follow GKE's ru
 the refusals is GKE's where a real message was seen (quoted below), else modelled on it:
 - create (GKE docs "Deploy TPU workloads in GKE Standard", "Plan TPUs in GKE"):
   `placementPolicy.tpuTopology` must be a topology of the machine type; a multi-host slice (more than
-  one VM) needs a node count of zero or chips of the topology / chips per VM, and one zone;
+  one VM) needs a node count of zero or chips of the topology / chips per VM, and one zone (inferred,
+  not quoted: the docs create every multi-host slice pool with a single `--node-locations` zone);
 - a multi-host slice pool cannot be resized (GKE docs "About TPUs in GKE": once a multi-host slice
   node pool exists, nodes cannot be added to it, and its hosts are one atomic unit; another shape
-  takes a new node pool): `:setSize` is refused;
+  takes a new node pool): `:setSize` is refused, to 0 as well (inferred: the docs do not say whether
+  GKE accepts a resize of a slice to 0, so the stand-in takes the stricter reading and batchpilot
+  deletes slice pools instead of resizing them);
 - autoscaling of a multi-host slice goes between 0 and the whole slice ("About TPUs in GKE":
   the autoscaler gives such a pool exactly 0 or all of its hosts), and GKE checks the per-zone
   maximum: "Maximum node count 0 is not a valid size of TPU pod slice with topology 2x2x2" (GKE's
