@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 def _launch_groups(names: list[str]) -> str:
     """`launches stages-0-3, stage-4, final`, or `up to 4 launch(es)` for an explored micro batch's slots."""
     if names and all(name.startswith("launch-") for name in names):
-        return f"up to {len(names)} launch(es) (their node counts follow from the explored micro batch)"
+        return f"up to {len(names)} launch(es) (their node counts follow from explore, or are decided as the run goes)"
     return f"launches {', '.join(names)}"
 
 
