@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -108,3 +109,30 @@ def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout_s:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     raise AssertionError(f"{metrics} did not reach {steps} steps")
+
+
+SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
+"""Published CRDs the rendered objects are validated against (sources in its README.md)."""
+
+
+def crd_schema(filename: str, *, version: str | None = None) -> dict:
+    """The OpenAPI v3 schema of a CRD file under SCHEMAS: `version`'s, or the first served version's."""
+    crd = _load_crd(filename)
+    versions = crd["spec"]["versions"]
+    chosen = next(v for v in versions if v["name"] == version) if version else versions[0]
+    return chosen["schema"]["openAPIV3Schema"]
+
+
+@functools.cache
+def _load_crd(filename: str) -> dict:
+    # The C loader: the CRDs are large and the pure-Python loader takes seconds.
+    return yaml.load((SCHEMAS / filename).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def validate_crd(obj: dict, filename: str, *, version: str | None = None) -> None:
+    """Validates `obj` against a published CRD's schema (jsonschema Draft 7 covers what they use; the
+    Kubernetes `x-kubernetes-*` extensions are ignored)."""
+    import jsonschema
+
+    # Not jsonschema.validate: it would first meta-validate the large schema, which costs seconds a call.
+    jsonschema.Draft7Validator(crd_schema(filename, version=version)).validate(obj)

@@ -11,11 +11,10 @@ import yaml
 from kube_api_server import KubeServer, kube_server_running
 
 from batchpilot.cli import main
-from helpers import REPO, run_batchpilot
+from helpers import REPO, run_batchpilot, validate_crd
 
 pytestmark = pytest.mark.slow  # real `batchpilot plan` and `launch` processes
 
-SCHEMA = REPO.parent / "shared" / "schemas" / "jobset.x-k8s.io_jobsets.yaml"
 COMPLETED = {"conditions": [{"type": "Completed", "status": "True", "message": "jobset completed"}]}
 
 
@@ -37,15 +36,11 @@ def make_plan(folder: Path) -> Path:
 
 
 def test_launch_dryrun_prints_the_multi_host_tpu_jobset(tmp_path):
-    import jsonschema
-
     plan = make_plan(tmp_path)
     result = run_batchpilot("launch", "--plan", str(plan), "--stage", "stages-2-final", "--dryrun")
     assert result.returncode == 0, result.stderr
     jobset = yaml.safe_load(result.stdout)  # stdout is the YAML alone
-    if SCHEMA.exists():
-        crd = yaml.safe_load(SCHEMA.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-        jsonschema.Draft7Validator(crd).validate(jobset)
+    validate_crd(jobset, "jobset.x-k8s.io_jobsets.yaml")
     job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["parallelism"] == job["completions"] == 8 and job["completionMode"] == "Indexed"
     pod = job["template"]["spec"]

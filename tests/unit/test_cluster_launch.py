@@ -1,6 +1,6 @@
 """What `batchpilot launch --dryrun` renders for GKE: a JobSet or a Volcano Job, validated against schemas.
 
-The CRD schemas come from ../shared/schemas (published JobSet and Volcano CRDs); the pod templates
+The CRD schemas are the published JobSet and Volcano CRDs under tests/fixtures/schemas; the pod templates
 inside are checked with kubernetes-validate --strict as the Job/Pod objects the controllers create.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import io
 import json
 import os
@@ -27,32 +26,9 @@ from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planner import make_run_document
 from batchpilot.threads import local_trainer_threads
-from helpers import REPO
+from helpers import validate_crd
 
-SCHEMAS = REPO.parent / "shared" / "schemas"
 K8S_VERSION = "1.30.0"
-
-
-@functools.cache
-def _load_crd(path: Path) -> dict:
-    # The C loader: the CRDs are large and the pure-Python loader takes seconds.
-    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def crd_schema(filename: str) -> dict:
-    path = SCHEMAS / filename
-    if not path.exists():
-        pytest.skip(f"{path} is absent: the published CRD schemas live next to the repo (../shared/schemas)")
-    return _load_crd(path)
-
-
-def validate_crd(obj: dict, filename: str) -> None:
-    import jsonschema
-
-    # Draft 7 covers what the CRDs' OpenAPI v3 schemas use; jsonschema.validate would first
-    # meta-validate the large schema, which costs seconds per call.
-    jsonschema.Draft7Validator(crd_schema(filename)).validate(obj)
 
 
 def validate_k8s(obj: dict) -> None:
