@@ -128,3 +128,54 @@ def task_pod(
         },
         "spec": spec,
     }
+
+
+# --- retries: KFP's retry policy as Argo applies it -----------------------------------------------
+
+
+def retry_policy(pipeline: dict[str, Any], task_path: str) -> dict[str, Any]:
+    """The compiled `retryPolicy` of a task given as a path through the DAGs (empty: no retries)."""
+    components = pipeline["components"]
+    *groups, task = task_path.split("/")
+    found = _find_task(components, pipeline["root"]["dag"], groups, task)
+    if found is None:
+        raise KeyError(f"no task {task_path!r} in the pipeline")
+    return dict(found.get("retryPolicy") or {})
+
+
+def _seconds(duration: str) -> float:
+    """A protobuf Duration as KFP's compiled YAML writes it (`3600s`)."""
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
+
+
+def argo_retry(
+    policy: dict[str, Any], *, attempts: list[tuple[float, float]], now: float
+) -> tuple[float | None, str]:
+    """Whether Argo retries a failed task: (when the next attempt starts, its execution deadline) or
+    (None, why not), given each attempt's (started, finished) times and the controller's clock `now`.
+
+    KFP compiles the retry policy into the executor template's `retryStrategy` (kubeflow/pipelines
+    backend/src/v2/compiler/argocompiler/container.go, getTaskRetryStrategyFromInput: limit =
+    maxRetryCount, backoff.duration, backoff.factor, backoff.maxDuration = backoffMaxDuration). Argo's
+    `processNodeRetries` (argoproj/argo-workflows workflow/controller/operator.go), in its order:
+    - more child attempts than `limit` -> "No more retries left";
+    - maxDuration is counted from the FIRST attempt's StartedAt: `now` after it -> "Max duration limit
+      exceeded";
+    - the wait is duration x factor^(attempts - 1) after the last attempt's FinishedAt; a wait that ends
+      after the maxDuration deadline -> "Backoff would exceed max duration limit";
+    - otherwise the retry starts then, with the maxDuration deadline as its executionDeadline.
+    """
+    limit = int(policy.get("maxRetryCount") or 0)
+    if len(attempts) > limit:
+        return None, "No more retries left"
+    deadline = attempts[0][0] + _seconds(policy["backoffMaxDuration"])
+    if now > deadline:
+        return None, "Max duration limit exceeded"
+    wait_s = _seconds(policy["backoffDuration"]) * float(policy.get("backoffFactor") or 2) ** (
+        len(attempts) - 1
+    )
+    starts = attempts[-1][1] + wait_s
+    if starts > deadline:
+        return None, "Backoff would exceed max duration limit"
+    return starts, f"retry at {starts:.0f}, execution deadline {deadline:.0f}"

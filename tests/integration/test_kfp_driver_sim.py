@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from gke_sim import SimulatedGke, simulated_gke
-from kfp_driver import load_compiled, task_pod
+from kfp_driver import argo_retry, executor_label, load_compiled, retry_policy, task_pod
 
 ROOT = Path(__file__).resolve().parents[2]
 NEMO = ROOT / "pipelines" / "compiled" / "nemo_gpt3_5b.yaml"
@@ -98,3 +98,35 @@ def test_every_compiled_task_pod_passes_api_validation(gke):
         pod = task_pod(pipeline, platform, task)
         assert submit(gke, pod).metadata.name, task
     assert len(labels) >= len(tasks)
+
+
+HOUR_S = 3600.0
+DAY_S = 24 * HOUR_S
+
+
+def test_a_train_task_that_fails_after_hours_is_still_retried_and_each_retry_may_run_its_timeout():
+    """Argo's maxDuration rule on a simulated clock: the compiled train task's window fits every attempt
+    at its full timeout (30 days); KFP's default window (3600 s) would refuse the first retry."""
+    pipeline, platform = load_compiled(NEMO)
+    policy = retry_policy(pipeline, "final/train-stage")
+    timeout_s = float(
+        platform["deploymentSpec"]["executors"][executor_label(pipeline, "final/train-stage")][
+            "activeDeadlineSeconds"
+        ]
+    )
+    assert timeout_s == 30 * DAY_S
+    first = (0.0, 2 * HOUR_S)  # a launch that fails (e.g. evicted) two hours in
+    starts, why = argo_retry(policy, attempts=[first], now=first[1])
+    assert starts == 2 * HOUR_S + 60, why
+    # The second attempt runs to its timeout and fails; the third still gets its whole timeout.
+    second = (starts, starts + timeout_s)
+    third, why = argo_retry(policy, attempts=[first, second], now=second[1])
+    assert third == second[1] + 120, why
+    deadline = float(policy["backoffMaxDuration"].removesuffix("s"))
+    assert deadline >= third + timeout_s
+    assert argo_retry(policy, attempts=[first, second, (third, third + HOUR_S)], now=third + HOUR_S) == (
+        None, "No more retries left",
+    )  # fmt: skip
+    # The window KFP writes when backoff_max_duration is left out (sdk kfp/dsl/structures.py RetryPolicy).
+    old = {**policy, "backoffMaxDuration": "3600s"}
+    assert argo_retry(old, attempts=[first], now=first[1]) == (None, "Max duration limit exceeded")

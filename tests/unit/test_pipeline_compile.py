@@ -250,3 +250,30 @@ def test_local_pipeline_has_no_accelerator_settings():
     assert "accelerator" not in documents[0]["deploymentSpec"]["executors"]["exec-explore"]["container"].get(
         "resources", {}
     )
+
+
+def _seconds(duration: str) -> int:
+    return int(duration.removesuffix("s"))
+
+
+def test_every_retry_window_fits_all_attempts_at_their_full_timeout():
+    """Argo counts backoff.maxDuration from the FIRST attempt's start and refuses any retry past it
+    (argo-workflows workflow/controller/operator.go); KFP's default of 3600 s made a launch that failed
+    after an hour final. Each attempt may run its whole timeout, so the window is at least
+    (retries + 1) x timeout plus the backoffs between them."""
+    spec, platform = nemo_documents()
+    checked = []
+    for component in [spec["root"], *spec["components"].values()]:
+        for task in (component.get("dag") or {}).get("tasks", {}).values():
+            policy = task.get("retryPolicy")
+            if not policy:
+                continue
+            executor = spec["components"][task["componentRef"]["name"]]["executorLabel"]
+            timeout_s = int(platform[executor]["activeDeadlineSeconds"])
+            retries, backoff_s = policy["maxRetryCount"], _seconds(policy["backoffDuration"])
+            backoffs_s = sum(backoff_s * int(policy["backoffFactor"]) ** k for k in range(retries))
+            assert _seconds(policy["backoffMaxDuration"]) >= (retries + 1) * timeout_s + backoffs_s, executor
+            checked.append(executor)
+    assert "exec-train-stage" in checked and "exec-scale-down" in checked
+    train = spec["components"]["comp-final"]["dag"]["tasks"]["train-stage"]["retryPolicy"]
+    assert train["backoffMaxDuration"] == f"{3 * 30 * 24 * 3600 + 60 + 120}s"  # 3 x 30 days + backoffs

@@ -81,19 +81,51 @@ def _limit(timeouts: TaskTimeouts | None, kind: str) -> int | None:
     return None if timeouts is None else int(getattr(timeouts, kind))
 
 
-def _settings(task: Any, *, name: str, timeout_s: int | None, retries: int = 0, backoff: str = "30s") -> Any:
-    """Display name, no caching (every task has side effects or measures today's hardware), retries, and
-    on a cluster a timeout (the task pod's activeDeadlineSeconds)."""
+BACKOFF_FACTOR = 2
+"""Each retry waits backoff x BACKOFF_FACTOR^k (Argo's retryStrategy.backoff.factor; KFP's default)."""
+
+
+def retry_window_s(*, timeout_s: int, retries: int, backoff_s: int) -> int:
+    """The retry policy's backoffMaxDuration: room for every attempt to run its whole timeout, plus the
+    backoffs between them.
+
+    KFP compiles backoff_max_duration into Argo's `retryStrategy.backoff.maxDuration` (kubeflow/pipelines
+    backend/src/v2/compiler/argocompiler/container.go), and Argo refuses any retry once now is past the
+    FIRST attempt's start + maxDuration ("Max duration limit exceeded", workflow/controller/operator.go);
+    it also makes that instant the retried pod's execution deadline. KFP's default of 3600 s would let a
+    launch that fails after an hour never be retried.
+    """
+    backoffs_s = sum(backoff_s * BACKOFF_FACTOR**k for k in range(retries))
+    return (retries + 1) * timeout_s + backoffs_s
+
+
+def _settings(
+    task: Any, *, name: str, timeout_s: int | None, retries: int = 0, backoff_s: int = 30,
+    window_timeout_s: int | None = None,
+) -> Any:  # fmt: skip
+    """Display name, no caching (every task has side effects or measures today's hardware), retries with
+    a window that fits them (`retry_window_s` over `window_timeout_s`, default `timeout_s`), and on a
+    cluster a timeout (the task pod's activeDeadlineSeconds)."""
     task.set_display_name(name)
     task.set_caching_options(False)
     if retries:
-        task.set_retry(num_retries=retries, backoff_duration=backoff)
+        # A local pipeline has no timeouts; its window comes from the limits the cluster would apply
+        # (kfp.local reads backoffMaxDuration only as a cap on each backoff).
+        window_s = retry_window_s(
+            timeout_s=window_timeout_s or timeout_s or 0, retries=retries, backoff_s=backoff_s
+        )
+        task.set_retry(
+            num_retries=retries, backoff_duration=f"{backoff_s}s", backoff_factor=float(BACKOFF_FACTOR),
+            backoff_max_duration=f"{window_s}s",
+        )  # fmt: skip
     if timeout_s is not None:
         kubernetes.set_timeout(task, timeout_s)
     return task
 
 
-def _launch_pipeline(ops: SimpleNamespace, *, index: int, name: str, timeouts: TaskTimeouts | None) -> Any:
+def _launch_pipeline(
+    ops: SimpleNamespace, *, index: int, name: str, timeouts: TaskTimeouts | None, limits: TaskTimeouts
+) -> Any:
     @dsl.pipeline(
         name=name,
         description=f"{name}: resize the node pool to the launch's node count, then train its stages in one "
@@ -106,11 +138,12 @@ def _launch_pipeline(ops: SimpleNamespace, *, index: int, name: str, timeouts: T
             name=f"{name}: resize pool",
             timeout_s=_limit(timeouts, "pool_s"),
             retries=RESIZE_RETRIES,
+            window_timeout_s=limits.pool_s,
         )
         train = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
         _settings(
             train, name=f"{name}: train", timeout_s=_limit(timeouts, "train_s"), retries=STAGE_RETRIES,
-            backoff="60s",
+            backoff_s=60, window_timeout_s=limits.train_s,
         )  # fmt: skip
 
     return launch
@@ -144,8 +177,12 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     ops = build_components(pipeline_image(config, image))
     num_stages = expected_stage_count(config)
     names = pipeline_launch_names(config)
-    timeouts = task_timeouts(config) if config.cluster.backend == "gke" else None
-    groups = [_launch_pipeline(ops, index=k, name=name, timeouts=timeouts) for k, name in enumerate(names)]
+    limits = task_timeouts(config)  # what a cluster applies; also sizes every retry window
+    timeouts = limits if config.cluster.backend == "gke" else None
+    groups = [
+        _launch_pipeline(ops, index=k, name=name, timeouts=timeouts, limits=limits)
+        for k, name in enumerate(names)
+    ]
     # The groups are the plan's launches, by name, when the micro batch and the target are known now.
     adaptive = is_adaptive(config)
     named = (
@@ -181,13 +218,14 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
             run_dir: a local folder that receives copies of the plan, report and metrics ("" = none).
         """
         scale = ops.scale_down(config_yaml=config_yaml)
-        _settings(scale, name="scale pool down", timeout_s=_limit(timeouts, "pool_s"), retries=RESIZE_RETRIES)
+        _settings(scale, name="scale pool down", timeout_s=_limit(timeouts, "pool_s"), retries=RESIZE_RETRIES,
+                  window_timeout_s=limits.pool_s)  # fmt: skip
         with dsl.ExitHandler(scale, name="explore-plan-train"):
             explored: dict[str, Any] = {}
             if explores:
                 pool = ops.prepare_explore_pool(config_yaml=config_yaml)
                 _settings(pool, name="explore: bring the pool up", timeout_s=_limit(timeouts, "pool_s"),
-                          retries=RESIZE_RETRIES)  # fmt: skip
+                          retries=RESIZE_RETRIES, window_timeout_s=limits.pool_s)  # fmt: skip
                 explore = ops.explore(
                     config_yaml=config_yaml, micro_batch_size=micro_batch_size, run_dir=run_dir
                 ).after(pool)
