@@ -152,6 +152,12 @@ class ClusterConfig(_Section):
         description="gke, TPU: the zone of the slice node pools, e.g. us-east5-b (none: cluster.location when "
         "that is a zone); a multi-host slice lives in one zone",
     )
+    tpu_slice_change: Literal["delete-first", "create-first"] = Field(
+        "delete-first",
+        description="gke, TPU, pool_mode resize: when a launch needs another slice shape, delete the previous "
+        "slice pool before creating the next (delete-first: the TPU quota needs to cover one slice; the "
+        "checkpoint is in the bucket) or only once the next slice is ready (create-first: quota for both)",
+    )
     machine_type: str | None = Field(
         None,
         description="gke: machine type of the pool's nodes, e.g. a3-highgpu-8g; sizes the trainer pods "

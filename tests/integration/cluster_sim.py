@@ -79,11 +79,13 @@ class ClusterSim(WorkloadControllers):
     def add_pool(self, name: str, *, zones: list[str], machine_type: str) -> None:
         self.pools[name] = Pool(zones=list(zones), machine_type=machine_type)
 
-    def resize_pool(self, name: str, *, per_zone: int) -> None:
-        """setSize: `per_zone` nodes in each zone; removed nodes take their pods with them."""
+    def resize_pool(self, name: str, *, per_zone: int, granted: dict[str, int] | None = None) -> None:
+        """setSize: `per_zone` nodes in each zone; removed nodes take their pods with them. `granted`
+        caps a zone below that (a stockout or an exhausted quota: the instance group asks for the target
+        size, but only so many VMs are created)."""
         with self.lock:
             for zone in self.pools[name].zones:
-                self._resize_zone(name, zone, per_zone)
+                self._resize_zone(name, zone, min(per_zone, (granted or {}).get(zone, per_zone)))
             self.pool_history.append((name, self.pool_size(name)))
             self.reconcile()
 

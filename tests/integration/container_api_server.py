@@ -30,6 +30,20 @@ the refusals is GKE's where a real message was seen (quoted below), else modelle
 - node pool names: GKE's own refusal, `Invalid value for field "node_pool.name": ... Must be a match
   of regex '(?:[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?)' ...` (quoted in pulumi/pulumi-gcp issue 1510);
   a second pool of one name: 409 ALREADY_EXISTS.
+Capacity (`zone_capacity`, `accelerator_quota`), the rules of Compute Engine under a node pool:
+- a stockout: the pool's instance group asks for the target size but a zone has only so many VMs of
+  the machine type; the rest are never created (Compute Engine's ZONE_RESOURCE_POOL_EXHAUSTED, worded
+  "The zone 'projects/P/zones/Z' does not have enough resources available to fulfill the request. Try a
+  different zone, or try again later." as quoted in googlefonts/fontbakery-dashboard issue 81), and
+  the node pool reports it as a `conditions` entry with code GCE_STOCKOUT (the Container API's
+  `StatusCondition.Code`, with canonical code RESOURCE_EXHAUSTED); `:setSize` itself succeeds;
+- a regional accelerator quota: a create or `:setSize` that would take the region's GPUs or TPU chips
+  of one type above the quota is refused with 403 "Insufficient regional quota to satisfy request:
+  resource ..." (GKE's wording for node pool and cluster creation, e.g. "resource "NVIDIA_T4_GPUS":
+  request requires '1.0' and is short '1.0'. project has a quota of '0.0' with '0.0' available");
+- `:setSize` on a pool whose autoscaling is enabled is refused (FAILED_PRECONDITION): the cluster
+  autoscaler owns that pool's size. This rule is the #20 review's reading of GKE, not a quote: no
+  public GKE error text for it was found, so the wording here is the stand-in's own.
 Nodes of TPU pools carry the TPU labels, `google.com/tpu` and the TPU taint (`gke_nodes.py`); their
 topology label and a created pool's own labels need the simulated cluster to be a `GkeClusterSim`
 (`gke_sim.simulated_gke` makes one).
@@ -102,6 +116,8 @@ class ContainerState:
     conflicts: int = 0
     deny: bool = False
     fail_operation: str | None = None
+    zone_capacity: dict[str, int] = field(default_factory=dict)  # zone -> VMs it can still create per pool
+    accelerator_quota: dict[str, int] = field(default_factory=dict)  # accelerator type -> region's devices
     requests: list[Request] = field(default_factory=list)
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -205,6 +221,70 @@ def tpu_autoscaling_problem(pool: dict[str, Any], autoscaling: dict[str, Any]) -
     return None
 
 
+def _accelerator(pool: dict[str, Any]) -> tuple[str, int] | None:
+    """(accelerator type, devices per node) of a pool's machine type (None: no GPU or TPU)."""
+    machine = MACHINES.get(pool.get("config", {}).get("machineType", ""))
+    if machine is None or not machine.accelerator:
+        return None
+    return machine.accelerator, machine.gpus or machine.tpu_chips
+
+
+def _quota_resource(accelerator: str) -> str:
+    """The quota's name as Compute Engine spells it (e.g. NVIDIA_H100_80GB_GPUS, TPU_V6E_SLICE_CHIPS)."""
+    unit = "CHIPS" if accelerator.startswith("tpu-") else "GPUS"
+    return f"{accelerator.upper().replace('-', '_')}_{unit}"
+
+
+def quota_problem(state: ContainerState, pool: dict[str, Any], *, nodes: int, replacing: bool) -> str | None:
+    """GKE's refusal when `nodes` nodes of `pool` would take the region's accelerators above the quota
+    (`replacing`: the pool's own nodes are counted at the new size, not added to the old one)."""
+    found = _accelerator(pool)
+    if found is None or found[0] not in state.accelerator_quota:
+        return None
+    accelerator, per_node = found
+    quota = state.accelerator_quota[accelerator]
+    used = sum(
+        (_accelerator(other) or ("", 0))[1]
+        * other.get("nodeCountPerZone", 0)
+        * len(other.get("locations", []))
+        for other in state.pools.values()
+        if (_accelerator(other) or ("",))[0] == accelerator and not (replacing and other is pool)
+    )
+    required = nodes * per_node
+    if used + required <= quota:
+        return None
+    available = max(quota - used, 0)
+    return (
+        f'Insufficient regional quota to satisfy request: resource "{_quota_resource(accelerator)}": request '
+        f"requires '{required:.1f}' and is short '{required - available:.1f}'. project has a quota of "
+        f"'{quota:.1f}' with '{available:.1f}' available."
+    )
+
+
+def stockout(state: ContainerState, pool: dict[str, Any], *, per_zone: int) -> dict[str, int]:
+    """The nodes each zone can create for `pool` (its `zone_capacity`); sets or clears the pool's
+    GCE_STOCKOUT condition (`StatusCondition`: code 1 GCE_STOCKOUT, canonical code 8 RESOURCE_EXHAUSTED)."""
+    granted = {zone: min(per_zone, state.zone_capacity.get(zone, per_zone)) for zone in pool["locations"]}
+    short = [zone for zone, count in granted.items() if count < per_zone]
+    pool["conditions"] = [
+        {
+            "code": 1,
+            "canonicalCode": 8,
+            "message": f"ZONE_RESOURCE_POOL_EXHAUSTED: The zone 'projects/proj/zones/{zone}' does not have enough "
+            "resources available to fulfill the request. Try a different zone, or try again later.",
+        }
+        for zone in short
+    ]
+    return granted
+
+
+def autoscaled_resize_problem(pool: dict[str, Any]) -> str:
+    return (
+        f"Node pool {pool['name']} has autoscaling enabled; its size is set by the cluster autoscaler. "
+        "Disable autoscaling to resize it."
+    )
+
+
 class _Handler(QuietHandler):
     state: ContainerState  # set on the subclass made per server
 
@@ -301,11 +381,17 @@ class _Handler(QuietHandler):
         if match.group(5) == ":setSize":
             if problem := tpu_resize_problem(pool):
                 return _invalid(problem)
-            pool["nodeCountPerZone"] = int(body.get("nodeCount", 0))
+            if (pool.get("autoscaling") or {}).get("enabled"):
+                return _error(400, "FAILED_PRECONDITION", autoscaled_resize_problem(pool))
+            count = int(body.get("nodeCount", 0))
+            if short := quota_problem(state, pool, nodes=count * len(pool["locations"]), replacing=True):
+                return _error(403, "FORBIDDEN", short)
+            pool["nodeCountPerZone"] = count
             kind = TYPE_SET_NODE_POOL_SIZE
+            granted = stockout(state, pool, per_zone=count)
             if simulated:
                 assert state.sim is not None
-                state.sim.resize_pool(pool["name"], per_zone=pool["nodeCountPerZone"])
+                state.sim.resize_pool(pool["name"], per_zone=count, granted=granted)
         else:
             if problem := tpu_autoscaling_problem(pool, body.get("autoscaling", {})):
                 return _invalid(problem)
@@ -332,6 +418,8 @@ class _Handler(QuietHandler):
         if problem := tpu_create_problem(pool):
             return _invalid(problem)
         count = int(pool.get("initialNodeCount", 0))
+        if short := quota_problem(state, pool, nodes=count * len(pool.get("locations", [])), replacing=False):
+            return _error(403, "FORBIDDEN", short)
         pool.update(status=STATUS_RUNNING, nodeCountPerZone=count)
         pool.setdefault("autoscaling", {})
         state.pools[full] = pool

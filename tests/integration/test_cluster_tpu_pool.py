@@ -34,7 +34,12 @@ def gke() -> Iterator[SimulatedGke]:
 
 
 def make_pool(
-    gke: SimulatedGke, *, node_pool: str = "v6e", ready_timeout_s: float = 10, pool_mode: str = "resize"
+    gke: SimulatedGke,
+    *,
+    node_pool: str = "v6e",
+    ready_timeout_s: float = 10,
+    pool_mode: str = "resize",
+    slice_change: str = "delete-first",
 ) -> TpuSlicePool:
     return TpuSlicePool(
         calls=ContainerCalls(
@@ -54,6 +59,7 @@ def make_pool(
         ready_timeout_s=ready_timeout_s,
         ready_poll_interval_s=0.05,
         pool_mode=pool_mode,
+        slice_change=slice_change,
     )
 
 
@@ -90,8 +96,8 @@ def create_by_hand(gke: SimulatedGke, name: str, *, topology: str, node_count: i
     gke.container.client().create_node_pool(parent=PARENT, node_pool=node_pool)
 
 
-def test_a_ramp_creates_each_slice_waits_for_its_chips_then_deletes_the_previous_one(gke):
-    pool = make_pool(gke)
+def test_create_first_brings_each_slice_up_before_it_deletes_the_previous_one(gke):
+    pool = make_pool(gke, slice_change="create-first")
     assert isinstance(pool, NodePool)
     for hosts, topology in ((2, "2x4"), (4, "4x4"), (8, "4x8")):
         pool.resize(hosts)

@@ -160,9 +160,13 @@ class GkeNodePool:
         self.poll_maximum_s = poll_maximum_s
         self.ready_poll_interval_s = ready_poll_interval_s
 
-    def zones(self) -> list[str]:
+    def node_pool(self) -> Any:
+        """The pool as the Container API describes it (zones, autoscaling, conditions)."""
+        return self._call("get node pool", self.client.get_node_pool, {"name": self.pool.name})
+
+    def zones(self, node_pool: Any = None) -> list[str]:
         """The zones the pool's nodes live in (node counts in setSize are per zone)."""
-        node_pool = self._call("get node pool", self.client.get_node_pool, {"name": self.pool.name})
+        node_pool = node_pool or self.node_pool()
         if not node_pool.locations:
             raise BatchpilotError("cluster.node_pool", f"GKE reports no zones for {self.pool.name}")
         return list(node_pool.locations)
@@ -200,7 +204,19 @@ class GkeNodePool:
             return
         if num_nodes == 0:
             return
-        self.nodes.wait(num_nodes, timeout_s=timeout_s, poll_interval_s=self.ready_poll_interval_s)
+        self.nodes.wait(
+            num_nodes,
+            timeout_s=timeout_s,
+            poll_interval_s=self.ready_poll_interval_s,
+            pool_conditions=self.conditions,
+        )
+
+    def conditions(self) -> list[str]:
+        """What GKE reports against the pool's size (`NodePool.conditions`: a stockout, a quota), one
+        line each, e.g. `GCE_STOCKOUT: ZONE_RESOURCE_POOL_EXHAUSTED: The zone ...`."""
+        return [
+            f"{condition.code.name}: {condition.message}" for condition in self.node_pool().conditions
+        ]
 
     def describe(self) -> str:
         """Pool name, mode, zones and node states."""
@@ -213,7 +229,17 @@ class GkeNodePool:
         )
 
     def _set_size(self, num_nodes: int) -> None:
-        zones = self.zones()
+        node_pool = self.node_pool()
+        if node_pool.autoscaling.enabled:
+            # The cluster autoscaler owns an autoscaled pool's size: a set size would be undone (and
+            # GKE refuses it), so this is a config error, not a retry.
+            raise BatchpilotError(
+                "cluster.pool_mode",
+                f"resize mode sets the size of {self.pool.node_pool}, but its autoscaling is enabled",
+                "set cluster.pool_mode: autoscale, or disable the pool's autoscaling "
+                f"(`gcloud container node-pools update {self.pool.node_pool} --no-enable-autoscaling`)",
+            )
+        zones = self.zones(node_pool)
         if num_nodes % len(zones):
             raise BatchpilotError(
                 "cluster.node_pool",
@@ -337,6 +363,13 @@ class ContainerCalls:
         try:
             return method(request=request, retry=retry)
         except (exceptions.PermissionDenied, exceptions.Forbidden) as error:  # gRPC, REST
+            if "quota" in str(error.message).lower():
+                raise BatchpilotError(
+                    "cluster.max_nodes",
+                    f"GKE refused to {what} {target}: {error.message}",
+                    "request more of that quota for the region (Cloud console, IAM & Admin > Quotas), or "
+                    "lower cluster.max_nodes",
+                ) from None
             raise BatchpilotError(
                 "cluster.project",
                 f"GKE refused to {what} {target}: {error.message}",

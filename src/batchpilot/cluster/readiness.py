@@ -8,6 +8,7 @@ window would wait or land short of devices.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from batchpilot.planning.tpu import TPU_RESOURCE_NAME
 GKE_NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 GPU_RESOURCE = "nvidia.com/gpu"
 TPU_RESOURCE = TPU_RESOURCE_NAME
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,33 +176,54 @@ class PoolNodes:
         poll_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        pool_conditions: Callable[[], list[str]] | None = None,
     ) -> list[NodeState]:
-        """Polls until `num_nodes` nodes are usable; on timeout raises saying what is missing."""
+        """Polls until `num_nodes` nodes are usable; on timeout raises saying what is missing.
+
+        `pool_conditions` reads what the cloud reports against the pool's size (GKE's GCE_STOCKOUT,
+        GCE_QUOTA_EXCEEDED): each new line is logged as it appears and ends up in the timeout's message;
+        an exceeded quota ends the wait at once, since it does not lift while a run waits.
+        """
         deadline = clock() + timeout_s
+        seen: list[str] = []
         while True:
             usable, problems = self.usable()
             if len(usable) >= num_nodes:
                 return usable
-            if clock() >= deadline:
+            for line in pool_conditions() if pool_conditions else []:
+                if line not in seen:
+                    seen.append(line)
+                    logger.warning("node pool %s: %s", self.node_pool, line)
+            quota = any(line.startswith("GCE_QUOTA_EXCEEDED") for line in seen)
+            if quota or clock() >= deadline:
+                line = self.shortfall(
+                    num_nodes=num_nodes,
+                    usable=usable,
+                    problems=problems,
+                    after="so far" if quota else f"after {timeout_s:g}s",
+                )
+                line += "".join(f"; {condition}" for condition in seen)
+                if quota:
+                    raise BatchpilotError(
+                        "cluster.max_nodes",
+                        line,
+                        "request more of that quota for the region, or lower cluster.max_nodes",
+                    )
                 raise BatchpilotError(
                     "cluster.ready_timeout_s",
-                    self.shortfall(
-                        num_nodes=num_nodes, usable=usable, problems=problems, timeout_s=timeout_s
-                    ),
+                    line,
                     f"check `kubectl describe nodes -l {GKE_NODE_POOL_LABEL}={self.node_pool}`, or raise "
                     "cluster.ready_timeout_s",
                 )
             sleep(min(poll_interval_s, max(deadline - clock(), 0.0)))
 
-    def shortfall(
-        self, *, num_nodes: int, usable: list[NodeState], problems: list[str], timeout_s: float
-    ) -> str:
-        """One line: how many nodes are usable, and why each of the others is not."""
+    def shortfall(self, *, num_nodes: int, usable: list[NodeState], problems: list[str], after: str) -> str:
+        """One line: how many nodes are usable `after` the wait, and why each of the others is not."""
         unregistered = num_nodes - len(usable) - len(problems)
         parts = list(problems)
         if unregistered > 0:
             parts.append(f"{unregistered} node(s) not registered with Kubernetes yet")
         return (
-            f"node pool {self.node_pool!r}: {len(usable)} of {num_nodes} node(s) usable after "
-            f"{timeout_s:g}s; {'; '.join(parts)}"
+            f"node pool {self.node_pool!r}: {len(usable)} of {num_nodes} node(s) usable {after}; "
+            f"{'; '.join(parts)}"
         )

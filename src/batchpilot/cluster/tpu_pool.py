@@ -11,9 +11,13 @@ workloads in GKE Standard").
 
 `resize(hosts)`:
 1. finds the shape of `hosts` (none: refused, naming the nearest valid host counts);
-2. creates its pool unless one of that name and shape exists (a re-run or a KFP retry creates nothing);
-3. waits until its hosts are Ready with `google.com/tpu` allocatable = chips per host;
-4. deletes the other slice pools batchpilot created for `cluster.node_pool`.
+2. deletes the other slice pools batchpilot created for `cluster.node_pool` (`cluster.tpu_slice_change:
+   delete-first`, the default: the previous stage's checkpoint is in the bucket, and the TPU quota then
+   never has to cover two slices at once);
+3. creates its pool unless one of that name and shape exists (a re-run or a KFP retry creates nothing);
+4. waits until its hosts are Ready with `google.com/tpu` allocatable = chips per host;
+5. with `tpu_slice_change: create-first`, deletes the other slice pools only now (the next slice comes
+   up while the previous one still exists: faster, but the quota must hold both).
 
 `resize(0)` (the exit handler, `batchpilot pool scale-down`) deletes every slice pool batchpilot created.
 batchpilot marks the pools it creates with the node label `batchpilot.dev/slice-of: <cluster.node_pool>`
@@ -129,6 +133,7 @@ def tpu_node_pool(cluster: ClusterConfig) -> TpuSlicePool:
         api_client=kube_api_client(),
         ready_timeout_s=cluster.ready_timeout_s,
         pool_mode=cluster.pool_mode,
+        slice_change=cluster.tpu_slice_change,
     )
 
 
@@ -142,8 +147,11 @@ class TpuSlicePool:
         slices: the TPU type and machine type, and the shapes they can form.
         zone: the zone the slice pools are created in.
         api_client: a Kubernetes ApiClient, to read the slice pools' nodes.
-        ready_timeout_s: how long `resize` waits for a new slice's hosts before deleting the old slice.
+        ready_timeout_s: how long `resize` waits for a new slice's hosts.
         pool_mode: `cluster.pool_mode` (see the module docstring).
+        slice_change: `cluster.tpu_slice_change`: delete the previous slice pool before creating the next
+            (`delete-first`: quota for one slice suffices), or after the next one is ready (`create-first`:
+            the next slice comes up sooner, but the quota must cover both).
     """
 
     def __init__(
@@ -157,10 +165,14 @@ class TpuSlicePool:
         ready_timeout_s: float,
         ready_poll_interval_s: float = 10.0,
         pool_mode: str = "resize",
+        slice_change: str = "delete-first",
     ) -> None:
         if pool_mode not in ("resize", "autoscale", "static"):
             raise BatchpilotError("cluster.pool_mode", f"unknown mode {pool_mode!r}")
+        if slice_change not in ("delete-first", "create-first"):
+            raise BatchpilotError("cluster.tpu_slice_change", f"unknown order {slice_change!r}")
         self.pool_mode = pool_mode
+        self.slice_change = slice_change
         self.calls = calls
         self.pool = pool
         self.slices = slices
@@ -221,6 +233,11 @@ class TpuSlicePool:
         shape = self.slices.for_hosts(num_nodes)
         name = slice_pool_name(self.pool.node_pool, shape.topology)
         existing = next((state for state in pools if state.name == name), None)
+        others = [state for state in pools if state.created_by_batchpilot and state.name != name]
+        if self.slice_change == "delete-first":
+            # The previous stage checkpointed to the bucket: its slice is idle, and deleting it first means
+            # the project's TPU quota never has to cover two slices at once.
+            self._delete(others)
         if existing is None:
             existing = self._create(shape, name)
         if existing is not None:
@@ -228,7 +245,8 @@ class TpuSlicePool:
         self._nodes(name).wait(
             num_nodes, timeout_s=self.ready_timeout_s, poll_interval_s=self.ready_poll_interval_s
         )
-        self._delete(state for state in pools if state.created_by_batchpilot and state.name != name)
+        if self.slice_change == "create-first":
+            self._delete(others)
 
     def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
         """Waits until the slice of `num_nodes` hosts has them Ready with their chips allocatable; in
