@@ -46,10 +46,17 @@ ARG VERSION
 ARG TORCH_REQUIREMENT=torch==2.13.0
 ARG PIP_EXTRA_INDEX_URL=""
 ARG TORCH_FLAVOR=cpu
+# GKE's NVIDIA device plugin mounts the node's driver libraries into every GPU container at
+# /usr/local/nvidia (libraries in lib64 and lib, nvidia-smi in bin); CUDA finds them only through
+# LD_LIBRARY_PATH, as in NVIDIA's CUDA base images. Without it a CUDA torch sees no GPU, and a trainer
+# planned for GPUs refuses to start (batchpilot.train.accelerators) instead of training on the CPU.
+# The paths do not exist on CPU and TPU nodes, where they are harmless.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HOME=/tmp
+    HOME=/tmp \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib \
+    PATH=/usr/local/nvidia/bin:${PATH}
 LABEL org.opencontainers.image.title="batchpilot" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \

@@ -44,3 +44,23 @@ def test_a_tpu_image_must_carry_torch_xla_and_libtpu():
     }
     documented = re.search(r'TORCH_REQUIREMENT="torch==([\d.]+) torch-xla\[tpu\]==([\d.]+)"', DOCKERFILE)
     assert documented and (documented[1], documented[2]) == (pins["torch"], pins["torch-xla"])
+
+
+def final_stage_env() -> dict[str, str]:
+    """KEY=value pairs of the ENV instructions of the image's last stage (continuation lines joined)."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    final = text[text.rindex("\nFROM ") :]
+    env: dict[str, str] = {}
+    for instruction in re.findall(r"^ENV (.+)$", final, flags=re.MULTILINE):
+        env.update(re.findall(r"(\w+)=(\S+)", instruction))
+    return env
+
+
+def test_the_image_finds_the_nvidia_driver_gke_mounts():
+    """Issue #20: GKE's device plugin mounts the node's driver at /usr/local/nvidia; without its lib64 on
+    LD_LIBRARY_PATH a CUDA torch sees no GPU in the container."""
+    env = final_stage_env()
+    libraries = env.get("LD_LIBRARY_PATH", "").split(":")
+    assert "/usr/local/nvidia/lib64" in libraries and "/usr/local/nvidia/lib" in libraries
+    path = env.get("PATH", "").split(":")
+    assert "/usr/local/nvidia/bin" in path and "${PATH}" in path  # nvidia-smi, and the base image's PATH
