@@ -60,11 +60,21 @@ def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from batchpilot.config import resolved_runtime
     from batchpilot.planner import adaptive_run, is_adaptive
+    from batchpilot.train.accelerators import require_planned_accelerator
     from batchpilot.train.trainer import train
     from batchpilot.workflow import current_document
 
     document = read_run_document(args.plan)
+    cluster = document.config.cluster
+    # Before anything reads the checkpoints or joins a process group: a GPU or TPU plan without its
+    # devices refuses in one line instead of training on the CPU while the pool bills.
+    require_planned_accelerator(
+        backend=cluster.backend,
+        accelerator_type=cluster.accelerator_type,
+        runtime=resolved_runtime(document.config),
+    )
     output_dir = Path(args.output_dir or f"runs/{document.config.name}")
     adaptive = None
     if is_adaptive(document.config):

@@ -121,6 +121,21 @@ def check_devices(layout: ProbeLayout) -> None:
         )
 
 
+def check_accelerator(config: Config) -> None:
+    """A gke GPU config's explore measures the pool's GPU, never the CPU: without a GPU it refuses in one
+    line before any probe (the pipeline's explore task gets one GPU of the pool, `nvidia.com/gpu: 1`)."""
+    from batchpilot.train.accelerators import planned_gpu, require_cuda
+
+    cluster = config.cluster
+    if planned_gpu(backend=cluster.backend, accelerator_type=cluster.accelerator_type):
+        assert cluster.accelerator_type is not None
+        require_cuda(
+            accelerator_type=cluster.accelerator_type,
+            num_devices_needed=1,
+            needed_by="explore's probes measure one GPU",
+        )
+
+
 def settings_of(config: Config) -> list[Setting]:
     """Activation checkpointing x compile, in the config's order (the first is searched from 1)."""
     return [
@@ -325,11 +340,13 @@ def run_exploration(
     Every probe, interim recommendation and study row is logged at INFO (`batchpilot.explore.runner`).
 
     Raises:
-        BatchpilotError: a missing dataset, a broken model factory, a budget nothing fits in, a failed study.
+        BatchpilotError: a gke GPU config without a GPU here, a missing dataset, a broken model factory, a
+            budget nothing fits in, a failed study.
     """
     from batchpilot.explore.report import write_outputs
 
     started = time.monotonic()
+    check_accelerator(config)
     probes = max_probes if max_probes is not None else config.explore.max_probes
     minutes = max_minutes if max_minutes is not None else config.explore.max_minutes
     _check_inputs(config=config, max_probes=probes, max_minutes=minutes, sizes=micro_batch_sizes)

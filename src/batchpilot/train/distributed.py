@@ -10,6 +10,11 @@ import torch
 import torch.distributed as dist
 
 
+def processes_per_node_from_env() -> int:
+    """LOCAL_WORLD_SIZE as torchrun sets it; a lone process is all of its world (WORLD_SIZE, else 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 @dataclass(frozen=True)
 class DistContext:
     """Rank, world and device of this process. A plain `python` run is rank 0 of a world of 1."""
@@ -30,11 +35,16 @@ class DistContext:
 
     @classmethod
     def from_env(cls, *, timeout_s: float = 600.0) -> DistContext:
-        """Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE and joins the process group when world > 1."""
+        """Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE and joins the process group when world > 1.
+
+        The device is CUDA when torch sees one, else the CPU (gloo): a process planned for GPUs checks
+        that it has them before this (`batchpilot.train.accelerators`), so the CPU here is never a
+        silent fallback on a GPU pool.
+        """
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        local_world_size = processes_per_node_from_env()
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)

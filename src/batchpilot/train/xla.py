@@ -27,6 +27,7 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
+from batchpilot.train.accelerators import require_tpu
 
 XLA_RUNTIME = "xla"
 
@@ -94,13 +95,15 @@ def host_from_env() -> tuple[int, int]:
 
 
 def start_runtime() -> XlaHost:
-    """Turns SPMD on (before any XLA tensor exists) and, on several hosts, joins the CPU (gloo) process
-    group that DCP needs to agree on a checkpoint across hosts (torch_xla's `xla://` rendezvous)."""
+    """Turns SPMD on (before any XLA tensor exists), refuses `PJRT_DEVICE=TPU` on a host without TPUs
+    (`require_tpu`) and, on several hosts, joins the CPU (gloo) process group that DCP needs to agree on a
+    checkpoint across hosts (torch_xla's `xla://` rendezvous)."""
     xr = import_torch_xla()
     import torch.distributed as dist
 
     host, num_hosts = host_from_env()
     xr.use_spmd()
+    require_tpu(xr)  # PJRT_DEVICE=TPU (the TPU JobSet) on a host without TPUs: one line, not a long trace
     if (xr.process_index(), xr.process_count()) != (host, num_hosts):
         raise BatchpilotError(
             "TPU_WORKER_ID",
