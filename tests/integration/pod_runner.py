@@ -24,6 +24,11 @@ What it does, and the rule behind each part:
   the pod's folder; their mount paths in the command, args and env values are rewritten to those
   folders (`/tmp/batchpilot/plan.json` -> `<pod folder>/volumes/tmp/batchpilot/plan.json`), so pods on
   this one machine do not share a `/tmp`; PATH starts with this interpreter's bin folder.
+- GPUs: a simulated pod sees no GPU, whatever `nvidia.com/gpu` it was given (this machine has none). On
+  GKE a container sees its GPUs only through the driver libraries the NVIDIA device plugin mounts at
+  /usr/local/nvidia, which the image puts on LD_LIBRARY_PATH (Dockerfile); so here a trainer planned for
+  GPUs refuses to start, in one line (batchpilot.train.accelerators), as it would in a pod without the
+  driver (tests/integration/test_gpu_refusal_sim.py).
 
 Each pod gets its own folder (cwd and TMPDIR) under `workdir`, with its log in `<pod>.log`.
 """

@@ -22,8 +22,9 @@ pytestmark = [
 
 
 def gke_gpu_config() -> dict:
-    """The tiny model on a pool of a3-highgpu-8g nodes (8 H100s each); the checkpoints in GCS."""
-    config = tiny_config(data_uri="file:///unused", checkpoint_uri="gs://bucket/ckpt")
+    """The tiny model on a pool of a3-highgpu-8g nodes (8 H100s each); data and checkpoints in GCS (a gke
+    config refuses local paths), never reached: the refusal comes first."""
+    config = tiny_config(data_uri="gs://bucket/data", checkpoint_uri="gs://bucket/ckpt")
     config["cluster"].update(
         backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
         image="batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
