@@ -11,7 +11,13 @@ Rules (kubeflow/pipelines backend/src/v2/driver/driver.go, initPodSpecPatch and 
   type is used verbatim as the resource name (so it must be one, e.g. `nvidia.com/gpu`);
 - the kubernetes platform config of the task's executor (platforms.kubernetes.deploymentSpec.executors):
   `nodeSelector.labels` -> `spec.nodeSelector`; `tolerations` -> `spec.tolerations` (key, operator,
-  value, effect, tolerationSeconds); `activeDeadlineSeconds` > 0 -> `spec.activeDeadlineSeconds`.
+  value, effect, tolerationSeconds); `activeDeadlineSeconds` > 0 -> `spec.activeDeadlineSeconds`;
+  `fieldPathAsEnv` -> one env var per entry on the `main` container, `valueFrom.fieldRef.fieldPath`
+  (driver/k8s.go: "Get Kubernetes FieldPath Env information", appended to `podSpec.Containers[0].Env`);
+- `podMetadata.annotations` / `.labels` are not the driver's: the Argo compiler puts them on the executor
+  template's metadata, which Argo copies onto the pod, without overwriting what the template already has
+  ("the existing podMetadata should have higher privilege than the user definition"; compiler/
+  argocompiler/container.go, extendPodMetadata / extendMetadataMap).
 
 Runtime placeholders (`{{$}}`, pipeline parameters) are left as they are: the simulator checks the
 pod's shape and placement, it does not run a KFP executor.
@@ -118,16 +124,26 @@ def task_pod(
         spec["tolerations"] = [{k: t[k] for k in keys if t.get(k) not in (None, "")} for t in tolerations]
     if int(config.get("activeDeadlineSeconds") or 0) > 0:
         spec["activeDeadlineSeconds"] = int(config["activeDeadlineSeconds"])
+    for entry in config.get("fieldPathAsEnv") or []:
+        main["env"].append(
+            {"name": entry["name"], "valueFrom": {"fieldRef": {"fieldPath": entry["fieldPath"]}}}
+        )
     pod_name = f"{name}-{task_path.replace('/', '-')}"[:58]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "generateName": f"{pod_name}-",
-            "labels": {"pipelines.kubeflow.org/v2_component": "true"},
-        },
-        "spec": spec,
+    metadata: dict[str, Any] = {
+        "generateName": f"{pod_name}-",
+        "labels": {"pipelines.kubeflow.org/v2_component": "true"},
     }
+    _extend_metadata(metadata, config.get("podMetadata") or {})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _extend_metadata(metadata: dict[str, Any], pod_metadata: dict[str, Any]) -> None:
+    """The task's podMetadata added to the pod's; a key the pod already has keeps its value
+    (extendMetadataMap in compiler/argocompiler/container.go)."""
+    for field in ("annotations", "labels"):
+        extra = pod_metadata.get(field) or {}
+        if extra:
+            metadata[field] = {**extra, **(metadata.get(field) or {})}
 
 
 # --- retries: KFP's retry policy as Argo applies it -----------------------------------------------

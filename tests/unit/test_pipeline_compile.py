@@ -277,3 +277,21 @@ def test_every_retry_window_fits_all_attempts_at_their_full_timeout():
     assert "exec-train-stage" in checked and "exec-scale-down" in checked
     train = spec["components"]["comp-final"]["dag"]["tasks"]["train-stage"]["retryPolicy"]
     assert train["backoffMaxDuration"] == f"{3 * 30 * 24 * 3600 + 60 + 120}s"  # 3 x 30 days + backoffs
+
+
+def test_gke_task_pods_have_requests_and_are_not_evicted_by_the_autoscaler():
+    """Without requests a task pod is BestEffort, the first evicted under node pressure; the annotation
+    keeps the cluster autoscaler from removing the node under the train task (issue #20)."""
+    spec, platform = nemo_documents()
+    for label, executor in spec["deploymentSpec"]["executors"].items():
+        resources = executor["container"]["resources"]
+        assert resources["resourceCpuRequest"] and resources["resourceMemoryRequest"], label
+        annotations = platform[label]["podMetadata"]["annotations"]
+        assert annotations == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}, label
+    train = spec["deploymentSpec"]["executors"]["exec-train-stage"]["container"]["resources"]
+    assert (train["resourceCpuRequest"], train["resourceMemoryRequest"]) == ("250m", "1Gi")
+    assert platform["exec-train-stage"]["fieldPathAsEnv"] == [
+        {"fieldPath": "metadata.name", "name": "BATCHPILOT_POD_NAME"},
+        {"fieldPath": "metadata.namespace", "name": "BATCHPILOT_POD_NAMESPACE"},
+    ]
+    assert "fieldPathAsEnv" not in platform["exec-plan"]

@@ -15,6 +15,7 @@ from typing import Any
 from kfp import dsl, kubernetes
 
 from batchpilot import __version__
+from batchpilot.cluster.eviction import POD_NAME_ENV, POD_NAMESPACE_ENV
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.images import check_image
@@ -74,6 +75,46 @@ def _on_accelerator(task: Any, config: Config) -> None:
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for toleration in gpu_tolerations(config):
         kubernetes.add_toleration(task, **toleration)
+
+
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+"""The cluster autoscaler does not scale down a node running a pod annotated with this set to "false"
+(Kubernetes autoscaler FAQ, "What types of pods can prevent CA from removing a node?")."""
+
+TASK_REQUESTS = {
+    # (cpu, memory). The pool tasks call two APIs and poll; train only follows a JobSet and streams its
+    # logs; plan and report are single-threaded Python (the report draws charts); explore measures one
+    # GPU with real batches (data loading, the model on the host before it moves).
+    "pool": ("100m", "512Mi"),
+    "plan": ("500m", "1Gi"),
+    "train": ("250m", "1Gi"),
+    "report": ("500m", "2Gi"),
+    "explore": ("4", "32Gi"),
+}
+"""CPU and memory requests of each kind of task pod on a cluster: without requests a pod is BestEffort,
+the first the kubelet evicts under node pressure (Kubernetes "Node-pressure eviction")."""
+
+
+def _task_pod(task: Any, *, kind: str, cluster: bool) -> None:
+    """On a cluster: the task pod's requests, and the annotation that keeps the cluster autoscaler from
+    removing its node while it runs.
+
+    Every task carries the annotation: train and the pool tasks must not be cut off (an evicted train task
+    used to delete its JobSet; an evicted scale-down is a failing exit hook), and explore, plan and report
+    have no retries, so an eviction would fail the run. It costs at most one task's timeout of a node the
+    autoscaler would have removed. It does not stop a node upgrade, a drain or node pressure: the train
+    task tells those from a cancel itself.
+    """
+    if not cluster:
+        return  # kfp.local runs every task in this environment: no pods to size or protect
+    cpu, memory = TASK_REQUESTS[kind]
+    task.set_cpu_request(cpu)
+    task.set_memory_request(memory)
+    kubernetes.add_pod_annotation(task, annotation_key=SAFE_TO_EVICT, annotation_value="false")
+    if kind == "train":
+        # Its own pod, read on SIGTERM to tell an eviction from a cancel (batchpilot.cluster.eviction).
+        kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
+        kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
 
 
 def _limit(timeouts: TaskTimeouts | None, kind: str) -> int | None:
@@ -140,11 +181,13 @@ def _launch_pipeline(
             retries=RESIZE_RETRIES,
             window_timeout_s=limits.pool_s,
         )
+        _task_pod(resize, kind="pool", cluster=timeouts is not None)
         train = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
         _settings(
             train, name=f"{name}: train", timeout_s=_limit(timeouts, "train_s"), retries=STAGE_RETRIES,
             backoff_s=60, window_timeout_s=limits.train_s,
         )  # fmt: skip
+        _task_pod(train, kind="train", cluster=timeouts is not None)
 
     return launch
 
@@ -220,16 +263,19 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
         scale = ops.scale_down(config_yaml=config_yaml)
         _settings(scale, name="scale pool down", timeout_s=_limit(timeouts, "pool_s"), retries=RESIZE_RETRIES,
                   window_timeout_s=limits.pool_s)  # fmt: skip
+        _task_pod(scale, kind="pool", cluster=timeouts is not None)
         with dsl.ExitHandler(scale, name="explore-plan-train"):
             explored: dict[str, Any] = {}
             if explores:
                 pool = ops.prepare_explore_pool(config_yaml=config_yaml)
                 _settings(pool, name="explore: bring the pool up", timeout_s=_limit(timeouts, "pool_s"),
                           retries=RESIZE_RETRIES, window_timeout_s=limits.pool_s)  # fmt: skip
+                _task_pod(pool, kind="pool", cluster=timeouts is not None)
                 explore = ops.explore(
                     config_yaml=config_yaml, micro_batch_size=micro_batch_size, run_dir=run_dir
                 ).after(pool)
                 _settings(explore, name="explore micro batch", timeout_s=_limit(timeouts, "explore_s"))
+                _task_pod(explore, kind="explore", cluster=timeouts is not None)
                 _on_accelerator(explore, config)
                 explored = {"explore_dir": explore.outputs["explore_dir"]}
             plan = ops.plan(
@@ -245,6 +291,7 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 **explored,
             )
             _settings(plan, name="plan ramp-up", timeout_s=_limit(timeouts, "plan_s"))
+            _task_pod(plan, kind="plan", cluster=timeouts is not None)
             previous: Any = plan
             for name, group in zip(names, groups, strict=True):
                 task = group(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
@@ -253,5 +300,6 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 previous = task
             report = ops.report(plan_json=plan.outputs["Output"], run_dir=run_dir, **explored).after(previous)
             _settings(report, name="report", timeout_s=_limit(timeouts, "report_s"))
+            _task_pod(report, kind="report", cluster=timeouts is not None)
 
     return batchpilot
