@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -470,28 +470,57 @@ def render_cluster_yaml(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
 
 def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
     """Submits the launch to GKE (or adopts its running JobSet), streams every node's log, returns 0, 75
-    (preempted) or 1. SIGTERM or Ctrl-C deletes the launch's job, then raises KeyboardInterrupt."""
+    (preempted, or this task's pod evicted: the JobSet is left for the retry to adopt) or 1. Ctrl-C, or a
+    SIGTERM that is no eviction (a cancel), deletes the launch's job, then raises KeyboardInterrupt."""
+    from batchpilot.cluster.eviction import sigterm_cause
+
     runner = cluster_runner()
     # The pool was resized and its nodes found ready just before: they can size the pods when the config
     # does not (a dry run never asks the API).
     appdef = cluster_appdef(spec, cluster=cluster, read_nodes=True)
-    with sigterm_interrupts():
+    with sigterm_interrupts(classify=sigterm_cause if cluster.launcher == "jobset" else None):
         try:
             handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster)
             return follow(
                 runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
                 via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
             )  # fmt: skip
-        except KeyboardInterrupt:
+        except Evicted as evicted:
+            logger.warning(
+                "%s: SIGTERM is an eviction (%s): leaving its JobSet running for the retry to adopt; exit %d",
+                spec.name, evicted.why, EXIT_PREEMPTED,
+            )  # fmt: skip
+            return EXIT_PREEMPTED
+        except KeyboardInterrupt as interrupt:
+            if isinstance(interrupt, Cancelled):
+                logger.warning("%s: SIGTERM is a cancel (%s): deleting its JobSet", spec.name, interrupt.why)
             # follow() cancels the job it follows; this also covers an interrupt during the create.
             if cluster.launcher == "jobset" and spec.labels:
                 _delete_labelled(cluster, labels=_stage_selector(spec.labels), wait_s=0.0, why="interrupted")
             raise
 
 
+class Evicted(BaseException):
+    """Raised by SIGTERM when the task's pod is being evicted. Not a KeyboardInterrupt, so nothing on the
+    way up (follow() cancels its job on KeyboardInterrupt) deletes the JobSet."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class Cancelled(KeyboardInterrupt):
+    """Raised by SIGTERM when it is no eviction: cleaned up as Ctrl-C is."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 @contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt, so it cleans up as Ctrl-C does.
+def sigterm_interrupts(classify: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt (`Cancelled`), so it cleans up as Ctrl-C does;
+    or `Evicted` when `classify()` (a `batchpilot.cluster.eviction.SigtermCause`) says it is an eviction.
 
     KFP stops a cancelled run's task by stopping its pod, and a pod is stopped with SIGTERM to its main
     process, SIGKILL after the grace period (Kubernetes "Pod termination"); Python's default for SIGTERM
@@ -503,7 +532,10 @@ def sigterm_interrupts() -> Iterator[None]:
 
     def interrupt(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
-        raise KeyboardInterrupt(f"signal {signum}")
+        cause = classify() if classify is not None else None
+        if cause is not None and cause.eviction:
+            raise Evicted(cause.why)
+        raise Cancelled(cause.why if cause is not None else f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
