@@ -74,6 +74,7 @@ class ClusterSim(WorkloadControllers):
     idle_since: dict[str, float] = field(default_factory=dict)  # autoscaler: empty nodes, since when
     failures_counted: set[str] = field(default_factory=set)  # pod uids a Job has counted as failed
     pool_history: list[tuple[str, int]] = field(default_factory=list)  # (pool, nodes) after each setSize
+    daemon_pods: dict[Key, dict[str, Any]] = field(default_factory=dict)  # system DaemonSets' pods, per node
 
     # -- node pools ---------------------------------------------------------------------------
     def add_pool(self, name: str, *, zones: list[str], machine_type: str) -> None:
@@ -98,6 +99,9 @@ class ClusterSim(WorkloadControllers):
             self.node_born[node] = time.monotonic()
             self.nodes[node] = {"pool": name, "zone": zone}
             members.append(node)
+            machine = gke_nodes.MACHINES[pool.machine_type]
+            for pod in gke_nodes.daemonset_pods(node, gpus=bool(machine.gpus)):
+                self.daemon_pods[("kube-system", pod["metadata"]["name"])] = pod
         # A shrink removes empty nodes first, then the newest (which instances go is not specified).
         busy = {p["spec"].get("nodeName") for p in self.pods.values()}
         for node in sorted(members, key=lambda n: (n in busy, -self.node_born[n]))[
@@ -118,6 +122,8 @@ class ClusterSim(WorkloadControllers):
     def _remove_node(self, node: str) -> None:
         self._shut_down(node)
         del self.nodes[node], self.node_born[node]
+        for key in [k for k, pod in self.daemon_pods.items() if pod["spec"]["nodeName"] == node]:
+            del self.daemon_pods[key]
         self.idle_since.pop(node, None)
 
     def _shut_down(self, node: str) -> None:
@@ -295,7 +301,7 @@ class ClusterSim(WorkloadControllers):
     def _schedule(self) -> None:
         nodes = self.node_objects()
         used: dict[str, dict[str, Fraction]] = {n["metadata"]["name"]: {} for n in nodes}
-        for pod in self.pods.values():
+        for pod in [*self.pods.values(), *self.daemon_pods.values()]:
             if (bound := pod["spec"].get("nodeName")) in used and pod["status"]["phase"] in (
                 "Pending",
                 "Running",

@@ -4,6 +4,17 @@ Sources for each fact:
 - machine shapes: Compute Engine docs "GPU machine types" / "Accelerator-optimized machine family"
   (a3-highgpu-8g: 208 vCPU, 1872 GB, 8 x H100 80GB; a2-highgpu-1g: 12 vCPU, 85 GB, 1 x A100 40GB; ...)
   and "General-purpose machine family" (e2, n1); GB there are GiB;
+- capacity is what the node's kernel reports, below the machine type's nominal memory: the kubelet
+  reads MemTotal (cAdvisor's MachineInfo), which the Linux kernel documents as "total usable RAM
+  (i.e. physical RAM minus a few reserved bits and the kernel binary code)" (Documentation/filesystems/
+  proc.rst). How much is missing depends on the machine and is not published; the simulator takes
+  `KERNEL_RESERVED_FRACTION` of it, an assumption, so code that sizes pods from the nominal figure fails
+  here as it would on a real node;
+- DaemonSet pods: every node runs GKE's system DaemonSets (`SYSTEM_DAEMONSETS`; on GPU nodes the NVIDIA
+  device plugin too, GKE docs "Run GPUs in GKE Standard node pools"), and the scheduler counts their
+  requests against the node like any pod's (kube-scheduler NodeResourcesFit sums the requests of the
+  pods bound to a node). Which DaemonSets GKE runs and their requests vary by version; the figures here
+  are illustrative, not GKE's;
 - allocatable = capacity - GKE's reservations, GKE docs "Plan node sizes" / "Node allocatable
   resources": memory 25% of the first 4 GiB, 20% of the next 4, 10% of the next 8, 6% of the next
   112, 2% above 128 GiB, plus a 100 MiB eviction threshold; CPU 6% of the first core, 1% of the
@@ -122,6 +133,34 @@ MACHINES = {
 }
 
 
+KERNEL_RESERVED_FRACTION = 0.015
+"""Share of the nominal memory a node's kernel does not report as capacity (an assumption, see above)."""
+
+# (name, CPU millicores, memory MiB) requested by each system DaemonSet pod on every node, and on GPU nodes.
+SYSTEM_DAEMONSETS = (("fluentbit-gke", 100, 200), ("gke-metrics-agent", 8, 60), ("kube-proxy", 100, 0),
+                     ("pdcsi-node", 10, 20), ("netd", 2, 30))  # fmt: skip
+GPU_DAEMONSETS = (("nvidia-gpu-device-plugin", 50, 20),)
+
+
+def daemonset_pods(node: str, *, gpus: bool) -> list[dict[str, Any]]:
+    """The system DaemonSets' pods bound to `node` (namespace kube-system, owned by their DaemonSet)."""
+    pods = []
+    for name, cpu_m, memory_mib in SYSTEM_DAEMONSETS + (GPU_DAEMONSETS if gpus else ()):
+        requests = {"cpu": f"{cpu_m}m", **({"memory": f"{memory_mib}Mi"} if memory_mib else {})}
+        suffix = hashlib.sha256(f"{name}/{node}".encode()).hexdigest()[:5]
+        pods.append({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{name}-{suffix}", "namespace": "kube-system", "uid": f"ds-{name}-{node}",
+                         "labels": {"k8s-app": name},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": name,
+                                              "uid": f"ds-{name}", "controller": True}]},
+            "spec": {"nodeName": node, "containers": [{"name": name, "image": f"gke.gcr.io/{name}",
+                                                       "resources": {"requests": requests}}]},
+            "status": {"phase": "Running"},
+        })  # fmt: skip
+    return pods
+
+
 def reserved_memory_bytes(memory_bytes: int) -> int:
     """GKE's memory reservation for a node of `memory_bytes` (eviction threshold included)."""
     tiers = [(4 * GIB, 0.25), (4 * GIB, 0.20), (8 * GIB, 0.10), (112 * GIB, 0.06), (float("inf"), 0.02)]
@@ -156,7 +195,7 @@ def gke_node(
 ) -> dict[str, Any]:
     """The Node object of one pool member (a machine type missing from MACHINES is a test error)."""
     machine = MACHINES[machine_type]
-    memory = int(machine.memory_gib * GIB)
+    memory = int(machine.memory_gib * GIB * (1 - KERNEL_RESERVED_FRACTION))
     capacity = {"cpu": str(machine.cpus), "memory": f"{memory // 1024}Ki", "pods": "110"}
     allocatable = {
         "cpu": f"{machine.cpus * 1000 - reserved_cpu_millis(machine.cpus)}m",

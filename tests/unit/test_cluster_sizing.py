@@ -103,7 +103,7 @@ def test_gke_allocatable_follows_the_documented_reservations():
 def test_every_known_machine_type_leaves_a_trainer_room():
     for name, machine in MACHINE_TYPES.items():
         sized = trainer_resources(
-            machine_type_name=name, cpu_per_node=None, memory_per_node_bytes=None, node_allocatable=None
+            machine_type_name=name, cpu_per_node=None, memory_per_node_bytes=None, node_free=None
         )
         assert 1 <= sized.cpu < machine.vcpus, name
         assert GIB <= sized.memory_bytes < machine.memory_bytes - DAEMONSET_RESERVE_BYTES, name
@@ -171,19 +171,15 @@ def test_unknown_machine_types_and_mismatched_gpus_are_refused(tmp_path):
     assert "cluster.devices_per_node: 8 exceeds the 4 GPU(s) of machine type a3-highgpu-4g" in err
 
 
-def test_sizes_from_the_nodes_are_the_smallest_nodes_less_the_reserve():
+def test_sizes_from_the_nodes_are_what_they_offer_whole_and_win_over_the_machine_table():
+    free = Allocatable(cpu_millicores=7910, memory_bytes=28 * GIB)  # allocatable less DaemonSet requests
     sized = trainer_resources(
-        machine_type_name=None,
-        cpu_per_node=None,
-        memory_per_node_bytes=None,
-        node_allocatable=Allocatable(cpu_millicores=7910, memory_bytes=28 * GIB),
+        machine_type_name="a3-highgpu-8g", cpu_per_node=None, memory_per_node_bytes=None, node_free=free
     )
-    assert (sized.cpu, sized.memory_bytes) == (6, 26 * GIB)
-    with pytest.raises(ValueError, match=r"^cluster.cpu_per_node: 8 CPUs do not fit the pool's smallest"):
-        trainer_resources(
-            machine_type_name=None, cpu_per_node=8, memory_per_node_bytes=None,
-            node_allocatable=Allocatable(cpu_millicores=7910, memory_bytes=28 * GIB),
-        )  # fmt: skip
+    assert (sized.cpu, sized.memory_bytes) == (7, 28 * GIB)
+    assert sized.source.startswith("the pool's ready nodes")
+    with pytest.raises(ValueError, match=r"^cluster.cpu_per_node: 8 CPUs do not fit the pool's ready nodes"):
+        trainer_resources(machine_type_name=None, cpu_per_node=8, memory_per_node_bytes=None, node_free=free)
 
 
 def test_readiness_parses_allocatable_quantities():

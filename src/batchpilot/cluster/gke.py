@@ -214,9 +214,7 @@ class GkeNodePool:
     def conditions(self) -> list[str]:
         """What GKE reports against the pool's size (`NodePool.conditions`: a stockout, a quota), one
         line each, e.g. `GCE_STOCKOUT: ZONE_RESOURCE_POOL_EXHAUSTED: The zone ...`."""
-        return [
-            f"{condition.code.name}: {condition.message}" for condition in self.node_pool().conditions
-        ]
+        return [f"{condition.code.name}: {condition.message}" for condition in self.node_pool().conditions]
 
     def describe(self) -> str:
         """Pool name, mode, zones and node states."""

@@ -190,18 +190,35 @@ def trainer_resources(
     machine_type_name: str | None,
     cpu_per_node: int | None,
     memory_per_node_bytes: int | None,
-    node_allocatable: Allocatable | None,
+    node_free: Allocatable | None,
 ) -> TrainerResources:
     """CPU and memory of a trainer pod, from the first of these that says:
 
-    1. `cluster.cpu_per_node` / `memory_per_node_bytes`, each checked against the node's allocatable
-       when that is known;
-    2. `cluster.machine_type`: its GKE allocatable less the DaemonSet reserve;
-    3. `node_allocatable` (the pool's smallest ready node, read when launching) less the reserve.
+    1. `node_free`: what the pool's ready nodes offer a pod (allocatable less their DaemonSet pods'
+       requests, read when launching); `cluster.cpu_per_node` / `memory_per_node_bytes` are checked
+       against it and otherwise it is taken whole;
+    2. `cluster.cpu_per_node` / `memory_per_node_bytes`, each checked against the machine type's
+       allocatable when the type is known;
+    3. `cluster.machine_type`: its GKE allocatable less the DaemonSet reserve, an estimate for dry runs
+       and planning (a node's kernel may report less memory than the type's nominal figure).
 
     Raises when none does: torchx would substitute 2 CPUs and 1024 MB, and every stage would be
     OOMKilled.
     """
+    if node_free is not None:
+        where = "the pool's ready nodes (allocatable less their DaemonSet pods' requests)"
+        _check_fits(
+            node_free, where=where, cpu_per_node=cpu_per_node, memory_per_node_bytes=memory_per_node_bytes
+        )
+        cpu = cpu_per_node if cpu_per_node is not None else node_free.cpu_millicores // 1000
+        memory = memory_per_node_bytes if memory_per_node_bytes is not None else node_free.memory_bytes
+        if cpu < 1 or memory < GIB:
+            raise BatchpilotError(
+                "cluster.node_pool",
+                f"{where} leave {node_free.describe()}, less than 1 CPU and 1 GiB for a trainer",
+                "use a larger machine type",
+            )
+        return TrainerResources(cpu, memory, where)
     explicit = cpu_per_node is not None and memory_per_node_bytes is not None
     # With both sizes given, a machine type the table lacks (a CPU pool, a newer series) is no obstacle.
     if machine_type_name and (machine_type_name in MACHINE_TYPES or not explicit):
@@ -212,8 +229,6 @@ def trainer_resources(
         return TrainerResources(
             cpu_per_node, memory_per_node_bytes, "cluster.cpu_per_node/memory_per_node_bytes"
         )
-    elif node_allocatable is not None:
-        allocatable, where = node_allocatable, "the pool's smallest ready node"
     else:
         raise BatchpilotError(
             "cluster.machine_type",

@@ -168,6 +168,39 @@ class PoolNodes:
         """The allocatable CPU and memory of the pool's smallest usable node (None: no usable node)."""
         return smallest_allocatable(self.usable()[0])
 
+    def smallest_free_for_trainer(self) -> Allocatable | None:
+        """What a trainer pod can request on any usable node of the pool: its allocatable (the capacity the
+        kernel reports, less GKE's reservations) less the requests of the DaemonSet pods bound to it (the
+        scheduler counts those against the node). None: no usable node."""
+        free = []
+        for node in self.usable()[0]:
+            cpu_m, memory = self._daemonset_requests(node.name)
+            free.append(
+                Allocatable(
+                    cpu_millicores=node.allocatable_cpu_millicores - cpu_m,
+                    memory_bytes=node.allocatable_memory_bytes - memory,
+                )
+            )
+        if not free:
+            return None
+        return Allocatable(min(f.cpu_millicores for f in free), min(f.memory_bytes for f in free))
+
+    def _daemonset_requests(self, node: str) -> tuple[int, int]:
+        """(CPU millicores, memory bytes) requested by the running DaemonSet pods on `node` (each container's
+        requests; the pods' init containers have ended)."""
+        pods = self._core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"
+        ).items
+        cpu_m = memory = 0
+        for pod in pods:
+            if not any(ref.kind == "DaemonSet" for ref in pod.metadata.owner_references or []):
+                continue
+            for container in pod.spec.containers:
+                requests = (container.resources.requests if container.resources else None) or {}
+                cpu_m += parse_cpu_millicores(requests.get("cpu", "0"))
+                memory += parse_bytes_quantity(requests.get("memory", "0"))
+        return cpu_m, memory
+
     def wait(
         self,
         num_nodes: int,
