@@ -36,6 +36,7 @@ from batchpilot.planning.memory import (
     activation_bytes_per_sample,
     plan_memory,
 )
+from batchpilot.planning.names import cluster_problems
 from batchpilot.planning.nodes import (
     check_loading_factor,
     data_parallel_size,
@@ -342,6 +343,14 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
         check_parallelism(config)
     except BatchpilotError as error:
         problems.append(error)
+    cluster = config.cluster  # gke: names the cluster would refuse, storage the trainer pods cannot reach
+    problems += cluster_problems(
+        backend=cluster.backend, run_name=config.name, namespace=cluster.namespace,
+        kueue_queue=cluster.kueue_queue, node_pool=cluster.node_pool, accelerator_type=cluster.accelerator_type,
+        machine_type=cluster.machine_type, devices_per_node=cluster.devices_per_node,
+        min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, data_uri=config.data.uri,
+        checkpoint_uri=config.train.checkpoint_uri,
+    )  # fmt: skip
     tpu_problems = check_tpu(config)
     if tpu_problems:
         return problems + tpu_problems  # no slice to judge the stages on

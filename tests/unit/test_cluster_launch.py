@@ -230,7 +230,9 @@ def test_placement_helpers_for_kfp_tasks():
     assert gpu_tolerations(cpu_only) == []
 
 
-def test_a_name_too_long_for_pod_hostnames_is_refused():
+def test_a_long_run_name_makes_a_short_jobset_and_an_unusable_app_name_is_refused():
+    """(#20) The launch's JobSet is named `names.jobset_name`, whatever the run's name; the scheduler itself
+    refuses a name its pods could not have (a leading digit), before any API call."""
     from batchpilot.planning import Stage
     from batchpilot.planning.launches import launch_of
 
@@ -239,7 +241,10 @@ def test_a_name_too_long_for_pod_hostnames_is_refused():
     launch = launch_of([stage], index=0)
     spec = cluster_launch_spec(run_name="r" * 60, launch=launch, devices_per_node=8, plan_text="{}")
     appdef = cluster_appdef(spec, cluster=config.cluster)
-    with pytest.raises(ValueError, match="limit 63"):
+    name = app_to_jobset(appdef, JobSetOpts(namespace="ns"))["metadata"]["name"]
+    assert name.startswith("r" * 20) and "-stage-0-" in name and len(name) == 38
+    appdef.name = "5b-llama-stage-0"
+    with pytest.raises(ValueError, match="DNS-1035 label must consist"):
         app_to_jobset(appdef, JobSetOpts(namespace="ns"))
 
 

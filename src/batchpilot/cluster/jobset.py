@@ -30,13 +30,13 @@ from torchx.schedulers.api import (
     filter_regex,
     split_lines,
 )
-from torchx.schedulers.ids import make_unique
 from torchx.specs.api import AppDef, AppDryRunInfo, AppState, CfgVal, Role, macros, runopts
 from torchx.specs.overlays import apply_overlay, get_overlay
 from torchx.util.strings import normalize_str
 
 from batchpilot.cluster.placement import harden_containers
 from batchpilot.exitcodes import EXIT_PREEMPTED
+from batchpilot.planning.names import jobset_problems
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -44,7 +44,6 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 RANK0_ENV = "TORCHX_RANK0_HOST"
-MAX_HOSTNAME = 63
 DELETE_PROPAGATION = "Foreground"
 """Deletion waits for the Jobs and pods: the JobSet stays visible (with a deletionTimestamp) until every
 trainer has had its grace period to checkpoint, so whoever waits for it to vanish (a replacing launch,
@@ -194,14 +193,26 @@ def _replicated_job(
 
 
 def app_to_jobset(app: AppDef, opts: JobSetOpts, *, name: str | None = None) -> dict[str, Any]:
-    """The JobSet object running `app` (pure: no API call)."""
-    jobset_name = name or normalize_str(make_unique(app.name))
+    """The JobSet object running `app` (pure: no API call), named `name` or else the app's name, as is.
+
+    No random suffix (torchx's `make_unique`): batchpilot names each launch's JobSet deterministically
+    (`names.jobset_name`) so that a retried launch finds it, and deletes a stale one before creating it;
+    a second JobSet of one name is refused by the API server (409), never silently doubled.
+
+    Raises:
+        ValueError: a name the API server or the JobSet webhook would refuse (every one, one line each).
+    """
+    jobset_name = name or app.name
     first = normalize_str(app.roles[0].name)
-    # Indexed pods of a JobSet are named <jobset>-<replicated job>-<job index>-<pod index>.
-    longest = max(f"{jobset_name}-{normalize_str(r.name)}-0-{r.num_replicas - 1}" for r in app.roles)
-    if len(longest) > MAX_HOSTNAME:
+    refused = jobset_problems(
+        name=jobset_name,
+        subdomain=jobset_name,
+        replicated_jobs=[(normalize_str(r.name), 1, r.num_replicas) for r in app.roles],
+    )
+    if refused:
         raise ValueError(
-            f"pod hostname {longest!r} has {len(longest)} characters (limit {MAX_HOSTNAME}); shorten the app name"
+            f"JobSet {jobset_name!r} would be refused: {'; '.join(refused)}; name it with "
+            "batchpilot.cluster.names.jobset_name"
         )
     rank0_host = f"{jobset_name}-{first}-0-0.{jobset_name}"
     metadata: dict[str, Any] = {

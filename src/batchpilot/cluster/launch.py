@@ -203,9 +203,13 @@ def cluster_launch_spec(
 ) -> LaunchSpec:
     """The launch's spec for pods: the run document travels as an environment variable, written to a file first.
 
+    Its name is the launch's JobSet name (`names.jobset_name`: short, valid and deterministic).
+
     The launching process (a pipeline task or a laptop) holds the files; pods do not share its disk.
     Metrics and logs under `output_dir` stay in the pod; checkpoints go to `train.checkpoint_uri`.
     """
+    from batchpilot.planning.names import jobset_name
+
     spec = stage_launch_spec(
         run_name=run_name,
         launch=launch,
@@ -217,12 +221,14 @@ def cluster_launch_spec(
     # Compact JSON: the plan rides in the pod spec, which the API server stores whole.
     compact_plan = json.dumps(json.loads(plan_text), separators=(",", ":"))
     labels = stage_labels(run_name=run_name, stage_name=launch.name, plan_text=compact_plan)
+    # The job's name, a valid JobSet name for any run name (the labels, not the name, find it again).
+    name = jobset_name(run_name=run_name, launch_name=launch.name)
     if launch.tpu_topology is not None:
         # One trainer process per TPU host drives all its chips (runtime xla): no torchrun, no agent timeout.
         env = {"BATCHPILOT_PLAN_JSON": compact_plan}
-        return LaunchSpec(spec.name, spec.num_nodes, 1, spec.trainer_args, env, labels, launch.tpu_topology)
+        return LaunchSpec(name, spec.num_nodes, 1, spec.trainer_args, env, labels, launch.tpu_topology)
     env = {"BATCHPILOT_PLAN_JSON": compact_plan, **_torchrun_shutdown_env()}
-    return LaunchSpec(spec.name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env, labels)
+    return LaunchSpec(name, spec.num_nodes, spec.processes_per_node, spec.trainer_args, env, labels)
 
 
 def stage_labels(*, run_name: str, stage_name: str, plan_text: str) -> dict[str, str]:

@@ -48,10 +48,12 @@ from batchpilot.cluster.readiness import GKE_NODE_POOL_LABEL
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import PREEMPTED_FILE
+from batchpilot.planning.names import REPLICATED_JOB_NAME
 from batchpilot.planning.tpu import TPU_RESOURCE_NAME
 
-ROLE_NAME = "batchpilot"
-"""The replicated Job's name, as on GPUs: pods are `<jobset>-batchpilot-0-<host>`."""
+ROLE_NAME = REPLICATED_JOB_NAME
+"""The replicated Job's name, as on GPUs: pods are `<jobset>-batchpilot-0-<host>`; the JobSet's name is the
+launch spec's (`names.jobset_name`), whose length leaves room for it."""
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKER_HOSTNAMES_ENV = "BATCHPILOT_TPU_WORKER_HOSTNAMES"
 """Every host's DNS name, comma-separated in host order: what the pod uses when GKE injected nothing."""
