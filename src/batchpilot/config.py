@@ -222,6 +222,13 @@ class ClusterConfig(_Section):
         description="gke: how long one stage's train task (which follows the stage's JobSet) may run before "
         "KFP stops it; a retry resumes from the last checkpoint",
     )
+    orphan_ttl_s: float = Field(
+        1800.0,
+        gt=0,
+        description="gke: a run's tasks renew its Lease batchpilot-run-<name> for this long; a pool labelled "
+        "with a run whose Lease expired (and no running JobSet) is orphaned and scaled down by the next "
+        "run's resize or `batchpilot pool scale-down --orphaned`",
+    )
     container_api_endpoint: str | None = Field(
         None,
         description="gke: URL of the GKE Container API (none: Google's public endpoint), for a private or "

@@ -225,6 +225,7 @@ def prepare_pool(
     if timeout_s is not None and timeout_s <= 0:
         raise BatchpilotError("--timeout-s", f"{timeout_s} is not positive", "give seconds > 0")
     pool = node_pool_for(config, state_path=state_path)
+    _claim(config, pool)
     started = time.monotonic()
     before = pool.current_size()
     pool.resize(num_nodes)
@@ -235,6 +236,25 @@ def prepare_pool(
     change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
     logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
     return change
+
+
+def _claim(config: Config, pool: Any) -> None:
+    """A GKE pool (not the TPU slice pools, created and deleted per run) is labelled with the run and
+    its Lease renewed before it is resized (`batchpilot.cluster.ownership`). The Lease lasts at least
+    until the next task that renews it can have run: explore and plan follow the explore pool's resize."""
+    from batchpilot.cluster.gke import GkeNodePool
+
+    if not isinstance(pool, GkeNodePool):
+        return
+    from batchpilot.cluster.ownership import claim_pool
+    from batchpilot.cluster.readiness import kube_api_client
+
+    limits = task_timeouts(config)
+    claim_pool(
+        pool, api_client=kube_api_client(), namespace=config.cluster.namespace, run=config.name,
+        idle_nodes=config.cluster.idle_nodes,
+        ttl_s=max(config.cluster.orphan_ttl_s, limits.explore_s + limits.plan_s + limits.pool_s),
+    )  # fmt: skip
 
 
 def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
@@ -251,11 +271,24 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
     started = time.monotonic()
     before = pool.current_size()
     pool.resize(config.cluster.idle_nodes)
+    _release(config, pool)
     change = PoolChange(before, config.cluster.idle_nodes, time.monotonic() - started, pool.describe())
     logger.info(
         "scaled down: %d -> %d node(s) (cluster.idle_nodes); %s", before, change.after, change.description
     )
     return change
+
+
+def _release(config: Config, pool: Any) -> None:
+    """The run is over: its labels leave the (scaled down) GKE pool and its Lease is deleted."""
+    from batchpilot.cluster.gke import GkeNodePool
+
+    if not isinstance(pool, GkeNodePool):
+        return
+    from batchpilot.cluster.ownership import release_pool
+    from batchpilot.cluster.readiness import kube_api_client
+
+    release_pool(pool, api_client=kube_api_client(), namespace=config.cluster.namespace, run=config.name)
 
 
 def pool_status(config: Config, *, state_path: str | None = None) -> str:

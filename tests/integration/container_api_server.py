@@ -315,6 +315,12 @@ class _Handler(QuietHandler):
             code, payload = self._delete(request.path)
         self.reply(code, payload)
 
+    def do_PUT(self) -> None:
+        request = self._record()
+        with self.state.lock:
+            code, payload = update_node_pool(self, request.path, request.body or {})
+        self.reply(code, payload)
+
     def _get(self, path: str) -> tuple[int, dict[str, Any]]:
         state = self.state
         if POOLS.match(path):
@@ -466,6 +472,53 @@ class _Handler(QuietHandler):
             "targetLink": f"https://container.example/v1/{target}",
         }
         return state.operations[name]
+
+
+# --- updateNodePool: resource labels -------------------------------------------------------------
+# Container API v1 reference, projects.locations.clusters.nodePools.update: `PUT
+# /v1/{name=projects/*/locations/*/clusters/*/nodePools/*}` with an UpdateNodePoolRequest body, answered
+# with an Operation; `resourceLabels` (ResourceLabels: "Collection of GCP labels", a `labels` map) are
+# "the resource labels for the node pool to use to annotate any related Google Compute Engine
+# resources", and the pool serves them as `config.resourceLabels` (NodeConfig). The request's
+# nodeVersion and imageType are marked Required there, but an update that changes only resourceLabels
+# is made without them (inferred, not quoted: gcloud's `node-pools update --resource-labels` and
+# Terraform's node pool resource_labels update send only the name and resourceLabels); the stand-in
+# accepts exactly that and refuses an update that changes nothing it models.
+# Label rules (Compute Engine docs "Labels", "Requirements for labels"): keys and values at most 63
+# characters of lowercase letters, digits, underscores and dashes, a key starts with a lowercase
+# letter, at most 64 labels per resource.
+LABEL_KEY = re.compile(r"[a-z][a-z0-9_-]{0,62}")
+LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
+TYPE_UPDATE_NODE_POOL = 4  # Operation.Type UPGRADE_NODES: what GKE reports for a node pool update
+
+
+def resource_label_problem(labels: dict[str, Any]) -> str | None:
+    """GCP's label rules (see above); None when the labels are valid."""
+    if len(labels) > 64:
+        return f"too many labels: {len(labels)} (at most 64)"
+    for key, value in labels.items():
+        if not LABEL_KEY.fullmatch(key):
+            return f'Invalid value for field "resource_labels.key": "{key}"'
+        if not isinstance(value, str) or not LABEL_VALUE.fullmatch(value):
+            return f'Invalid value for field "resource_labels.value": "{value}" (key {key})'
+    return None
+
+
+def update_node_pool(handler: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """`PUT .../nodePools/NAME`: sets the pool's resource labels (the only update modelled)."""
+    match = POOL.match(path)
+    if not match or match.group(5):
+        return _error(404, "NOT_FOUND", f"no route {path}")
+    full = path.removeprefix("/v1/")
+    if refused := handler._refused(full, match.group(3), must_exist=True):
+        return refused
+    if "resourceLabels" not in body:
+        return _invalid("the stand-in models only updates of resourceLabels")
+    labels = dict((body["resourceLabels"] or {}).get("labels") or {})
+    if problem := resource_label_problem(labels):
+        return _invalid(problem)
+    handler.state.pools[full].setdefault("config", {})["resourceLabels"] = labels
+    return 200, handler._operation(TYPE_UPDATE_NODE_POOL, location=match.group(2), target=full)
 
 
 def _served(pool: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import kube_leases
 import kube_sim_routes
 import yaml
 from cluster_sim import ClusterSim
@@ -79,6 +80,7 @@ class KubeState:
     requests: list[tuple[str, str, dict[str, list[str]], Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     sim: ClusterSim | None = None
+    leases: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # kube_leases.py
 
 
 def _selected(obj: dict[str, Any], selector: str) -> bool:
@@ -131,8 +133,23 @@ class _Handler(QuietHandler):
                 return
             time.sleep(0.1)
 
+    def _lease(self, path: str, body: Any) -> bool:
+        """Answers a Lease request (`kube_leases.py`, with or without a simulator)."""
+        with self.state.lock:
+            answer = kube_leases.route(self.state.leases, self.command, path, body)
+        if answer is not None:
+            self.reply(*answer)
+        return answer is not None
+
+    def do_PUT(self) -> None:
+        path, _, body = self._record()
+        if not self._lease(path, body):
+            self.reply(405, _status(405, "MethodNotAllowed", f"PUT {path} is not supported here"))
+
     def do_GET(self) -> None:
         path, query, _ = self._record()
+        if self._lease(path, None):
+            return
         if self._simulated(path, query, None):
             return
         selector = query.get("labelSelector", [""])[0]
@@ -174,6 +191,8 @@ class _Handler(QuietHandler):
 
     def do_POST(self) -> None:
         path, query, body = self._record()
+        if self._lease(path, body):
+            return
         if self._simulated(path, query, body):
             return
         if not path.startswith(JOBSETS):
@@ -202,6 +221,8 @@ class _Handler(QuietHandler):
 
     def do_DELETE(self) -> None:
         path, query, body = self._record()
+        if self._lease(path, body):
+            return
         if self._simulated(path, query, body):
             return
         name = path.rsplit("/", 1)[-1]

@@ -216,6 +216,19 @@ class GkeNodePool:
         line each, e.g. `GCE_STOCKOUT: ZONE_RESOURCE_POOL_EXHAUSTED: The zone ...`."""
         return [f"{condition.code.name}: {condition.message}" for condition in self.node_pool().conditions]
 
+    def resource_labels(self) -> dict[str, str]:
+        """The pool's GCP resource labels (`NodePool.config.resourceLabels`): which run resized it."""
+        return dict(self.node_pool().config.resource_labels)
+
+    def set_resource_labels(self, labels: dict[str, str]) -> None:
+        """Replaces the pool's resource labels (updateNodePool with only `resourceLabels`)."""
+        container_v1 = _container_v1()
+        request = container_v1.UpdateNodePoolRequest(
+            name=self.pool.name, resource_labels=container_v1.ResourceLabels(labels=labels)
+        )
+        operation = self._call("label node pool", self.client.update_node_pool, request)
+        self._wait_operation(operation, what="resource labels")
+
     def describe(self) -> str:
         """Pool name, mode, zones and node states."""
         usable, problems = self.nodes.usable()

@@ -484,7 +484,10 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
     # The pool was resized and its nodes found ready just before: they can size the pods when the config
     # does not (a dry run never asks the API).
     appdef = cluster_appdef(spec, cluster=cluster, read_nodes=True)
-    with sigterm_interrupts(classify=sigterm_cause if cluster.launcher == "jobset" else None):
+    with (
+        sigterm_interrupts(classify=sigterm_cause if cluster.launcher == "jobset" else None),
+        _run_lease(spec, cluster=cluster),
+    ):
         try:
             handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster)
             return follow(
@@ -504,6 +507,19 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
             if cluster.launcher == "jobset" and spec.labels:
                 _delete_labelled(cluster, labels=_stage_selector(spec.labels), wait_s=0.0, why="interrupted")
             raise
+
+
+def _run_lease(spec: LaunchSpec, *, cluster: ClusterConfig) -> contextlib.AbstractContextManager[None]:
+    """While the launch is followed, the run's Lease is renewed (`batchpilot.cluster.ownership`), so its
+    pool is not taken for orphaned however long the launch trains."""
+    from batchpilot.cluster.ownership import lease_renewed
+    from batchpilot.cluster.readiness import kube_api_client
+
+    if not spec.labels.get(RUN_LABEL):
+        return contextlib.nullcontext()
+    return lease_renewed(
+        kube_api_client, namespace=cluster.namespace, run=spec.labels[RUN_LABEL], ttl_s=cluster.orphan_ttl_s
+    )
 
 
 class Evicted(BaseException):

@@ -27,6 +27,12 @@ def register(subparsers: Any) -> None:
     resize.set_defaults(handler=run_resize)
     down = actions.add_parser("scale-down", help="resize the pool to cluster.idle_nodes")
     _common(down)
+    down.add_argument(
+        "--orphaned",
+        action="store_true",
+        help="gke: instead, scale down every batchpilot pool of the config's cluster whose run is gone "
+        "(its Lease expired, no running JobSet) to the idle size recorded on the pool; one line per pool",
+    )
     down.set_defaults(handler=run_scale_down)
     status = actions.add_parser("status", help="print the pool's size and mode")
     _common(status)
@@ -53,6 +59,12 @@ def run_resize(args: argparse.Namespace) -> int:
 def run_scale_down(args: argparse.Namespace) -> int:
     from batchpilot import workflow
 
+    if args.orphaned:
+        from batchpilot.cluster.ownership import scale_down_orphaned
+
+        for line in scale_down_orphaned(load_config(args.config).cluster):
+            print(line)
+        return 0
     workflow.scale_down(load_config(args.config), state_path=args.pool_state)
     return 0
 
