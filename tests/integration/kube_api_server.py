@@ -4,7 +4,8 @@ Routes:
 - `GET /api/v1/nodes?labelSelector=k=v`: the node list; `node_snapshots` scripts how it changes
   (each list call serves the next snapshot, the last one stays).
 - JobSets (`/apis/jobset.x-k8s.io/v1alpha2/namespaces/NS/jobsets[/NAME]`): create, get, delete;
-  `jobset_statuses` scripts the status each get returns (the last one stays).
+  `jobset_statuses` scripts the status each get returns (the last one stays). A create is refused (422)
+  as the API server and the JobSet webhook refuse bad names (`jobset_webhook.py`).
 - Pods (`/api/v1/namespaces/NS/pods?labelSelector=...`) and their logs (`.../pods/NAME/log`).
 
 Without a simulator the JobSet routes also list (`labelSelector`) and DELETE removes the JobSet's pods
@@ -31,6 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import kube_leases
+import jobset_webhook
 import kube_sim_routes
 import yaml
 from cluster_sim import ClusterSim
@@ -198,6 +200,8 @@ class _Handler(QuietHandler):
         if not path.startswith(JOBSETS):
             return self.reply(404, _status(404, "NotFound", f"no route {path}"))
         name = body["metadata"]["name"]
+        if denied := jobset_webhook.admit_create(body):  # the name rules, before storage (AlreadyExists)
+            return self.reply(422, denied)
         with self.state.lock:
             if name in self.state.jobsets:
                 return self.reply(409, _status(409, "AlreadyExists", f'jobsets "{name}" already exists'))

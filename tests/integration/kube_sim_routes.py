@@ -7,7 +7,8 @@ Shapes follow the Kubernetes API conventions (kubernetes.io docs "API Concepts")
 `Status` objects (404 NotFound, 409 AlreadyExists, 422 Invalid).
 
 Routes: nodes (list, get); pods (list in a namespace or all, create, get, delete, log); events (list);
-batch/v1 Jobs (list, get); JobSets jobset.x-k8s.io/v1alpha2 (create, list, get, delete).
+batch/v1 Jobs (list, get); JobSets jobset.x-k8s.io/v1alpha2 (create, list, get, delete). A JobSet create
+passes the API server's name check and the JobSet webhook's name rules first (`jobset_webhook.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import jobset_webhook
 from cluster_sim import ClusterSim, Invalid
 
 _NS = r"/namespaces/(?P<ns>[^/]+)"
@@ -111,6 +113,9 @@ def _create(sim: ClusterSim, route: str, ns: str, body: Any) -> tuple[int, Any]:
     objects = {"pods": sim.pods, "jobsets": sim.jobsets}.get(route)
     if objects is None:
         return 405, status(405, "MethodNotAllowed", f"creating {route} is not simulated")
+    # Validation and validating admission come before storage, hence before AlreadyExists (store.go).
+    if route == "jobsets" and (denied := jobset_webhook.admit_create(body)):
+        return 422, denied
     if name and (ns, name) in objects:
         resource = f"{route}.{GROUPS[route]}" if route in GROUPS else route
         return 409, status(409, "AlreadyExists", f'{resource} "{name}" already exists')

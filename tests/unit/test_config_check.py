@@ -89,6 +89,58 @@ BAD_CONFIGS = {
     ),
 }
 
+TPU = Path(__file__).resolve().parents[2] / "configs" / "llama_5b_tpu.yaml"
+
+
+def changed(path: Path, **sections: dict) -> dict:
+    """The example config at `path` with some keys of its sections replaced."""
+    config = yaml.safe_load(path.read_text())
+    for section, values in sections.items():
+        config[section].update(values)
+    return config
+
+
+# Issue #20: what a gke cluster would refuse only after the pool was scaled up.
+BAD_CONFIGS |= {
+    "gke with local checkpoints and data": (
+        changed(
+            NEMO, data={"uri": "file:///data/gpt3"}, train={"checkpoint_uri": "file://runs/gpt3-5b/ckpt"}
+        ),
+        [
+            "train.checkpoint_uri: file://runs/gpt3-5b/ckpt is a local path, but each gke trainer pod would write "
+            "it into its own emptyDir: a restarted JobSet would start again from step 0 and the train task could "
+            "not read the metrics (fix: use a gs:// URI the pods' service account can write, e.g. "
+            "gs://BUCKET/gpt3-5b/ckpt)",
+            "data.uri: file:///data/gpt3 is a local path, which gke trainer pods cannot read (they see their image "
+            "and an empty /tmp) (fix: copy the shard set to GCS (`batchpilot data prepare ... --out "
+            "gs://BUCKET/PREFIX`) and use its gs:// URI)",
+        ],
+    ),
+    "names gke refuses": (
+        changed(NEMO, cluster={"node_pool": "H100_pool", "namespace": "ML", "kueue_queue": "-lm"}),
+        [
+            "cluster.namespace: 'ML' is not a Kubernetes namespace name (a DNS-1123 label: at most 63 lower case "
+            "letters, digits and '-', a letter or digit at both ends) (fix: use an existing namespace's name, "
+            "e.g. batchpilot)",
+            "cluster.kueue_queue: '-lm' cannot be the value of the kueue.x-k8s.io/queue-name label (at most 63 "
+            "letters, digits, '-', '_' or '.', a letter or digit at both ends) (fix: use the name of a "
+            "LocalQueue in cluster.namespace)",
+            "cluster.node_pool: 'H100_pool' is not a node pool name: GKE node pool names are 1-40 lower case "
+            "letters, digits and '-', starting with a letter and not ending with '-'",
+        ],
+    ),
+    "TPU slice pool names too long": (
+        changed(TPU, cluster={"node_pool": "trillium-v6e-training-pool-us-east5-b"}),
+        [
+            "cluster.node_pool: 'trillium-v6e-training-pool-us-east5-b' makes TPU slice node pool names GKE "
+            "refuses (trillium-v6e-training-pool-us-east5-b-2x4, trillium-v6e-training-pool-us-east5-b-4x4, "
+            "trillium-v6e-training-pool-us-east5-b-4x8): GKE node pool names are 1-40 lower case letters, digits "
+            "and '-', starting with a letter and not ending with '-' (fix: shorten cluster.node_pool to at most "
+            "36 characters)"
+        ],
+    ),
+}
+
 COMMANDS = {
     "config check": lambda config, out: ["config", "check", config],
     "plan": lambda config, out: ["plan", "--config", config, "--out", out],
@@ -128,3 +180,12 @@ def test_loading_hosts_divide_every_stage_node_count(tmp_path, capsys):
     stages = json.loads(capsys.readouterr().out)["stages"]
     assert [s["num_nodes"] for s in stages] == [8, 8, 8, 8, 8, 8, 8, 16]
     assert [s["num_loading_hosts"] for s in stages] == [2] * 7 + [4]
+
+
+@pytest.mark.parametrize("name", ["my-llama-5b-pretraining", "5b-llama", "a" * 40])
+def test_run_names_the_jobset_webhook_refused_before_now_pass_config_check(tmp_path, capsys, name):
+    """(#20) The run's name no longer becomes the JobSet's name verbatim (tests/integration/
+    test_jobset_names_sim.py runs the launches' JobSets through the webhook's rules)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(yaml.safe_load(NEMO.read_text()) | {"name": name}))
+    assert main(["config", "check", str(config)]) == 0, capsys.readouterr().err

@@ -212,7 +212,7 @@ def app_to_jobset(app: AppDef, opts: JobSetOpts, *, name: str | None = None) -> 
     if refused:
         raise ValueError(
             f"JobSet {jobset_name!r} would be refused: {'; '.join(refused)}; name it with "
-            "batchpilot.cluster.names.jobset_name"
+            "batchpilot.planning.names.jobset_name"
         )
     rank0_host = f"{jobset_name}-{first}-0-0.{jobset_name}"
     metadata: dict[str, Any] = {
