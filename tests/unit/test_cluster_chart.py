@@ -318,3 +318,30 @@ def test_manifests_are_the_chart_rendered_with_default_values():
     )
     for obj in yaml.safe_load_all(text):
         validate_k8s(obj)
+
+
+REAPER = {"orphanReaper": {"enabled": True, "schedule": "*/10 * * * *"}}
+
+
+def test_the_orphan_reaper_is_an_optional_hardened_cronjob_scaling_down_orphaned_pools():
+    assert not [o for o in render() if o["kind"] == "CronJob"]  # off by default
+    objects = render(REAPER)
+    cron = named(objects, "CronJob", "-orphan-reaper")
+    validate_k8s(cron)
+    assert cron["spec"]["schedule"] == "*/10 * * * *" and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["batchpilot"]
+    assert container["args"] == ["pool", "scale-down", "--orphaned", "--config=/etc/batchpilot/config.yaml"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["serviceAccountName"] == by_kind(objects)["ServiceAccount"]["metadata"]["name"]
+    # What the reaper (and the pipeline's tasks) call: Leases and JobSets in the namespace, bound to both.
+    rules = {
+        (r["apiGroups"][0], res): set(r["verbs"])
+        for r in by_kind(objects)["Role"]["rules"]
+        for res in r["resources"]
+    }
+    assert rules[("coordination.k8s.io", "leases")] == {"create", "get", "list", "update", "delete"}
+    assert rules[("jobset.x-k8s.io", "jobsets")] >= {"list", "get"}
+    with pytest.raises(Exception, match="orphanReaper"):
+        render({"orphanReaper": {"enabled": True, "every": 5}})  # values.schema.json: no unknown keys
