@@ -217,7 +217,5 @@ def test_a_terminated_train_task_deletes_its_jobset(gke, tmp_path):
     assert (
         f"SIGTERM is a cancel (pod {pod} is not being deleted (a cancel or a deadline)): deleting" in output
     )
-    deadline = time.monotonic() + 30
-    while (NS, jobset) in gke.sim.jobsets:
-        assert time.monotonic() < deadline, output
-        time.sleep(0.1)
+    # Deleted with propagationPolicy Foreground: it stays, marked, while its trainers checkpoint.
+    assert gke.sim.jobsets[(NS, jobset)]["metadata"].get("deletionTimestamp"), output

@@ -54,14 +54,14 @@ def _now() -> dt.datetime:
 
 
 def renew_lease(
-    api_client: Any, *, namespace: str, run: str, ttl_s: float, now: Callable[[], dt.datetime] = _now
+    api_client: Any, *, namespace: str, run: str, ttl_s: float, now: Callable[[], dt.datetime] | None = None
 ) -> None:
     """Creates or renews the run's Lease for `ttl_s` seconds from now."""
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
     api = client.CoordinationV1Api(api_client)
-    name, stamp = lease_name(run), now()
+    name, stamp = lease_name(run), (now or _now)()
     spec = client.V1LeaseSpec(
         holder_identity=label_value(run), lease_duration_seconds=int(ttl_s), renew_time=stamp
     )
@@ -95,7 +95,7 @@ def delete_lease(api_client: Any, *, namespace: str, run: str) -> None:
 
 
 def run_alive(
-    api_client: Any, *, namespace: str, run: str, now: Callable[[], dt.datetime] = _now
+    api_client: Any, *, namespace: str, run: str, now: Callable[[], dt.datetime] | None = None
 ) -> tuple[bool, str]:
     """(alive, why): the run's Lease is unexpired, or a JobSet of the run is pending or running."""
     from kubernetes import client
@@ -111,7 +111,7 @@ def run_alive(
         lease = None
     if lease is not None and lease.spec.renew_time is not None:
         expires = lease.spec.renew_time + dt.timedelta(seconds=lease.spec.lease_duration_seconds or 0)
-        if expires > now():
+        if expires > (now or _now)():
             return True, f"Lease {lease_name(run)} renewed until {expires:%Y-%m-%dT%H:%M:%SZ}"
     if jobsets := _live_jobsets(api_client, namespace=namespace, run=run):
         return True, f"JobSet {jobsets[0]} is running"
