@@ -241,10 +241,11 @@ def prepare_pool(
 def _claim(config: Config, pool: Any) -> None:
     """A GKE pool (not the TPU slice pools, created and deleted per run) is labelled with the run and
     its Lease renewed before it is resized (`batchpilot.cluster.ownership`). The Lease lasts at least
-    until the next task that renews it can have run: explore and plan follow the explore pool's resize."""
+    until the next task that renews it can have run: explore and plan follow the explore pool's resize.
+    A static pool is never changed, its labels included (and nothing would scale it down)."""
     from batchpilot.cluster.gke import GkeNodePool
 
-    if not isinstance(pool, GkeNodePool):
+    if not isinstance(pool, GkeNodePool) or pool.pool_mode == "static":
         return
     from batchpilot.cluster.ownership import claim_pool
     from batchpilot.cluster.readiness import kube_api_client
@@ -283,7 +284,7 @@ def _release(config: Config, pool: Any) -> None:
     """The run is over: its labels leave the (scaled down) GKE pool and its Lease is deleted."""
     from batchpilot.cluster.gke import GkeNodePool
 
-    if not isinstance(pool, GkeNodePool):
+    if not isinstance(pool, GkeNodePool) or pool.pool_mode == "static":
         return
     from batchpilot.cluster.ownership import release_pool
     from batchpilot.cluster.readiness import kube_api_client
