@@ -286,7 +286,7 @@ def test_readiness_counts_the_tpu_chips_not_gpus(kube):
 def tpu_config(**cluster: object) -> dict:
     return {
         "name": "tputest",
-        "data": {"uri": "file://data", "seq_len": 32},
+        "data": {"uri": "gs://bucket/data", "seq_len": 32},
         "cluster": {
             "backend": "gke",
             "devices_per_node": 4,
@@ -303,7 +303,7 @@ def tpu_config(**cluster: object) -> dict:
             **cluster,
         },
         "batch": {"global_batch_size": 64, "micro_batch_size": 16},
-        "train": {"total_samples": 2048, "lr": 1e-3, "checkpoint_uri": "file://ckpt"},
+        "train": {"total_samples": 2048, "lr": 1e-3, "checkpoint_uri": "gs://bucket/ckpt"},
     }
 
 

@@ -20,7 +20,7 @@ NS = "batchpilot"
 
 
 def rendered_jobset(folder: Path, capsys: pytest.CaptureFixture[str], *, stage: str) -> dict[str, Any]:
-    config = tiny_config(data_uri="file:///unused", checkpoint_uri="file:///unused")
+    config = tiny_config(data_uri="gs://unused/data", checkpoint_uri="gs://unused/ckpt")  # gke: no file://
     config["cluster"].update(
         backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
         image="batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
