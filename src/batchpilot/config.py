@@ -213,6 +213,13 @@ class ClusterConfig(_Section):
     ready_timeout_s: float = Field(
         1800.0, gt=0, description="gke: how long to wait for the pool's nodes to be Ready with their GPUs"
     )
+    pending_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="gke: how long a trainer pod may stay Pending once the pool's nodes are ready (plus "
+        "ready_timeout_s in autoscale mode) before the launch ends with the scheduler's or kubelet's reason "
+        "(FailedScheduling, ImagePullBackOff) and its job is deleted",
+    )
     operation_timeout_s: float = Field(
         1800.0, gt=0, description="gke: how long one node pool operation (resize, autoscaling) may take"
     )

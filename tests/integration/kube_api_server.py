@@ -7,6 +7,9 @@ Routes:
   `jobset_statuses` scripts the status each get returns (the last one stays). A create is refused (422)
   as the API server and the JobSet webhook refuse bad names (`jobset_webhook.py`).
 - Pods (`/api/v1/namespaces/NS/pods?labelSelector=...`) and their logs (`.../pods/NAME/log`).
+- CRDs (`/apis/apiextensions.k8s.io/v1/customresourcedefinitions/NAME`, get): by default the cluster has
+  JobSet installed as published (the CRD in tests/fixtures/schemas); `crds` replaces what is installed
+  (an older JobSet, or none: 404).
 
 Without a simulator the JobSet routes also list (`labelSelector`) and DELETE removes the JobSet's pods
 (any `propagationPolicy` but Orphan), and `.../events` answers the scripted `events`.
@@ -21,6 +24,7 @@ Every request is recorded with its JSON body so tests can check what the real cl
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -31,8 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import kube_leases
 import jobset_webhook
+import kube_leases
 import kube_sim_routes
 import yaml
 from cluster_sim import ClusterSim
@@ -84,6 +88,19 @@ class KubeState:
     sim: ClusterSim | None = None
     leases: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # kube_leases.py
     lease_requests: list[tuple[str, str, dict[str, list[str]], Any]] = field(default_factory=list)
+    crds: dict[str, dict[str, Any]] | None = None  # by name; None: the published ones (`published_crds`)
+
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "schemas"
+
+
+@functools.cache
+def published_crds() -> dict[str, dict[str, Any]]:
+    """The CRDs a cluster with JobSet installed serves: the published JobSet CRD (tests/fixtures/schemas)."""
+    text = (FIXTURES / "jobset.x-k8s.io_jobsets.yaml").read_text()
+    crd = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return {crd["metadata"]["name"]: crd}
 
 
 def _selected(obj: dict[str, Any], selector: str) -> bool:
@@ -157,6 +174,13 @@ class _Handler(QuietHandler):
         path, query, _ = self._record()
         if self._lease(path, None):
             return
+        if path.startswith(CRDS):  # apiextensions.k8s.io: what is installed, with or without a simulator
+            name = path.removeprefix(CRDS)
+            crds = published_crds() if self.state.crds is None else self.state.crds
+            if name not in crds:
+                message = f'customresourcedefinitions.apiextensions.k8s.io "{name}" not found'
+                return self.reply(404, _status(404, "NotFound", message))
+            return self.reply(200, crds[name])
         if self._simulated(path, query, None):
             return
         selector = query.get("labelSelector", [""])[0]

@@ -84,6 +84,9 @@ def _serve(
         return 200, _list(route, [e for e in sim.events if _event_matches(e, ns, query)])
     objects = {"pods": sim.pods, "jobs": sim.jobs, "jobsets": sim.jobsets}[route]
     if method == "GET" and not name:
+        if route == "pods":  # the system DaemonSets' pods are listed too (read-only here)
+            found = sim.select({**sim.daemon_pods, **sim.pods}, ns, selector)
+            return 200, _list(route, [p for p in found if _pod_fields_match(p, query)])
         return 200, _list(route, sim.select(objects, ns, selector))
     if method == "POST" and ns and not name:
         return _create(sim, route, ns, body)
@@ -130,6 +133,19 @@ def _labels_match(obj: dict[str, Any], selector: str) -> bool:
     from k8s_rules import selector_matches
 
     return selector_matches(obj["metadata"].get("labels", {}), selector)
+
+
+def _pod_fields_match(pod: dict[str, Any], query: dict[str, list[str]]) -> bool:
+    """Pod field selectors `spec.nodeName` and `status.phase`, with = or != (kubernetes.io docs "Field
+    Selectors": both are supported for pods; terms are ANDed)."""
+    values = {"spec.nodeName": pod["spec"].get("nodeName", ""), "status.phase": pod["status"].get("phase", "")}
+    for term in filter(None, query.get("fieldSelector", [""])[0].split(",")):
+        key, negate, value = re.match(r"^([^!=]+)(!?)==?(.*)$", term).groups()  # type: ignore[union-attr]
+        if key not in values:
+            raise ValueError(f"field selector {key!r} is not simulated for pods")
+        if (values[key] == value) == bool(negate):
+            return False
+    return True
 
 
 def _event_matches(event: dict[str, Any], ns: str | None, query: dict[str, list[str]]) -> bool:

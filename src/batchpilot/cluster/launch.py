@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,12 +116,22 @@ def run_local(spec: LaunchSpec, *, log_dir: Path) -> int:
 
 
 def follow(
-    runner: Any, handle: str, *, spec: LaunchSpec, role: str, wait_interval_s: float, via: str, where: str
+    runner: Any,
+    handle: str,
+    *,
+    spec: LaunchSpec,
+    role: str,
+    wait_interval_s: float,
+    via: str,
+    where: str,
+    stuck: Callable[[], str | None] | None = None,
 ) -> int:
     """Says the job was launched `via` a launcher, streams every node's log lines until it ends; returns 0,
     EXIT_PREEMPTED or 1.
 
     torchrun exits 1 whatever its workers' codes were, so preemption is told by rank 0's log line.
+    `stuck` (polled every `wait_interval_s`) says why the job cannot start (a pod Pending past its bound);
+    the job is then cancelled and the reason raised.
     """
     from torchx.specs import AppState
 
@@ -134,10 +145,22 @@ def follow(
         threading.Thread(target=_stream, args=(runner, handle, role, k, seen), daemon=True)
         for k in range(spec.num_nodes)
     ]
+    found: list[str] = []
+    if stuck is not None:
+        threading.Thread(
+            target=_watch_stuck, args=(runner, handle, stuck, wait_interval_s, found), daemon=True
+        ).start()
     try:
         for thread in streams:
             thread.start()
         status = runner.wait(handle, wait_interval=wait_interval_s)
+        if found:
+            raise BatchpilotError(
+                "cluster.pending_timeout_s",
+                f"{spec.name}: {found[0]}; its job was deleted",
+                "free or add capacity (or fix the image or sizes the message names), or raise "
+                "cluster.pending_timeout_s",
+            )
         for thread in streams:
             thread.join(timeout=30)
     except KeyboardInterrupt:
@@ -155,6 +178,51 @@ def follow(
     detail = f": {status.msg}" if status.msg and status.msg != "<NONE>" else ""
     logger.error("%s failed (%s)%s; %s", spec.name, status.state, detail, where)
     return 1
+
+
+def _watch_stuck(
+    runner: Any, handle: str, stuck: Callable[[], str | None], interval_s: float, found: list[str]
+) -> None:
+    """Polls `stuck` until the job ends; on a finding records it and cancels the job (ending the wait)."""
+    from torchx.specs import AppState
+
+    while True:
+        time.sleep(interval_s)
+        status = runner.status(handle)
+        if status is None or status.state not in (AppState.SUBMITTED, AppState.PENDING, AppState.RUNNING):
+            return
+        try:
+            problem = stuck()
+        except Exception as error:  # a failed poll must not end the launch: the next poll tries again
+            logger.warning("could not check the launch's pending pods: %s", error)
+            continue
+        if problem is not None:
+            logger.error("%s; deleting the job", problem)
+            found.append(problem)
+            runner.cancel(handle)
+            return
+
+
+def pending_watch(handle: str, *, cluster: ClusterConfig) -> Callable[[], str | None] | None:
+    """`follow`'s `stuck` check of a JobSet launch: its pods Pending longer than `cluster.pending_timeout_s`
+    (plus `ready_timeout_s` in autoscale mode, where the nodes come only once the pods are pending)."""
+    if cluster.launcher != "jobset":
+        return None
+    from torchx.specs.api import parse_app_handle
+
+    from batchpilot.cluster.jobset import JOBSET_NAME_LABEL
+    from batchpilot.cluster.pending import PendingWatch
+    from batchpilot.cluster.readiness import kube_api_client
+
+    namespace, name = parse_app_handle(handle).app_id.split(":")
+    bound_s = cluster.pending_timeout_s + (cluster.ready_timeout_s if cluster.pool_mode == "autoscale" else 0)
+    watch = PendingWatch(
+        api_client=kube_api_client(),
+        namespace=namespace,
+        selector=f"{JOBSET_NAME_LABEL}={name}",
+        bound_s=bound_s,
+    )
+    return watch.problem
 
 
 def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> None:
@@ -246,9 +314,10 @@ def stage_labels(*, run_name: str, stage_name: str, plan_text: str) -> dict[str,
 def trainer_pod_resources(cluster: ClusterConfig, *, read_nodes: bool) -> TrainerResources:
     """CPU and memory of each trainer pod (see `machines.trainer_resources` for the order of sources).
 
-    Only with `read_nodes` (a real launch: readiness has just run, the nodes are there) and neither
-    `machine_type` nor both explicit sizes does this ask the Kubernetes API, for the pool's smallest
-    usable node; a dry run makes no API call.
+    With `read_nodes` (a real launch: the resize step has just waited for the nodes) the pods are sized
+    from the pool's ready nodes as the scheduler sees them: allocatable less their DaemonSet pods'
+    requests. The machine-type table only sizes a dry run and planning (its nominal memory can exceed
+    what a node's kernel reports). A dry run makes no API call.
     """
     from batchpilot.cluster.machines import check_accelerators, trainer_resources
     from batchpilot.cluster.readiness import PoolNodes, kube_api_client
@@ -260,27 +329,34 @@ def trainer_pod_resources(cluster: ClusterConfig, *, read_nodes: bool) -> Traine
         accelerator_type=cluster.accelerator_type,
         devices_per_node=cluster.devices_per_node,
     )
-    explicit = cluster.cpu_per_node is not None and cluster.memory_per_node_bytes is not None
-    node_allocatable = None
-    if read_nodes and not cluster.machine_type and not explicit and cluster.node_pool:
+    node_free = None
+    if read_nodes and cluster.node_pool:
         nodes = PoolNodes(
             api_client=kube_api_client(),
             node_pool=cluster.node_pool,
             gpus_per_node=cluster.devices_per_node if cluster.accelerator_type else 0,
         )
-        node_allocatable = nodes.smallest_usable_allocatable()
-        if node_allocatable is None:
-            raise BatchpilotError(
-                "cluster.machine_type",
-                f"node pool {cluster.node_pool!r} has no usable node to size the trainer pods from",
-                "set cluster.machine_type to the pool's machine type, or both cluster.cpu_per_node and "
-                "cluster.memory_per_node_bytes",
+        node_free = nodes.smallest_free_for_trainer()
+        explicit = cluster.cpu_per_node is not None and cluster.memory_per_node_bytes is not None
+        if node_free is None and explicit:
+            logger.warning(
+                "node pool %s has no usable node yet: cluster.cpu_per_node/memory_per_node_bytes are not "
+                "checked against the nodes",
+                cluster.node_pool,
             )
+        elif node_free is None and cluster.pool_mode != "autoscale":
+            raise BatchpilotError(
+                "cluster.node_pool",
+                f"node pool {cluster.node_pool!r} has no usable node to size the trainer pods from",
+                f"check `kubectl get nodes -l cloud.google.com/gke-nodepool={cluster.node_pool}`; the resize "
+                "step waits for them",
+            )
+        # autoscale mode: the nodes come once the pods are pending, so the machine type sizes them.
     return trainer_resources(
         machine_type_name=cluster.machine_type,
         cpu_per_node=cluster.cpu_per_node,
         memory_per_node_bytes=cluster.memory_per_node_bytes,
-        node_allocatable=node_allocatable,
+        node_free=node_free,
     )
 
 
@@ -310,7 +386,7 @@ def _tpu_pod_resources(cluster: ClusterConfig) -> TrainerResources:
         machine_type_name=machine,
         cpu_per_node=cluster.cpu_per_node,
         memory_per_node_bytes=cluster.memory_per_node_bytes,
-        node_allocatable=None,
+        node_free=None,
     )
 
 
@@ -493,6 +569,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
             return follow(
                 runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
                 via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
+                stuck=pending_watch(handle, cluster=cluster),
             )  # fmt: skip
         except Evicted as evicted:
             logger.warning(
@@ -601,6 +678,11 @@ def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
             name = live[0]["metadata"]["name"]
             logger.info("%s: adopting its running JobSet %s (a retried launch)", spec.name, name)
             return make_app_handle("jobset", "batchpilot", f"{cluster.namespace}:{name}"), "jobset (adopted)"
+    if cluster.launcher == "jobset":
+        from batchpilot.cluster.crds import check_jobset_crd
+        from batchpilot.cluster.readiness import kube_api_client
+
+        check_jobset_crd(kube_api_client())  # before the first pod: an old controller drops failurePolicy.rules
     info = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels)
     return runner.schedule(info), cluster.launcher
 
