@@ -138,7 +138,10 @@ def _labels_match(obj: dict[str, Any], selector: str) -> bool:
 def _pod_fields_match(pod: dict[str, Any], query: dict[str, list[str]]) -> bool:
     """Pod field selectors `spec.nodeName` and `status.phase`, with = or != (kubernetes.io docs "Field
     Selectors": both are supported for pods; terms are ANDed)."""
-    values = {"spec.nodeName": pod["spec"].get("nodeName", ""), "status.phase": pod["status"].get("phase", "")}
+    values = {
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
+        "status.phase": pod["status"].get("phase", ""),
+    }
     for term in filter(None, query.get("fieldSelector", [""])[0].split(",")):
         key, negate, value = re.match(r"^([^!=]+)(!?)==?(.*)$", term).groups()  # type: ignore[union-attr]
         if key not in values:

@@ -682,7 +682,8 @@ def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
         from batchpilot.cluster.crds import check_jobset_crd
         from batchpilot.cluster.readiness import kube_api_client
 
-        check_jobset_crd(kube_api_client())  # before the first pod: an old controller drops failurePolicy.rules
+        # Before the first pod: a JobSet controller older than v0.6.0 would drop failurePolicy.rules.
+        check_jobset_crd(kube_api_client())
     info = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels)
     return runner.schedule(info), cluster.launcher
 
