@@ -249,10 +249,10 @@ def test_a_real_launch_sizes_unsized_pods_from_the_ready_nodes(kube, tmp_path, m
     cluster = ClusterConfig(
         backend="gke", max_nodes=2, devices_per_node=8, node_pool="gpu", accelerator_type="nvidia-h100-80gb"
     )
-    with pytest.raises(BatchpilotError, match=r"^cluster.machine_type: node pool 'gpu' has no usable node"):
+    with pytest.raises(BatchpilotError, match=r"^cluster.node_pool: node pool 'gpu' has no usable node"):
         trainer_pod_resources(cluster, read_nodes=True)
     kube.state.node_snapshots = [[node("a", pool="gpu", gpus=8)]]  # 8 CPUs, 32Gi allocatable
     sized = trainer_pod_resources(cluster, read_nodes=True)
-    assert (sized.cpu, sized.memory_bytes) == (7, 30 * 2**30)
+    assert (sized.cpu, sized.memory_bytes) == (8, 32 * 2**30)  # no DaemonSet pod runs on "a"
     with pytest.raises(BatchpilotError, match=r"^cluster.machine_type: is needed"):
         trainer_pod_resources(cluster, read_nodes=False)  # a dry run asks no API
