@@ -239,22 +239,29 @@ def prepare_pool(
 
 
 def _claim(config: Config, pool: Any) -> None:
-    """A GKE pool (not the TPU slice pools, created and deleted per run) is labelled with the run and
-    its Lease renewed before it is resized (`batchpilot.cluster.ownership`). The Lease lasts at least
+    """A GKE pool is labelled with the run and its Lease renewed before it is resized
+    (`batchpilot.cluster.ownership`); TPU slice pools carry the run from their creation, so only the
+    Lease is renewed for them. The Lease lasts at least
     until the next task that renews it can have run: explore and plan follow the explore pool's resize.
     A static pool is never changed, its labels included (and nothing would scale it down)."""
     from batchpilot.cluster.gke import GkeNodePool
+    from batchpilot.cluster.tpu_pool import TpuSlicePool
 
-    if not isinstance(pool, GkeNodePool) or pool.pool_mode == "static":
+    if not isinstance(pool, GkeNodePool | TpuSlicePool) or pool.pool_mode == "static":
         return
-    from batchpilot.cluster.ownership import claim_pool
+    from batchpilot.cluster.ownership import claim_pool, renew_lease
     from batchpilot.cluster.readiness import kube_api_client
 
     limits = task_timeouts(config)
+    ttl_s = max(config.cluster.orphan_ttl_s, limits.explore_s + limits.plan_s + limits.pool_s)
+    if isinstance(pool, TpuSlicePool):
+        # Slice pools carry the run from their creation (`run_labels`); the Lease keeps them from looking
+        # orphaned between this resize and the train task.
+        renew_lease(kube_api_client(), namespace=config.cluster.namespace, run=config.name, ttl_s=ttl_s)
+        return
     claim_pool(
         pool, api_client=kube_api_client(), namespace=config.cluster.namespace, run=config.name,
-        idle_nodes=config.cluster.idle_nodes,
-        ttl_s=max(config.cluster.orphan_ttl_s, limits.explore_s + limits.plan_s + limits.pool_s),
+        idle_nodes=config.cluster.idle_nodes, ttl_s=ttl_s,
     )  # fmt: skip
 
 
@@ -283,12 +290,16 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
 def _release(config: Config, pool: Any) -> None:
     """The run is over: its labels leave the (scaled down) GKE pool and its Lease is deleted."""
     from batchpilot.cluster.gke import GkeNodePool
+    from batchpilot.cluster.tpu_pool import TpuSlicePool
 
-    if not isinstance(pool, GkeNodePool) or pool.pool_mode == "static":
+    if not isinstance(pool, GkeNodePool | TpuSlicePool) or pool.pool_mode == "static":
         return
-    from batchpilot.cluster.ownership import release_pool
+    from batchpilot.cluster.ownership import delete_lease, release_pool
     from batchpilot.cluster.readiness import kube_api_client
 
+    if isinstance(pool, TpuSlicePool):  # resize(0) deleted the run's slice pools, labels and all
+        delete_lease(kube_api_client(), namespace=config.cluster.namespace, run=config.name)
+        return
     release_pool(pool, api_client=kube_api_client(), namespace=config.cluster.namespace, run=config.name)
 
 

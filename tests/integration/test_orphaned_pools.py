@@ -106,3 +106,57 @@ def test_the_container_api_stand_in_refuses_labels_gcp_does_not_accept(gke):
     )
     with pytest.raises(exceptions.BadRequest, match=r"resource_labels\.key"):
         gke.container.client().update_node_pool(request=request)
+
+
+def tpu_config_of(gke: SimulatedGke, name: str) -> Config:
+    return parse_config({
+        "name": name,
+        "data": {"uri": "gs://bucket/data", "seq_len": 128},
+        "cluster": {
+            "backend": "gke", "devices_per_node": 4, "max_nodes": 2, "project": "proj",
+            "location": "us-central1", "tpu_zone": "us-central1-a", "cluster_name": "train", "node_pool": "v6e",
+            "image": "registry.example/batchpilot:0.1.0", "accelerator_type": "tpu-v6e-slice",
+            "machine_type": "ct6e-standard-4t", "cpu_per_node": 170, "memory_per_node_bytes": "680GiB",
+            "namespace": NS, "ready_timeout_s": 10, "container_api_endpoint": gke.container.endpoint,
+            "orphan_ttl_s": 600,
+        },
+        "batch": {"global_batch_size": 64, "micro_batch_size": 4},
+        "train": {"total_samples": 640, "lr": 1e-3, "checkpoint_uri": "gs://bucket/ckpt", "parallelism": "fsdp"},
+    })  # fmt: skip
+
+
+def test_an_orphaned_tpu_slice_is_deleted_and_a_live_runs_slice_left(gke, tmp_path, capsys):
+    prepare_pool(tpu_config_of(gke, "alpha"), num_nodes=2)  # the 2x4 slice: a pool of its own
+    slice_labels = dict(
+        gke.container.client().get_node_pool(name=gke.pool_path("v6e-2x4")).config.resource_labels
+    )
+    assert slice_labels == {RUN_POOL_LABEL: "alpha", IDLE_POOL_LABEL: "0"}
+    assert leases(gke) == ["batchpilot-run-alpha"]
+    config_path = tmp_path / "other.yaml"
+    config_path.write_text(config_of(gke, "other").model_dump_json())
+    assert main(["pool", "scale-down", "--orphaned", "--config", str(config_path)]) == 0
+    assert "v6e-2x4: run alpha is alive (Lease " in capsys.readouterr().out
+    assert gke.sim.pool_size("v6e-2x4") == 2
+    expire(gke, "alpha")  # alpha's exit hook never ran
+    assert main(["pool", "scale-down", "--orphaned", "--config", str(config_path)]) == 0
+    assert (
+        f"v6e-2x4: TPU slice orphaned by run alpha (Lease {lease_name('alpha')} expired, no running JobSet); deleted"
+        in capsys.readouterr().out.splitlines()
+    )
+    assert "v6e-2x4" not in gke.sim.pools and leases(gke) == []
+
+
+def test_an_orphaned_autoscaled_pool_gets_its_bounds_set_to_the_idle_size(gke, tmp_path, capsys):
+    prepare_pool(config_of(gke, "alpha", idle_nodes=1), num_nodes=2)
+    full = gke.pool_path("gpu")
+    gke.container.state.pools[full]["autoscaling"] = {"enabled": True, "totalMaxNodeCount": 2}
+    expire(gke, "alpha")
+    config_path = tmp_path / "other.yaml"
+    config_path.write_text(config_of(gke, "other").model_dump_json())
+    assert main(["pool", "scale-down", "--orphaned", "--config", str(config_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("gpu: orphaned by run alpha (")
+    scaling = gke.container.state.pools[full]["autoscaling"]
+    assert (scaling["totalMinNodeCount"], scaling["totalMaxNodeCount"]) == (1, 1)
+    assert not [
+        r for r in gke.container.state.requests if r.path.endswith(":setSize") and r.body["nodeCount"] == 1
+    ]

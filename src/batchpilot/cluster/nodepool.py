@@ -69,7 +69,7 @@ def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> No
     if is_tpu(cluster.accelerator_type):
         from batchpilot.cluster.tpu_pool import tpu_node_pool
 
-        return tpu_node_pool(cluster)
+        return tpu_node_pool(cluster, run=config.name)
     from batchpilot.cluster.gke import gke_node_pool
 
     return gke_node_pool(cluster)

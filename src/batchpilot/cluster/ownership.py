@@ -201,10 +201,20 @@ def release_pool(pool: Any, *, api_client: Any, namespace: str, run: str) -> Non
 
 
 def scale_down_orphans(
-    *, client: Any, parent: str, api_client: Any, namespace: str, pool_for: Callable[[str, int], Any]
+    *,
+    client: Any,
+    parent: str,
+    api_client: Any,
+    namespace: str,
+    pool_for: Callable[[str, int, bool], Any],
+    delete_slice: Callable[[str], None],
 ) -> list[str]:
     """Scales every orphaned batchpilot pool of the cluster `parent` down to its recorded idle size and
-    releases it; one line each. `pool_for(name, idle_nodes)` makes the `GkeNodePool` of a pool."""
+    releases it, and deletes every orphaned TPU slice pool batchpilot created; one line each.
+    `pool_for(name, idle_nodes, autoscaled)` makes the `GkeNodePool` of a pool (an autoscaled pool gets its
+    bounds set, not its size); `delete_slice(name)` deletes a slice pool and waits for it."""
+    from batchpilot.cluster.tpu_pool import CREATED_BY_LABEL
+
     lines = []
     for node_pool in client.list_node_pools(parent=parent).node_pools:
         labels = dict(node_pool.config.resource_labels)
@@ -215,8 +225,14 @@ def scale_down_orphans(
         if alive:
             lines.append(f"{node_pool.name}: run {run} is alive ({why}); left alone")
             continue
+        if CREATED_BY_LABEL in node_pool.config.labels:
+            # A multi-host slice pool cannot be resized, and batchpilot made this one for that run only.
+            delete_slice(node_pool.name)
+            delete_lease(api_client, namespace=namespace, run=run)
+            lines.append(f"{node_pool.name}: TPU slice orphaned by run {run} ({why}); deleted")
+            continue
         idle = int(labels.get(IDLE_POOL_LABEL, "0"))
-        pool = pool_for(node_pool.name, idle)
+        pool = pool_for(node_pool.name, idle, bool(node_pool.autoscaling.enabled))
         before = pool.current_size()
         pool.resize(idle)
         release_pool(pool, api_client=api_client, namespace=namespace, run=run)
@@ -228,7 +244,7 @@ def scale_down_orphans(
 
 def scale_down_orphaned(cluster: ClusterConfig) -> list[str]:
     """Scales down every orphaned batchpilot pool of the config's GKE cluster; one line per pool."""
-    from batchpilot.cluster.gke import GkeNodePool, PoolRef, gke_node_pool
+    from batchpilot.cluster.gke import ContainerCalls, GkeNodePool, PoolRef, gke_node_pool
     from batchpilot.cluster.readiness import PoolNodes, kube_api_client
     from batchpilot.errors import BatchpilotError
 
@@ -238,16 +254,27 @@ def scale_down_orphaned(cluster: ClusterConfig) -> list[str]:
     api_client = kube_api_client()
     ref = template.pool
 
-    def pool_for(full_name: str, idle_nodes: int) -> GkeNodePool:
+    def pool_for(full_name: str, idle_nodes: int, autoscaled: bool) -> GkeNodePool:
         name = full_name.rsplit("/", 1)[-1]
         return GkeNodePool(
             client=template.client, pool=PoolRef(ref.project, ref.location, ref.cluster, name),
-            pool_mode="resize", idle_nodes=idle_nodes,
+            pool_mode="autoscale" if autoscaled else "resize", idle_nodes=idle_nodes,
             nodes=PoolNodes(api_client=api_client, node_pool=name, gpus_per_node=0),
             operation_timeout_s=cluster.operation_timeout_s,
         )  # fmt: skip
 
+    def delete_slice(full_name: str) -> None:
+        calls = ContainerCalls(client=template.client, operation_timeout_s=cluster.operation_timeout_s)
+        name = full_name.rsplit("/", 1)[-1]
+        ref_of = PoolRef(ref.project, ref.location, ref.cluster, name)
+        operation = calls.call(
+            "delete node pool", template.client.delete_node_pool, {"name": ref_of.name}, target=ref_of.name
+        )
+        calls.wait_operation(
+            ref.operation_name(operation.name), what="delete orphaned TPU slice", subject=name
+        )
+
     return scale_down_orphans(
         client=template.client, parent=ref.parent, api_client=api_client, namespace=cluster.namespace,
-        pool_for=pool_for,
+        pool_for=pool_for, delete_slice=delete_slice,
     )  # fmt: skip

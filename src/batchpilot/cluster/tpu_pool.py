@@ -59,6 +59,14 @@ CREATED_BY_LABEL = "batchpilot.dev/slice-of"
 """Node label (`NodeConfig.labels`) on every slice pool batchpilot creates; its value is
 `cluster.node_pool`. Only pools that carry it are ever deleted."""
 
+
+def run_labels(run: str) -> dict[str, str]:
+    """The resource labels of a slice pool created for `run` (a slice's idle size is 0: it is deleted)."""
+    from batchpilot.cluster.ownership import IDLE_POOL_LABEL, RUN_POOL_LABEL, label_value
+
+    return {RUN_POOL_LABEL: label_value(run), IDLE_POOL_LABEL: "0"}
+
+
 _REQUEST_PREFIX = re.compile(r"^(GET|POST|PUT|PATCH|DELETE) \S+: ")
 
 
@@ -103,7 +111,7 @@ def tpu_zone(cluster: ClusterConfig) -> str:
     )
 
 
-def tpu_node_pool(cluster: ClusterConfig) -> TpuSlicePool:
+def tpu_node_pool(cluster: ClusterConfig, *, run: str | None = None) -> TpuSlicePool:
     """The slice pools of a TPU `cluster` with real clients: Container API (`container_client`) and
     Kubernetes (in-cluster, else kubeconfig).
 
@@ -134,6 +142,7 @@ def tpu_node_pool(cluster: ClusterConfig) -> TpuSlicePool:
         ready_timeout_s=cluster.ready_timeout_s,
         pool_mode=cluster.pool_mode,
         slice_change=cluster.tpu_slice_change,
+        run=run,
     )
 
 
@@ -152,6 +161,9 @@ class TpuSlicePool:
         slice_change: `cluster.tpu_slice_change`: delete the previous slice pool before creating the next
             (`delete-first`: quota for one slice suffices), or after the next one is ready (`create-first`:
             the next slice comes up sooner, but the quota must cover both).
+        run: the run that creates slice pools: they carry it as the resource label `batchpilot-run`, so a
+            slice left behind by a run whose exit hook never ran is found and deleted
+            (`batchpilot.cluster.ownership`).
     """
 
     def __init__(
@@ -166,6 +178,7 @@ class TpuSlicePool:
         ready_poll_interval_s: float = 10.0,
         pool_mode: str = "resize",
         slice_change: str = "delete-first",
+        run: str | None = None,
     ) -> None:
         if pool_mode not in ("resize", "autoscale", "static"):
             raise BatchpilotError("cluster.pool_mode", f"unknown mode {pool_mode!r}")
@@ -173,6 +186,7 @@ class TpuSlicePool:
             raise BatchpilotError("cluster.tpu_slice_change", f"unknown order {slice_change!r}")
         self.pool_mode = pool_mode
         self.slice_change = slice_change
+        self.run = run
         self.calls = calls
         self.pool = pool
         self.slices = slices
@@ -307,7 +321,9 @@ class TpuSlicePool:
             initial_node_count=shape.hosts,
             locations=[self.zone],
             config=container_v1.NodeConfig(
-                machine_type=shape.machine_type, labels={CREATED_BY_LABEL: self.pool.node_pool}
+                machine_type=shape.machine_type,
+                labels={CREATED_BY_LABEL: self.pool.node_pool},
+                resource_labels=run_labels(self.run) if self.run else {},
             ),
             placement_policy=container_v1.NodePool.PlacementPolicy(tpu_topology=shape.topology),
         )
