@@ -103,10 +103,19 @@ def test_the_service_account_carries_the_workload_identity_annotation():
     assert annotations == {"iam.gke.io/gcp-service-account": "trainer@proj.iam.gserviceaccount.com"}
 
 
-def test_rbac_reads_nodes_cluster_wide_and_runs_jobsets_in_the_namespace_only():
+def test_rbac_reads_nodes_pods_and_the_jobset_crd_cluster_wide_and_runs_jobsets_in_the_namespace_only():
     objects = by_kind(render())
     assert objects["ClusterRole"]["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+        # the DaemonSet pods on each node (trainer sizing), read-only
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        # the JobSet version check, of that one CRD only
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "resourceNames": ["jobsets.jobset.x-k8s.io"],
+            "verbs": ["get"],
+        },
     ]
     rules = {
         (r["apiGroups"][0], res): set(r["verbs"]) for r in objects["Role"]["rules"] for res in r["resources"]
