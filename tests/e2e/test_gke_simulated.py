@@ -10,6 +10,10 @@ Two levels:
   and KUBECONFIG, as task pods reach GKE; the trainers are the simulator's pods;
 - `batchpilot launch`, one stage at a time, as the train task runs it.
 
+Data and checkpoints live in a GCS emulator (fake-gcs-server, tests/integration/gcs_server.py), as a gke
+run requires (`gs://`: each pod's emptyDir is its own, #20); the trainer pods reach it through
+`cluster.env` (STORAGE_EMULATOR_HOST), since a simulated pod inherits none of the test's environment.
+
 Not covered: the task pods themselves (explore, resize, train as pods the KFP driver creates: see
 tests/integration/test_kfp_driver_sim.py), and a retried train task in the pipeline (kfp.local does
 retry, but after the compiled 60 s backoff; adopting or replacing the stage's JobSet on a second launch
@@ -26,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,25 +40,61 @@ import yaml
 
 from batchpilot.cluster.gke import GkeNodePool, PoolRef
 from batchpilot.cluster.readiness import PoolNodes
+from batchpilot.data.storage import open_storage
 from batchpilot.kfp import pipeline
-from batchpilot.train.metrics import read_metrics
+from batchpilot.train.metrics import load_metrics
 from helpers import processes_with, tiny_config, write_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from gcs_server import GCSServer, gcs_server_running
 from gke_sim import SimulatedGke, simulated_gke
 
 pytestmark = pytest.mark.slow
+PROJECT_ID = "batchpilot-test"
 
 
-def gke_config(data_uri: str, checkpoint_uri: str) -> dict:
+@dataclass
+class Bucket:
+    """A fresh bucket of the session's GCS emulator holding the demo shard set; this test process and its
+    children (the launch, the pipeline and its tasks) reach it through STORAGE_EMULATOR_HOST."""
+
+    endpoint: str
+    data_uri: str
+    checkpoint_uri: str
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSServer]:
+    with gcs_server_running(log_path=tmp_path_factory.mktemp("fake-gcs-server") / "server.log") as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(gcs: GCSServer, demo_data_uri: str, monkeypatch: pytest.MonkeyPatch) -> Bucket:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", PROJECT_ID)
+    name = f"e2e-{uuid.uuid4().hex[:12]}"
+    storage.Client(project=PROJECT_ID, credentials=AnonymousCredentials()).create_bucket(name)
+    local, remote = open_storage(demo_data_uri), open_storage(f"gs://{name}/data")
+    for item in local.list():
+        remote.write(item, local.read(item))
+    return Bucket(gcs.endpoint, f"gs://{name}/data", f"gs://{name}/ckpt")
+
+
+def gke_config(bucket: Bucket) -> dict:
     # Stage 1 is 120 steps (samples 320 to 4160), long enough to be preempted in the middle.
     config = tiny_config(
-        data_uri=data_uri, checkpoint_uri=checkpoint_uri,
+        data_uri=bucket.data_uri, checkpoint_uri=bucket.checkpoint_uri,
         batch__schedule="0:16 320:32 4160:64", train__total_samples=6144,
     )  # fmt: skip
     config["cluster"].update(
         backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="cpu",
         image="batchpilot:0.1.0", cpu_per_node=1, memory_per_node_bytes=3 * 2**30,
+        # The trainer pods' way to the emulator (pod_runner.py passes them the container's env only).
+        env={"STORAGE_EMULATOR_HOST": bucket.endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT_ID},
     )  # fmt: skip
     return config
 
@@ -64,7 +105,7 @@ class Run:
     pool: GkeNodePool
     plan: str
     env: dict[str, str]
-    checkpoints: Path
+    checkpoint_uri: str
 
     def launch(self, stage: str) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "batchpilot", "launch", "--plan", self.plan, "--stage", stage]
@@ -74,8 +115,8 @@ class Run:
 
 
 @pytest.fixture
-def run(demo_data_uri: str, tmp_path: Path) -> Iterator[Run]:
-    plan = write_plan(tmp_path, gke_config(demo_data_uri, f"file://{tmp_path}/ckpt"))
+def run(bucket: Bucket, tmp_path: Path) -> Iterator[Run]:
+    plan = write_plan(tmp_path, gke_config(bucket))
     with simulated_gke(run_pods_in=tmp_path / "pods", ready_delay_s=0.2) as gke:
         gke.add_pool("cpu", machine_type="e2-standard-4", zones=["us-central1-a", "us-central1-b"])
         pool = GkeNodePool(
@@ -86,7 +127,7 @@ def run(demo_data_uri: str, tmp_path: Path) -> Iterator[Run]:
         )  # fmt: skip
         env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig"))}
         env.pop("KUBERNETES_SERVICE_HOST", None)
-        yield Run(gke, pool, plan, env, tmp_path / "ckpt")
+        yield Run(gke, pool, plan, env, bucket.checkpoint_uri)
 
 
 def written_so_far(metrics: Path) -> list[dict]:
@@ -119,7 +160,6 @@ def test_a_node_preempted_mid_stage_restarts_the_jobset_and_the_stage_resumes_ex
     run.pool.wait_ready(2, timeout_s=10)
     assert finish(run.launch("0"))[0] == 0
     process = run.launch("1")
-    metrics = run.checkpoints / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not any("training stage-1" in run.gke.sim.pod_log(*key) for key in list(run.gke.sim.pods)):
         assert time.monotonic() < deadline and process.poll() is None, "stage 1 never started"
@@ -138,7 +178,7 @@ def test_a_node_preempted_mid_stage_restarts_the_jobset_and_the_stage_resumes_ex
     resumed = [re.search(r"resumed from step (\d+)", run.gke.sim.pod_log(*key)) for key in restarted]
     step = int(next(m for m in resumed if m).group(1))
     assert 20 < step < 140, f"preempted at step {step}, not in the middle of stage 1 (steps 21-140)"
-    consumed = [r["consumed_samples"] for r in read_metrics(metrics) if r["stage"] == 1]
+    consumed = [r["consumed_samples"] for r in load_metrics(run.checkpoint_uri) if r["stage"] == 1]
     assert consumed == list(range(352, 4161, 32))  # every step of stage 1 once, in order
 
 
@@ -174,7 +214,7 @@ RUN_PIPELINE = (
 class PipelineRun:
     gke: SimulatedGke
     output: Path
-    checkpoints: Path
+    checkpoint_uri: str
     process: subprocess.Popen[bytes]
 
     @property
@@ -244,8 +284,7 @@ def start_pipeline(simulated_cluster: SimulatedGke, tmp_path: Path) -> Iterator[
                 [*command, str(stage_retries)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         started.append(process)
-        checkpoints = Path(config["train"]["checkpoint_uri"].removeprefix("file://"))
-        return PipelineRun(simulated_cluster, tmp_path / "run", checkpoints, process)
+        return PipelineRun(simulated_cluster, tmp_path / "run", config["train"]["checkpoint_uri"], process)
 
     yield start
     for process in started:
@@ -265,13 +304,13 @@ def stage_pods_training(gke: SimulatedGke, stage: str, *, launch: str | None = N
 
 
 def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_resized_for_it(
-    simulated_cluster, start_pipeline, demo_data_uri, tmp_path
+    simulated_cluster, start_pipeline, bucket, tmp_path
 ):
     """pool 0 -> 1 -> explore -> plan -> stages on 1, 2 and 2 nodes as two launches (stage-0 on 1 node,
     then stages 1 and final in one JobSet on 2), a node preempted in the middle of stage 1 (the JobSet
     restarts, the stage resumes exactly) -> report -> scale down to 0."""
     gke = simulated_cluster
-    config = gke_config(demo_data_uri, f"file://{tmp_path}/ckpt")
+    config = gke_config(bucket)
     # The pipeline has an explore task (the noise-scale study at the fixed micro batch), kept short.
     config["explore"] = {
         "activation_checkpointing": [False], "timed_steps": 1, "min_timed_s": 0,
@@ -311,7 +350,7 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
         nodes = run.nodes_of(body["metadata"]["name"])
         assert len(nodes) == num_nodes, (body["metadata"]["name"], nodes)
         assert all(node.startswith("gke-train-cpu-") for node in nodes), nodes  # the pool's nodes
-    records = read_metrics(run.checkpoints / "metrics.jsonl")
+    records = load_metrics(run.checkpoint_uri)
     assert [r["consumed_samples"] for r in records] == (
         list(range(16, 321, 16)) + list(range(352, 4161, 32)) + list(range(4224, 6145, 64))
     )  # every step of every stage once, in order, through the preemption
@@ -322,7 +361,7 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
 
 
 def test_a_cancelled_pipeline_leaves_no_jobset_and_no_nodes(
-    simulated_cluster, start_pipeline, demo_data_uri, tmp_path
+    simulated_cluster, start_pipeline, bucket, tmp_path
 ):
     """KFP cancels a run by stopping its task pods (SIGTERM) and retries none of them; kfp.local has no
     cancel. So the train task's process gets the SIGTERM while its stage's trainers run, in a pipeline
@@ -330,14 +369,14 @@ def test_a_cancelled_pipeline_leaves_no_jobset_and_no_nodes(
     be retried after 60 s and the stage would finish). The task deletes its JobSet and fails; kfp.local
     then runs the exit handler, which scales the pool down, as KFP runs it after a cancel."""
     gke = simulated_cluster
-    config = gke_config(demo_data_uri, f"file://{tmp_path}/ckpt")
+    config = gke_config(bucket)
     config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
     config["batch"]["schedule"] = "0:16 1600:32 4160:64"  # stage 0: 100 steps, stopped in the middle
     run = start_pipeline(config, stage_retries=0)
     run.wait_for("stage-0 training", lambda: stage_pods_training(gke, "stage-0"), timeout_s=240)
     (train_task,) = [
         pid
-        for pid, argv, _ in processes_with(str(tmp_path / "ckpt"))
+        for pid, argv, _ in processes_with(bucket.checkpoint_uri)
         if argv[1:3] == ["-m", "kfp.dsl.executor_main"] and "train_stage" in argv
     ]
     os.kill(train_task, signal.SIGTERM)
@@ -348,5 +387,5 @@ def test_a_cancelled_pipeline_leaves_no_jobset_and_no_nodes(
     assert not gke.sim.jobsets and not gke.sim.pods and not gke.sim.nodes
     assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 0]
     # The trainer had its grace period: it checkpointed where it stopped, before the node went.
-    consumed = [r["consumed_samples"] for r in read_metrics(run.checkpoints / "metrics.jsonl")]
+    consumed = [r["consumed_samples"] for r in load_metrics(run.checkpoint_uri)]
     assert consumed == list(range(16, consumed[-1] + 1, 16)) and consumed[-1] < 1600, consumed
