@@ -191,7 +191,9 @@ def test_a_launch_replaces_the_stage_s_failed_jobset(kube, tmp_path, capsys):
     assert main(["launch", "--plan", plan, "--stage", "final"]) == 0
     assert deletes(kube) == [(failed, "Foreground")]
     assert creates(kube) == [JOBSETS_PATH, JOBSETS_PATH]
-    assert failed not in kube.state.jobsets and len(kube.state.jobsets) == 1
+    # The same, deterministic name (#20): the replacement, created after the failed one was deleted.
+    order = [method for method, path, _, _ in kube.state.requests if method != "GET" and "/jobsets" in path]
+    assert list(kube.state.jobsets) == [failed] and order == ["POST", "DELETE", "POST"]
     assert f"deleting JobSet(s) {failed} (replaced by this launch)" in capsys.readouterr().out
 
 
