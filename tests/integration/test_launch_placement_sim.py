@@ -1,7 +1,8 @@
 """The trainer pods batchpilot renders for a GPU machine type, placed by the simulated cluster's scheduler.
 
-The JobSet is the one `batchpilot launch --dryrun` prints; the simulator's nodes carry GKE's labels,
-GPU taint and allocatable (capacity minus GKE's reservations), so a pod asking for more than a node
+The JobSet is the one a launch creates (sized from the pool's ready nodes, as `batchpilot launch` does
+after the resize); the simulator's nodes carry GKE's labels, GPU taint and allocatable (the kernel's
+capacity minus GKE's reservations) and run system DaemonSet pods, so a pod asking for more than a node
 can give, or for the wrong labels, stays Pending with the scheduler's reason.
 """
 
@@ -11,15 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from batchpilot.cli import main
+from batchpilot.cluster import launch
+from batchpilot.rundoc import read_run_document
+from batchpilot.workflow import select_launch
 from helpers import tiny_config, write_plan
 
 NS = "batchpilot"
 
 
-def rendered_jobset(folder: Path, capsys: pytest.CaptureFixture[str], *, stage: str) -> dict[str, Any]:
+def rendered_jobset(
+    cluster: Any, folder: Path, monkeypatch: pytest.MonkeyPatch, *, stage: str
+) -> dict[str, Any]:
+    """The JobSet a launch of `stage` would create on `cluster`'s pool, without creating it."""
     config = tiny_config(data_uri="gs://unused/data", checkpoint_uri="gs://unused/ckpt")  # gke: no file://
     config["cluster"].update(
         backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
@@ -27,13 +32,21 @@ def rendered_jobset(folder: Path, capsys: pytest.CaptureFixture[str], *, stage: 
         devices_per_node=8,
     )  # fmt: skip
     config["batch"]["micro_batch_size"] = 2
-    plan = write_plan(folder, config)
-    capsys.readouterr()
-    assert main(["launch", "--plan", plan, "--stage", stage, "--dryrun"]) == 0
-    text = capsys.readouterr().out
-    return next(
-        d for d in yaml.safe_load_all(text[text.index("apiVersion:") :]) if d and d.get("kind") == "JobSet"
+    document = read_run_document(write_plan(folder, config))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(folder / "kubeconfig")))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    spec = launch.cluster_launch_spec(
+        run_name="tiny",
+        launch=select_launch(document, stage),
+        devices_per_node=8,
+        plan_text=document.to_json(),
     )
+    cluster_config = document.config.cluster
+    appdef = launch.cluster_appdef(spec, cluster=cluster_config, read_nodes=True)
+    info = launch.render_cluster_job(
+        launch.cluster_runner(), appdef, cluster=cluster_config, labels=spec.labels
+    )
+    return info.request.resource
 
 
 def create(cluster: Any, jobset: dict[str, Any]) -> None:
@@ -44,19 +57,21 @@ def create(cluster: Any, jobset: dict[str, Any]) -> None:
     )
 
 
-def test_the_trainer_pod_for_a3_highgpu_8g_fits_one_such_node(simulated_cluster, tmp_path, capsys):
+def test_the_trainer_pod_for_a3_highgpu_8g_fits_one_such_node(simulated_cluster, tmp_path, monkeypatch):
     simulated_cluster.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
-    create(simulated_cluster, rendered_jobset(tmp_path, capsys, stage="0"))
+    create(simulated_cluster, rendered_jobset(simulated_cluster, tmp_path, monkeypatch, stage="0"))
     (pod,) = simulated_cluster.sim.pods.values()
     reasons = [e["message"] for e in simulated_cluster.sim.events if e["reason"] == "FailedScheduling"]
     assert pod["spec"].get("nodeName"), reasons
 
 
 def test_a_stage_needing_more_nodes_than_the_pool_has_leaves_a_pod_pending_with_the_reason(
-    simulated_cluster, tmp_path, capsys
+    simulated_cluster, tmp_path, monkeypatch
 ):
     simulated_cluster.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
-    create(simulated_cluster, rendered_jobset(tmp_path, capsys, stage="1"))  # stage 1 runs on 2 nodes
+    create(
+        simulated_cluster, rendered_jobset(simulated_cluster, tmp_path, monkeypatch, stage="1")
+    )  # stage 1 runs on 2 nodes
     pending = [p for p in simulated_cluster.sim.pods.values() if not p["spec"].get("nodeName")]
     assert len(pending) == 1
     (condition,) = pending[0]["status"]["conditions"]
