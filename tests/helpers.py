@@ -49,6 +49,20 @@ def tiny_config(*, data_uri: str, checkpoint_uri: str, **overrides: object) -> d
     return config
 
 
+def gke_a3_config(**cluster: object) -> dict:
+    """The tiny model on a GKE pool `gpu` of a3-highgpu-8g nodes (8 H100s each; project proj, cluster
+    train), micro batch 2, data and checkpoints in GCS (a gke config refuses local paths); `cluster`
+    overrides cluster settings."""
+    config = tiny_config(data_uri="gs://bucket/data", checkpoint_uri="gs://bucket/ckpt")
+    config["cluster"].update(
+        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
+        image="batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
+        devices_per_node=8, **cluster,
+    )  # fmt: skip
+    config["batch"]["micro_batch_size"] = 2
+    return config
+
+
 def write_plan(folder: Path, config: dict) -> str:
     """Writes config.yaml and, through the real `batchpilot plan`, plan.json into `folder`; returns the
     plan's path (the run document carries the config for `launch` and `train`)."""

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from batchpilot.ports import free_port
-from helpers import run_batchpilot, tiny_config, write_plan
+from helpers import gke_a3_config, run_batchpilot, write_plan
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,14 +24,7 @@ pytestmark = [
 def gke_gpu_config() -> dict:
     """The tiny model on a pool of a3-highgpu-8g nodes (8 H100s each); data and checkpoints in GCS (a gke
     config refuses local paths), never reached: the refusal comes first."""
-    config = tiny_config(data_uri="gs://bucket/data", checkpoint_uri="gs://bucket/ckpt")
-    config["cluster"].update(
-        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
-        image="batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
-        devices_per_node=8,
-    )  # fmt: skip
-    config["batch"]["micro_batch_size"] = 2
-    return config
+    return gke_a3_config()
 
 
 def one_line_refusal(result, *, elapsed_s: float, expected: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from gke_sim import simulated_gke
 
-from helpers import tiny_config, write_plan
+from helpers import gke_a3_config, write_plan
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,13 +24,7 @@ pytestmark = [
 
 
 def test_a_stage_on_a_gpu_pool_ends_with_the_refusal_instead_of_training(tmp_path: Path):
-    config = tiny_config(data_uri="gs://bucket/data", checkpoint_uri="gs://bucket/ckpt")
-    config["cluster"].update(
-        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
-        image="batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
-        devices_per_node=8,
-    )  # fmt: skip
-    config["batch"]["micro_batch_size"] = 2
+    config = gke_a3_config()
     plan = write_plan(tmp_path / "run", config)
     with simulated_gke(run_pods_in=tmp_path / "pods") as gke:
         gke.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)

@@ -16,7 +16,7 @@ import pytest
 from batchpilot.cluster import launch
 from batchpilot.rundoc import read_run_document
 from batchpilot.workflow import select_launch
-from helpers import tiny_config, write_plan
+from helpers import gke_a3_config, write_plan
 
 NS = "batchpilot"
 
@@ -25,14 +25,7 @@ def rendered_jobset(
     cluster: Any, folder: Path, monkeypatch: pytest.MonkeyPatch, *, stage: str
 ) -> dict[str, Any]:
     """The JobSet a launch of `stage` would create on `cluster`'s pool, without creating it."""
-    config = tiny_config(data_uri="gs://unused/data", checkpoint_uri="gs://unused/ckpt")  # gke: no file://
-    config["cluster"].update(
-        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
-        image="batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
-        devices_per_node=8,
-    )  # fmt: skip
-    config["batch"]["micro_batch_size"] = 2
-    document = read_run_document(write_plan(folder, config))
+    document = read_run_document(write_plan(folder, gke_a3_config()))
     monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(folder / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     spec = launch.cluster_launch_spec(

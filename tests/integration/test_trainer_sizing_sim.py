@@ -17,23 +17,11 @@ from kubernetes import client
 from batchpilot.cluster.launch import trainer_pod_resources
 from batchpilot.cluster.pending import PendingWatch
 from batchpilot.config import parse_config
-from helpers import tiny_config, write_plan
+from helpers import gke_a3_config, tiny_config, write_plan
 
 pytestmark = pytest.mark.slow  # a simulated cluster, and in the last test real processes
 
 NS = "batchpilot"
-GPU_CLUSTER = {
-    "backend": "gke", "project": "proj", "location": "us-central1", "cluster_name": "train",
-    "node_pool": "gpu", "image": "batchpilot:0.1.0", "machine_type": "a3-highgpu-8g",
-    "accelerator_type": "nvidia-h100-80gb", "devices_per_node": 8,
-}  # fmt: skip
-
-
-def gpu_config(**cluster: object) -> dict[str, Any]:
-    config = tiny_config(data_uri="gs://bucket/data", checkpoint_uri="gs://bucket/ckpt")
-    config["cluster"].update(GPU_CLUSTER, **cluster)
-    config["batch"]["micro_batch_size"] = 2
-    return config
 
 
 def trainer_pod(cpu: int, memory_bytes: int) -> dict[str, Any]:
@@ -61,7 +49,7 @@ def test_a_launch_sizes_its_pods_from_the_ready_nodes_and_they_fit(simulated_clu
     simulated_cluster.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
     monkeypatch.setenv("KUBECONFIG", str(simulated_cluster.write_kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    cluster = parse_config(gpu_config()).cluster
+    cluster = parse_config(gke_a3_config()).cluster
     planned = trainer_pod_resources(cluster, read_nodes=False)  # the machine table: planning, dry runs
     launched = trainer_pod_resources(cluster, read_nodes=True)  # what a launch asks for
     assert launched.source.startswith("the pool's ready nodes")
@@ -80,7 +68,7 @@ def test_an_explicit_size_larger_than_the_nodes_offer_is_refused_at_launch(
     simulated_cluster.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
     monkeypatch.setenv("KUBECONFIG", str(simulated_cluster.write_kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    cluster = parse_config(gpu_config(memory_per_node_bytes="1820GiB")).cluster  # < the table's 1824.7 GiB
+    cluster = parse_config(gke_a3_config(memory_per_node_bytes="1820GiB")).cluster  # < the table's 1824.7 GiB
     with pytest.raises(
         ValueError, match=r"^cluster.memory_per_node_bytes: .* do not fit the pool's ready nodes"
     ):
