@@ -14,7 +14,7 @@ sharded master weights and optimizer state); DDP uses autocast over its fp32 rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -33,25 +33,38 @@ Strategy = Literal["ddp", "fsdp", "hsdp"]
 
 @dataclass
 class LocalNormHook:
-    """DDP communication hook state: the squared norm of this rank's gradient before the all-reduce."""
+    """DDP communication hook state: the squared norm of this rank's gradient before the all-reduce.
+
+    Kept per parameter (float64) and added up in the model's parameter order: DDP regroups its buckets
+    after the first iteration of a process, so a sum of per-bucket sums would differ in its last bits
+    between the first step after a resume and the same step of an uninterrupted run.
+    """
 
     world_size: int
-    sq_norm: torch.Tensor | None = None
+    positions: dict[int, int]
+    """id() of each parameter -> its position in `model.parameters()`."""
+    per_parameter: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def reset(self) -> None:
-        self.sq_norm = None
+        self.per_parameter = {}
+
+    @property
+    def sq_norm(self) -> torch.Tensor | None:
+        """The squared norm of this rank's last backward's gradient (None before any)."""
+        if not self.per_parameter:
+            return None
+        return torch.stack([self.per_parameter[k] for k in sorted(self.per_parameter)]).sum()
 
 
 def _allreduce_with_local_norm(state, bucket):
-    """DDP's default mean all-reduce, recording the local squared norm on the way (one norm per bucket).
+    """DDP's default mean all-reduce, recording the local squared norm of each parameter on the way.
 
     No annotations: DDP compares them with `dist.GradBucket` at run time, and postponed (string)
     annotations would fail that check.
     """
     buffer = bucket.buffer()
-    # float64: DDP regroups buckets after its first iteration, so the per-bucket sums must not depend on grouping.
-    local = buffer.detach().double().pow(2).sum()
-    state.sq_norm = local if state.sq_norm is None else state.sq_norm + local
+    for parameter, gradient in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        state.per_parameter[state.positions[id(parameter)]] = gradient.detach().double().pow(2).sum()
     buffer.div_(state.world_size)
     future = dist.all_reduce(buffer, async_op=True).get_future()
     return future.then(lambda done: done.value()[0])
@@ -98,7 +111,8 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
     if not ctx.distributed:
         return Parallel(strategy, model, None, sharded=False, shard_degree=1, mixed_precision=False)
     if strategy == "ddp":
-        hook = LocalNormHook(world_size=ctx.world_size)
+        positions = {id(parameter): k for k, parameter in enumerate(model.parameters())}
+        hook = LocalNormHook(world_size=ctx.world_size, positions=positions)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         ddp.register_comm_hook(hook, _allreduce_with_local_norm)
