@@ -295,3 +295,17 @@ def test_gke_task_pods_have_requests_and_are_not_evicted_by_the_autoscaler():
         {"fieldPath": "metadata.namespace", "name": "BATCHPILOT_POD_NAMESPACE"},
     ]
     assert "fieldPathAsEnv" not in platform["exec-plan"]
+
+
+def test_the_explore_task_schedules_on_every_gpu_machine_it_may_run_on():
+    """Explore runs on a node of the trainers' pool: its requests must fit the smallest GPU machine."""
+    from kubernetes.utils import parse_quantity
+
+    from batchpilot.cluster.machines import MACHINE_TYPES, gke_allocatable
+    from batchpilot.kfp.pipeline import TASK_REQUESTS
+
+    cpu, memory = (parse_quantity(q) for q in TASK_REQUESTS["explore"])
+    for name, machine in MACHINE_TYPES.items():
+        if machine.gpu_label.startswith("nvidia"):
+            allocatable = gke_allocatable(machine)
+            assert cpu * 1000 <= allocatable.cpu_millicores and memory <= allocatable.memory_bytes, name

@@ -84,12 +84,14 @@ SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 TASK_REQUESTS = {
     # (cpu, memory). The pool tasks call two APIs and poll; train only follows a JobSet and streams its
     # logs; plan and report are single-threaded Python (the report draws charts); explore measures one
-    # GPU with real batches (data loading, the model on the host before it moves).
+    # GPU with real batches (data loading, the model on the host before it moves). A request is a floor,
+    # not a limit: explore's is what the smallest GPU machine batchpilot knows (g2-standard-4: 4 vCPUs,
+    # 16 GB) still schedules, since explore runs on a node of the trainers' pool.
     "pool": ("100m", "512Mi"),
     "plan": ("500m", "1Gi"),
     "train": ("250m", "1Gi"),
     "report": ("500m", "2Gi"),
-    "explore": ("4", "32Gi"),
+    "explore": ("2", "8Gi"),
 }
 """CPU and memory requests of each kind of task pod on a cluster: without requests a pod is BestEffort,
 the first the kubelet evicts under node pressure (Kubernetes "Node-pressure eviction")."""
