@@ -270,7 +270,7 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
     from batchpilot.cluster.nodepool import node_pool_for
 
     if config.cluster.backend == "gke":
-        from batchpilot.cluster.launch import delete_run_jobs
+        from batchpilot.cluster.lifecycle import delete_run_jobs
 
         # A cancelled or failed run may leave its JobSets on the GPUs; they go (and their trainers stop,
         # checkpointing) before the pool shrinks under them.

@@ -13,7 +13,9 @@ Two things send a KFP task's container SIGTERM, and they need opposite answers:
   disruption conditions"). Only the CPU pod that follows the JobSet is going away; the trainers are
   fine, so the JobSet stays and KFP's retry of the task adopts it.
 
-The task reads its own pod (`BATCHPILOT_POD_NAME` / `BATCHPILOT_POD_NAMESPACE`, from the downward API).
+`sigterm_interrupts` turns SIGTERM into `Cancelled` (a KeyboardInterrupt: cleaned up as Ctrl-C is) or
+`Evicted` (which nothing on its way up takes for a cancel). The task reads its own pod
+(`BATCHPILOT_POD_NAME` / `BATCHPILOT_POD_NAMESPACE`, from the downward API).
 A pod it cannot read counts as a cancel: leaving a JobSet of a cancelled run would hold the GPUs until
 someone notices (the exit handler may be the thing that failed), while deleting an evicted launch's
 JobSet costs only the steps since its last checkpoint (`train.checkpoint_every_s`): the retry resumes.
@@ -21,9 +23,12 @@ JobSet costs only the steps since its last checkpoint (`train.checkpoint_every_s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,3 +80,47 @@ def _short(error: BaseException) -> str:
     status = getattr(error, "status", None)
     text = str(getattr(error, "reason", None) or error).splitlines()[0][:200]
     return f"HTTP {status} {text}" if status else text
+
+
+class Evicted(BaseException):
+    """Raised by SIGTERM when the task's pod is being evicted. Not a KeyboardInterrupt, so nothing on the
+    way up (follow() cancels its job on KeyboardInterrupt) deletes the JobSet."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class Cancelled(KeyboardInterrupt):
+    """Raised by SIGTERM when it is no eviction: cleaned up as Ctrl-C is."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@contextlib.contextmanager
+def sigterm_interrupts(classify: Callable[[], Any] | None = None) -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt (`Cancelled`), so it cleans up as Ctrl-C does;
+    or `Evicted` when `classify()` (a `batchpilot.cluster.eviction.SigtermCause`) says it is an eviction.
+
+    KFP stops a cancelled run's task by stopping its pod, and a pod is stopped with SIGTERM to its main
+    process, SIGKILL after the grace period (Kubernetes "Pod termination"); Python's default for SIGTERM
+    is to die at once, leaving the JobSet running on the GPUs. Only the main thread can set a handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
+        cause = classify() if classify is not None else None
+        if cause is not None and cause.eviction:
+            raise Evicted(cause.why)
+        raise Cancelled(cause.why if cause is not None else f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -13,15 +13,16 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchpilot.cluster.eviction import Cancelled, Evicted, sigterm_interrupts
+from batchpilot.cluster.labels import PLAN_LABEL, RUN_LABEL, STAGE_LABEL
+from batchpilot.cluster.lifecycle import adoptable_or_cleared, delete_labelled, stage_selector
 from batchpilot.cluster.machines import TrainerResources
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
@@ -146,9 +147,10 @@ def follow(
         for k in range(spec.num_nodes)
     ]
     found: list[str] = []
+    done = threading.Event()
     if stuck is not None:
         threading.Thread(
-            target=_watch_stuck, args=(runner, handle, stuck, wait_interval_s, found), daemon=True
+            target=_watch_stuck, args=(runner, handle, stuck, wait_interval_s, found, done), daemon=True
         ).start()
     try:
         for thread in streams:
@@ -167,6 +169,7 @@ def follow(
         runner.cancel(handle)
         raise
     finally:
+        done.set()
         runner.close()
     if status is None:
         raise BatchpilotError(spec.name, f"the job {handle} disappeared before it finished", where)
@@ -181,22 +184,27 @@ def follow(
 
 
 def _watch_stuck(
-    runner: Any, handle: str, stuck: Callable[[], str | None], interval_s: float, found: list[str]
+    runner: Any,
+    handle: str,
+    stuck: Callable[[], str | None],
+    interval_s: float,
+    found: list[str],
+    done: threading.Event,
 ) -> None:
-    """Polls `stuck` until the job ends; on a finding records it and cancels the job (ending the wait)."""
+    """Polls `stuck` every `interval_s` until `done` (the follow ended) or the job ends; on a finding
+    records it and cancels the job (ending the follow's wait)."""
     from torchx.specs import AppState
 
-    while True:
-        time.sleep(interval_s)
-        status = runner.status(handle)
-        if status is None or status.state not in (AppState.SUBMITTED, AppState.PENDING, AppState.RUNNING):
-            return
+    while not done.wait(interval_s):
         try:
+            status = runner.status(handle)
+            if status is None or status.state not in (AppState.SUBMITTED, AppState.PENDING, AppState.RUNNING):
+                return
             problem = stuck()
         except Exception as error:  # a failed poll must not end the launch: the next poll tries again
-            logger.warning("could not check the launch's pending pods: %s", error)
+            logger.warning("could not check the launch's pending pods: %s", str(error).splitlines()[0])
             continue
-        if problem is not None:
+        if problem is not None and not done.is_set():
             logger.error("%s; deleting the job", problem)
             found.append(problem)
             runner.cancel(handle)
@@ -240,14 +248,6 @@ def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> Non
 TRAINER_DIR = "/tmp/batchpilot"
 """Inside a trainer pod: where the config and plan are written (the root filesystem is read-only)."""
 TRAINER_OUTPUT_DIR = f"{TRAINER_DIR}/out"
-# Labels on every JobSet and its pods, under a domain batchpilot owns (Kubernetes "Labels and Selectors":
-# a prefix is a DNS subdomain; kubernetes.io/ and k8s.io/ are reserved). Values are the config's name (a
-# DNS label of at most 40 characters, so a valid label value), the launch's name (`stage-K`, `final`,
-# `stages-A-B`, `stages-A-final`: its stages; the key keeps its name for the selectors already in use),
-# and the first 12 hex digits of the run document's SHA-256.
-RUN_LABEL = "batchpilot.dev/run"
-STAGE_LABEL = "batchpilot.dev/stage"
-PLAN_LABEL = "batchpilot.dev/plan"
 RDZV_PORT = 29500
 # torchx writes memMB as Kubernetes "M" (10^6 bytes), so bytes convert with the decimal megabyte.
 MEGABYTE = 10**6
@@ -582,7 +582,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
                 logger.warning("%s: SIGTERM is a cancel (%s): deleting its JobSet", spec.name, interrupt.why)
             # follow() cancels the job it follows; this also covers an interrupt during the create.
             if cluster.launcher == "jobset" and spec.labels:
-                _delete_labelled(cluster, labels=_stage_selector(spec.labels), wait_s=0.0, why="interrupted")
+                delete_labelled(cluster, labels=stage_selector(spec.labels), wait_s=0.0, why="interrupted")
             raise
 
 
@@ -599,85 +599,17 @@ def _run_lease(spec: LaunchSpec, *, cluster: ClusterConfig) -> contextlib.Abstra
     )
 
 
-class Evicted(BaseException):
-    """Raised by SIGTERM when the task's pod is being evicted. Not a KeyboardInterrupt, so nothing on the
-    way up (follow() cancels its job on KeyboardInterrupt) deletes the JobSet."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-
-
-class Cancelled(KeyboardInterrupt):
-    """Raised by SIGTERM when it is no eviction: cleaned up as Ctrl-C is."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-
-
-@contextlib.contextmanager
-def sigterm_interrupts(classify: Callable[[], Any] | None = None) -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt (`Cancelled`), so it cleans up as Ctrl-C does;
-    or `Evicted` when `classify()` (a `batchpilot.cluster.eviction.SigtermCause`) says it is an eviction.
-
-    KFP stops a cancelled run's task by stopping its pod, and a pod is stopped with SIGTERM to its main
-    process, SIGKILL after the grace period (Kubernetes "Pod termination"); Python's default for SIGTERM
-    is to die at once, leaving the JobSet running on the GPUs. Only the main thread can set a handler.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
-        cause = classify() if classify is not None else None
-        if cause is not None and cause.eviction:
-            raise Evicted(cause.why)
-        raise Cancelled(cause.why if cause is not None else f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stage_selector(labels: dict[str, str]) -> dict[str, str]:
-    return {key: labels[key] for key in (RUN_LABEL, STAGE_LABEL)}
-
-
 def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig) -> tuple[str, str]:
-    """(handle, how) of the launch's job: the launch's JobSet of this plan still pending or running (a
-    retried task: it is followed, not started twice), else a new one, after deleting the launch's others.
-
-    Finished, failed or other-plan JobSets of the launch, and pending or running ones of the run's other
-    launches, are deleted first and waited for, so no old trainer still holds the GPUs or writes a
-    checkpoint when the new one starts.
-    """
+    """(handle, how) of the launch's job: its running JobSet of this plan (adopted), else a new one, after
+    the launch's others are deleted (`lifecycle.adoptable_or_cleared`) and the JobSet CRD is checked."""
     from torchx.specs.builders import make_app_handle
 
-    from batchpilot.cluster import jobset
-    from batchpilot.cluster.readiness import kube_api_client
-
     if cluster.launcher == "jobset" and spec.labels:
-        client = kube_api_client()
-        of_run = jobset.list_jobsets(
-            client, namespace=cluster.namespace, labels={RUN_LABEL: spec.labels[RUN_LABEL]}
-        )
-        existing = [item for item in of_run if _labels(item).get(STAGE_LABEL) == spec.labels[STAGE_LABEL]]
-        live = [item for item in existing if _adoptable(item, plan=spec.labels[PLAN_LABEL])]
-        # The run's launches follow one another: another launch's JobSet still pending or running is a
-        # leftover (another plan's grouping, a run whose exit handler never ran) that would write the same
-        # checkpoints. Finished ones stay for their logs until the exit handler or their TTL.
-        others = [item for item in of_run if item not in existing and _running(item)]
-        stale = [item["metadata"]["name"] for item in [*existing, *others] if item not in live[:1]]
-        if stale:
-            _delete_named(client, cluster, names=stale, why="replaced by this launch")
-        if live:
-            name = live[0]["metadata"]["name"]
-            logger.info("%s: adopting its running JobSet %s (a retried launch)", spec.name, name)
-            return make_app_handle("jobset", "batchpilot", f"{cluster.namespace}:{name}"), "jobset (adopted)"
+        adopted = adoptable_or_cleared(labels=spec.labels, cluster=cluster, name=spec.name)
+        if adopted is not None:
+            return make_app_handle(
+                "jobset", "batchpilot", f"{cluster.namespace}:{adopted}"
+            ), "jobset (adopted)"
     if cluster.launcher == "jobset":
         from batchpilot.cluster.crds import check_jobset_crd
         from batchpilot.cluster.readiness import kube_api_client
@@ -686,75 +618,3 @@ def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
         check_jobset_crd(kube_api_client())
     info = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels)
     return runner.schedule(info), cluster.launcher
-
-
-def _labels(item: dict[str, Any]) -> dict[str, str]:
-    return item["metadata"].get("labels") or {}
-
-
-def _running(item: dict[str, Any]) -> bool:
-    """Whether a JobSet is pending or running and not being deleted."""
-    from torchx.specs import AppState
-
-    from batchpilot.cluster.jobset import jobset_state
-
-    return not item["metadata"].get("deletionTimestamp") and jobset_state(item.get("status")) in (
-        AppState.PENDING,
-        AppState.RUNNING,
-    )
-
-
-def _adoptable(item: dict[str, Any], *, plan: str) -> bool:
-    return _labels(item).get(PLAN_LABEL) == plan and _running(item)
-
-
-def _delete_wait_s() -> float:
-    """How long a deletion may take: the pods' grace period to checkpoint, plus a minute for the API."""
-    from batchpilot.cluster.placement import TERMINATION_GRACE_S
-
-    return TERMINATION_GRACE_S + 60.0
-
-
-def _delete_named(client: Any, cluster: ClusterConfig, *, names: list[str], why: str) -> None:
-    """Deletes the JobSets and waits until they are gone; raises when one outlives the wait."""
-    from batchpilot.cluster import jobset
-
-    logger.info("deleting JobSet(s) %s (%s)", ", ".join(names), why)
-    remaining = jobset.delete_jobsets(
-        client, namespace=cluster.namespace, names=names, wait_s=_delete_wait_s()
-    )
-    if remaining:
-        raise BatchpilotError(
-            f"JobSet {remaining[0]}",
-            f"is still being deleted after {_delete_wait_s():.0f}s",
-            f"see `kubectl -n {cluster.namespace} describe jobset {remaining[0]}`, then launch again",
-        )
-
-
-def _delete_labelled(cluster: ClusterConfig, *, labels: dict[str, str], wait_s: float, why: str) -> list[str]:
-    """Deletes every JobSet carrying `labels`, waits up to `wait_s` for them; returns their names."""
-    from batchpilot.cluster import jobset
-    from batchpilot.cluster.readiness import kube_api_client
-
-    client = kube_api_client()
-    names = [
-        item["metadata"]["name"]
-        for item in jobset.list_jobsets(client, namespace=cluster.namespace, labels=labels)
-    ]
-    if not names:
-        return []
-    logger.info("deleting JobSet(s) %s (%s)", ", ".join(names), why)
-    remaining = jobset.delete_jobsets(client, namespace=cluster.namespace, names=names, wait_s=wait_s)
-    if remaining and wait_s:
-        logger.warning("JobSet(s) %s still terminating after %.0fs", ", ".join(remaining), wait_s)
-    return names
-
-
-def delete_run_jobs(*, cluster: ClusterConfig, run: str) -> list[str]:
-    """Deletes every JobSet of the run (label RUN_LABEL=`run`) and waits for their pods to stop; returns
-    their names. The exit handler calls it before the pool shrinks, so no trainer is cut off mid-checkpoint."""
-    if cluster.launcher != "jobset":
-        return []
-    return _delete_labelled(
-        cluster, labels={RUN_LABEL: run}, wait_s=_delete_wait_s(), why=f"the end of run {run}"
-    )

@@ -125,7 +125,7 @@ def _live_jobsets(api_client: Any, *, namespace: str, run: str) -> list[str]:
     from torchx.specs import AppState
 
     from batchpilot.cluster import jobset
-    from batchpilot.cluster.launch import RUN_LABEL
+    from batchpilot.cluster.labels import RUN_LABEL
 
     return [
         item["metadata"]["name"]

@@ -4,7 +4,7 @@ Pure: no API call, no kubernetes or torchx import. A launch's JobSet is named `j
 a readable prefix of `<run>-<launch>` and a hash of both, at most `JOBSET_NAME_MAX_CHARS` characters and
 a letter first, so the JobSet webhook accepts it whatever the run's name. The name is deterministic (a
 retried launch finds its JobSet by labels, deletes a stale one and waits until it is gone before it
-creates the new one: `launch._adopt_or_submit`), so no random suffix is needed.
+creates the new one: `lifecycle.adoptable_or_cleared`), so no random suffix is needed.
 
 `cluster_problems(...)` is what `planner.plan_problems` asks of a gke config, one error per problem:
 every name the run creates (JobSet, Job and pod names at `cluster.max_nodes`, the subdomain, label values,
