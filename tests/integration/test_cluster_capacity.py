@@ -12,12 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 from gke_sim import CLUSTER, LOCATION, PROJECT, SimulatedGke, simulated_gke
+from test_cluster_tpu_pool import make_pool
 
-from batchpilot.cluster.gke import ContainerCalls, GkeNodePool, PoolRef
+from batchpilot.cluster.gke import GkeNodePool, PoolRef
 from batchpilot.cluster.readiness import TPU_RESOURCE, PoolNodes
-from batchpilot.cluster.tpu_pool import TpuSlicePool
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning.tpu import tpu_slices
 
 ZONES = ["us-central1-a", "us-central1-b"]
 
@@ -98,31 +97,9 @@ def test_the_stand_in_refuses_set_size_on_an_autoscaled_pool(gke):
         gke.container.client().set_node_pool_size(request={"name": gke.pool_path("gpu"), "node_count": 1})
 
 
-def tpu_pool(gke: SimulatedGke, *, slice_change: str) -> TpuSlicePool:
-    return TpuSlicePool(
-        calls=ContainerCalls(
-            client=gke.container.client(),
-            operation_timeout_s=10,
-            retry_initial_s=0.05,
-            retry_maximum_s=0.1,
-            poll_initial_s=0.02,
-            poll_maximum_s=0.05,
-        ),
-        pool=PoolRef(PROJECT, LOCATION, CLUSTER, "v6e"),
-        slices=tpu_slices(
-            accelerator_type="tpu-v6e-slice", machine_type="ct6e-standard-4t", devices_per_node=4
-        ),
-        zone="us-central1-a",
-        api_client=gke.kube.api_client(),
-        ready_timeout_s=10,
-        ready_poll_interval_s=0.05,
-        slice_change=slice_change,
-    )
-
-
 def test_a_slice_change_deletes_the_previous_slice_first_so_quota_for_one_slice_suffices(gke):
     gke.container.state.accelerator_quota = {"tpu-v6e-slice": 32}  # one 4x8 slice, not a 4x4 beside it
-    pool = tpu_pool(gke, slice_change="delete-first")
+    pool = make_pool(gke, slice_change="delete-first")
     for hosts in (2, 4, 8):
         pool.resize(hosts)
         (state,) = pool.slice_pools()
@@ -140,7 +117,7 @@ def test_a_slice_change_deletes_the_previous_slice_first_so_quota_for_one_slice_
 
 def test_create_first_needs_quota_for_both_slices_and_says_so(gke):
     gke.container.state.accelerator_quota = {"tpu-v6e-slice": 32}
-    pool = tpu_pool(gke, slice_change="create-first")
+    pool = make_pool(gke, slice_change="create-first")
     pool.resize(4)  # 4x4: 16 chips
     with pytest.raises(BatchpilotError) as caught:
         pool.resize(8)  # 4x8 beside the 4x4: 48 chips
