@@ -97,7 +97,7 @@ TASK_REQUESTS = {
 the first the kubelet evicts under node pressure (Kubernetes "Node-pressure eviction")."""
 
 
-def _task_pod(task: Any, *, kind: str, cluster: bool) -> None:
+def _task_pod(task: Any, *, kind: str) -> None:
     """On a cluster: the task pod's requests, and the annotation that keeps the cluster autoscaler from
     removing its node while it runs.
 
@@ -107,8 +107,6 @@ def _task_pod(task: Any, *, kind: str, cluster: bool) -> None:
     autoscaler would have removed. It does not stop a node upgrade, a drain or node pressure: the train
     task tells those from a cancel itself.
     """
-    if not cluster:
-        return  # kfp.local runs every task in this environment: no pods to size or protect
     cpu, memory = TASK_REQUESTS[kind]
     task.set_cpu_request(cpu)
     task.set_memory_request(memory)
@@ -117,11 +115,6 @@ def _task_pod(task: Any, *, kind: str, cluster: bool) -> None:
         # Its own pod, read on SIGTERM to tell an eviction from a cancel (batchpilot.cluster.eviction).
         kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
         kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
-
-
-def _limit(timeouts: TaskTimeouts | None, kind: str) -> int | None:
-    """The timeout of a kind of task on a cluster; None (no timeout) for a local pipeline."""
-    return None if timeouts is None else int(getattr(timeouts, kind))
 
 
 BACKOFF_FACTOR = 2
@@ -143,31 +136,33 @@ def retry_window_s(*, timeout_s: int, retries: int, backoff_s: int) -> int:
 
 
 def _settings(
-    task: Any, *, name: str, timeout_s: int | None, retries: int = 0, backoff_s: int = 30,
-    window_timeout_s: int | None = None,
+    task: Any, *, name: str, kind: str, limits: TaskTimeouts, cluster: bool, retries: int = 0,
+    backoff_s: int = 30,
 ) -> Any:  # fmt: skip
     """Display name, no caching (every task has side effects or measures today's hardware), retries with
-    a window that fits them (`retry_window_s` over `window_timeout_s`, default `timeout_s`), and on a
-    cluster a timeout (the task pod's activeDeadlineSeconds)."""
+    a window that fits them (`retry_window_s` over the kind's timeout in `limits`), and on a cluster the
+    timeout (the task pod's activeDeadlineSeconds), requests and eviction protection (`_task_pod`).
+
+    `kind` is a key of TASK_REQUESTS; its timeout is `limits.<kind>_s`."""
+    timeout_s = int(getattr(limits, f"{kind}_s"))
     task.set_display_name(name)
     task.set_caching_options(False)
     if retries:
         # A local pipeline has no timeouts; its window comes from the limits the cluster would apply
         # (kfp.local reads backoffMaxDuration only as a cap on each backoff).
-        window_s = retry_window_s(
-            timeout_s=window_timeout_s or timeout_s or 0, retries=retries, backoff_s=backoff_s
-        )
+        window_s = retry_window_s(timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
         task.set_retry(
             num_retries=retries, backoff_duration=f"{backoff_s}s", backoff_factor=float(BACKOFF_FACTOR),
             backoff_max_duration=f"{window_s}s",
         )  # fmt: skip
-    if timeout_s is not None:
+    if cluster:  # kfp.local runs every task in this environment: no pods to time, size or protect
         kubernetes.set_timeout(task, timeout_s)
+        _task_pod(task, kind=kind)
     return task
 
 
 def _launch_pipeline(
-    ops: SimpleNamespace, *, index: int, name: str, timeouts: TaskTimeouts | None, limits: TaskTimeouts
+    ops: SimpleNamespace, *, index: int, name: str, limits: TaskTimeouts, cluster: bool
 ) -> Any:
     @dsl.pipeline(
         name=name,
@@ -177,19 +172,14 @@ def _launch_pipeline(
     def launch(plan_json: str, run_dir: str):
         resize = ops.resize_pool(plan_json=plan_json, launch_index=index)
         _settings(
-            resize,
-            name=f"{name}: resize pool",
-            timeout_s=_limit(timeouts, "pool_s"),
+            resize, name=f"{name}: resize pool", kind="pool", limits=limits, cluster=cluster,
             retries=RESIZE_RETRIES,
-            window_timeout_s=limits.pool_s,
-        )
-        _task_pod(resize, kind="pool", cluster=timeouts is not None)
+        )  # fmt: skip
         train = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
         _settings(
-            train, name=f"{name}: train", timeout_s=_limit(timeouts, "train_s"), retries=STAGE_RETRIES,
-            backoff_s=60, window_timeout_s=limits.train_s,
+            train, name=f"{name}: train", kind="train", limits=limits, cluster=cluster,
+            retries=STAGE_RETRIES, backoff_s=60,
         )  # fmt: skip
-        _task_pod(train, kind="train", cluster=timeouts is not None)
 
     return launch
 
@@ -223,9 +213,9 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     num_stages = expected_stage_count(config)
     names = pipeline_launch_names(config)
     limits = task_timeouts(config)  # what a cluster applies; also sizes every retry window
-    timeouts = limits if config.cluster.backend == "gke" else None
+    cluster = config.cluster.backend == "gke"
     groups = [
-        _launch_pipeline(ops, index=k, name=name, timeouts=timeouts, limits=limits)
+        _launch_pipeline(ops, index=k, name=name, limits=limits, cluster=cluster)
         for k, name in enumerate(names)
     ]
     # The groups are the plan's launches, by name, when the micro batch and the target are known now.
@@ -263,21 +253,18 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
             run_dir: a local folder that receives copies of the plan, report and metrics ("" = none).
         """
         scale = ops.scale_down(config_yaml=config_yaml)
-        _settings(scale, name="scale pool down", timeout_s=_limit(timeouts, "pool_s"), retries=RESIZE_RETRIES,
-                  window_timeout_s=limits.pool_s)  # fmt: skip
-        _task_pod(scale, kind="pool", cluster=timeouts is not None)
+        _settings(scale, name="scale pool down", kind="pool", limits=limits, cluster=cluster,
+                  retries=RESIZE_RETRIES)  # fmt: skip
         with dsl.ExitHandler(scale, name="explore-plan-train"):
             explored: dict[str, Any] = {}
             if explores:
                 pool = ops.prepare_explore_pool(config_yaml=config_yaml)
-                _settings(pool, name="explore: bring the pool up", timeout_s=_limit(timeouts, "pool_s"),
-                          retries=RESIZE_RETRIES, window_timeout_s=limits.pool_s)  # fmt: skip
-                _task_pod(pool, kind="pool", cluster=timeouts is not None)
+                _settings(pool, name="explore: bring the pool up", kind="pool", limits=limits, cluster=cluster,
+                          retries=RESIZE_RETRIES)  # fmt: skip
                 explore = ops.explore(
                     config_yaml=config_yaml, micro_batch_size=micro_batch_size, run_dir=run_dir
                 ).after(pool)
-                _settings(explore, name="explore micro batch", timeout_s=_limit(timeouts, "explore_s"))
-                _task_pod(explore, kind="explore", cluster=timeouts is not None)
+                _settings(explore, name="explore micro batch", kind="explore", limits=limits, cluster=cluster)
                 _on_accelerator(explore, config)
                 explored = {"explore_dir": explore.outputs["explore_dir"]}
             plan = ops.plan(
@@ -292,8 +279,7 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 run_dir=run_dir,
                 **explored,
             )
-            _settings(plan, name="plan ramp-up", timeout_s=_limit(timeouts, "plan_s"))
-            _task_pod(plan, kind="plan", cluster=timeouts is not None)
+            _settings(plan, name="plan ramp-up", kind="plan", limits=limits, cluster=cluster)
             previous: Any = plan
             for name, group in zip(names, groups, strict=True):
                 task = group(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
@@ -301,7 +287,6 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 task.set_caching_options(False)  # resizes a pool and trains: side effects
                 previous = task
             report = ops.report(plan_json=plan.outputs["Output"], run_dir=run_dir, **explored).after(previous)
-            _settings(report, name="report", timeout_s=_limit(timeouts, "report_s"))
-            _task_pod(report, kind="report", cluster=timeouts is not None)
+            _settings(report, name="report", kind="report", limits=limits, cluster=cluster)
 
     return batchpilot
