@@ -71,17 +71,29 @@ def container_client(*, api_endpoint: str | None = None) -> Any:
     `https://` (a private or regional endpoint) keeps Application Default Credentials; `http://` is an
     emulator, which has no use for a Google token, and anonymous credentials need none on the machine.
     """
+    from google.auth.exceptions import DefaultCredentialsError
+
     container_v1 = _container_v1()
-    if not api_endpoint:
-        return container_v1.ClusterManagerClient()
-    options = {"api_endpoint": api_endpoint}
-    if api_endpoint.startswith("http://"):
+    if api_endpoint and api_endpoint.startswith("http://"):
         from google.auth.credentials import AnonymousCredentials
 
         return container_v1.ClusterManagerClient(
-            transport="rest", client_options=options, credentials=AnonymousCredentials()
+            transport="rest",
+            client_options={"api_endpoint": api_endpoint},
+            credentials=AnonymousCredentials(),
         )
-    return container_v1.ClusterManagerClient(transport="rest", client_options=options)
+    try:
+        if not api_endpoint:
+            return container_v1.ClusterManagerClient()
+        return container_v1.ClusterManagerClient(
+            transport="rest", client_options={"api_endpoint": api_endpoint}
+        )
+    except DefaultCredentialsError as error:
+        raise BatchpilotError(
+            "cluster.project",
+            f"no Google credentials to call the GKE Container API ({str(error).splitlines()[0]})",
+            "run `gcloud auth application-default login`, or run inside the cluster with Workload Identity",
+        ) from None
 
 
 def _container_v1() -> Any:
