@@ -241,9 +241,9 @@ def prepare_pool(
 def _claim(config: Config, pool: Any) -> None:
     """A GKE pool is labelled with the run and its Lease renewed before it is resized
     (`batchpilot.cluster.ownership`); TPU slice pools carry the run from their creation, so only the
-    Lease is renewed for them. The Lease lasts at least
-    until the next task that renews it can have run: explore and plan follow the explore pool's resize.
-    A static pool is never changed, its labels included (and nothing would scale it down)."""
+    Lease is renewed for them. The Lease lasts at least until the next task that renews it can have run:
+    explore and plan follow the explore pool's resize. A static pool is never changed, its labels
+    included (and nothing would scale it down)."""
     from batchpilot.cluster.gke import GkeNodePool
     from batchpilot.cluster.tpu_pool import TpuSlicePool
 
