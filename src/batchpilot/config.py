@@ -223,6 +223,32 @@ class ClusterConfig(_Section):
     operation_timeout_s: float = Field(
         1800.0, gt=0, description="gke: how long one node pool operation (resize, autoscaling) may take"
     )
+    provisioning: Literal["resize", "flex-start"] = Field(
+        "resize",
+        description="gke, GPU: how a launch gets its nodes: resize = set the pool's size (pool_mode); "
+        "flex-start = a ProvisioningRequest (class queued-provisioning.gke.io) for the launch's node count on "
+        "a pool created with flex-start and queued provisioning: GKE grants every node at once or none, and "
+        "the request is deleted when the launch ends (docs/cluster.md)",
+    )
+    capacity_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="how long a launch waits for its planned node count (resize: the pool's ready nodes; "
+        "flex-start: the ProvisioningRequest provisioned) before it fails, or with fewer_nodes: allow trains "
+        "on the nodes it got (none: ready_timeout_s)",
+    )
+    fewer_nodes: Literal["fail", "allow"] = Field(
+        "fail",
+        description="when a launch's pool reaches only some of its planned nodes by capacity_timeout_s "
+        "(stockout, quota): fail with the shortfall, or allow = train on the largest node count at most "
+        "the ready ones that the launch's global batches divide into (same batches, samples and LR; only "
+        "data parallelism and accumulation change); the next launch asks for its planned count again",
+    )
+    local_capacity_nodes: PositiveInt | None = Field(
+        None,
+        description="local backend: the most nodes the local pool grants (none: max_nodes): a stand-in for a "
+        "stockout, to try fewer_nodes on a laptop",
+    )
     stage_timeout_s: float = Field(
         30 * 24 * 3600.0,
         gt=0,
