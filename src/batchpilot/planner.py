@@ -28,12 +28,15 @@ from batchpilot.planning import (
 )
 from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision, adaptive_schedule
 from batchpilot.planning.batch import raise_problems, split_problems
+from batchpilot.planning.capacity import capacity_problems
 from batchpilot.planning.devices import device_memory_bytes
 from batchpilot.planning.memory import (
     RESERVE_FIXED_BYTES,
     MemoryPlan,
     ModelShape,
+    StageMemory,
     activation_bytes_per_sample,
+    estimate_memory,
     plan_memory,
 )
 from batchpilot.planning.names import cluster_problems
@@ -43,8 +46,9 @@ from batchpilot.planning.nodes import (
     nearest_valid_batch_sizes,
     walk_nodes,
 )
+from batchpilot.planning.provisioning import provisioning_problems
 from batchpilot.planning.rampup import format_schedule, parse_schedule
-from batchpilot.planning.stages import sample_ranges
+from batchpilot.planning.stages import Stage, sample_ranges
 from batchpilot.planning.tpu import TpuSlices, check_host_range, is_tpu, is_zone, tpu_slices
 from batchpilot.planning.units import format_count
 from batchpilot.rundoc import MicroBatchSource, RunDocument
@@ -350,6 +354,14 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
         machine_type=cluster.machine_type, devices_per_node=cluster.devices_per_node,
         min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, data_uri=config.data.uri,
         checkpoint_uri=config.train.checkpoint_uri,
+    )  # fmt: skip
+    problems += provisioning_problems(
+        provisioning=cluster.provisioning, backend=cluster.backend, launcher=cluster.launcher,
+        accelerator_type=cluster.accelerator_type, pool_mode=cluster.pool_mode, fewer_nodes=cluster.fewer_nodes,
+    )  # fmt: skip
+    problems += capacity_problems(
+        backend=cluster.backend, pool_mode=cluster.pool_mode, accelerator_type=cluster.accelerator_type,
+        fewer_nodes=cluster.fewer_nodes, local_capacity_nodes=cluster.local_capacity_nodes,
     )  # fmt: skip
     tpu_problems = check_tpu(config)
     if tpu_problems:
@@ -722,6 +734,43 @@ def memory_plan(
         device_memory_bytes=device_memory,
         reserve_fixed_bytes=0 if local or cluster.accelerator_type is None else RESERVE_FIXED_BYTES,
     )
+
+
+def memory_on_fewer_nodes(
+    config: Config, memory: MemoryPlan, *, stages: Sequence[Stage], shape: ModelShape
+) -> tuple[StageMemory, ...]:
+    """The per-device memory of `stages` (a launch moved to fewer nodes) under the plan's strategy, with
+    the activations the plan estimated (the micro batch is unchanged; only the shard degree moves).
+
+    Raises:
+        BatchpilotError: a stage that no longer fits the device (fsdp's share grows as the world shrinks).
+    """
+    planned = {item.stage: item.estimate for item in memory.stages}
+    cluster = config.cluster
+    checked = []
+    for stage in stages:
+        before = planned[stage.name]
+        measured = before.activations_source == "explore"
+        estimate = estimate_memory(
+            shape=shape, strategy=memory.strategy, world_size=stage.world_size,
+            devices_per_node=cluster.devices_per_node, micro_batch_size=stage.micro_batch_size,
+            seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
+            activation_checkpointing=config.train.activation_checkpointing,
+            activation_bytes_per_sample=before.activations / stage.micro_batch_size if measured else None,
+            reserve_fixed_bytes=0 if cluster.backend == "local" or cluster.accelerator_type is None
+            else RESERVE_FIXED_BYTES,
+        )  # fmt: skip
+        limit = memory.device_memory_bytes
+        if limit is not None and estimate.total > limit:
+            raise BatchpilotError(
+                "cluster.fewer_nodes",
+                f"{stage.name} on {stage.num_nodes} node(s) needs {estimate.describe()} per device under "
+                f"{memory.strategy} (shard degree {estimate.shard_degree}), more than the device's "
+                f"{limit / 2**30:.1f} GiB",
+                "wait for the planned nodes (raise cluster.capacity_timeout_s) or set cluster.fewer_nodes: fail",
+            )
+        checked.append(StageMemory(stage.name, estimate))
+    return tuple(checked)
 
 
 def probe_parallelism(config: Config, shape: ModelShape) -> str:

@@ -19,6 +19,7 @@ from batchpilot.config import AdaptiveRampup, Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import CostEstimate, Plan
 from batchpilot.planning.adaptive import StageDecision
+from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.memory import MemoryPlan
 
 FORMAT_VERSION = 3
@@ -55,6 +56,9 @@ class RunDocument:
     memory: MemoryPlan | None = None
     decisions: tuple[StageDecision, ...] = ()
     """An adaptive ramp-up's decisions so far (the plan's stages follow from them); empty otherwise."""
+    capacity: tuple[LaunchCapacity, ...] = ()
+    """Launches that train on fewer nodes than planned (`cluster.fewer_nodes: allow`), as their resizes
+    recorded them; the plan's stages of those launches carry the nodes they got and `planned_nodes`."""
 
     def to_dict(self) -> dict[str, Any]:
         config = self.config.model_dump(mode="json")
@@ -78,6 +82,7 @@ class RunDocument:
             "memory": self.memory.to_dict() if self.memory else None,
             **self.plan.to_dict(),
             **self._adaptive(),
+            **({"capacity": [record.to_dict() for record in self.capacity]} if self.capacity else {}),
         }
 
     def _adaptive(self) -> dict[str, Any]:
@@ -121,6 +126,7 @@ def parse_run_document(text: str, *, source: str = "plan.json") -> RunDocument:
         notes=tuple(data.get("run_notes", ())),
         memory=MemoryPlan.from_dict(data["memory"]) if data.get("memory") else None,
         decisions=tuple(StageDecision.from_dict(item) for item in data.get("adaptive_decisions", ())),
+        capacity=tuple(LaunchCapacity.from_dict(item) for item in data.get("capacity", ())),
     )
 
 

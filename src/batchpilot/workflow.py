@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from batchpilot.config import Config, parse_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
 from batchpilot.planner import check_plan_config, make_run_document, num_stages
+from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.rundoc import RunDocument
 
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 EXPLORE_FILES = ("explore.json", "explore.html", "explore_metrics.json")
 EXPLORE_NODES = 1
-"""Nodes the pool needs while explore measures one device (its probes run in the explore task's pod)."""
+"""Nodes explore measures on (its probes run in the explore task's pod). The pool the explore task finds
+holds the canary's nodes (`canary_nodes`), which the pipeline's canary ran on just before."""
 
 
 def config_from_text(text: str, *, micro_batch_size: int = 0, total_samples: int = 0) -> Config:
@@ -97,6 +100,7 @@ class TaskTimeouts:
     plan_s: int
     train_s: int
     report_s: int
+    canary_s: int
 
 
 def task_timeouts(config: Config) -> TaskTimeouts:
@@ -111,6 +115,7 @@ def task_timeouts(config: Config) -> TaskTimeouts:
         plan_s=margin_s,
         train_s=int(cluster.stage_timeout_s),
         report_s=margin_s,
+        canary_s=_canary_timeout_s(config) + margin_s,
     )
 
 
@@ -312,20 +317,22 @@ def pool_status(config: Config, *, state_path: str | None = None) -> str:
 # --- stages ----------------------------------------------------------------------------------------
 
 
-def current_document(document: RunDocument) -> RunDocument:
+def current_document(document: RunDocument, *, capacity: bool = True) -> RunDocument:
     """The run document as the run stands: for an adaptive ramp-up, the plan rebuilt with the decisions
-    the trainers recorded so far (`adaptive.json` beside the checkpoints); any other run's as it is."""
+    the trainers recorded so far (`adaptive.json` beside the checkpoints); and each launch whose resize got
+    fewer nodes than planned on the nodes it got (`capacity.json` beside the checkpoints; `capacity=False`:
+    as planned, without reading it, e.g. for a dry run, which makes no storage call)."""
     from batchpilot.planner import build_plan, is_adaptive
     from batchpilot.train.decisions import read_decisions
 
     config = document.config
-    if not is_adaptive(config):
-        return document
-    decisions = read_decisions(config.train.checkpoint_uri)
-    plan = build_plan(config, micro_batch_size=document.plan.micro_batch_size, decisions=decisions)
-    plan = replace(plan, parallelism=document.plan.parallelism)
-    # The plan step's memory estimate and cost were for the stages planned then, not these.
-    return replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
+    if is_adaptive(config):
+        decisions = read_decisions(config.train.checkpoint_uri)
+        plan = build_plan(config, micro_batch_size=document.plan.micro_batch_size, decisions=decisions)
+        plan = replace(plan, parallelism=document.plan.parallelism)
+        # The plan step's memory estimate and cost were for the stages planned then, not these.
+        document = replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
+    return _with_capacity(document, read_capacity(config.train.checkpoint_uri)) if capacity else document
 
 
 def select_launch(document: RunDocument, stage: str | int) -> Launch:
@@ -417,7 +424,7 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
             "--dryrun", "renders the JobSet or Volcano Job of a gke config", "this config's backend is local"
         )
     require_gke_settings(config.cluster)
-    document = current_document(document)
+    document = current_document(document, capacity=False)
     spec = launch.cluster_launch_spec(
         run_name=config.name, launch=select_launch(document, stage),
         devices_per_node=config.cluster.devices_per_node, plan_text=document.to_json(), audit=audit,
@@ -489,12 +496,133 @@ def pipeline_launch(document: RunDocument, *, slot: int) -> Launch | None:
 
 
 def prepare_launch_pool(document: RunDocument, *, slot: int) -> int | None:
-    """Resizes the pool to the node count of the launch in `slot`; returns it (None: an unused slot)."""
+    """Resizes the pool to the planned node count of the launch in `slot` and returns the nodes the launch
+    trains on (None: an unused slot).
+
+    When only some nodes are ready by `cluster.capacity_timeout_s` (a stockout, a quota): with
+    `cluster.fewer_nodes: allow` the launch trains on the largest node count at most the ready ones that
+    its stages' batches split over (memory checked again for that shard degree), the pool goes to that
+    count and the choice is recorded beside the checkpoints (`capacity.json`) for the train task, a retry
+    and the report; otherwise the resize fails naming the shortfall. A launch that gets its planned nodes
+    clears an earlier record of itself (a retry that found capacity).
+    """
+    from batchpilot.cluster.capacity import CapacityShortfall
+
     launch = pipeline_launch(document, slot=slot)
     if launch is None:
         return None
-    logger.info("launch-%d is %s", slot, launch.describe())
-    return prepare_pool(document.config, num_nodes=launch.num_nodes).after
+    config = document.config
+    planned = launch.requested_nodes
+    logger.info("launch-%d is %s", slot, launch.describe().replace(f" (planned {planned})", ""))
+    timeout_s = config.cluster.capacity_timeout_s or config.cluster.ready_timeout_s
+    started = time.monotonic()
+    try:
+        prepare_pool(config, num_nodes=planned, timeout_s=timeout_s)
+    except CapacityShortfall as short:
+        if config.cluster.fewer_nodes != "allow":
+            raise BatchpilotError(
+                short.field,
+                f"{launch.name} needs {planned} node(s): {short.problem}",
+                f"{short.fix}; or set cluster.fewer_nodes: allow to train {launch.name} on the nodes that come",
+            ) from None
+        record = _fewer_nodes(document, launch, short=short, waited_s=time.monotonic() - started)
+        return record.nodes
+    _record_capacity(config, launch, None)
+    return planned
+
+
+def _fewer_nodes(document: RunDocument, launch: Launch, *, short: Any, waited_s: float) -> LaunchCapacity:
+    """Moves `launch` to the nodes that came (see `prepare_launch_pool`); returns the record it keeps."""
+    from batchpilot.cluster.nodepool import node_pool_for
+    from batchpilot.planner import loading_factor, memory_on_fewer_nodes
+    from batchpilot.planning.capacity import fewer_nodes
+    from batchpilot.train.shape import model_shape
+
+    config = document.config
+    planned = launch.requested_nodes
+    stages = document.plan.stages[launch.first_stage : launch.last_stage + 1]
+    nodes = fewer_nodes(
+        stages, available=short.ready, min_nodes=config.cluster.min_nodes,
+        devices_per_node=config.cluster.devices_per_node,
+        pipeline_parallel_size=config.batch.pipeline_parallel_size,
+        tensor_parallel_size=config.batch.tensor_parallel_size, loading_factor=loading_factor(config),
+    )  # fmt: skip
+    if nodes is None:
+        batches = ", ".join(str(stage.global_batch_size) for stage in stages)
+        raise BatchpilotError(
+            "cluster.fewer_nodes",
+            f"{launch.name} got {short.ready} of its {planned} node(s), and no node count from "
+            f"{config.cluster.min_nodes} (cluster.min_nodes) to {short.ready} splits its global batch(es) {batches} "
+            f"into whole micro batches of {stages[0].micro_batch_size}: {short.problem}",
+            "wait longer for the planned nodes (cluster.capacity_timeout_s) or retry when capacity returns",
+        )
+    record = LaunchCapacity(
+        launch=launch.name, first_stage=launch.first_stage, last_stage=launch.last_stage,
+        planned_nodes=planned, ready_nodes=short.ready, nodes=nodes, waited_s=round(waited_s, 1),
+        reason=short.problem,
+    )  # fmt: skip
+    moved = _with_capacity(document, [record])
+    if document.memory is not None:  # the shard degree changes with the world: fsdp's share grows
+        memory_on_fewer_nodes(
+            config, document.memory, stages=moved.plan.stages[launch.first_stage : launch.last_stage + 1],
+            shape=model_shape(factory=config.model.factory, args=config.model.args),
+        )  # fmt: skip
+    logger.warning(
+        "%s: %d of %d planned node(s) ready after %.0fs (cluster.fewer_nodes: allow): training on %d node(s) "
+        "at the planned global batch%s; only data parallelism and accumulation change",
+        launch.name, short.ready, planned, waited_s, nodes, "es" if len(stages) > 1 else "",
+    )  # fmt: skip
+    if nodes < short.ready:
+        node_pool_for(config).resize(nodes)  # the ready nodes the launch cannot use are not paid for
+        logger.info("pool resized to the %d node(s) %s trains on", nodes, launch.name)
+    _record_capacity(config, launch, record)
+    return record
+
+
+CAPACITY_OBJECT = "capacity.json"
+"""Beside the checkpoints: the launches that train on fewer nodes than planned (`LaunchCapacity`)."""
+
+
+def read_capacity(checkpoint_uri: str) -> list[LaunchCapacity]:
+    """The capacity records of the run (none when every launch got its planned nodes)."""
+    from batchpilot.data.storage import ObjectNotFound, open_storage
+
+    try:
+        data = json.loads(open_storage(checkpoint_uri).read(CAPACITY_OBJECT))
+    except ObjectNotFound:
+        return []
+    return [LaunchCapacity.from_dict(item) for item in data["launches"]]
+
+
+def _record_capacity(config: Config, launch: Launch, record: LaunchCapacity | None) -> None:
+    """Replaces the launch's record (None: removes it; nothing is written when nothing changes)."""
+    from batchpilot.data.storage import open_storage
+
+    uri = config.train.checkpoint_uri
+    before = read_capacity(uri)
+    after = [r for r in before if (r.first_stage, r.last_stage) != (launch.first_stage, launch.last_stage)]
+    after += [record] if record is not None else []
+    if after != before:
+        text = json.dumps({"launches": [r.to_dict() for r in after]}, indent=2) + "\n"
+        open_storage(uri).write(CAPACITY_OBJECT, text.encode())
+
+
+def _with_capacity(document: RunDocument, records: Sequence[LaunchCapacity]) -> RunDocument:
+    """The document with each recorded launch on the nodes it got (records of other plans change nothing)."""
+    if not records:
+        return document
+    from batchpilot.planning.capacity import apply_capacity
+
+    config = document.config
+    plan = apply_capacity(
+        document.plan, records, expansion_factor=Fraction(str(config.data.expansion_factor_real_data)),
+        pipeline_parallel_size=config.batch.pipeline_parallel_size,
+        tensor_parallel_size=config.batch.tensor_parallel_size,
+    )  # fmt: skip
+    applied = tuple(
+        r for r in records if any(s.planned_nodes for s in plan.stages[r.first_stage : r.last_stage + 1])
+    )
+    return replace(document, plan=plan, capacity=applied)
 
 
 def train_stage(document: RunDocument, *, launch_index: int, work_dir: Path | None) -> dict[str, float]:
@@ -527,7 +655,9 @@ def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
         if launch.first_stage <= r["stage"] <= launch.last_stage
     ]
     decided = [
-        d for d in current_document(document).decisions if launch.first_stage <= d.stage <= launch.last_stage
+        d
+        for d in current_document(document, capacity=False).decisions
+        if launch.first_stage <= d.stage <= launch.last_stage
     ]
     if not records:
         raise BatchpilotError(launch.name, "finished without recording a single step")
@@ -548,6 +678,84 @@ def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
     return metrics
 
 
+# --- canary ----------------------------------------------------------------------------------------
+
+
+def canary_nodes(config: Config, document: RunDocument | None = None) -> int:
+    """The canary's node count: the first launch's (at least 2 when a stage spans several nodes), or
+    without a plan (the pipeline explores first) 2 when cluster.max_nodes allows (`cluster.canary`)."""
+    from batchpilot.cluster.canary import canary_nodes as nodes
+
+    if document is None:
+        return nodes(max_nodes=config.cluster.max_nodes, first_launch_nodes=None, max_stage_nodes=None)
+    return nodes(
+        max_nodes=config.cluster.max_nodes, first_launch_nodes=launches(document.plan)[0].num_nodes,
+        max_stage_nodes=max(stage.num_nodes for stage in document.plan.stages),
+    )  # fmt: skip
+
+
+def _canary_timeout_s(config: Config) -> int:
+    """The canary task's bound: the pool's resize, its pods' pending bound, the job's own bounds."""
+    from batchpilot.train.canary import CANARY_TIMEOUT_S
+
+    cluster = config.cluster
+    autoscale = cluster.pool_mode == "autoscale"  # the nodes come once the pods are pending
+    pending_s = cluster.pending_timeout_s + (cluster.ready_timeout_s if autoscale else 0)
+    return int(cluster.operation_timeout_s + cluster.ready_timeout_s + pending_s + 2 * CANARY_TIMEOUT_S)
+
+
+def canary(
+    config: Config, document: RunDocument | None = None, *, work_dir: Path | None = None
+) -> dict[str, float]:
+    """Brings the pool to `canary_nodes`, runs the canary job there (devices, process group, data,
+    checkpoint URI, an all-reduce: `batchpilot.train.canary`), reads its canary.json and returns its
+    figures for KFP. With a run document its config is the one checked.
+
+    Raises:
+        BatchpilotError: the canary failed; the message is the failing rank's one line (what, where).
+    """
+    from batchpilot.cluster.canary import canary_spec, run_canary_job
+    from batchpilot.planning.tpu import is_tpu
+    from batchpilot.train.canary import canary_metrics, summary_line
+
+    if document is not None:
+        config = document.config
+    if is_tpu(config.cluster.accelerator_type):
+        logger.warning("canary: not run on TPU slices yet (its ranks are torchrun processes, one per device)")
+        return {}
+    num_nodes = canary_nodes(config, document)
+    prepare_pool(config, num_nodes=num_nodes)
+    if config.cluster.backend == "local" and work_dir is None:
+        work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-canary-"))
+    code, failure = run_canary_job(config, spec=canary_spec(config, num_nodes=num_nodes), work_dir=work_dir)
+    if failure is not None:  # the failing rank's line: what, where, and its own fix when it has one
+        raise BatchpilotError("canary", failure)
+    if code != 0:
+        raise BatchpilotError(
+            "canary", f"its job ended with exit code {code} before a rank said why", "see its lines above"
+        )
+    summary = read_canary(config)
+    if summary is None:
+        raise BatchpilotError("canary", "the job succeeded but wrote no canary.json", "see its lines above")
+    logger.info("%s", summary_line(summary))
+    if summary.get("bandwidth_warning"):
+        logger.warning("canary: %s", summary["bandwidth_warning"])
+    return canary_metrics(summary)
+
+
+def read_canary(config: Config) -> dict[str, Any] | None:
+    """The last canary's canary.json under the checkpoint URI, or None when no canary ran there."""
+    from batchpilot.cluster.canary import result_uri
+    from batchpilot.data.storage import ObjectNotFound, open_storage
+    from batchpilot.train.canary import CANARY_FILE
+
+    try:
+        data: dict[str, Any] = json.loads(open_storage(result_uri(config)).read(CANARY_FILE))
+    except ObjectNotFound:
+        return None
+    return data
+
+
 # --- report ----------------------------------------------------------------------------------------
 
 
@@ -565,6 +773,7 @@ def report(
     summary = write_report(
         document=document, records=records, explore=explore_data, html_path=html_path,
         markdown_path=markdown_path, explore_html=explore_dir / "explore.html" if explore_dir else None,
+        canary=read_canary(document.config),
     )  # fmt: skip
     logger.info("report: %s", html_path)
     return summary, records

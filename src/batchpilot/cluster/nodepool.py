@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from batchpilot.cluster.capacity import CapacityShortfall
 from batchpilot.config import ClusterConfig, Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
@@ -63,6 +64,7 @@ def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> No
             state_path=Path(path),
             devices_per_node=cluster.devices_per_node,
             max_nodes=cluster.max_nodes,
+            capacity_nodes=cluster.local_capacity_nodes,
         )
     if state_path is not None:
         raise BatchpilotError("--pool-state", "only the local backend keeps its pool size in a file")
@@ -108,10 +110,14 @@ class LocalNodePool:
     refused instead of being recorded.
     """
 
-    def __init__(self, *, state_path: Path, devices_per_node: int, max_nodes: int) -> None:
+    def __init__(
+        self, *, state_path: Path, devices_per_node: int, max_nodes: int, capacity_nodes: int | None = None
+    ) -> None:
         self.state_path = state_path
         self.devices_per_node = devices_per_node
         self.max_nodes = max_nodes
+        self.capacity_nodes = capacity_nodes
+        """`cluster.local_capacity_nodes`: a resize beyond it gets this many nodes (a stockout's stand-in)."""
 
     def current_size(self) -> int:
         """The recorded size; 0 when the pool was never resized (nothing runs yet)."""
@@ -135,10 +141,18 @@ class LocalNodePool:
         return num_nodes
 
     def resize(self, num_nodes: int) -> None:
-        """Records `num_nodes` after checking that this machine can run that many processes."""
+        """Records `num_nodes` after checking that this machine can run that many processes; with a
+        capacity limit, records what the limit grants (and what was asked for)."""
         self._check_capacity(num_nodes)
+        granted = num_nodes if self.capacity_nodes is None else min(num_nodes, self.capacity_nodes)
+        if granted < num_nodes:
+            logger.warning(
+                "local pool: %d of %d node(s) granted (cluster.local_capacity_nodes: %d)",
+                granted, num_nodes, self.capacity_nodes,
+            )  # fmt: skip
         state = {
-            "num_nodes": num_nodes,
+            "num_nodes": granted,
+            "requested_nodes": num_nodes,
             "devices_per_node": self.devices_per_node,
             "updated_unix_s": round(time.time(), 3),
         }
@@ -153,6 +167,14 @@ class LocalNodePool:
         del timeout_s
         self._check_capacity(num_nodes)
         recorded = self.current_size()
+        if recorded < num_nodes and self.capacity_nodes is not None and recorded == self.capacity_nodes:
+            raise CapacityShortfall(
+                "cluster.local_capacity_nodes",
+                f"the local pool granted {recorded} of {num_nodes} node(s)",
+                "raise cluster.local_capacity_nodes, or set cluster.fewer_nodes: allow to train on the nodes "
+                "granted",
+                ready=recorded, wanted=num_nodes,
+            )  # fmt: skip
         if recorded < num_nodes:
             raise BatchpilotError(
                 "cluster",

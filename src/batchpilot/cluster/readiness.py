@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot.cluster.capacity import CapacityShortfall
 from batchpilot.cluster.machines import Allocatable
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.tpu import TPU_RESOURCE_NAME
@@ -237,17 +238,19 @@ class PoolNodes:
                 )
                 line += "".join(f"; {condition}" for condition in seen)
                 if quota:
-                    raise BatchpilotError(
+                    raise CapacityShortfall(
                         "cluster.max_nodes",
                         line,
                         "request more of that quota for the region, or lower cluster.max_nodes",
-                    )
-                raise BatchpilotError(
+                        ready=len(usable), wanted=num_nodes,
+                    )  # fmt: skip
+                raise CapacityShortfall(
                     "cluster.ready_timeout_s",
                     line,
                     f"check `kubectl describe nodes -l {GKE_NODE_POOL_LABEL}={self.node_pool}`, or raise "
                     "cluster.ready_timeout_s",
-                )
+                    ready=len(usable), wanted=num_nodes,
+                )  # fmt: skip
             sleep(min(poll_interval_s, max(deadline - clock(), 0.0)))
 
     def shortfall(self, *, num_nodes: int, usable: list[NodeState], problems: list[str], after: str) -> str:

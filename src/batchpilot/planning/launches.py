@@ -28,6 +28,13 @@ class Launch:
     stage_names: tuple[str, ...]
     tpu_topology: str | None = None
     """The TPU slice topology the launch runs on (None: GPU or CPU nodes)."""
+    planned_nodes: int | None = None
+    """The plan's node count when the launch trains on fewer (`num_nodes`); None: as planned."""
+
+    @property
+    def requested_nodes(self) -> int:
+        """The node count the launch's pool is asked for: the plan's, whatever it got last time."""
+        return self.planned_nodes or self.num_nodes
 
     @property
     def num_stages(self) -> int:
@@ -42,7 +49,8 @@ class Launch:
 
     def describe(self) -> str:
         """`stages-0-3: stage-0, stage-1, stage-2, stage-3 on 8 node(s)`."""
-        return f"{self.name}: {', '.join(self.stage_names)} on {self.num_nodes} node(s){self.slice_text}"
+        fewer = f" (planned {self.planned_nodes})" if self.planned_nodes else ""
+        return f"{self.name}: {', '.join(self.stage_names)} on {self.num_nodes} node(s){fewer}{self.slice_text}"
 
     @property
     def slice_text(self) -> str:
@@ -70,7 +78,8 @@ def launch_of(stages: Sequence[Stage], *, index: int) -> Launch:
     if indices != list(range(indices[0], indices[0] + len(indices))):
         raise ValueError(f"stages {indices} are not consecutive")
     nodes = sorted({stage.num_nodes for stage in stages})
-    if len(nodes) > 1:
+    planned = sorted({stage.planned_nodes for stage in stages}, key=lambda n: n or 0)
+    if len(nodes) > 1 or len(planned) > 1:
         raise ValueError(
             f"stages {indices[0]}-{indices[-1]} run on {', '.join(map(str, nodes))} nodes; one launch runs "
             "on one node count"
@@ -83,19 +92,30 @@ def launch_of(stages: Sequence[Stage], *, index: int) -> Launch:
         num_nodes=nodes[0],
         stage_names=tuple(stage.name for stage in stages),
         tpu_topology=stages[0].tpu_topology,
+        planned_nodes=planned[0],
     )
 
 
 def launches(plan: Plan) -> list[Launch]:
-    """The plan's launches in order: maximal runs of consecutive stages with equal `num_nodes` (one stage
-    each when the plan says `stage_per_launch`)."""
+    """The plan's launches in order: maximal runs of consecutive stages with equal planned node counts
+    (one stage each when the plan says `stage_per_launch`). A launch that trains on fewer nodes than
+    planned stays the launch it was: the grouping follows the plan, not the capacity a resize got."""
     groups: list[list[Stage]] = []
     for stage in plan.stages:
-        if groups and groups[-1][-1].num_nodes == stage.num_nodes and not plan.stage_per_launch:
+        if (
+            groups
+            and _planned(groups[-1][-1]) == _planned(stage)
+            and groups[-1][-1].planned_nodes == stage.planned_nodes
+            and not plan.stage_per_launch
+        ):
             groups[-1].append(stage)
         else:
             groups.append([stage])
     return [launch_of(group, index=k) for k, group in enumerate(groups)]
+
+
+def _planned(stage: Stage) -> int:
+    return stage.planned_nodes or stage.num_nodes
 
 
 def launch_containing(plan: Plan, stage_index: int) -> Launch:

@@ -47,6 +47,9 @@ class Stage:
     is_final: bool
     tpu_topology: str | None = None
     """The TPU slice topology of the stage's node pool, e.g. `4x8` (None: GPU or CPU nodes)."""
+    planned_nodes: int | None = None
+    """The node count the plan gave the stage when its launch trains on fewer (`cluster.fewer_nodes:
+    allow` after a partial resize, `batchpilot.planning.capacity`); None: it trains on the planned count."""
 
     @property
     def num_samples(self) -> int:
@@ -116,7 +119,7 @@ class Plan:
             "lr_schedule": asdict(self.lr_schedule),
             "parallelism": self.parallelism,
             "notes": list(self.notes),
-            "stages": [asdict(stage) for stage in self.stages],
+            "stages": [_stage_dict(stage) for stage in self.stages],
             **({"stage_per_launch": True} if self.stage_per_launch else {}),
         }
 
@@ -133,6 +136,14 @@ class Plan:
             parallelism=data["parallelism"],
             stage_per_launch=data.get("stage_per_launch", False),
         )
+
+
+def _stage_dict(stage: Stage) -> dict[str, Any]:
+    """A stage for plan.json; `planned_nodes` only where the launch trains on fewer nodes than planned."""
+    data = asdict(stage)
+    if data["planned_nodes"] is None:
+        del data["planned_nodes"]
+    return data
 
 
 def stage_name(index: int, *, num_stages: int) -> str:
