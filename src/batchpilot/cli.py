@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "batchpilot.commands.explore",
     "batchpilot.commands.config",
     "batchpilot.commands.train",
+    "batchpilot.commands.canary",
     "batchpilot.commands.run",
     "batchpilot.commands.compile",
     "batchpilot.commands.submit",

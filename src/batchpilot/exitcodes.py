@@ -10,3 +10,7 @@ PREEMPTED_LOG_MARKER = f"preempted: exit {EXIT_PREEMPTED}"
 PREEMPTED_FILE = "preempted"
 """Every rank that stops for preemption writes this file into its `--output-dir`: a pod's command turns
 torchrun's exit 1 into EXIT_PREEMPTED when it finds it, so Kubernetes can tell a preemption by exit code."""
+
+CANARY_FAILED_MARKER = "batchpilot canary failed:"
+"""A canary rank that fails prints one line starting with this (what failed, where); the canary task picks
+the first such line out of the job's log and fails with it (torchrun's own exit code says nothing)."""

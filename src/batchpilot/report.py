@@ -127,8 +127,10 @@ def write_report(
     html_path: Path,
     markdown_path: Path | None = None,
     explore_html: Path | None = None,
+    canary: dict[str, Any] | None = None,
 ) -> dict[str, float]:
-    """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics."""
+    """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics.
+    `canary`: the run's canary.json, when its canary ran."""
     plan, cost = document.plan, document.cost
     summary: dict[str, float] = {"num_stages": len(plan.stages), "micro_batch_size": plan.micro_batch_size}
     if document.memory is not None:
@@ -154,6 +156,8 @@ def write_report(
     parts = [f"<h1>batchpilot run: {html.escape(document.config.name)}</h1>"]
     if explore is not None:
         parts.append(_explore_section(explore, explore_html))
+    if canary is not None:
+        parts.append(canary_section(canary))
     parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
     if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
         parts.append("<ul>" + "".join(f"<li>{html.escape(note)}</li>" for note in document.notes) + "</ul>")
@@ -176,6 +180,41 @@ def write_report(
     if markdown_path is not None:
         write_atomically(markdown_path, plan_markdown(plan, cost, document.memory))
     return summary
+
+
+def canary_section(canary: dict[str, Any]) -> str:
+    """The canary's figures (canary.json): nodes and devices, bus bandwidth against the expected figure,
+    shard reads and checkpoint probes per node."""
+    expected = canary.get("expected_bus_bandwidth_bytes_per_s")
+    measured = canary["bus_bandwidth_bytes_per_s"]
+    versus = (
+        f" ({measured / expected:.0%} of the ~{expected / 1e9:.0f} GB/s expected between "
+        f"{html.escape(str(canary.get('machine_type')))} nodes)"
+        if expected
+        else " (no expected figure: one node, or a machine type without a documented network bandwidth)"
+    )
+    warning = canary.get("bandwidth_warning")
+    rows = "".join(
+        f"<tr><td>{n['node']}</td><td>{html.escape(str(n['host']))}</td><td>{n['processes']}</td>"
+        f"<td>{n['devices']}</td><td>{_figure(n.get('read_mb_per_s'), '.0f')}</td>"
+        f"<td>{_figure(n.get('checkpoint_write_ms'), '.1f')}</td>"
+        f"<td>{_figure(n.get('checkpoint_read_ms'), '.1f')}</td></tr>"
+        for n in canary["nodes"]
+    )
+    return (
+        f"<h2>Canary</h2><p>{canary['num_nodes']} node(s) x {canary['processes_per_node']} process(es), "
+        f"{html.escape(canary['backend'])} all-reduce of {canary['all_reduce_bytes'] / 2**20:.0f} MiB: bus bandwidth "
+        f"{measured / 1e9:.2f} GB/s{versus}.</p>"
+        + (f"<p><strong>Warning: {html.escape(warning)}</strong></p>" if warning else "")
+        + "<table border='1' cellpadding='4'><tr><th>node</th><th>host</th><th>processes</th><th>GPUs seen</th>"
+        "<th>shard read MB/s</th><th>checkpoint write ms</th><th>checkpoint read ms</th></tr>"
+        + rows
+        + "</table>"
+    )
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _decisions_section(document: RunDocument) -> str:

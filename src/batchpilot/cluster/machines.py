@@ -79,6 +79,30 @@ MACHINE_TYPES: dict[str, MachineType] = {
     "ct5p-hightpu-4t": _machine(208, 448, 4, "tpu-v5p-slice"),
 }
 
+# "Networking and GPU machines" (Compute Engine, gpu-network-bandwidth): each machine type's maximum network
+# bandwidth in Gbps, all of its NICs together (A3: the GPU NICs plus the general-purpose ones). Types the page
+# gives no figure for are absent; the canary then compares its all-reduce with nothing.
+NETWORK_GBPS: dict[str, int] = {
+    "a2-highgpu-1g": 24, "a2-highgpu-2g": 32, "a2-highgpu-4g": 50, "a2-highgpu-8g": 100,
+    "a2-megagpu-16g": 100,
+    "a2-ultragpu-1g": 24, "a2-ultragpu-2g": 32, "a2-ultragpu-4g": 50, "a2-ultragpu-8g": 100,
+    "a3-highgpu-8g": 1000, "a3-megagpu-8g": 1800, "a3-ultragpu-8g": 3600,
+    "g2-standard-4": 10, "g2-standard-8": 16, "g2-standard-12": 16, "g2-standard-16": 32,
+    "g2-standard-24": 32, "g2-standard-32": 32, "g2-standard-48": 50, "g2-standard-96": 100,
+}  # fmt: skip
+
+
+def expected_bus_bandwidth_bytes_per_s(*, machine_type_name: str | None, num_nodes: int) -> float | None:
+    """What an all-reduce across `num_nodes` nodes of `machine_type_name` should reach as bus bandwidth
+    (the nccl-tests figure: bytes x 2(n-1)/n / time): about one node's network bandwidth, since every node
+    sends and receives that share of the buffer through its NICs. None: one node (the all-reduce stays on
+    the node's own links) or a type without a documented figure."""
+    gbps = NETWORK_GBPS.get(machine_type_name or "")
+    if gbps is None or num_nodes < 2:
+        return None
+    return gbps * 1e9 / 8
+
+
 # "About GKE node sizing", memory and CPU reservations: (upper bound of the band, share reserved in it).
 # Memory: 25% of the first 4 GiB, 20% of the next 4, 10% of the next 8, 6% of the next 112, 2% above 128.
 _MEMORY_BANDS_GIB = ((4, Fraction(25, 100)), (8, Fraction(20, 100)), (16, Fraction(10, 100)),

@@ -83,14 +83,31 @@ def plan(
 
 
 def prepare_explore_pool(config_yaml: str) -> int:
-    """Brings the node pool up to the nodes explore measures on (the pool may idle at zero nodes)."""
+    """Brings the node pool up to the canary's nodes, which explore then measures on (the pool may idle at
+    zero nodes)."""
     from batchpilot import workflow
     from batchpilot.logs import configure_console
 
     configure_console()
-    return workflow.prepare_pool(
-        workflow.config_from_text(config_yaml), num_nodes=workflow.EXPLORE_NODES
-    ).after
+    config = workflow.config_from_text(config_yaml)
+    return workflow.prepare_pool(config, num_nodes=workflow.canary_nodes(config)).after
+
+
+def canary(config_yaml: str, plan_json: str, run_dir: str, canary_metrics: Output[Metrics]):
+    """Checks and measures the first launch's nodes before anything trains (devices, all-reduce, data,
+    checkpoint URI); fails with the failing rank's one line. `plan_json` "": no plan yet (explore follows)."""
+    from pathlib import Path
+
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    document = parse_run_document(plan_json) if plan_json else None
+    work_dir = Path(run_dir) / "canary" if run_dir else None
+    metrics = workflow.canary(workflow.config_from_text(config_yaml), document, work_dir=work_dir)
+    for name, value in metrics.items():
+        canary_metrics.log_metric(name, value)
 
 
 def resize_pool(plan_json: str, launch_index: int) -> int:
@@ -163,7 +180,9 @@ def report(
         workflow.keep_run_record(run_dir, document)
 
 
-COMPONENT_FUNCTIONS = (prepare_explore_pool, explore, plan, resize_pool, train_stage, scale_down, report)
+COMPONENT_FUNCTIONS = (
+    prepare_explore_pool, canary, explore, plan, resize_pool, train_stage, scale_down, report,
+)  # fmt: skip
 
 
 def build_components(image: str) -> SimpleNamespace:

@@ -92,6 +92,7 @@ TASK_REQUESTS = {
     "train": ("250m", "1Gi"),
     "report": ("500m", "2Gi"),
     "explore": ("2", "8Gi"),
+    "canary": ("250m", "1Gi"),  # like train: it follows a job on the trainers' nodes
 }
 """CPU and memory requests of each kind of task pod on a cluster: without requests a pod is BestEffort,
 the first the kubelet evicts under node pressure (Kubernetes "Node-pressure eviction")."""
@@ -111,7 +112,7 @@ def _task_pod(task: Any, *, kind: str) -> None:
     task.set_cpu_request(cpu)
     task.set_memory_request(memory)
     kubernetes.add_pod_annotation(task, annotation_key=SAFE_TO_EVICT, annotation_value="false")
-    if kind == "train":
+    if kind in ("train", "canary"):
         # Its own pod, read on SIGTERM to tell an eviction from a cancel (batchpilot.cluster.eviction).
         kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
         kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
@@ -182,6 +183,19 @@ def _launch_pipeline(
         )  # fmt: skip
 
     return launch
+
+
+CANARY_DISPLAY_NAME = "canary: devices, all-reduce, data, checkpoint"
+
+
+def _canary(
+    ops: SimpleNamespace, *, config_yaml: Any, plan_json: Any, run_dir: Any, after: Any, limits: TaskTimeouts,
+    cluster: bool,
+) -> Any:  # fmt: skip
+    """The canary task after `after`: it brings the pool to its nodes and follows a short job there
+    (`workflow.canary`); no retries, a failure is what it is there to find."""
+    task = ops.canary(config_yaml=config_yaml, plan_json=plan_json, run_dir=run_dir).after(after)
+    return _settings(task, name=CANARY_DISPLAY_NAME, kind="canary", limits=limits, cluster=cluster)
 
 
 def config_parameter(config: Config) -> str:
@@ -261,9 +275,11 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 pool = ops.prepare_explore_pool(config_yaml=config_yaml)
                 _settings(pool, name="explore: bring the pool up", kind="pool", limits=limits, cluster=cluster,
                           retries=RESIZE_RETRIES)  # fmt: skip
+                canary = _canary(ops, config_yaml=config_yaml, plan_json="", run_dir=run_dir, after=pool,
+                                 limits=limits, cluster=cluster)  # fmt: skip
                 explore = ops.explore(
                     config_yaml=config_yaml, micro_batch_size=micro_batch_size, run_dir=run_dir
-                ).after(pool)
+                ).after(canary)
                 _settings(explore, name="explore micro batch", kind="explore", limits=limits, cluster=cluster)
                 _on_accelerator(explore, config)
                 explored = {"explore_dir": explore.outputs["explore_dir"]}
@@ -281,6 +297,9 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
             )
             _settings(plan, name="plan ramp-up", kind="plan", limits=limits, cluster=cluster)
             previous: Any = plan
+            if not explores:  # the canary runs on the first launch's nodes, before it trains
+                previous = _canary(ops, config_yaml=config_yaml, plan_json=plan.outputs["Output"],
+                                   run_dir=run_dir, after=plan, limits=limits, cluster=cluster)  # fmt: skip
             for name, group in zip(names, groups, strict=True):
                 task = group(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
                 task.set_display_name(name)
