@@ -75,6 +75,7 @@ class ClusterSim(WorkloadControllers):
     failures_counted: set[str] = field(default_factory=set)  # pod uids a Job has counted as failed
     pool_history: list[tuple[str, int]] = field(default_factory=list)  # (pool, nodes) after each setSize
     daemon_pods: dict[Key, dict[str, Any]] = field(default_factory=dict)  # system DaemonSets' pods, per node
+    provisioning: Any = None  # a provisioning_controller.ProvisioningController: GKE's queued provisioning
 
     # -- node pools ---------------------------------------------------------------------------
     def add_pool(self, name: str, *, zones: list[str], machine_type: str) -> None:
@@ -162,6 +163,8 @@ class ClusterSim(WorkloadControllers):
                         gpus_published=age >= self.ready_delay_s + self.gpu_delay_s,
                     )
                 )
+            if self.provisioning is not None:
+                self.provisioning.taint(found)
             return found
 
     # -- events -------------------------------------------------------------------------------
@@ -294,6 +297,8 @@ class ClusterSim(WorkloadControllers):
                 self._reconcile_jobset(key)
             for key in list(self.jobs):
                 self._reconcile_job(key)
+            if self.provisioning is not None:
+                self.provisioning.reconcile(self)
             self._schedule()
             gke_autoscaler.autoscale(self, scale_down_unneeded_s=self.scale_down_unneeded_s)
             self._run_kubelet()
@@ -314,7 +319,10 @@ class ClusterSim(WorkloadControllers):
             reasons: list[list[str]] = []  # per node, from the first filter that rejects it
             for node in nodes:
                 name = node["metadata"]["name"]
-                if not (why := k8s_rules.unfit_reasons(pod, node, used[name])):
+                why = k8s_rules.unfit_reasons(pod, node, used[name])
+                if not why and self.provisioning is not None:
+                    why = self.provisioning.unfit(pod, name, self)
+                if not why:
                     pod["spec"]["nodeName"] = name
                     for resource, amount in k8s_rules.pod_requests(pod["spec"]).items():
                         used[name][resource] = used[name].get(resource, Fraction(0)) + amount

@@ -44,6 +44,11 @@ Capacity (`zone_capacity`, `accelerator_quota`), the rules of Compute Engine und
 - `:setSize` on a pool whose autoscaling is enabled is refused (FAILED_PRECONDITION): the cluster
   autoscaler owns that pool's size. This rule is the #20 review's reading of GKE, not a quote: no
   public GKE error text for it was found, so the wording here is the stand-in's own.
+Queued provisioning (GKE "Run a large-scale workload with flex-start with queued provisioning"): a pool
+created with it serves `queuedProvisioning.enabled: true`; its creation needs no reservation affinity
+(GKE's 400 "Queued_provisioning requires reservation affinity to be set to none", quoted in
+hashicorp/terraform-provider-google issue 18341); such a pool is autoscaled, so `:setSize` is refused
+by the autoscaling rule above; its nodes come and go with ProvisioningRequests (`provisioning_controller.py`).
 Nodes of TPU pools carry the TPU labels, `google.com/tpu` and the TPU taint (`gke_nodes.py`); their
 topology label and a created pool's own labels need the simulated cluster to be a `GkeClusterSim`
 (`gke_sim.simulated_gke` makes one).
@@ -124,12 +129,22 @@ class ContainerState:
     sim: ClusterSim | None = None
 
     def add_pool(
-        self, name: str, *, locations: list[str], node_count: int = 0, machine_type: str | None = None
+        self,
+        name: str,
+        *,
+        locations: list[str],
+        node_count: int = 0,
+        machine_type: str | None = None,
+        queued_provisioning: bool = False,
+        autoscaling: dict[str, Any] | None = None,
     ) -> None:
         """Adds `projects/P/locations/L/clusters/C/nodePools/NAME`-style pool named by its full name.
 
         With a simulator, `machine_type` (a key of `gke_nodes.MACHINES`) makes it a simulated pool
-        with `node_count` nodes per zone.
+        with `node_count` nodes per zone. `queued_provisioning` makes it a pool created with
+        `--flex-start --enable-queued-provisioning` (`NodePool.queuedProvisioning.enabled`, GKE "Run a
+        large-scale workload with flex-start with queued provisioning"), whose nodes only ProvisioningRequests
+        bring (`provisioning_controller.py`); `autoscaling` is its NodePoolAutoscaling (REST field names).
         """
         short = name.rsplit("/", 1)[-1]
         self.pools[name] = {
@@ -151,6 +166,14 @@ class ContainerState:
             if self.sim is not None:
                 self.sim.add_pool(short, zones=locations, machine_type=machine_type)
                 self.sim.resize_pool(short, per_zone=node_count)
+        if queued_provisioning:
+            self.pools[name]["queuedProvisioning"] = {"enabled": True}
+            if self.sim is not None and self.sim.provisioning is not None:
+                self.sim.provisioning.queued_pools.add(short)
+        if autoscaling is not None:
+            self.pools[name]["autoscaling"] = dict(autoscaling)
+            if self.sim is not None and short in self.sim.pools:
+                self.sim.set_autoscaling(short, dict(autoscaling))
 
 
 def _error(code: int, status: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -423,6 +446,9 @@ class _Handler(QuietHandler):
             return _error(409, "ALREADY_EXISTS", f"Already exists: {full}.")
         if problem := tpu_create_problem(pool):
             return _invalid(problem)
+        affinity = pool.get("config", {}).get("reservationAffinity", {}).get("consumeReservationType")
+        if pool.get("queuedProvisioning", {}).get("enabled") and affinity not in ("NO_RESERVATION", 1):
+            return _invalid("Queued_provisioning requires reservation affinity to be set to none")
         count = int(pool.get("initialNodeCount", 0))
         if short := quota_problem(state, pool, nodes=count * len(pool.get("locations", [])), replacing=False):
             return _error(403, "FORBIDDEN", short)
@@ -440,6 +466,10 @@ class _Handler(QuietHandler):
                 assert isinstance(sim, GkeClusterSim), "pools with node labels need a GkeClusterSim"
                 sim.pool_labels[name] = labels
             sim.resize_pool(name, per_zone=count)
+            if pool.get("queuedProvisioning", {}).get("enabled") and sim.provisioning is not None:
+                sim.provisioning.queued_pools.add(name)
+            if pool["autoscaling"]:
+                sim.set_autoscaling(name, pool["autoscaling"])
         return 200, self._operation(TYPE_CREATE_NODE_POOL, location=location, target=full)
 
     def _delete(self, path: str) -> tuple[int, dict[str, Any]]:

@@ -34,8 +34,8 @@ def autoscale(sim: ClusterSim, *, scale_down_unneeded_s: float) -> None:
     """One autoscaler pass over every pool with autoscaling enabled (called under the sim's lock)."""
     now = time.monotonic()
     for name, pool in sim.pools.items():
-        if not pool.autoscaling.get("enabled"):
-            continue
+        if not pool.autoscaling.get("enabled") or name in getattr(sim.provisioning, "queued_pools", ()):
+            continue  # a queued-provisioning pool grows only for ProvisioningRequests (provisioning_controller.py)
         low, high = bounds(pool.autoscaling, len(pool.zones))
         members = [n for n, where in sim.nodes.items() if where["pool"] == name]
         template = gke_nodes.gke_node(

@@ -7,6 +7,7 @@
         gke.write_kubeconfig(path)  # for code that reads KUBECONFIG
         gke.sim.node_objects(), gke.sim.pods, gke.sim.events   # inspect the cluster directly
         gke.sim.pool_history        # (pool, node count) after every setSize, from the start
+        gke.sim.provisioning        # ProvisioningRequests and PodTemplates (provisioning_controller.py)
 
 Node pools created through the Container API (TPU slice pools among them) join the simulated cluster
 with their nodes, and leave it with them when deleted.
@@ -22,10 +23,12 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from container_api_server import ContainerServer, GkeClusterSim, container_server_running
 from kube_api_server import KubeServer, kube_server_running
 from pod_runner import LocalKubelet
+from provisioning_controller import ProvisioningController
 
 PROJECT, LOCATION, CLUSTER = "proj", "us-central1", "train"
 
@@ -40,15 +43,25 @@ class SimulatedGke:
         return f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}/nodePools/{pool}"
 
     def add_pool(
-        self, pool: str, *, machine_type: str, zones: list[str] | None = None, per_zone: int = 0
+        self,
+        pool: str,
+        *,
+        machine_type: str,
+        zones: list[str] | None = None,
+        per_zone: int = 0,
+        queued_provisioning: bool = False,
+        autoscaling: dict[str, Any] | None = None,
     ) -> None:
-        """A node pool of `machine_type` in both APIs, with `per_zone` nodes in each zone."""
+        """A node pool of `machine_type` in both APIs, with `per_zone` nodes in each zone; with
+        `queued_provisioning` (and its `autoscaling`), a flex-start pool whose nodes ProvisioningRequests bring."""
         with self.container.state.lock:
             self.container.state.add_pool(
                 self.pool_path(pool),
                 locations=zones or [f"{LOCATION}-a"],
                 node_count=per_zone,
                 machine_type=machine_type,
+                queued_provisioning=queued_provisioning,
+                autoscaling=autoscaling,
             )
 
     def write_kubeconfig(self, path: Path) -> Path:
@@ -72,12 +85,15 @@ def simulated_gke(
         gpu_delay_s=gpu_delay_s,
         scale_down_unneeded_s=scale_down_unneeded_s,
         kubelet=kubelet,
+        provisioning=ProvisioningController(),
     )
     with (
         container_server_running(sim=sim) as container,
         kube_server_running(sim=sim) as kube,
         sim.running(),
     ):
+        # Queued provisioning finds a zone's room where the Container API keeps it (its stockout knob).
+        sim.provisioning.zone_capacity = lambda: container.state.zone_capacity
         try:
             yield SimulatedGke(sim, container, kube)
         finally:

@@ -53,6 +53,11 @@ def route(
     sim: ClusterSim, method: str, path: str, query: dict[str, list[str]], body: Any
 ) -> tuple[int, Any] | None:
     """The (code, payload) for one request, or None when no route matches."""
+    if sim.provisioning is not None:  # PodTemplates and ProvisioningRequests (provisioning_controller.py)
+        with sim.lock:
+            sim.reconcile()
+            if (answer := sim.provisioning.route(sim, method, path, query, body)) is not None:
+                return answer  # type: ignore[no-any-return]
     for name, pattern in ROUTES:
         if match := pattern.match(path):
             with sim.lock:

@@ -119,6 +119,7 @@ def gke_node_pool(cluster: ClusterConfig) -> GkeNodePool:
             gpus_per_node=cluster.devices_per_node if cluster.accelerator_type else 0,
         ),
         operation_timeout_s=cluster.operation_timeout_s,
+        provisioning=cluster.provisioning,
     )
 
 
@@ -159,8 +160,11 @@ class GkeNodePool:
         poll_initial_s: float = 2.0,
         poll_maximum_s: float = 15.0,
         ready_poll_interval_s: float = 10.0,
+        provisioning: str = "resize",
     ) -> None:
         self.client = client
+        self.provisioning = provisioning
+        """`cluster.provisioning`: with flex-start the launch's ProvisioningRequest brings the nodes, not a resize."""
         self.pool = pool
         self.pool_mode = pool_mode
         self.idle_nodes = idle_nodes
@@ -191,7 +195,9 @@ class GkeNodePool:
         """Sets the size (resize), the autoscaler bounds (autoscale), or checks capacity (static)."""
         if num_nodes < 0:
             raise BatchpilotError("--nodes", f"{num_nodes} is negative", "give 0 or more nodes")
-        if self.pool_mode == "resize":
+        if self.provisioning == "flex-start":
+            self._check_queued_provisioning(num_nodes)
+        elif self.pool_mode == "resize":
             self._set_size(num_nodes)
         elif self.pool_mode == "autoscale":
             self._set_autoscaling(num_nodes)
@@ -204,8 +210,16 @@ class GkeNodePool:
         """Waits for `num_nodes` usable nodes; in autoscale mode checks the bounds admit them instead.
 
         An autoscaled pool only grows when pods are pending, so waiting for nodes before the job
-        exists would wait for ever; the launcher's pods wait for their nodes instead.
+        exists would wait for ever; the launcher's pods wait for their nodes instead. With flex-start there
+        is nothing to wait for yet: the launch waits for its ProvisioningRequest.
         """
+        if self.provisioning == "flex-start":
+            if num_nodes:
+                logger.info(
+                    "%s: flex-start: %d node(s) come with the launch's ProvisioningRequest; the launch waits "
+                    "for it", self.pool.node_pool, num_nodes,
+                )  # fmt: skip
+            return
         if self.pool_mode == "autoscale":
             self._check_autoscaling_admits(num_nodes)
             logger.info(
@@ -298,6 +312,40 @@ class GkeNodePool:
                 f"{maximum} node(s); {num_nodes} are needed",
                 f"run `batchpilot pool resize --nodes {num_nodes}` (autoscale mode sets the bounds)",
             )
+
+    def _check_queued_provisioning(self, num_nodes: int) -> None:
+        """Flex-start changes nothing on the pool: GKE's autoscaler adds nodes for each ProvisioningRequest
+        and removes them when the request is deleted. Checks that the pool can serve a request for
+        `num_nodes` (queued provisioning on, autoscaling that admits them: GKE "Run a large-scale workload
+        with flex-start with queued provisioning")."""
+        from batchpilot.cluster.provisioning import HOW_TO_CREATE_POOL
+
+        if num_nodes == 0:
+            logger.info(
+                "%s: flex-start: not resized; its nodes go when their ProvisioningRequests are deleted",
+                self.pool.node_pool,
+            )
+            return
+        node_pool = self.node_pool()
+        scaling = node_pool.autoscaling
+        maximum = scaling.total_max_node_count or scaling.max_node_count * max(len(node_pool.locations), 1)
+        problem = None
+        if not node_pool.queued_provisioning.enabled:
+            problem = "has no queued provisioning"
+        elif not scaling.enabled or maximum < num_nodes:
+            state = f"at most {maximum} node(s)" if scaling.enabled else "off"
+            problem = f"has autoscaling {state}; {num_nodes} are needed"
+        if problem:
+            raise BatchpilotError(
+                "cluster.provisioning",
+                f"flex-start needs a node pool with queued provisioning and autoscaling, but {self.pool.node_pool} "
+                f"{problem}",
+                HOW_TO_CREATE_POOL,
+            )
+        logger.info(
+            "%s: flex-start: not resized; the %d node(s) come with the launch's ProvisioningRequest",
+            self.pool.node_pool, num_nodes,
+        )  # fmt: skip
 
     def _check_static(self, num_nodes: int) -> None:
         have = self.current_size()

@@ -344,14 +344,15 @@ def trainer_pod_resources(cluster: ClusterConfig, *, read_nodes: bool) -> Traine
                 "checked against the nodes",
                 cluster.node_pool,
             )
-        elif node_free is None and cluster.pool_mode != "autoscale":
+        elif node_free is None and cluster.pool_mode != "autoscale" and cluster.provisioning != "flex-start":
             raise BatchpilotError(
                 "cluster.node_pool",
                 f"node pool {cluster.node_pool!r} has no usable node to size the trainer pods from",
                 f"check `kubectl get nodes -l cloud.google.com/gke-nodepool={cluster.node_pool}`; the resize "
                 "step waits for them",
             )
-        # autoscale mode: the nodes come once the pods are pending, so the machine type sizes them.
+        # autoscale mode: the nodes come once the pods are pending, so the machine type sizes them; flex-start:
+        # they come with the launch's ProvisioningRequest, whose PodTemplate has the pods' sizes first.
     return trainer_resources(
         machine_type_name=cluster.machine_type,
         cpu_per_node=cluster.cpu_per_node,
@@ -524,6 +525,12 @@ def render_cluster_job(runner, appdef, *, cluster: ClusterConfig, labels: dict[s
         from batchpilot.cluster.tpu_jobset import finish_tpu_jobset
 
         finish_tpu_jobset(resource)
+    if scheduler == "jobset" and cluster.provisioning == "flex-start":
+        from batchpilot.cluster.provisioning import consume_request
+
+        # The pods consume the launch's ProvisioningRequest, named as its JobSet (cluster/provisioning.py).
+        for replicated in resource["spec"]["replicatedJobs"]:
+            consume_request(replicated["template"]["spec"]["template"], name=resource["metadata"]["name"])
     if scheduler == "kubernetes":
         from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
 
@@ -565,12 +572,13 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
         _run_lease(spec, cluster=cluster),
     ):
         try:
-            handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster)
-            return follow(
-                runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
-                via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
-                stuck=pending_watch(handle, cluster=cluster),
-            )  # fmt: skip
+            with _capacity(runner, appdef, spec=spec, cluster=cluster):
+                handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster)
+                return follow(
+                    runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
+                    via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
+                    stuck=pending_watch(handle, cluster=cluster),
+                )  # fmt: skip
         except Evicted as evicted:
             logger.warning(
                 "%s: SIGTERM is an eviction (%s): leaving its JobSet running for the retry to adopt; exit %d",
@@ -584,6 +592,24 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
             if cluster.launcher == "jobset" and spec.labels:
                 delete_labelled(cluster, labels=stage_selector(spec.labels), wait_s=0.0, why="interrupted")
             raise
+
+
+def _capacity(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig) -> contextlib.AbstractContextManager[None]:
+    """With `cluster.provisioning: flex-start`, the launch's nodes come through a ProvisioningRequest for its
+    node count, provisioned before the JobSet is created and deleted when the launch ends
+    (`batchpilot.cluster.provisioning`); otherwise the pool was sized by the resize step."""
+    if cluster.provisioning != "flex-start":
+        return contextlib.nullcontext()
+    from batchpilot.cluster.provisioning import flex_start_capacity
+    from batchpilot.cluster.readiness import kube_api_client
+
+    resource = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels).request.resource
+    (replicated,) = resource["spec"]["replicatedJobs"]
+    return flex_start_capacity(
+        api_client=kube_api_client(), namespace=cluster.namespace, name=resource["metadata"]["name"],
+        labels=spec.labels, pod=replicated["template"]["spec"]["template"], count=spec.num_nodes,
+        timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s, stage_timeout_s=cluster.stage_timeout_s,
+    )  # fmt: skip
 
 
 def _run_lease(spec: LaunchSpec, *, cluster: ClusterConfig) -> contextlib.AbstractContextManager[None]:

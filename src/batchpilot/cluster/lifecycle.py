@@ -119,6 +119,12 @@ def delete_run_jobs(*, cluster: ClusterConfig, run: str) -> list[str]:
     their names. The exit handler calls it before the pool shrinks, so no trainer is cut off mid-checkpoint."""
     if cluster.launcher != "jobset":
         return []
-    return delete_labelled(
+    names = delete_labelled(
         cluster, labels={RUN_LABEL: run}, wait_s=_delete_wait_s(), why=f"the end of run {run}"
     )
+    if cluster.provisioning == "flex-start":  # a cancelled or evicted launch's request, still asking or holding
+        from batchpilot.cluster.provisioning import delete_run_requests
+        from batchpilot.cluster.readiness import kube_api_client
+
+        delete_run_requests(api_client=kube_api_client(), namespace=cluster.namespace, run=run)
+    return names
