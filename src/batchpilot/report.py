@@ -161,6 +161,10 @@ def write_report(
     parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
     if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
         parts.append("<ul>" + "".join(f"<li>{html.escape(note)}</li>" for note in document.notes) + "</ul>")
+    if document.capacity:
+        section, figures = capacity_section(document, records)
+        parts.append(section)
+        summary.update(figures)
     if document.decisions:
         parts.append(_decisions_section(document))
         summary["adaptive_decisions"] = len(document.decisions)
@@ -211,6 +215,48 @@ def canary_section(canary: dict[str, Any]) -> str:
         + rows
         + "</table>"
     )
+
+
+def capacity_section(document: RunDocument, records: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
+    """The launches that trained on fewer nodes than planned (`cluster.fewer_nodes: allow`): planned, ready
+    and used nodes, the wait, and what it saved or cost, with the summary figures for KFP.
+
+    The training time is the launch's measured step times. On fewer nodes the same samples take longer
+    but, at the per-device throughput the plan assumes, the same node-hours; what the shortfall costs is
+    the wait for capacity (the ready nodes, idle) and the later finish."""
+    rows = []
+    waiting_node_hours = trained_node_hours = later_h = 0.0
+    for record in document.capacity:
+        steps = [r for r in records if record.first_stage <= r["stage"] <= record.last_stage]
+        trained_s = sum(float(r.get("step_time_s") or 0.0) for r in steps)
+        trained = record.nodes * trained_s / 3600
+        waiting = record.ready_nodes * record.waited_s / 3600
+        later = trained_s * (1 - record.nodes / record.planned_nodes) / 3600
+        waiting_node_hours += waiting
+        trained_node_hours += trained
+        later_h += later
+        rows.append(
+            f"<tr><td>{html.escape(record.launch)}</td><td>{record.planned_nodes}</td><td>{record.ready_nodes}</td>"
+            f"<td>{record.nodes}</td><td>{record.waited_s:,.0f}</td><td>{waiting:,.3g}</td>"
+            f"<td>{trained_s / 3600:,.3g}</td><td>{trained:,.3g}</td><td>{later:,.3g}</td>"
+            f"<td>{html.escape(record.reason)}</td></tr>"
+        )
+    section = (
+        "<h2>Capacity: launches on fewer nodes than planned</h2><p>These launches got only some of their planned "
+        "nodes within cluster.capacity_timeout_s and, with cluster.fewer_nodes: allow, trained on the largest node "
+        "count their global batches split over: the same batches, samples and learning rate, with more gradient "
+        "accumulation. At the same throughput per device the training node-hours are those the plan expected; the "
+        "shortfall cost the wait (the ready nodes, idle) and a later finish.</p>"
+        "<table border='1' cellpadding='4'><tr><th>launch</th><th>planned nodes</th><th>ready</th><th>trained on"
+        "</th><th>waited (s)</th><th>waiting node-hours</th><th>training hours</th><th>training node-hours</th>"
+        "<th>hours later than on the planned nodes</th><th>why</th></tr>" + "".join(rows) + "</table>"
+    )
+    figures = {
+        "launches_on_fewer_nodes": float(len(document.capacity)),
+        "capacity_wait_node_hours": waiting_node_hours,
+        "fewer_nodes_hours_later": later_h,
+    }
+    return section, figures
 
 
 def _figure(value: float | None, spec: str) -> str:

@@ -185,6 +185,7 @@ def _summary(console: Console, output: Path, *, elapsed_s: float) -> None:
         f"{launch.name} ("
         + ", ".join(
             f"{s.global_batch_size}@{s.num_nodes}n"
+            + (f" of {s.planned_nodes} planned" if s.planned_nodes else "")
             for s in plan.stages[launch.first_stage : launch.last_stage + 1]
         )
         + ")"
