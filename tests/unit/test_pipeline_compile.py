@@ -91,9 +91,11 @@ def inner_tasks(spec: dict) -> dict:
 )
 def test_launch_groups_run_in_order(compiled, name, groups):
     tasks = inner_tasks(compiled[name])
-    assert {n for n in tasks if n not in ("prepare-explore-pool", "explore", "plan", "report")} == set(groups)
+    others = ("prepare-explore-pool", "canary", "explore", "plan", "report")
+    assert {n for n in tasks if n not in others} == set(groups)
     assert [tasks[n]["taskInfo"]["name"] for n in groups] == groups
-    assert tasks[groups[0]]["dependentTasks"] == ["plan"]
+    # The canary runs on the first launch's nodes before it, or before explore when the pipeline explores.
+    assert tasks[groups[0]]["dependentTasks"] == (["plan"] if "explore" in tasks else ["canary", "plan"])
     for before, after in itertools.pairwise(groups):
         assert before in tasks[after]["dependentTasks"]
     assert groups[-1] in tasks["report"]["dependentTasks"]
@@ -120,7 +122,7 @@ def test_side_effect_tasks_are_not_cached_and_retry(compiled):
     spec = compiled["demo.yaml"]
     tasks = inner_tasks(spec)
     # The plan too: it copies plan.json into the run folder, which a cache hit would skip.
-    for name in ("prepare-explore-pool", "explore", "plan", "launch-0", "launch-3", "report"):
+    for name in ("prepare-explore-pool", "canary", "explore", "plan", "launch-0", "launch-3", "report"):
         assert tasks[name]["cachingOptions"] == {}, name
     group = spec["components"]["comp-launch-1"]["dag"]["tasks"]
     for name in ("resize-pool", "train-stage"):
@@ -190,7 +192,8 @@ def test_gke_tasks_run_the_configs_image_with_a_timeout_each():
 
 def test_the_pool_comes_up_before_explore_on_a_pool_that_idles_at_zero(compiled):
     tasks = inner_tasks(compiled["nemo_gpt3_5b.yaml"])
-    assert tasks["explore"]["dependentTasks"] == ["prepare-explore-pool"]
+    assert tasks["canary"]["dependentTasks"] == ["prepare-explore-pool"]
+    assert tasks["explore"]["dependentTasks"] == ["canary"]
     assert (
         tasks["plan"]["inputs"]["artifacts"]["explore_dir"]["taskOutputArtifact"]["producerTask"] == "explore"
     )
@@ -204,7 +207,8 @@ def test_nothing_to_explore_means_no_explore_task(tmp_path):
     tasks = inner_tasks(compile_and_load(path, tmp_path / "fixed-pipeline.yaml"))
     assert "explore" not in tasks and "prepare-explore-pool" not in tasks
     assert "explore_dir" not in tasks["plan"].get("inputs", {}).get("artifacts", {})
-    assert tasks["stages-0-3"]["dependentTasks"] == ["plan"]
+    assert tasks["canary"]["dependentTasks"] == ["plan"]
+    assert tasks["stages-0-3"]["dependentTasks"] == ["canary", "plan"]
 
 
 @pytest.mark.parametrize(
