@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "batchpilot.commands.submit",
     "batchpilot.commands.data",
     "batchpilot.commands.pool",
+    "batchpilot.commands.doctor",
 )
 
 

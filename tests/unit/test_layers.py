@@ -43,6 +43,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "planner": frozenset({"planner", "rundoc", "config", "planning", "errors", "files"}),
     "rundoc": frozenset({"rundoc", "planner", "config", "planning", "errors", "files"}),
     "report": frozenset({"report", "planning", "rundoc", "files", "logs", "errors"}),
+    # `batchpilot doctor`: reads the cluster, storage and KFP the way a run does, so it uses their code.
+    "doctor": frozenset(
+        {"doctor", "cluster", "data", "train", "kfp", "planner", "config", "planning", "errors"}
+    ),
 }
 """Package -> the batchpilot packages it may import (besides EVERYONE)."""
 
@@ -59,8 +63,9 @@ IMPORTED_ONLY_BY: dict[str, frozenset[str]] = {
     # `python -m batchpilot` is the CLI's other entry point.
     "cli": frozenset({"cli", "commands", "__main__"}),
     "commands": frozenset({"cli", "commands"}),
-    "kfp": frozenset({"kfp", "commands", "cli"}),
+    "kfp": frozenset({"kfp", "doctor", "commands", "cli"}),
     "workflow": frozenset({"workflow", "kfp", "commands", "cli"}),
+    "doctor": frozenset({"doctor", "commands", "cli"}),
 }
 """Package -> the only packages that may import it (nothing below it does)."""
 
@@ -178,7 +183,10 @@ def test_the_rules_catch_what_they_should():
         Import("batchpilot.cluster.launch", "batchpilot.train.metrics", 1): "cluster may import only",
         Import("batchpilot.planning.stages", "numpy", 1): "planning imports the standard library only",
         Import("batchpilot.report", "torch", 1): "report must not import torch",
-        Import("batchpilot.workflow", "batchpilot.kfp.compile", 1): "only ['cli', 'commands', 'kfp']",
+        Import("batchpilot.workflow", "batchpilot.kfp.compile", 1): "['cli', 'commands', 'doctor', 'kfp']",
+        Import("batchpilot.doctor", "batchpilot.commands.run", 1): "only ['cli', 'commands']",
+        Import("batchpilot.doctor", "batchpilot.report", 1): "doctor may import only",
+        Import("batchpilot.planner", "batchpilot.doctor", 1): "only ['cli', 'commands', 'doctor']",
         Import("batchpilot.kfp.compile", "batchpilot.commands.run", 1): "only ['cli', 'commands']",
         Import("batchpilot.report", "batchpilot.workflow", 1): "only ['cli', 'commands', 'kfp', 'workflow']",
         Import("batchpilot.newthing", "batchpilot.errors", 1): "no rule for package 'newthing'",
