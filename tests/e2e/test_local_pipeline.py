@@ -193,3 +193,49 @@ def test_an_auto_target_is_taken_from_the_study_during_the_run(demo_data_uri, tm
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["global_batch_size"] == target
     assert [r["consumed_samples"] for r in metrics] == sorted({r["consumed_samples"] for r in metrics})
+
+
+def test_a_launch_short_of_nodes_trains_on_the_nodes_it_got(demo_data_uri, tmp_path):
+    """#21: the local pool grants 1 node (cluster.local_capacity_nodes) and fewer_nodes is allowed: the
+    2-node final stage trains on 1 node at its planned global batch, every sample once."""
+    config = demo_config(demo_data_uri)
+    config["batch"]["micro_batch_size"] = 16
+    config["explore"] = {"study": False}
+    config["train"]["total_samples"] = 6144
+    config["cluster"].update(local_capacity_nodes=1, fewer_nodes="allow")
+    output = tmp_path / "run"
+    result = run_pipeline(config, output)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-4000:]
+    assert (
+        "final: 1 of 2 planned node(s) ready after 0s (cluster.fewer_nodes: allow): training on 1 node(s) at the "
+        "planned global batch" in result.stdout
+    )
+    document = json.loads((output / "plan.json").read_text())  # the run as it went
+    stages = document["stages"]
+    assert [(s["global_batch_size"], s["num_nodes"], s.get("planned_nodes")) for s in stages] == [
+        (16, 1, None),
+        (32, 1, None),
+        (48, 1, None),
+        (64, 1, 2),
+    ]
+    assert [
+        (c["launch"], c["planned_nodes"], c["ready_nodes"], c["nodes"]) for c in document["capacity"]
+    ] == [("final", 2, 1, 1)]
+    records = read_metrics(output / "metrics.jsonl")
+    expected = [
+        consumed
+        for s in stages
+        for consumed in range(
+            s["start_sample"] + s["global_batch_size"], s["end_sample"] + 1, s["global_batch_size"]
+        )
+    ]
+    assert [r["consumed_samples"] for r in records] == expected  # nothing lost or repeated
+    final = [r for r in records if r["stage"] == 3]
+    assert {(r["world_size"], r["global_batch_size"], r["gradient_accumulation_steps"]) for r in final} == {
+        (1, 64, 4)
+    }
+    assert records[-1]["consumed_samples"] == document["trained_samples"] == 6144
+    report = (output / "report.html").read_text()
+    assert "Capacity: launches on fewer nodes than planned" in report
+    assert "<li>launches_on_fewer_nodes: 1</li>" in report
+    assert "final (64@1n of 2 planned)" in result.stdout
