@@ -86,7 +86,7 @@ def test_demo_goes_through_explore_plan_and_one_launch_per_node_count(demo_run):
         assert launches == [("stages-0-2", [0, 1, 2]), ("final", [3])]
     launched = [line.split("launched demo-", 1)[1].split(":")[0] for line in result.stdout.splitlines()
                 if "launched demo-" in line]  # fmt: skip
-    assert launched == [name for name, _ in launches]
+    assert launched == ["canary", *(name for name, _ in launches)]  # the canary first, on 2 nodes
     records = read_metrics(output / "metrics.jsonl")
     assert [r["stage"] for r in records] == sorted(r["stage"] for r in records)
     # Every step of every stage once, in order, within and across launches: nothing lost or repeated.
@@ -114,6 +114,7 @@ def test_demo_console_is_short_and_the_full_log_is_in_the_run_folder(demo_run):
     assert "Warning" not in result.stdout + result.stderr
     # An explored micro batch: the pipeline has a launch slot per stage; the plan's launches take the first.
     for task in (
+        "> canary",
         "> explore",
         "> plan",
         "> launch-0: train (1/4)",
@@ -136,6 +137,9 @@ def test_demo_leaves_report_checkpoints_and_a_scaled_down_pool(demo_run):
     # The validation loss and the cost estimate (#13): in the summary (also the KFP metrics) and the plan.
     assert "<li>final_val_loss: " in report and "<li>estimated_node_hours: " in report
     assert "node-hours" in report and "parallelism ddp" in report
+    # The canary's figures (canary.json beside the checkpoints): 2 local nodes, a gloo all-reduce.
+    assert "<h2>Canary</h2><p>2 node(s) x 1 process(es), gloo all-reduce of 4 MiB: bus bandwidth " in report
+    assert (output / "ckpt" / "canary" / "canary.json").exists()
     assert "| final |" in (output / "plan.md").read_text()
     assert (output / "ckpt" / "latest").exists()
     assert json.loads((output / "pool.json").read_text())["num_nodes"] == 0
