@@ -572,9 +572,10 @@ def _fewer_nodes(document: RunDocument, launch: Launch, *, short: Any, waited_s:
         "at the planned global batch%s; only data parallelism and accumulation change",
         launch.name, short.ready, planned, waited_s, nodes, "es" if len(stages) > 1 else "",
     )  # fmt: skip
-    if nodes < short.ready:
-        node_pool_for(config).resize(nodes)  # the ready nodes the launch cannot use are not paid for
-        logger.info("pool resized to the %d node(s) %s trains on", nodes, launch.name)
+    # The pool's target goes to what the launch uses: ready nodes it cannot use are not paid for, and
+    # nodes the cloud would still bring mid-launch (the stockout ends) would only idle.
+    node_pool_for(config).resize(nodes)
+    logger.info("pool set to the %d node(s) %s trains on", nodes, launch.name)
     _record_capacity(config, launch, record)
     return record
 
@@ -715,6 +716,7 @@ def canary(
         BatchpilotError: the canary failed; the message is the failing rank's one line (what, where).
     """
     from batchpilot.cluster.canary import canary_spec, run_canary_job
+    from batchpilot.cluster.capacity import CapacityShortfall
     from batchpilot.planning.tpu import is_tpu
     from batchpilot.train.canary import canary_metrics, summary_line
 
@@ -724,7 +726,15 @@ def canary(
         logger.warning("canary: not run on TPU slices yet (its ranks are torchrun processes, one per device)")
         return {}
     num_nodes = canary_nodes(config, document)
-    prepare_pool(config, num_nodes=num_nodes)
+    try:
+        prepare_pool(config, num_nodes=num_nodes, timeout_s=config.cluster.capacity_timeout_s)
+    except CapacityShortfall as short:  # a stockout, a quota, the local capacity limit
+        if config.cluster.fewer_nodes != "allow" or short.ready < 1:
+            raise
+        logger.warning(
+            "canary: %d of %d node(s) came (cluster.fewer_nodes: allow): checking those", short.ready, num_nodes
+        )
+        num_nodes = short.ready
     if config.cluster.backend == "local" and work_dir is None:
         work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-canary-"))
     code, failure = run_canary_job(config, spec=canary_spec(config, num_nodes=num_nodes), work_dir=work_dir)

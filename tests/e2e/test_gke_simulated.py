@@ -306,7 +306,7 @@ def stage_pods_training(gke: SimulatedGke, stage: str, *, launch: str | None = N
 def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_resized_for_it(
     simulated_cluster, start_pipeline, bucket, tmp_path
 ):
-    """pool 0 -> 1 -> explore -> plan -> stages on 1, 2 and 2 nodes as two launches (stage-0 on 1 node,
+    """pool 0 -> 2 -> canary -> explore -> plan -> stages on 1, 2 and 2 nodes as two launches (stage-0 on 1 node,
     then stages 1 and final in one JobSet on 2), a node preempted in the middle of stage 1 (the JobSet
     restarts, the stage resumes exactly) -> report -> scale down to 0."""
     gke = simulated_cluster
@@ -340,13 +340,16 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
     plan = json.loads((run.output / "plan.json").read_text())
     assert [s["num_nodes"] for s in plan["stages"]] == [1, 2, 2]
     assert (run.output / "explore" / "explore.json").exists()  # explore ran, on the pool brought up for it
-    # 0 nodes, 1 for explore, then each launch's count (not each stage's), then cluster.idle_nodes.
-    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 1, 2, 0]
+    # 0 nodes, 2 for the canary (and explore), then each launch's count (not each stage's), then idle_nodes.
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 2, 2, 1, 2, 0]
     created = run.jobsets_created()
     launches = [j["metadata"]["labels"]["batchpilot.dev/stage"] for j in created]
-    # One JobSet per launch: the preemption restarted it, and the final stage ran in stage 1's job.
-    assert launches == ["stage-0", "stages-1-final"]
-    for body, num_nodes in zip(created, [1, 2], strict=True):
+    # The canary's JobSet, then one per launch: the preemption restarted it, and the final stage ran in
+    # stage 1's job.
+    assert launches == ["canary", "stage-0", "stages-1-final"]
+    canary = json.loads(open_storage(f"{run.checkpoint_uri}/canary").read("canary.json"))
+    assert (canary["num_nodes"], canary["backend"]) == (2, "gloo") and canary["bus_bandwidth_bytes_per_s"] > 0
+    for body, num_nodes in zip(created, [2, 1, 2], strict=True):
         nodes = run.nodes_of(body["metadata"]["name"])
         assert len(nodes) == num_nodes, (body["metadata"]["name"], nodes)
         assert all(node.startswith("gke-train-cpu-") for node in nodes), nodes  # the pool's nodes
@@ -357,6 +360,51 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
     assert records[-1]["consumed_samples"] == plan["trained_samples"]
     assert "Batch-size ramp" in (run.output / "report.html").read_text()  # the report task ran
     # The exit handler: no JobSet, no pod, no node.
+    assert not gke.sim.jobsets and not gke.sim.pods and gke.sim.pool_size("cpu") == 0
+
+
+def test_a_partial_resize_trains_the_launch_on_the_nodes_that_came(simulated_cluster, start_pipeline, bucket):
+    """#21: the zone has room for one e2-standard-4 of the pool (Compute Engine's stockout, which GKE reports
+    as GCE_STOCKOUT): the 2-node launch stages-1-final gets 1 node by cluster.capacity_timeout_s and, with
+    fewer_nodes: allow, trains on it at its planned global batches; every sample once."""
+    gke = simulated_cluster
+    gke.container.state.zone_capacity = {"us-central1-a": 1}
+    config = gke_config(bucket)
+    config["batch"]["schedule"] = "0:16 320:32 960:64"
+    config["train"]["total_samples"] = 2048
+    config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
+    config["cluster"].update(fewer_nodes="allow", capacity_timeout_s=12)
+    run = start_pipeline(config)
+    assert run.finish(timeout_s=420) == 0, run.log[-6000:]
+    log = run.log
+    assert "stages-1-final: 1 of 2 planned node(s) ready after" in log and "training on 1 node(s)" in log
+    document = json.loads((run.output / "plan.json").read_text())  # the run as it went
+    assert [(s["num_nodes"], s.get("planned_nodes")) for s in document["stages"]] == [
+        (1, None),
+        (1, 2),
+        (1, 2),
+    ]
+    (record,) = document["capacity"]
+    assert (record["launch"], record["planned_nodes"], record["ready_nodes"], record["nodes"]) == (
+        "stages-1-final", 2, 1, 1,
+    )  # fmt: skip
+    assert "GCE_STOCKOUT" in record["reason"] and record["waited_s"] >= 12
+    created = run.jobsets_created()
+    # The canary wanted 2 nodes (a stage spans 2) and, allowed, checked the 1 that came.
+    assert [j["metadata"]["labels"]["batchpilot.dev/stage"] for j in created] == [
+        "canary", "stage-0", "stages-1-final",
+    ]  # fmt: skip
+    assert [len(run.nodes_of(body["metadata"]["name"])) for body in created] == [1, 1, 1]
+    records = load_metrics(run.checkpoint_uri)
+    assert [r["consumed_samples"] for r in records] == (
+        list(range(16, 321, 16)) + list(range(352, 961, 32)) + list(range(1024, 2049, 64))
+    )  # every step once, in order
+    assert {(r["world_size"], r["gradient_accumulation_steps"]) for r in records if r["stage"] == 2} == {
+        (1, 4)
+    }
+    assert "Capacity: launches on fewer nodes than planned" in (run.output / "report.html").read_text()
+    # The pool was set to what the launch trains on, and the exit handler scaled it to 0.
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"][-2:] == [1, 0]
     assert not gke.sim.jobsets and not gke.sim.pods and gke.sim.pool_size("cpu") == 0
 
 
@@ -385,7 +433,8 @@ def test_a_cancelled_pipeline_leaves_no_jobset_and_no_nodes(
     assert "deleting JobSet(s) tiny-stage-0-" in log and "(interrupted)" in log, log[-6000:]
     assert "Task 'scale-down' finished with status SUCCESS" in re.sub(r"\x1b\[[0-9;]*m", "", log)
     assert not gke.sim.jobsets and not gke.sim.pods and not gke.sim.nodes
-    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 1, 0]
+    # 2 nodes for the canary (a later stage spans 2), 1 for stage 0, 0 after the exit handler.
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 2, 1, 0]
     # The trainer had its grace period: it checkpointed where it stopped, before the node went.
     consumed = [r["consumed_samples"] for r in load_metrics(run.checkpoint_uri)]
     assert consumed == list(range(16, consumed[-1] + 1, 16)) and consumed[-1] < 1600, consumed
