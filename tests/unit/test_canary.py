@@ -47,7 +47,7 @@ def test_bus_bandwidth_is_the_nccl_tests_figure():
 
 
 def test_the_expected_figure_is_one_nodes_network_bandwidth_between_nodes_only():
-    assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-megagpu-8g", num_nodes=2) == 1800e9 / 8
+    assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-megagpu-8g", num_nodes=2) == 1600e9 / 8
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-highgpu-8g", num_nodes=16) == 1000e9 / 8
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="g2-standard-4", num_nodes=2) == 10e9 / 8
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a2-highgpu-8g", num_nodes=2) == 100e9 / 8

@@ -80,13 +80,13 @@ MACHINE_TYPES: dict[str, MachineType] = {
 }
 
 # "Networking and GPU machines" (Compute Engine, gpu-network-bandwidth): each machine type's maximum network
-# bandwidth in Gbps, all of its NICs together (A3: the GPU NICs plus the general-purpose ones). Types the page
-# gives no figure for are absent; the canary then compares its all-reduce with nothing.
+# bandwidth in Gbps as the page gives it (A3: up to 3,600 Ultra, 1,600 Mega, 1,000 High; A2 and G2 up to 100
+# by machine type). Types the page gives no figure for are absent; the canary then compares with nothing.
 NETWORK_GBPS: dict[str, int] = {
     "a2-highgpu-1g": 24, "a2-highgpu-2g": 32, "a2-highgpu-4g": 50, "a2-highgpu-8g": 100,
     "a2-megagpu-16g": 100,
     "a2-ultragpu-1g": 24, "a2-ultragpu-2g": 32, "a2-ultragpu-4g": 50, "a2-ultragpu-8g": 100,
-    "a3-highgpu-8g": 1000, "a3-megagpu-8g": 1800, "a3-ultragpu-8g": 3600,
+    "a3-highgpu-8g": 1000, "a3-megagpu-8g": 1600, "a3-ultragpu-8g": 3600,
     "g2-standard-4": 10, "g2-standard-8": 16, "g2-standard-12": 16, "g2-standard-16": 32,
     "g2-standard-24": 32, "g2-standard-32": 32, "g2-standard-48": 50, "g2-standard-96": 100,
 }  # fmt: skip
