@@ -53,6 +53,11 @@ Nodes of TPU pools carry the TPU labels, `google.com/tpu` and the TPU taint (`gk
 topology label and a created pool's own labels need the simulated cluster to be a `GkeClusterSim`
 (`gke_sim.simulated_gke` makes one).
 
+Compute Engine's `regions.get` (`GET /compute/v1/projects/P/regions/R`, Compute Engine API v1 reference)
+is served here too, for code that reads a region's quotas from the same emulator: a `compute#region`
+with `quotas[]` of `{metric, limit, usage}`, one GPU metric per type in `accelerator_quota` (the name in
+`COMPUTE_GPU_METRICS`, usage counted from the pools, `region_usage` adding GPUs used elsewhere).
+
 Point `google.cloud.container_v1.ClusterManagerClient` at it with `transport="rest"`,
 `client_options={"api_endpoint": server.endpoint}` and anonymous credentials.
 """
@@ -77,6 +82,16 @@ from loopback_http import QuietHandler, serving
 POOLS = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools$")
 POOL = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/clusters/([^/]+)/nodePools/([^/:]+)(:\w+)?$")
 OPERATION = re.compile(r"^/v1/projects/([^/]+)/locations/([^/]+)/operations/([^/]+)$")
+REGION = re.compile(r"^/compute/v1/projects/([^/]+)/regions/([^/]+)$")
+# regions.get's GPU quota metric per GKE accelerator type: the names of the Compute Engine v1 API's
+# Quota.Metric enum (NVIDIA_H100_GPUS for nvidia-h100-80gb, NVIDIA_A100_80GB_GPUS for nvidia-a100-80gb, ...).
+COMPUTE_GPU_METRICS = {
+    "nvidia-tesla-t4": "NVIDIA_T4_GPUS",
+    "nvidia-l4": "NVIDIA_L4_GPUS",
+    "nvidia-tesla-a100": "NVIDIA_A100_GPUS",
+    "nvidia-a100-80gb": "NVIDIA_A100_80GB_GPUS",
+    "nvidia-h100-80gb": "NVIDIA_H100_GPUS",
+}
 # The client asks for `$alt=json;enum-encoding=int`, so enums go out as their numbers
 # (Operation.Status RUNNING/DONE, NodePool.Status RUNNING, Operation.Type values).
 STATUS_RUNNING, STATUS_DONE = 2, 3
@@ -123,6 +138,7 @@ class ContainerState:
     fail_operation: str | None = None
     zone_capacity: dict[str, int] = field(default_factory=dict)  # zone -> VMs it can still create per pool
     accelerator_quota: dict[str, int] = field(default_factory=dict)  # accelerator type -> region's devices
+    region_usage: dict[str, int] = field(default_factory=dict)  # accelerator type -> devices used elsewhere
     requests: list[Request] = field(default_factory=list)
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -284,6 +300,22 @@ def quota_problem(state: ContainerState, pool: dict[str, Any], *, nodes: int, re
     )
 
 
+def region(state: ContainerState, name: str) -> tuple[int, dict[str, Any]]:
+    """regions.get: the region with the GPU quotas of `accelerator_quota` (limit) and their usage."""
+    quotas = []
+    for accelerator, limit in state.accelerator_quota.items():
+        if accelerator not in COMPUTE_GPU_METRICS:
+            continue
+        used = state.region_usage.get(accelerator, 0) + sum(
+            found[1] * other.get("nodeCountPerZone", 0) * len(other.get("locations", []))
+            for other in state.pools.values()
+            if (found := _accelerator(other)) and found[0] == accelerator
+        )
+        metric = COMPUTE_GPU_METRICS[accelerator]
+        quotas.append({"metric": metric, "limit": float(limit), "usage": float(used)})
+    return 200, {"kind": "compute#region", "name": name, "status": "UP", "quotas": quotas}
+
+
 def stockout(state: ContainerState, pool: dict[str, Any], *, per_zone: int) -> dict[str, int]:
     """The nodes each zone can create for `pool` (its `zone_capacity`); sets or clears the pool's
     GCE_STOCKOUT condition (`StatusCondition`: code 1 GCE_STOCKOUT, canonical code 8 RESOURCE_EXHAUSTED)."""
@@ -346,6 +378,8 @@ class _Handler(QuietHandler):
 
     def _get(self, path: str) -> tuple[int, dict[str, Any]]:
         state = self.state
+        if match := REGION.match(path):
+            return region(state, match.group(2))
         if POOLS.match(path):
             parent = path.removeprefix("/v1/").removesuffix("/nodePools")
             pools = [_served(pool) for full, pool in state.pools.items() if full.startswith(f"{parent}/")]

@@ -143,6 +143,7 @@ class KfpState:
     versions: dict[str, dict[str, Any]] = field(default_factory=dict)
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     accepted_tokens: set[str] = field(default_factory=set)
+    tag_name: str = "unknown"  # healthz's tag_name: the backend's release (a build that sets none: unknown)
     requests: list[Request] = field(default_factory=list)
     clock: Iterator[int] = field(default_factory=lambda: itertools.count(1_780_000_000))
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -368,7 +369,7 @@ class _Handler(QuietHandler):
                 200,
                 {
                     "commit_sha": "unknown",
-                    "tag_name": "unknown",
+                    "tag_name": self.state.tag_name,
                     "multi_user": False,
                     "pipeline_store": "database",
                 },

@@ -10,6 +10,14 @@ Routes:
 - CRDs (`/apis/apiextensions.k8s.io/v1/customresourcedefinitions/NAME`, get): by default the cluster has
   JobSet installed as published (the CRD in tests/fixtures/schemas); `crds` replaces what is installed
   (an older JobSet, or none: 404).
+- `GET /version`: the server's version.Info (k8s.io/apimachinery pkg/version/types.go: major, minor,
+  gitVersion, gitCommit, gitTreeState, buildDate, goVersion, compiler, platform), `git_version` scripts it.
+- SelfSubjectAccessReviews (`POST /apis/authorization.k8s.io/v1/selfsubjectaccessreviews`): the review
+  comes back with `status.allowed` (and `status.reason`), false for the (verb, resource) pairs in `denied`
+  (resource as `kubectl auth can-i` writes it: `jobsets.jobset.x-k8s.io`, `pods/log`, `nodes`); a spec
+  with neither or both of resourceAttributes and nonResourceAttributes is refused 422 Invalid, as
+  kubernetes pkg/apis/authorization/validation ValidateSelfSubjectAccessReviewSpec refuses it.
+- DaemonSets (`GET /apis/apps/v1/namespaces/NS/daemonsets/NAME`): those in `daemonsets`, else 404.
 
 Without a simulator the JobSet routes also list (`labelSelector`) and DELETE removes the JobSet's pods
 (any `propagationPolicy` but Orphan), and `.../events` answers the scripted `events`.
@@ -26,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -89,6 +98,9 @@ class KubeState:
     leases: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # kube_leases.py
     lease_requests: list[tuple[str, str, dict[str, list[str]], Any]] = field(default_factory=list)
     crds: dict[str, dict[str, Any]] | None = None  # by name; None: the published ones (`published_crds`)
+    git_version: str = "v1.31.4-gke.1000"  # what GET /version reports
+    denied: set[tuple[str, str]] = field(default_factory=set)  # SelfSubjectAccessReview: (verb, resource)
+    daemonsets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (namespace, name)
 
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
@@ -165,6 +177,21 @@ class _Handler(QuietHandler):
             self.reply(*answer)
         return answer is not None
 
+    def _cluster_info(self, path: str) -> bool:
+        """`/version` and DaemonSets, with or without a simulator; False for any other path."""
+        if path in ("/version", "/version/"):  # the kubernetes client asks for /version/
+            major, minor = self.state.git_version.removeprefix("v").split(".")[:2]
+            self.reply(200, {"major": major, "minor": minor, "gitVersion": self.state.git_version,
+                             "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
+                             "goVersion": "go1.23.4", "compiler": "gc", "platform": "linux/amd64"})  # fmt: skip
+            return True
+        if match := DAEMONSET.match(path):
+            found = self.state.daemonsets.get((match["ns"], match["name"]))
+            message = f'daemonsets.apps "{match["name"]}" not found'
+            self.reply(*((200, found) if found else (404, _status(404, "NotFound", message))))
+            return True
+        return False
+
     def do_PUT(self) -> None:
         path, _, body = self._record()
         if not self._lease(path, body):
@@ -181,6 +208,8 @@ class _Handler(QuietHandler):
                 message = f'customresourcedefinitions.apiextensions.k8s.io "{name}" not found'
                 return self.reply(404, _status(404, "NotFound", message))
             return self.reply(200, crds[name])
+        if self._cluster_info(path):
+            return
         if self._simulated(path, query, None):
             return
         selector = query.get("labelSelector", [""])[0]
@@ -224,6 +253,8 @@ class _Handler(QuietHandler):
         path, query, body = self._record()
         if self._lease(path, body):
             return
+        if path == ACCESS_REVIEWS:  # with or without a simulator
+            return self.reply(*access_review(body, denied=self.state.denied))
         if self._simulated(path, query, body):
             return
         if not path.startswith(JOBSETS):
@@ -268,6 +299,31 @@ class _Handler(QuietHandler):
         if found is None:
             return self.reply(404, _status(404, "NotFound", f'jobsets "{name}" not found'))
         self.reply(200, _status(200, "Success", "deleted"))
+
+
+ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+DAEMONSET = re.compile(r"^/apis/apps/v1/namespaces/(?P<ns>[^/]+)/daemonsets/(?P<name>[^/]+)$")
+
+
+def access_review(body: Any, *, denied: set[tuple[str, str]]) -> tuple[int, dict[str, Any]]:
+    """The API server's answer to a SelfSubjectAccessReview: the review with `status` filled in
+    (authorization.k8s.io/v1; the spec rule is ValidateSelfSubjectAccessReviewSpec's)."""
+    spec = (body or {}).get("spec") or {}
+    if ("resourceAttributes" in spec) == ("nonResourceAttributes" in spec):
+        message = (
+            'SelfSubjectAccessReview.authorization.k8s.io "" is invalid: spec.resourceAttributes: Invalid value: '
+            '"null": exactly one of nonResourceAttributes or resourceAttributes must be specified'
+        )
+        return 422, _status(422, "Invalid", message)
+    attributes = spec.get("resourceAttributes") or {}
+    resource = attributes.get("resource", "")
+    if attributes.get("group"):
+        resource += f".{attributes['group']}"
+    if attributes.get("subresource"):
+        resource += f"/{attributes['subresource']}"
+    allowed = (attributes.get("verb", ""), resource) not in denied
+    status = {"allowed": allowed, "reason": "allowed by the stand-in" if allowed else ""}
+    return 201, {**body, "status": status}
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:

@@ -1,0 +1,278 @@
+"""Google credentials, the Container API's node pool, and the region's GPU quota."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from batchpilot.config import Config
+from batchpilot.doctor.core import (
+    CALL_TIMEOUT_S,
+    Check,
+    Context,
+    Largest,
+    fail,
+    nodes_text,
+    ok,
+    one_line,
+    skip,
+)
+from batchpilot.errors import BatchpilotError
+
+COMPUTE_API = "https://compute.googleapis.com"
+
+# GKE accelerator type -> the Compute Engine regional quota metric its GPUs count against (regions.get
+# `quotas[].metric`); Spot and preemptible VMs count against the same name prefixed PREEMPTIBLE_.
+# Sources: the Compute Engine v1 API's Quota.Metric enum (NVIDIA_A100_GPUS, NVIDIA_A100_80GB_GPUS,
+# NVIDIA_H100_GPUS, NVIDIA_L4_GPUS, NVIDIA_T4_GPUS, NVIDIA_V100_GPUS, NVIDIA_P100_GPUS, NVIDIA_P4_GPUS,
+# NVIDIA_K80_GPUS and their COMMITTED_ forms) and the quota names Compute Engine lists for A3 Mega, A3
+# Ultra and A4 VMs (NVIDIA_H100_MEGA_GPUS, NVIDIA_H200_GPUS, NVIDIA_B200_GPUS). regions.get may not list the
+# newer families at all (their quota lives only in the Cloud Quotas API); a metric it does not list is
+# reported as not checked, never as zero.
+GPU_QUOTA_METRICS = {
+    "nvidia-tesla-k80": "NVIDIA_K80_GPUS",
+    "nvidia-tesla-p4": "NVIDIA_P4_GPUS",
+    "nvidia-tesla-p100": "NVIDIA_P100_GPUS",
+    "nvidia-tesla-v100": "NVIDIA_V100_GPUS",
+    "nvidia-tesla-t4": "NVIDIA_T4_GPUS",
+    "nvidia-l4": "NVIDIA_L4_GPUS",
+    "nvidia-tesla-a100": "NVIDIA_A100_GPUS",
+    "nvidia-a100-80gb": "NVIDIA_A100_80GB_GPUS",
+    "nvidia-h100-80gb": "NVIDIA_H100_GPUS",
+    "nvidia-h100-mega-80gb": "NVIDIA_H100_MEGA_GPUS",
+    "nvidia-h200-141gb": "NVIDIA_H200_GPUS",
+    "nvidia-b200": "NVIDIA_B200_GPUS",
+}
+
+
+@dataclass(frozen=True)
+class Google:
+    """The credentials doctor uses (None: anonymous, for an emulator)."""
+
+    credentials: Any
+    emulator: str | None = None
+
+
+def _bounded_request() -> Any:
+    """A google-auth request whose every call waits at most CALL_TIMEOUT_S (the metadata-server probe asks
+    for 3 s and retries; a token refresh asks for 120 s)."""
+    import google.auth.transport.requests
+
+    class Bounded(google.auth.transport.requests.Request):
+        def __call__(self, url: str, method: str = "GET", body: Any = None, headers: Any = None,
+                     timeout: float | None = None, **kwargs: Any) -> Any:  # fmt: skip
+            return super().__call__(
+                url, method, body, headers, timeout=min(timeout or 1e9, CALL_TIMEOUT_S), **kwargs
+            )
+
+    return Bounded()
+
+
+def check_credentials(context: Context) -> Check:
+    """Application Default Credentials and whose they are; none with an http:// emulator endpoint."""
+    import google.auth
+    from google.auth import exceptions
+
+    endpoint = context.config.cluster.container_api_endpoint
+    if endpoint and endpoint.startswith("http://"):
+        message = (
+            f"none needed: cluster.container_api_endpoint {endpoint} is an emulator (anonymous credentials)"
+        )
+        return ok("credentials", message, found=Google(None, emulator=endpoint))
+    request = _bounded_request()
+    fix = "run `gcloud auth application-default login`, or run inside the cluster with Workload Identity"
+    try:
+        credentials, _ = google.auth.default(
+            scopes=["https://www.googleapis.com/auth/cloud-platform"], request=request
+        )
+    except exceptions.DefaultCredentialsError as error:
+        return fail(
+            "credentials", f"no Application Default Credentials ({one_line(str(error).splitlines()[0])})", fix
+        )
+    try:
+        credentials.refresh(request)
+    except exceptions.GoogleAuthError as error:
+        return fail(
+            "credentials", f"found credentials but could not get a token: {one_line(str(error))}", fix
+        )
+    return ok(
+        "credentials", f"Application Default Credentials: {_identity(credentials)}", found=Google(credentials)
+    )
+
+
+def _identity(credentials: Any) -> str:
+    email = getattr(credentials, "service_account_email", None)
+    if email and email != "default":
+        return f"service account {email}"
+    account = getattr(credentials, "account", None)
+    return f"user credentials ({account})" if account else f"user credentials ({type(credentials).__name__})"
+
+
+def _google(context: Context, name: str) -> Google | Check:
+    """The credentials, or the skip line when the credentials check did not pass."""
+    found = context.found.get("credentials")
+    return found if found is not None else skip(name, "no credentials")
+
+
+def check_node_pool(context: Context) -> Check:
+    """The cluster's node pool exists with the config's machine type, accelerator type and count."""
+    from batchpilot.cluster.gke import PoolRef, container_client, require_gke_settings
+    from batchpilot.planning.tpu import is_tpu
+
+    google = _google(context, "node pool")
+    if isinstance(google, Check):
+        return google
+    cluster = context.config.cluster
+    require_gke_settings(cluster)
+    assert cluster.project and cluster.location and cluster.cluster_name and cluster.node_pool
+    if is_tpu(cluster.accelerator_type):
+        return skip(
+            "node pool", "TPU: batchpilot creates one slice pool per launch shape (<node_pool>-<topology>)"
+        )
+    ref = PoolRef(cluster.project, cluster.location, cluster.cluster_name, cluster.node_pool)
+    client = container_client(api_endpoint=cluster.container_api_endpoint)
+    pools = {
+        p.name: p
+        for p in client.list_node_pools(parent=ref.parent, retry=None, timeout=CALL_TIMEOUT_S).node_pools
+    }
+    pool = pools.get(cluster.node_pool)
+    if pool is None:
+        names = ", ".join(sorted(pools)) or "none"
+        return fail(
+            "node pool",
+            f"cluster {cluster.cluster_name} has no node pool {cluster.node_pool!r} (its pools: {names})",
+            "create it (docs/cluster.md), or set cluster.node_pool to one of its pools",
+        )
+    if problem := _pool_problem(pool, context.config):
+        return fail("node pool", problem[0], problem[1])
+    accelerators = ", ".join(
+        f"{a.accelerator_count} x {a.accelerator_type}" for a in pool.config.accelerators
+    )
+    return ok(
+        "node pool",
+        f"{cluster.node_pool}: {pool.config.machine_type}, {accelerators or 'no accelerators'}",
+        found=pool,
+    )
+
+
+def _pool_problem(pool: Any, config: Config) -> tuple[str, str] | None:
+    """(problem, fix) when the pool is not the one the config describes."""
+    cluster = config.cluster
+    machine = pool.config.machine_type
+    if cluster.machine_type and machine != cluster.machine_type:
+        return (
+            f"node pool {pool.name} has machine type {machine}, cluster.machine_type says {cluster.machine_type}",
+            f"set cluster.machine_type: {machine}, or use a pool of {cluster.machine_type}",
+        )
+    accelerators = {a.accelerator_type: int(a.accelerator_count) for a in pool.config.accelerators}
+    wanted = cluster.accelerator_type
+    if wanted and wanted not in accelerators:
+        found = ", ".join(accelerators) or "none"
+        return (
+            f"node pool {pool.name} has accelerators {found}, cluster.accelerator_type says {wanted}",
+            f"use a pool of {wanted}, or set cluster.accelerator_type to the pool's",
+        )
+    if wanted and accelerators[wanted] != cluster.devices_per_node:
+        return (
+            f"node pool {pool.name} has {accelerators[wanted]} {wanted} per node, cluster.devices_per_node says "
+            f"{cluster.devices_per_node}",
+            f"set cluster.devices_per_node: {accelerators[wanted]}",
+        )
+    return None
+
+
+def check_quota(context: Context) -> Check:
+    """The region's GPU quota (Compute Engine regions.get) covers the plan's largest launch."""
+    from batchpilot.planning.tpu import is_tpu, is_zone
+
+    google, largest = _google(context, "quota"), context.found.get("plan")
+    cluster = context.config.cluster
+    if isinstance(google, Check):
+        return google
+    if largest is None or not cluster.accelerator_type:
+        return skip("quota", "no plan" if largest is None else "no cluster.accelerator_type (CPU nodes)")
+    if is_tpu(cluster.accelerator_type):
+        return skip("quota", "TPU chips count against per-version TPU quotas, which doctor does not read yet")
+    metric = GPU_QUOTA_METRICS.get(cluster.accelerator_type)
+    if metric is None:
+        known = ", ".join(GPU_QUOTA_METRICS)
+        return skip("quota", f"no quota metric known for {cluster.accelerator_type} (known: {known})")
+    pool = context.found.get("node pool")
+    if pool is not None and (pool.config.spot or pool.config.preemptible):
+        metric = f"PREEMPTIBLE_{metric}"
+    region = str(cluster.location).rsplit("-", 1)[0] if is_zone(cluster.location) else str(cluster.location)
+    found = _region(google, project=str(cluster.project), region=region).get("quotas", [])
+    quota = next((q for q in found if q.get("metric") == metric), None)
+    if quota is None:
+        return skip(
+            "quota", f"regions.get lists no {metric} quota for {region}: see the console's Quotas page"
+        )
+    limit, usage = float(quota["limit"]), float(quota["usage"])
+    return _covers(metric, region, limit=limit, usage=usage, own=_pool_gpus(context), largest=largest)
+
+
+def _pool_gpus(context: Context) -> int | None:
+    """The GPUs the pool's own nodes hold now (None: Kubernetes not reached). They count as in use, but a
+    resize counts the pool at its new size, so they are the launch's too."""
+    from batchpilot.cluster.readiness import PoolNodes
+
+    api = context.found.get("kubernetes")
+    if api is None:
+        return None
+    cluster = context.config.cluster
+    nodes = PoolNodes(api_client=api, node_pool=str(cluster.node_pool), gpus_per_node=0).states()
+    return len(nodes) * cluster.devices_per_node
+
+
+def _covers(
+    metric: str, region: str, *, limit: float, usage: float, own: int | None, largest: Largest
+) -> Check:
+    """Whether `limit - usage`, plus the GPUs the pool already holds (`own`), covers the largest launch."""
+    available = limit - usage + (own or 0)
+    held = (
+        "none of them counted as the pool's: Kubernetes not reached"
+        if own is None
+        else f"{own} of them the pool's"
+    )
+    state = f"{metric} in {region}: limit {limit:g}, {usage:g} in use ({held}), {available:g} for the launch"
+    if available < largest.num_devices:
+        return fail(
+            "quota",
+            f"{state}; the largest launch needs {largest.num_devices} ({nodes_text(largest)})",
+            f"request a {metric} quota of at least {limit + largest.num_devices - available:g} in {region}, free "
+            "GPUs elsewhere, or lower cluster.max_nodes",
+        )
+    return ok("quota", f"{state}; the largest launch needs {largest.num_devices}")
+
+
+def _region(google: Google, *, project: str, region: str) -> dict[str, Any]:
+    """regions.get (Compute Engine API v1); an emulator endpoint serves it too."""
+    import requests
+
+    base = google.emulator or COMPUTE_API
+    url = f"{base}/compute/v1/projects/{project}/regions/{region}"
+    if google.emulator:
+        session: Any = requests.Session()
+    else:
+        from google.auth.transport.requests import AuthorizedSession
+
+        session = AuthorizedSession(google.credentials, refresh_timeout=CALL_TIMEOUT_S)
+    try:
+        response = session.get(url, timeout=CALL_TIMEOUT_S)
+    except requests.RequestException as error:
+        raise BatchpilotError(
+            "cluster.location", f"cannot reach {base} to read the region's quotas: {one_line(str(error))}"
+        ) from None
+    if response.status_code == 200:
+        return dict(response.json())
+    message = one_line(response.text)
+    with contextlib.suppress(ValueError, KeyError, TypeError):  # not Google's error JSON: the text as it is
+        message = str(response.json()["error"]["message"])
+    fix = {
+        403: "grant compute.regions.get (e.g. roles/compute.viewer) to the credentials, or read the quota in the console",
+        404: "check cluster.project and cluster.location",
+    }.get(response.status_code, "try again; see the message")
+    raise BatchpilotError(
+        "cluster.location", f"regions.get {project}/{region} answered {response.status_code}: {message}", fix
+    )

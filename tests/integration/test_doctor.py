@@ -1,0 +1,395 @@
+"""`batchpilot doctor` against the stand-ins: a simulated GKE cluster (Container API, Compute regions.get and
+the Kubernetes API), fake-gcs-server, and the KFP API stand-in. One cluster that is right, then one thing
+wrong at a time: each must give exactly one FAILED line, naming its check and the fix, and exit 1."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from gcs_server import GCSServer
+from gke_sim import SimulatedGke, simulated_gke
+from kfp_api_server import kfp_server_running
+from kube_api_server import published_crds
+
+from batchpilot.cli import main
+from batchpilot.cluster.crds import JOBSET_CRD
+from batchpilot.data.storage import open_storage
+from helpers import REPO, run_batchpilot
+
+POOL = "h100"
+TEXT = "The quick brown fox jumps over the lazy dog, and the doctor checks the cluster.\n" * 200
+
+
+def gke_config(*, endpoint: str, bucket: str, **cluster: Any) -> dict[str, Any]:
+    """A small GPT on 2 a3-highgpu-8g nodes at most (the plan's largest launch: 2 x 8 = 16 GPUs)."""
+    return {
+        "name": "doctor-test",
+        "model": {"factory": "batchpilot.models.gpt:build",
+                  "args": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 128, "vocab_size": 257}},
+        "data": {"uri": f"gs://{bucket}/data", "seq_len": 128},
+        "cluster": {"backend": "gke", "devices_per_node": 8, "max_nodes": 2, "project": "proj",
+                    "location": "us-central1", "cluster_name": "train", "node_pool": POOL,
+                    "accelerator_type": "nvidia-h100-80gb", "machine_type": "a3-highgpu-8g",
+                    "image": "registry.example/batchpilot:0.1.0", "container_api_endpoint": endpoint, **cluster},
+        "batch": {"global_batch_size": 128, "micro_batch_size": 4, "rampup": [64, 64, 2048]},
+        "train": {"total_samples": 8192, "lr": 3.0e-4, "checkpoint_uri": f"gs://{bucket}/ckpt"},
+    }  # fmt: skip
+
+
+def write_texts(folder: Path) -> Path:
+    """Twenty small documents (data prepare holds some out for validation)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(20):
+        (folder / f"doc{index:02d}.txt").write_text(f"document {index}: {TEXT}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bucket(gcs_server: GCSServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A bucket holding a small prepared shard set under data/ (byte tokenizer, vocabulary 257)."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    texts = write_texts(tmp_path_factory.mktemp("texts"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+        env.setenv("GOOGLE_CLOUD_PROJECT", "proj")
+        storage.Client(project="proj", credentials=AnonymousCredentials()).create_bucket("doctor")
+        assert main(["data", "prepare", str(texts), "--out", "gs://doctor/data", "--no-progress"]) == 0
+    yield "doctor"
+
+
+@pytest.fixture
+def gke(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gcs_server: GCSServer, bucket: str
+) -> Iterator[SimulatedGke]:
+    """The cluster the config describes: pool h100 with one a3-highgpu-8g node whose driver GKE installs,
+    quota for 64 H100s, JobSet installed, every permission granted; KUBECONFIG and GCS point at the stand-ins."""
+    with simulated_gke() as cluster:
+        cluster.add_pool(POOL, machine_type="a3-highgpu-8g", zones=["us-central1-a"], per_zone=1)
+        accelerator = pool_of(cluster)["config"]["accelerators"][0]
+        accelerator["gpuDriverInstallationConfig"] = {"gpuDriverVersion": "DEFAULT"}
+        cluster.container.state.accelerator_quota = {"nvidia-h100-80gb": 64}
+        monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "proj")
+        monkeypatch.delenv("KFP_TOKEN", raising=False)
+        yield cluster
+
+
+def pool_of(cluster: SimulatedGke, name: str = POOL) -> dict[str, Any]:
+    return cluster.container.state.pools[cluster.pool_path(name)]
+
+
+def doctor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any], *args: str
+) -> tuple[int, list[str]]:
+    """Runs `batchpilot doctor` in this process; (exit code, the printed lines)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code = main(["doctor", "--config", str(path), *args])
+    return code, capsys.readouterr().out.splitlines()
+
+
+def failed(lines: list[str]) -> list[str]:
+    return [line for line in lines if ": FAILED: " in line]
+
+
+def status_of(lines: list[str]) -> dict[str, str]:
+    """check name -> passed / FAILED / skipped, for every check line."""
+    return dict(line.split(": ")[:2] for line in lines if not line.startswith("doctor: "))
+
+
+def test_a_cluster_that_is_right_passes_every_check(gke, tmp_path, capsys):
+    with kfp_server_running() as kfp:
+        kfp.state.tag_name = "2.5.0"
+        code, lines = doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"),
+                             "--host", kfp.endpoint)  # fmt: skip
+    assert code == 0, lines
+    checks = ["plan", "credentials", "node pool", "kubernetes", "quota", "rbac", "jobset crd", "gpu driver",
+              "gpu nodes", "data", "checkpoint", "kfp"]  # fmt: skip
+    assert status_of(lines) == dict.fromkeys(checks, "passed")
+    assert lines[-1] == "doctor: 12 passed, 0 FAILED, 0 skipped"
+    text = "\n".join(lines)
+    assert "plan: passed: largest launch stages-0-final: 2 node(s) x 8 device(s) = 16 (micro batch 4)" in text
+    assert "node pool: passed: h100: a3-highgpu-8g, 8 x nvidia-h100-80gb" in text
+    # 8 H100s in use are the pool's own node, which the resize keeps: 64 for the launch, not 56.
+    assert (
+        "quota: passed: NVIDIA_H100_GPUS in us-central1: limit 64, 8 in use (8 of them the pool's), 64 for the "
+        "launch; the largest launch needs 16"
+    ) in text
+    assert "gpu driver: passed: GKE installs the driver on h100's nodes (gpu_driver_version DEFAULT)" in text
+    assert "gpu nodes: passed: 1 node(s) of h100, each with 8 nvidia.com/gpu" in text
+    assert f"kfp: passed: {kfp.endpoint} answers; backend 2.5.0 (2.5.0 or later)" in text
+    # One review per permission a run uses, as the real client sends them.
+    reviews = [
+        body for method, path, _, body in gke.kube.state.requests if path.endswith("selfsubjectaccessreviews")
+    ]
+    assert {
+        "verb": "create",
+        "group": "jobset.x-k8s.io",
+        "resource": "jobsets",
+        "namespace": "batchpilot",
+    } in [review["spec"]["resourceAttributes"] for review in reviews]
+    assert len(reviews) == 14
+    assert open_storage("gs://doctor/ckpt").list() == []  # the checkpoint probe cleaned up after itself
+
+
+def one_failure(code: int, lines: list[str]) -> str:
+    """The single FAILED line of a run that exited 1."""
+    assert code == 1, lines
+    assert len(failed(lines)) == 1, lines
+    return failed(lines)[0]
+
+
+def test_a_pool_of_another_machine_type(gke, tmp_path, capsys):
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", node_pool="a100")
+    gke.add_pool("a100", machine_type="a2-ultragpu-8g", zones=["us-central1-a"])
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line == (
+        "node pool: FAILED: node pool a100 has machine type a2-ultragpu-8g, cluster.machine_type says a3-highgpu-8g "
+        "(fix: set cluster.machine_type: a2-ultragpu-8g, or use a pool of a3-highgpu-8g)"
+    )
+
+
+def test_a_missing_node_pool(gke, tmp_path, capsys):
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", node_pool="h200")
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line == (
+        "node pool: FAILED: cluster train has no node pool 'h200' (its pools: h100) (fix: create it "
+        "(docs/cluster.md), or set cluster.node_pool to one of its pools)"
+    )
+
+
+def test_a_quota_too_small_for_the_largest_launch(gke, tmp_path, capsys):
+    gke.container.state.accelerator_quota = {"nvidia-h100-80gb": 16}
+    gke.container.state.region_usage = {"nvidia-h100-80gb": 8}  # another pool's H100s
+    line = one_failure(
+        *doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"))
+    )
+    assert line == (
+        "quota: FAILED: NVIDIA_H100_GPUS in us-central1: limit 16, 16 in use (8 of them the pool's), 8 for the "
+        "launch; the largest launch needs 16 (2 node(s) x 8 device(s) = 16) (fix: request a NVIDIA_H100_GPUS "
+        "quota of at least 24 in us-central1, free GPUs elsewhere, or lower cluster.max_nodes)"
+    )
+
+
+def test_rbac_that_denies_creating_jobsets(gke, tmp_path, capsys):
+    gke.kube.state.denied = {("create", "jobsets.jobset.x-k8s.io")}
+    line = one_failure(
+        *doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"))
+    )
+    assert line.startswith(
+        "rbac: FAILED: the caller may not create jobsets.jobset.x-k8s.io in batchpilot (fix: "
+    )
+    assert "the chart's Role in batchpilot and its ClusterRole do" in line
+
+
+def without_failure_policy_rules(crd: dict[str, Any]) -> dict[str, Any]:
+    """The published JobSet CRD as a controller before v0.6.0 served it."""
+    old = copy.deepcopy(crd)
+    for version in old["spec"]["versions"]:
+        del version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["failurePolicy"][
+            "properties"
+        ]["rules"]
+    return old
+
+
+@pytest.mark.parametrize("installed", ["none", "v0.5"])
+def test_a_missing_or_too_old_jobset(gke, tmp_path, capsys, installed):
+    crd = published_crds()[JOBSET_CRD]
+    gke.kube.state.crds = {} if installed == "none" else {JOBSET_CRD: without_failure_policy_rules(crd)}
+    line = one_failure(
+        *doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"))
+    )
+    problem = (
+        "JobSet is not installed in the cluster (no CRD jobsets.jobset.x-k8s.io)"
+        if installed == "none"
+        else "the cluster's JobSet is older than v0.6.0"
+    )
+    assert line.startswith(f"jobset crd: FAILED: cluster.launcher: {problem}")
+    assert "(fix: install or upgrade JobSet (v0.6.0 or later)" in line
+
+
+def test_a_pool_without_driver_installation_needs_the_driver_daemonset(gke, tmp_path, capsys):
+    accelerator = pool_of(gke)["config"]["accelerators"][0]
+    accelerator["gpuDriverInstallationConfig"] = {"gpuDriverVersion": "INSTALLATION_DISABLED"}
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line.startswith(
+        "gpu driver: FAILED: node pool h100 has gpu_driver_version INSTALLATION_DISABLED (GKE installs no driver) "
+        "and no DaemonSet kube-system/nvidia-driver-installer runs (fix: kubectl apply -f "
+    )
+    # DaemonSetStatus's required fields (apps/v1), as the API server always serves them.
+    status = {
+        "currentNumberScheduled": 1,
+        "desiredNumberScheduled": 1,
+        "numberMisscheduled": 0,
+        "numberReady": 1,
+    }
+    daemonset = {"apiVersion": "apps/v1", "kind": "DaemonSet", "status": status,
+                 "metadata": {"name": "nvidia-driver-installer", "namespace": "kube-system"}}  # fmt: skip
+    gke.kube.state.daemonsets[("kube-system", "nvidia-driver-installer")] = daemonset
+    code, lines = doctor(tmp_path, capsys, config)
+    assert code == 0, lines
+    assert (
+        "gpu driver: passed: gpu_driver_version INSTALLATION_DISABLED: DaemonSet kube-system/nvidia-driver-installer "
+        "installs it (1 of 1 pod(s) ready)"
+    ) in lines
+
+
+def test_an_unreadable_data_manifest(gke, tmp_path, capsys):
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+    config["data"]["uri"] = "gs://doctor/nothing-here"
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line == (
+        "data: FAILED: data.uri: gs://doctor/nothing-here/manifest.json: does not exist, so there is no shard set "
+        "here (fix: run: batchpilot data prepare ... --out gs://doctor/nothing-here)"
+    )
+
+
+def test_a_vocabulary_larger_than_the_model_embeds(gke, tmp_path, capsys):
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+    config["model"]["args"]["vocab_size"] = 200
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line == (
+        "data: FAILED: the model embeds 200 token ids but gs://doctor/data's vocabulary has 257 "
+        "(fix: set model.args.vocab_size to at least 257)"
+    )
+
+
+def test_a_checkpoint_prefix_that_cannot_be_written(gke, tmp_path, capsys):
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+    config["train"]["checkpoint_uri"] = "gs://no-such-bucket/ckpt"
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line == (
+        "checkpoint: FAILED: train.checkpoint_uri: gs://no-such-bucket: does not exist "
+        "(fix: create the bucket or fix the URI)"
+    )
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_unreachable_kfp_host(gke, tmp_path, capsys):
+    host = f"http://127.0.0.1:{closed_port()}"
+    code, lines = doctor(
+        tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"), "--host", host
+    )
+    line = one_failure(code, lines)
+    assert line.startswith(
+        f"kfp: FAILED: --host: cannot reach {host} to check the API (GET /apis/v2beta1/healthz): "
+    )
+    assert line.endswith("(fix: check the URL and that the KFP API server (or its port-forward) is up)")
+
+
+def test_a_kfp_backend_older_than_2_5_0(gke, tmp_path, capsys):
+    with kfp_server_running() as kfp:
+        kfp.state.tag_name = "2.3.0"
+        config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+        line = one_failure(*doctor(tmp_path, capsys, config, "--host", kfp.endpoint))
+    assert line == (
+        f"kfp: FAILED: {kfp.endpoint} runs KFP 2.3.0, older than 2.5.0: the Argo backend would never retry a failed "
+        'resize or stage (fix: upgrade the KFP backend to 2.5.0 or later (docs/cluster.md, "KFP version"))'
+    )
+
+
+# --- the stand-ins' own rules ---------------------------------------------------------------------------
+
+
+def test_the_kubernetes_stand_in_refuses_a_review_without_attributes(gke):
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    api = client.AuthorizationV1Api(gke.kube.api_client())
+    with pytest.raises(ApiException) as caught:
+        api.create_self_subject_access_review(
+            client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec())
+        )
+    assert caught.value.status == 422
+    assert "exactly one of nonResourceAttributes or resourceAttributes" in caught.value.body
+
+
+def test_regions_get_counts_every_pool_of_the_accelerator(gke):
+    import requests
+
+    gke.add_pool("more", machine_type="a3-highgpu-8g", zones=["us-central1-a", "us-central1-b"], per_zone=2)
+    gke.add_pool("cpu", machine_type="n1-standard-8", zones=["us-central1-a"], per_zone=3)
+    region = requests.get(
+        f"{gke.container.endpoint}/compute/v1/projects/proj/regions/us-central1", timeout=5
+    ).json()
+    assert region["quotas"] == [
+        {"metric": "NVIDIA_H100_GPUS", "limit": 64.0, "usage": 40.0}
+    ]  # (1 + 2 x 2) x 8
+
+
+# --- real processes -------------------------------------------------------------------------------------
+
+
+def no_credentials_env(home: Path) -> dict[str, str]:
+    """A machine with no Google or Kubernetes credentials and no metadata server (a closed loopback port:
+    google-auth's GCE probe is refused at once instead of waiting)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "CLOUDSDK_", "KUBE", "GCE_"))}
+    env.pop("STORAGE_EMULATOR_HOST", None)
+    metadata = f"127.0.0.1:{closed_port()}"
+    return {**env, "HOME": str(home), "CLOUDSDK_CONFIG": str(home / "gcloud"), "GCE_METADATA_HOST": metadata,
+            "GCE_METADATA_IP": metadata}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_no_credentials_is_one_line_per_failed_check_and_quick(tmp_path):
+    started = time.monotonic()
+    result = run_batchpilot("doctor", "--config", str(REPO / "configs" / "nemo_gpt3_5b.yaml"),
+                            env=no_credentials_env(tmp_path), timeout=60)  # fmt: skip
+    elapsed_s = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert elapsed_s < 30, output
+    assert "Traceback" not in output
+    lines = result.stdout.splitlines()
+    assert [line.split(": FAILED: ")[0] for line in failed(lines)] == ["credentials", "kubernetes"]
+    assert all("(fix: " in line for line in failed(lines))
+    skipped = {name for name, status in status_of(lines).items() if status == "skipped"}
+    assert {"node pool", "quota", "data", "checkpoint"} <= skipped
+    assert "node pool: skipped: no credentials" in lines
+    assert "data: skipped: no credentials" in lines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the demo's largest launch is 2 local processes")
+def test_the_demo_passes_once_its_data_is_prepared(tmp_path):
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["data"]["uri"] = f"file://{tmp_path}/data"
+    config["train"]["checkpoint_uri"] = f"file://{tmp_path}/ckpt"
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    before = run_batchpilot("doctor", "--config", str(path), cwd=tmp_path)
+    assert before.returncode == 1
+    assert failed(before.stdout.splitlines())[0].startswith("data: FAILED: data.uri: ")
+    texts = write_texts(tmp_path / "texts")
+    prepared = run_batchpilot(
+        "data", "prepare", str(texts), "--out", config["data"]["uri"], "--no-progress", cwd=tmp_path
+    )
+    assert prepared.returncode == 0, prepared.stderr
+    result = run_batchpilot("doctor", "--config", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert status_of(lines) == {"plan": "passed", "cloud": "skipped", "cpus": "passed", "data": "passed",
+                                "checkpoint": "passed", "kfp": "skipped"}  # fmt: skip
+    assert lines[1] == (
+        "cloud: skipped: backend local: credentials, Container API, quota, Kubernetes and GPU checks do not apply"
+    )
+    assert "Traceback" not in result.stdout + result.stderr
+    assert list((tmp_path / "ckpt").iterdir()) == []  # the probe object is gone again
