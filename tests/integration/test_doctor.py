@@ -393,3 +393,21 @@ def test_the_demo_passes_once_its_data_is_prepared(tmp_path):
     )
     assert "Traceback" not in result.stdout + result.stderr
     assert list((tmp_path / "ckpt").iterdir()) == []  # the probe object is gone again
+
+
+def test_an_unexpected_error_is_one_failed_line_and_a_hung_check_is_cut_off(monkeypatch):
+    from batchpilot.doctor import core
+
+    context = core.Context(config=None)  # type: ignore[arg-type]
+    check = core.bounded("gpu nodes", lambda context: 1 / 0, context)
+    assert check.line() == (
+        "gpu nodes: FAILED: unexpected ZeroDivisionError: division by zero "
+        "(fix: report it as a batchpilot bug, with this line)"
+    )
+    monkeypatch.setattr(core, "CHECK_TIMEOUT_S", 0.2)
+    started = time.monotonic()
+    check = core.bounded("kubernetes", lambda context: time.sleep(5), context)  # type: ignore[arg-type,return-value]
+    assert time.monotonic() - started < 2
+    assert check.line() == (
+        "kubernetes: FAILED: did not finish within 0.2s (fix: check that its endpoint is reachable)"
+    )

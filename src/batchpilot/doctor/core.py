@@ -78,7 +78,7 @@ def bounded(name: str, step: Callable[[Context], Check], context: Context) -> Ch
     thread.join(CHECK_TIMEOUT_S)
     if not result:
         return fail(
-            name, f"did not finish within {CHECK_TIMEOUT_S:.0f}s", "check that its endpoint is reachable"
+            name, f"did not finish within {CHECK_TIMEOUT_S:g}s", "check that its endpoint is reachable"
         )
     return result[0]
 
