@@ -310,14 +310,14 @@ def _node_checks(
     reads the probe. A failure is kept in `mine.error` (the ranks compare notes before the all-reduce)."""
     from batchpilot.data.sampling import loading_group
 
-    group = loading_group(
-        rank=mine.rank, world_size=world_size, local_world_size=local_world_size,
-        expansion_factor=config.data.expansion_factor_real_data,
-    )  # fmt: skip
-    reads = group.reader_rank == mine.rank and (
-        config.data.expansion_factor_real_data > 1 or mine.local_rank == 0
-    )
     try:
+        group = loading_group(
+            rank=mine.rank, world_size=world_size, local_world_size=local_world_size,
+            expansion_factor=config.data.expansion_factor_real_data,
+        )  # fmt: skip
+        reads = group.reader_rank == mine.rank and (
+            config.data.expansion_factor_real_data > 1 or mine.local_rank == 0
+        )
         if reads:
             mine.read_bytes, mine.read_s = _read_shards(config.data.uri, node=mine.node, backend=backend)
         if mine.local_rank == 0:
