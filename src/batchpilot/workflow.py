@@ -702,7 +702,8 @@ def _canary_timeout_s(config: Config) -> int:
     cluster = config.cluster
     autoscale = cluster.pool_mode == "autoscale"  # the nodes come once the pods are pending
     pending_s = cluster.pending_timeout_s + (cluster.ready_timeout_s if autoscale else 0)
-    return int(cluster.operation_timeout_s + cluster.ready_timeout_s + pending_s + 2 * CANARY_TIMEOUT_S)
+    ready_s = max(cluster.ready_timeout_s, cluster.capacity_timeout_s or 0)  # the canary's resize waits this
+    return int(cluster.operation_timeout_s + ready_s + pending_s + 2 * CANARY_TIMEOUT_S)
 
 
 def canary(
