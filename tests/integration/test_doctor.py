@@ -411,3 +411,20 @@ def test_an_unexpected_error_is_one_failed_line_and_a_hung_check_is_cut_off(monk
     assert check.line() == (
         "kubernetes: FAILED: did not finish within 0.2s (fix: check that its endpoint is reachable)"
     )
+
+
+def test_an_unreachable_container_api_fails_its_checks_in_seconds(gke, tmp_path, capsys):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    code, lines = doctor(tmp_path, capsys, gke_config(endpoint=endpoint, bucket="doctor"))
+    assert time.monotonic() - started < 15
+    assert code == 1
+    assert [line.split(": FAILED: ")[0] for line in failed(lines)] == ["node pool", "quota"]
+    assert failed(lines)[0].startswith(
+        "node pool: FAILED: cluster.container_api_endpoint: cannot list the node pools of "
+        "projects/proj/locations/us-central1/clusters/train: "
+    )
+    assert failed(lines)[0].endswith(
+        "(fix: check that the Container API (or cluster.container_api_endpoint) is reachable from here)"
+    )
+    assert "gpu driver: skipped: the node pool was not read" in lines

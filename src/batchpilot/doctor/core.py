@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
+from batchpilot.planning.batch import split_problems
 
 CALL_TIMEOUT_S = 5.0
 """The most one network call may take (connect and read)."""
@@ -68,7 +69,10 @@ def bounded(name: str, step: Callable[[Context], Check], context: Context) -> Ch
         try:
             result.append(step(context))
         except BatchpilotError as error:
-            result.append(fail(name, one_line(f"{error.field}: {error.problem}"), error.fix or "see above"))
+            more = len(split_problems(error)) - 1  # the planner reports every problem of a config at once
+            also = f" (and {more} more: `batchpilot config check` lists them)" if more else ""
+            problem = one_line(f"{error.field}: {error.problem}{also}")
+            result.append(fail(name, problem, error.fix or f"correct {error.field}"))
         except Exception as error:  # a doctor prints lines, never a traceback
             problem = f"unexpected {type(error).__name__}: {one_line(str(error))}"
             result.append(fail(name, problem, "report it as a batchpilot bug, with this line"))

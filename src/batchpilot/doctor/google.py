@@ -26,10 +26,11 @@ COMPUTE_API = "https://compute.googleapis.com"
 # `quotas[].metric`); Spot and preemptible VMs count against the same name prefixed PREEMPTIBLE_.
 # Sources: the Compute Engine v1 API's Quota.Metric enum (NVIDIA_A100_GPUS, NVIDIA_A100_80GB_GPUS,
 # NVIDIA_H100_GPUS, NVIDIA_L4_GPUS, NVIDIA_T4_GPUS, NVIDIA_V100_GPUS, NVIDIA_P100_GPUS, NVIDIA_P4_GPUS,
-# NVIDIA_K80_GPUS and their COMMITTED_ forms) and the quota names Compute Engine lists for A3 Mega, A3
-# Ultra and A4 VMs (NVIDIA_H100_MEGA_GPUS, NVIDIA_H200_GPUS, NVIDIA_B200_GPUS). regions.get may not list the
-# newer families at all (their quota lives only in the Cloud Quotas API); a metric it does not list is
-# reported as not checked, never as zero.
+# NVIDIA_K80_GPUS and their COMMITTED_ forms); NVIDIA_H100_MEGA_GPUS, NVIDIA_H200_GPUS and NVIDIA_B200_GPUS
+# (A3 Mega, A3 Ultra, A4) are the names published `gcloud compute regions describe` listings and quota
+# requests use, not yet in that enum. regions.get may not list the newer families at all (reports say their
+# quota shows only in the Cloud Quotas API), so a metric it does not list is reported as not checked,
+# never as zero.
 GPU_QUOTA_METRICS = {
     "nvidia-tesla-k80": "NVIDIA_K80_GPUS",
     "nvidia-tesla-p4": "NVIDIA_P4_GPUS",
@@ -131,11 +132,7 @@ def check_node_pool(context: Context) -> Check:
             "node pool", "TPU: batchpilot creates one slice pool per launch shape (<node_pool>-<topology>)"
         )
     ref = PoolRef(cluster.project, cluster.location, cluster.cluster_name, cluster.node_pool)
-    client = container_client(api_endpoint=cluster.container_api_endpoint)
-    pools = {
-        p.name: p
-        for p in client.list_node_pools(parent=ref.parent, retry=None, timeout=CALL_TIMEOUT_S).node_pools
-    }
+    pools = _node_pools(container_client(api_endpoint=cluster.container_api_endpoint), parent=ref.parent)
     pool = pools.get(cluster.node_pool)
     if pool is None:
         names = ", ".join(sorted(pools)) or "none"
@@ -154,6 +151,33 @@ def check_node_pool(context: Context) -> Check:
         f"{cluster.node_pool}: {pool.config.machine_type}, {accelerators or 'no accelerators'}",
         found=pool,
     )
+
+
+def _node_pools(client: Any, *, parent: str) -> dict[str, Any]:
+    """The cluster's node pools by name, one Container API call; its errors as one line naming the fix."""
+    from google.api_core import exceptions
+
+    try:
+        response = client.list_node_pools(parent=parent, retry=None, timeout=CALL_TIMEOUT_S)
+    except exceptions.NotFound as error:
+        raise BatchpilotError(
+            "cluster.cluster_name",
+            f"the Container API has no cluster {parent} ({one_line(error.message)})",
+            "check cluster.project, cluster.location and cluster.cluster_name",
+        ) from None
+    except exceptions.PermissionDenied as error:
+        raise BatchpilotError(
+            "cluster.project",
+            f"the credentials may not list the node pools of {parent} ({one_line(error.message)})",
+            "grant container.clusters.get (e.g. roles/container.viewer) to them",
+        ) from None
+    except (exceptions.GoogleAPIError, OSError) as error:
+        raise BatchpilotError(
+            "cluster.container_api_endpoint",
+            f"cannot list the node pools of {parent}: {one_line(str(error))}",
+            "check that the Container API (or cluster.container_api_endpoint) is reachable from here",
+        ) from None
+    return {pool.name: pool for pool in response.node_pools}
 
 
 def _pool_problem(pool: Any, config: Config) -> tuple[str, str] | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from batchpilot.config import Config
 from batchpilot.doctor.core import CALL_TIMEOUT_S, Check, Context, fail, ok, one_line, skip
+from batchpilot.errors import BatchpilotError
 
 DRIVER_DAEMONSET = ("kube-system", "nvidia-driver-installer")
 """The DaemonSet GKE's manual driver installation applies (GoogleCloudPlatform/container-engine-
@@ -31,13 +32,17 @@ def _kube_client() -> Any:
 
 
 def check_kubernetes(context: Context) -> Check:
+    """The Kubernetes API answers (its version), through the kubeconfig or the pod's service account."""
     from kubernetes import client
     from kubernetes.client.rest import ApiException
     from urllib3.exceptions import HTTPError
 
-    api = _kube_client()
-    host = api.configuration.host
     fix = _get_credentials_fix(context.config)
+    try:
+        api = _kube_client()
+    except BatchpilotError as error:  # no kubeconfig: the fix with this config's cluster in it
+        return fail("kubernetes", one_line(error.problem), fix)
+    host = api.configuration.host
     try:
         version = client.VersionApi(api).get_code(_request_timeout=CALL_TIMEOUT_S)
     except HTTPError as error:
@@ -56,6 +61,7 @@ def _get_credentials_fix(config: Config) -> str:
 
 
 def kube_api(context: Context, name: str) -> Any:
+    """The client the kubernetes check reached the API with, or the skip line for check `name`."""
     api = context.found.get("kubernetes")
     return api if api is not None else skip(name, "the Kubernetes API was not reached")
 

@@ -27,8 +27,9 @@ def check_plan(context: Context) -> Check:
         return ok("plan", f"largest launch {nodes_text(largest)} ({how})", found=largest)
     micro = config.batch.micro_batch_size
     assert isinstance(micro, int)
-    biggest = max(launches(build_plan(config, micro_batch_size=micro)), key=lambda launch: launch.num_nodes)
-    largest = Largest(biggest.num_nodes, devices)
+    plan = build_plan(config, micro_batch_size=micro)
+    biggest = max(launches(plan), key=lambda launch: launch.requested_nodes)
+    largest = Largest(biggest.requested_nodes, devices)
     return ok(
         "plan", f"largest launch {biggest.name}: {nodes_text(largest)} (micro batch {micro})", found=largest
     )
