@@ -269,7 +269,10 @@ def _accelerator(pool: dict[str, Any]) -> tuple[str, int] | None:
 
 
 def _quota_resource(accelerator: str) -> str:
-    """The quota's name as Compute Engine spells it (e.g. NVIDIA_H100_80GB_GPUS, TPU_V6E_SLICE_CHIPS)."""
+    """The quota's name as Compute Engine spells it: a GPU's regions.get metric (NVIDIA_H100_GPUS for
+    nvidia-h100-80gb), else e.g. TPU_V6E_SLICE_CHIPS."""
+    if accelerator in COMPUTE_GPU_METRICS:
+        return COMPUTE_GPU_METRICS[accelerator]
     unit = "CHIPS" if accelerator.startswith("tpu-") else "GPUS"
     return f"{accelerator.upper().replace('-', '_')}_{unit}"
 

@@ -73,7 +73,7 @@ def test_a_quota_below_the_stage_is_one_line_naming_the_quota_and_nothing_grows(
         pool.resize(4)
     message = str(caught.value)
     assert "\n" not in message and message.startswith("cluster.max_nodes: GKE refused to resize")
-    assert "resource \"NVIDIA_H100_80GB_GPUS\": request requires '32.0' and is short '16.0'" in message
+    assert "resource \"NVIDIA_H100_GPUS\": request requires '32.0' and is short '16.0'" in message
     assert "request more of that quota" in message
     assert pool.current_size() == 0
     pool.resize(2)  # within the quota
