@@ -193,6 +193,18 @@ def test_rbac_that_denies_creating_jobsets(gke, tmp_path, capsys):
     assert "the chart's Role in batchpilot and its ClusterRole do" in line
 
 
+def test_flex_start_needs_provisioning_requests_and_pod_templates(gke, tmp_path, capsys):
+    gke.kube.state.denied = {("create", "provisioningrequests.autoscaling.x-k8s.io")}
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+    code, lines = doctor(tmp_path, capsys, config)
+    assert code == 0 and not failed(lines)  # resize provisioning makes no request
+    config["cluster"]["provisioning"] = "flex-start"
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line.startswith(
+        "rbac: FAILED: the caller may not create provisioningrequests.autoscaling.x-k8s.io in batchpilot"
+    )
+
+
 def without_failure_policy_rules(crd: dict[str, Any]) -> dict[str, Any]:
     """The published JobSet CRD as a controller before v0.6.0 served it."""
     old = copy.deepcopy(crd)

@@ -84,9 +84,9 @@ class Access:
         return f"{self.verb} {what}{f' {self.name}' if self.name else ''} {where}"
 
 
-def run_access(launcher: str) -> list[Access]:
+def run_access(launcher: str, provisioning: str = "resize") -> list[Access]:
     """What batchpilot.cluster calls during a run, call by call (the Volcano launcher's own calls are
-    torchx's and not listed)."""
+    torchx's and not listed); with flex-start, the ProvisioningRequests and their PodTemplates too."""
     from batchpilot.cluster.crds import JOBSET_CRD
 
     jobsets = [
@@ -107,6 +107,18 @@ def run_access(launcher: str) -> list[Access]:
         Access("list", "pods", cluster_wide=True),  # readiness.py: DaemonSet pods on a node, every namespace
         # ownership.py renew_lease, run_alive, delete_lease
         *(Access(verb, "leases", "coordination.k8s.io") for verb in ("get", "create", "update", "delete")),
+        # provisioning.py: a launch's request and the PodTemplate it names; lifecycle.py deletes leftovers
+        *(
+            [
+                *(
+                    Access(verb, "provisioningrequests", "autoscaling.x-k8s.io")
+                    for verb in ("create", "get", "list", "delete")
+                ),
+                *(Access(verb, "podtemplates") for verb in ("create", "delete")),
+            ]
+            if provisioning == "flex-start"
+            else []
+        ),
     ]
 
 
@@ -120,7 +132,7 @@ def check_rbac(context: Context) -> Check:
     cluster = context.config.cluster
     authorization = client.AuthorizationV1Api(api)
     denied = []
-    needed = run_access(cluster.launcher)
+    needed = run_access(cluster.launcher, cluster.provisioning)
     for access in needed:
         attributes = client.V1ResourceAttributes(
             namespace=None if access.cluster_wide else cluster.namespace, verb=access.verb, group=access.group,
