@@ -214,7 +214,12 @@ class ProvisioningController:
 
     def _release(self, sim: ClusterSim) -> None:
         """Nodes of a deleted request are no longer kept: each goes once empty for the unneeded time."""
-        busy = {p["spec"].get("nodeName") for p in sim.pods.values()}
+        # Pods that ended hold no node (the autoscaler's scale-down counts the pods still running there).
+        busy = {
+            p["spec"].get("nodeName")
+            for p in sim.pods.values()
+            if p["status"]["phase"] in ("Pending", "Running")
+        }
         clock = time.monotonic()
         for node, key in list(self.brought.items()):
             if key in self.requests or node not in sim.nodes:
