@@ -199,10 +199,30 @@ def test_flex_start_needs_provisioning_requests_and_pod_templates(gke, tmp_path,
     code, lines = doctor(tmp_path, capsys, config)
     assert code == 0 and not failed(lines)  # resize provisioning makes no request
     config["cluster"]["provisioning"] = "flex-start"
+    pool_of(gke)["queuedProvisioning"] = {"enabled": True}
+    pool_of(gke)["autoscaling"] = {"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 8}
     line = one_failure(*doctor(tmp_path, capsys, config))
     assert line.startswith(
         "rbac: FAILED: the caller may not create provisioningrequests.autoscaling.x-k8s.io in batchpilot"
     )
+
+
+def test_flex_start_needs_a_pool_with_queued_provisioning_and_resize_one_without(gke, tmp_path, capsys):
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
+    config["cluster"]["provisioning"] = "flex-start"
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line.startswith(
+        f"node pool: FAILED: cluster.provisioning is flex-start, but node pool {POOL} has no queued"
+    )
+    assert "--enable-queued-provisioning" in line
+    pool_of(gke)["queuedProvisioning"] = {"enabled": True}
+    pool_of(gke)["autoscaling"] = {"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 8}
+    code, lines = doctor(tmp_path, capsys, config)
+    assert code == 0 and not failed(lines), lines
+    config["cluster"]["provisioning"] = "resize"
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert "has queued provisioning: its nodes come only for ProvisioningRequests" in line
+    assert line.endswith("(fix: set cluster.provisioning: flex-start)")
 
 
 def without_failure_policy_rules(crd: dict[str, Any]) -> dict[str, Any]:

@@ -203,6 +203,21 @@ def _pool_problem(pool: Any, config: Config) -> tuple[str, str] | None:
             f"{cluster.devices_per_node}",
             f"set cluster.devices_per_node: {accelerators[wanted]}",
         )
+    queued = bool(pool.queued_provisioning.enabled)
+    if cluster.provisioning == "flex-start" and not (queued and pool.autoscaling.enabled):
+        from batchpilot.cluster.provisioning import HOW_TO_CREATE_POOL
+
+        missing = "queued provisioning" if not queued else "autoscaling"
+        return (
+            f"cluster.provisioning is flex-start, but node pool {pool.name} has no {missing}",
+            HOW_TO_CREATE_POOL,
+        )
+    if cluster.provisioning == "resize" and queued:
+        return (
+            f"node pool {pool.name} has queued provisioning: its nodes come only for ProvisioningRequests, "
+            "cluster.provisioning says resize",
+            "set cluster.provisioning: flex-start",
+        )
     return None
 
 
