@@ -5,8 +5,8 @@ all, and nothing is left asking for or holding nodes at the end.
 As in test_gke_simulated.py, kfp.local runs the pipeline's tasks as processes that reach the simulator
 through `cluster.container_api_endpoint` and KUBECONFIG, and the simulator's pods run as local processes.
 Those pods see no GPU (pod_runner.py), while flex-start is for GPU pools (a CPU pool is refused); so this
-test's processes load a `sitecustomize` that makes `batchpilot.train.accelerators.planned_gpu` answer
-False: the trainers and the canary run the GPU plan on the CPU with gloo instead of refusing to start.
+test's processes load `flex_start_shim/sitecustomize.py`, which makes `batchpilot.train.accelerators.planned_gpu`
+answer False: the trainers and the canary run the GPU plan on the CPU with gloo instead of refusing to start.
 What is under test is how the nodes come and go, not the devices (the refusal itself is
 tests/integration/test_gpu_refusal_sim.py).
 """
@@ -33,21 +33,14 @@ from gke_sim import SimulatedGke, simulated_gke
 
 pytestmark = pytest.mark.slow
 
-SHIM = """# tests/e2e/test_gke_flex_start.py: the simulated pods have no GPU; run the GPU plan on the CPU.
-import batchpilot.train.accelerators as accelerators
-
-accelerators.planned_gpu = lambda **_: False
-"""
+SHIM = Path(__file__).resolve().parent / "flex_start_shim"  # its sitecustomize.py, outside /tmp (see there)
 
 
 @pytest.fixture
 def flex_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedGke]:
     """A queued-provisioning pool `gpu` of g2-standard-8 nodes (one L4 each), autoscaling 0..2, no node;
     nodes of a deleted request go once empty for 0.5 s (the autoscaler's unneeded time, shortened)."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(SHIM)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH")])))
     with simulated_gke(run_pods_in=tmp_path / "pods", scale_down_unneeded_s=0.5) as gke:
         gke.add_pool(
             "gpu", machine_type="g2-standard-8", queued_provisioning=True,
@@ -100,7 +93,7 @@ def test_the_pipeline_trains_every_launch_on_nodes_its_provisioning_request_brou
         idle_nodes=0, container_api_endpoint=gke.container.endpoint,
     )  # fmt: skip
     run = start(config)
-    assert run.finish(timeout_s=110) == 0, run.log[-6000:]
+    assert run.finish(timeout_s=170) == 0, run.log[-6000:]
     log = re.sub(r"\x1b\[[0-9;]*m", "", run.log)
     requests = [
         b for m, p, _, b in gke.kube.state.requests if m == "POST" and p.endswith("/provisioningrequests")
