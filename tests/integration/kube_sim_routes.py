@@ -7,7 +7,8 @@ Shapes follow the Kubernetes API conventions (kubernetes.io docs "API Concepts")
 `Status` objects (404 NotFound, 409 AlreadyExists, 422 Invalid).
 
 Routes: nodes (list, get); pods (list in a namespace or all, create, get, delete, log); events (list);
-batch/v1 Jobs (list, get); JobSets jobset.x-k8s.io/v1alpha2 (create, list, get, delete). A JobSet create
+batch/v1 Jobs (list, get); JobSets jobset.x-k8s.io/v1alpha2 (create, list, get, delete); with GKE's queued
+provisioning (`sim.provisioning`), PodTemplates and ProvisioningRequests (provisioning_controller.py). A JobSet create
 passes the API server's name check and the JobSet webhook's name rules first (`jobset_webhook.py`).
 """
 
@@ -53,11 +54,10 @@ def route(
     sim: ClusterSim, method: str, path: str, query: dict[str, list[str]], body: Any
 ) -> tuple[int, Any] | None:
     """The (code, payload) for one request, or None when no route matches."""
-    if sim.provisioning is not None:  # PodTemplates and ProvisioningRequests (provisioning_controller.py)
+    if sim.provisioning is not None and sim.provisioning.serves(path):  # PodTemplates, ProvisioningRequests
         with sim.lock:
             sim.reconcile()
-            if (answer := sim.provisioning.route(sim, method, path, query, body)) is not None:
-                return answer  # type: ignore[no-any-return]
+            return sim.provisioning.route(sim, method, path, query, body)  # type: ignore[no-any-return]
     for name, pattern in ROUTES:
         if match := pattern.match(path):
             with sim.lock:

@@ -98,6 +98,10 @@ class ProvisioningController:
     deleted: list[Key] = field(default_factory=list)  # every request deleted, in order
 
     # -- the API ------------------------------------------------------------------------------------
+    @staticmethod
+    def serves(path: str) -> bool:
+        return TEMPLATES.match(path) is not None or REQUESTS.match(path) is not None
+
     def route(self, sim: ClusterSim, method: str, path: str, query: dict[str, list[str]], body: Any):
         """(code, payload) of a PodTemplate or ProvisioningRequest call; None for other paths."""
         for objects, pattern, kind in ((self.templates, TEMPLATES, "PodTemplate"),

@@ -260,7 +260,9 @@ class GkeNodePool:
         usable, problems = self.nodes.usable()
         zones = self.zones()
         return (
-            f"gke pool {self.pool.name} (mode {self.pool_mode}, zones {', '.join(zones)}): "
+            f"gke pool {self.pool.name} (mode {self.pool_mode}"
+            + (", nodes by flex-start ProvisioningRequests" if self.provisioning == "flex-start" else "")
+            + f", zones {', '.join(zones)}): "
             f"{len(usable) + len(problems)} node(s), {len(usable)} usable"
             + (f"; {'; '.join(problems)}" if problems else "")
         )
