@@ -695,6 +695,26 @@ def canary_nodes(config: Config, document: RunDocument | None = None) -> int:
     )  # fmt: skip
 
 
+def prepare_canary_pool(config: Config, document: RunDocument | None = None) -> int:
+    """Brings the pool to `canary_nodes` (the pipeline's first resize when it explores: explore measures on
+    one of them); returns the nodes the canary checks. When fewer come by `cluster.capacity_timeout_s`
+    (a stockout, a quota, the local capacity limit): with `cluster.fewer_nodes: allow` those (at least
+    one), else the shortfall fails the task."""
+    from batchpilot.cluster.capacity import CapacityShortfall
+
+    num_nodes = canary_nodes(config, document)
+    try:
+        prepare_pool(config, num_nodes=num_nodes, timeout_s=config.cluster.capacity_timeout_s)
+    except CapacityShortfall as short:
+        if config.cluster.fewer_nodes != "allow" or short.ready < 1:
+            raise
+        logger.warning(
+            "canary: %d of %d node(s) came (cluster.fewer_nodes: allow): checking those", short.ready, num_nodes
+        )
+        return short.ready
+    return num_nodes
+
+
 def _canary_timeout_s(config: Config) -> int:
     """The canary task's bound: the pool's resize, its pods' pending bound, the job's own bounds."""
     from batchpilot.train.canary import CANARY_TIMEOUT_S
@@ -717,7 +737,6 @@ def canary(
         BatchpilotError: the canary failed; the message is the failing rank's one line (what, where).
     """
     from batchpilot.cluster.canary import canary_spec, run_canary_job
-    from batchpilot.cluster.capacity import CapacityShortfall
     from batchpilot.planning.tpu import is_tpu
     from batchpilot.train.canary import canary_metrics, summary_line
 
@@ -726,16 +745,7 @@ def canary(
     if is_tpu(config.cluster.accelerator_type):
         logger.warning("canary: not run on TPU slices yet (its ranks are torchrun processes, one per device)")
         return {}
-    num_nodes = canary_nodes(config, document)
-    try:
-        prepare_pool(config, num_nodes=num_nodes, timeout_s=config.cluster.capacity_timeout_s)
-    except CapacityShortfall as short:  # a stockout, a quota, the local capacity limit
-        if config.cluster.fewer_nodes != "allow" or short.ready < 1:
-            raise
-        logger.warning(
-            "canary: %d of %d node(s) came (cluster.fewer_nodes: allow): checking those", short.ready, num_nodes
-        )
-        num_nodes = short.ready
+    num_nodes = prepare_canary_pool(config, document)
     if config.cluster.backend == "local" and work_dir is None:
         work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-canary-"))
     code, failure = run_canary_job(config, spec=canary_spec(config, num_nodes=num_nodes), work_dir=work_dir)

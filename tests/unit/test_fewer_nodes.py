@@ -165,3 +165,13 @@ def test_the_resize_step_trains_a_short_launch_on_fewer_nodes_only_when_allowed(
     assert workflow.prepare_launch_pool(roomy, slot=1) == 2
     assert json.loads((tmp_path / "ckpt" / "capacity.json").read_text())["launches"] == []
     assert workflow.current_document(roomy).plan == roomy.plan
+
+
+def test_the_canary_pool_takes_the_nodes_that_came_only_when_allowed(tmp_path):
+    # Without a plan (the pipeline explores first) the canary wants 2 nodes; the local pool grants 1.
+    config = tiny_config(data_uri="file:///data", checkpoint_uri=f"file://{tmp_path}/ckpt")
+    config["cluster"].update(pool_state_path=str(tmp_path / "pool.json"), local_capacity_nodes=1)
+    with pytest.raises(CapacityShortfall, match="the local pool granted 1 of 2 node"):
+        workflow.prepare_canary_pool(parse_config(config))
+    config["cluster"]["fewer_nodes"] = "allow"
+    assert workflow.prepare_canary_pool(parse_config(config)) == 1

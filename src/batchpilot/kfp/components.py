@@ -90,7 +90,7 @@ def prepare_explore_pool(config_yaml: str) -> int:
 
     configure_console()
     config = workflow.config_from_text(config_yaml)
-    return workflow.prepare_pool(config, num_nodes=workflow.canary_nodes(config)).after
+    return workflow.prepare_canary_pool(config)
 
 
 def canary(config_yaml: str, plan_json: str, run_dir: str, canary_metrics: Output[Metrics]):
