@@ -48,7 +48,7 @@ def test_bus_bandwidth_is_the_nccl_tests_figure():
 
 def test_the_expected_figure_is_one_nodes_network_bandwidth_between_nodes_only():
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-megagpu-8g", num_nodes=2) == 1600e9 / 8
-    assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-highgpu-8g", num_nodes=16) == 1000e9 / 8
+    assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-highgpu-8g", num_nodes=16) == 800e9 / 8
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="g2-standard-4", num_nodes=2) == 10e9 / 8
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a2-highgpu-8g", num_nodes=2) == 100e9 / 8
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name="a3-megagpu-8g", num_nodes=1) is None
@@ -91,7 +91,7 @@ def test_on_gke_the_spec_rides_in_the_environment_as_the_run_document_does():
     config = parse_config(gke_a3_config())
     spec = canary_spec(config, num_nodes=2)
     assert spec["result_uri"] == "gs://bucket/ckpt/canary"
-    assert spec["expected_bus_bandwidth_bytes_per_s"] == 1000e9 / 8
+    assert spec["expected_bus_bandwidth_bytes_per_s"] == 800e9 / 8
     launch = canary_launch_spec(config, spec=spec, spec_path=None)
     assert launch.trainer_args == ("canary-rank", "--spec", "/tmp/batchpilot/plan.json")
     assert yaml.safe_load(launch.env["BATCHPILOT_PLAN_JSON"]) == spec

@@ -79,14 +79,17 @@ MACHINE_TYPES: dict[str, MachineType] = {
     "ct5p-hightpu-4t": _machine(208, 448, 4, "tpu-v5p-slice"),
 }
 
-# "Networking and GPU machines" (Compute Engine, gpu-network-bandwidth): each machine type's maximum network
-# bandwidth in Gbps as the page gives it (A3: up to 3,600 Ultra, 1,600 Mega, 1,000 High; A2 and G2 up to 100
-# by machine type). Types the page gives no figure for are absent; the canary then compares with nothing.
+# "Networking and GPU machines" (Compute Engine, gpu-network-bandwidth): the bandwidth in Gbps a node has for
+# GPU-to-GPU traffic across nodes. A3 types have NICs dedicated to it beside a general-purpose one, and the
+# page's "max total" counts both: A3 Ultra 8 CX-7 NICs, 3,200 of 3,600; A3 Mega 8 x 200, 1,600 of 1,800;
+# A3 High 4 x 200, 800 of 1,000. A2 and G2 have one network of up to 100 Gbps by machine type (the smaller
+# types' figures are the page's per-type table as we read it; check yours). Types the page gives no figure
+# for are absent; the canary then compares with nothing.
 NETWORK_GBPS: dict[str, int] = {
     "a2-highgpu-1g": 24, "a2-highgpu-2g": 32, "a2-highgpu-4g": 50, "a2-highgpu-8g": 100,
     "a2-megagpu-16g": 100,
     "a2-ultragpu-1g": 24, "a2-ultragpu-2g": 32, "a2-ultragpu-4g": 50, "a2-ultragpu-8g": 100,
-    "a3-highgpu-8g": 1000, "a3-megagpu-8g": 1600, "a3-ultragpu-8g": 3600,
+    "a3-highgpu-8g": 800, "a3-megagpu-8g": 1600, "a3-ultragpu-8g": 3200,
     "g2-standard-4": 10, "g2-standard-8": 16, "g2-standard-12": 16, "g2-standard-16": 32,
     "g2-standard-24": 32, "g2-standard-32": 32, "g2-standard-48": 50, "g2-standard-96": 100,
 }  # fmt: skip
