@@ -124,3 +124,16 @@ def test_the_exit_handler_deletes_the_runs_leftover_requests_and_resizes_nothing
     ]  # another run's
     assert sorted(name for _, name in gke.sim.provisioning.templates) == ["other-final-00000000"]
     assert not [path for path in writes(gke) if path.endswith((":setSize", ":setAutoscaling"))]
+
+
+def test_a_cluster_without_the_provisioningrequest_api_is_one_line_naming_the_gke_version():
+    from cluster_sim import ClusterSim
+    from kube_api_server import kube_server_running
+
+    # A cluster without queued provisioning served: the list is answered 404.
+    with kube_server_running(sim=ClusterSim()) as server, pytest.raises(BatchpilotError) as caught:
+        Requests(server.api_client(), "batchpilot").list({"batchpilot.dev/run": "tiny"})
+    assert str(caught.value) == (
+        "cluster.provisioning: the cluster serves no autoscaling.x-k8s.io/v1 ProvisioningRequests (HTTP 404) "
+        "(fix: use a GKE version with flex-start (1.32.2-gke.1652000 or later), or cluster.provisioning: resize)"
+    )

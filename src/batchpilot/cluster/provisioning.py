@@ -169,9 +169,10 @@ class Requests:
     def list(self, labels: dict[str, str]) -> list[dict[str, Any]]:
         from batchpilot.cluster.jobset import label_selector
 
-        found = self._objects().list_namespaced_custom_object(
-            label_selector=label_selector(labels), **self._args()
-        )
+        with _refusals(self.namespace, "list"):
+            found = self._objects().list_namespaced_custom_object(
+                label_selector=label_selector(labels), **self._args()
+            )
         return list(found.get("items", []))
 
     def get(self, name: str) -> dict[str, Any]:
@@ -179,8 +180,9 @@ class Requests:
 
     def create(self, *, template: dict[str, Any], request: dict[str, Any]) -> None:
         """Creates the PodTemplate, then the request that refers to it."""
-        self._core().create_namespaced_pod_template(self.namespace, template)
-        self._objects().create_namespaced_custom_object(body=request, **self._args())
+        with _refusals(self.namespace, "create"):
+            self._core().create_namespaced_pod_template(self.namespace, template)
+            self._objects().create_namespaced_custom_object(body=request, **self._args())
 
     def delete(self, name: str, *, why: str) -> None:
         """Deletes request `name` and its PodTemplate (either already gone is fine)."""
@@ -196,6 +198,31 @@ class Requests:
             except ApiException as error:
                 if error.status != 404:
                     raise
+
+
+@contextlib.contextmanager
+def _refusals(namespace: str, verb: str) -> Iterator[None]:
+    """The API server's refusals as one line: no permission (403), or no ProvisioningRequest API (404: a GKE
+    older than the version flex-start needs, which serves `autoscaling.x-k8s.io/v1`)."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        yield
+    except ApiException as error:
+        if error.status == 403:
+            raise BatchpilotError(
+                "cluster.provisioning",
+                f"the task's service account may not {verb} provisioningrequests.{GROUP} or podtemplates in "
+                f"namespace {namespace} (HTTP 403)",
+                "grant both (get, list, create, delete) to the KFP run's account in that namespace",
+            ) from None
+        if error.status == 404 and verb == "list":
+            raise BatchpilotError(
+                "cluster.provisioning",
+                f"the cluster serves no {GROUP}/{VERSION} ProvisioningRequests (HTTP 404)",
+                "use a GKE version with flex-start (1.32.2-gke.1652000 or later), or cluster.provisioning: resize",
+            ) from None
+        raise
 
 
 # --- a launch's request ----------------------------------------------------------------------------
