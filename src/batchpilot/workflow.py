@@ -332,7 +332,9 @@ def current_document(document: RunDocument, *, capacity: bool = True) -> RunDocu
         plan = replace(plan, parallelism=document.plan.parallelism)
         # The plan step's memory estimate and cost were for the stages planned then, not these.
         document = replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
-    return _with_capacity(document, read_capacity(config.train.checkpoint_uri)) if capacity else document
+    if not capacity or config.cluster.fewer_nodes != "allow":  # only `allow` writes capacity records
+        return document
+    return _with_capacity(document, read_capacity(config.train.checkpoint_uri))
 
 
 def select_launch(document: RunDocument, stage: str | int) -> Launch:
@@ -527,7 +529,8 @@ def prepare_launch_pool(document: RunDocument, *, slot: int) -> int | None:
             ) from None
         record = _fewer_nodes(document, launch, short=short, waited_s=time.monotonic() - started)
         return record.nodes
-    _record_capacity(config, launch, None)
+    if config.cluster.fewer_nodes == "allow":
+        _record_capacity(config, launch, None)  # a retry that got every node trains on them
     return planned
 
 
@@ -709,7 +712,9 @@ def prepare_canary_pool(config: Config, document: RunDocument | None = None) -> 
         if config.cluster.fewer_nodes != "allow" or short.ready < 1:
             raise
         logger.warning(
-            "canary: %d of %d node(s) came (cluster.fewer_nodes: allow): checking those", short.ready, num_nodes
+            "canary: %d of %d node(s) came (cluster.fewer_nodes: allow): checking those",
+            short.ready,
+            num_nodes,
         )
         return short.ready
     return num_nodes

@@ -83,7 +83,7 @@ def test_a_record_moves_only_the_launch_it_was_made_for_and_launches_stay_the_pl
 
 
 def test_plan_json_names_planned_nodes_only_where_a_launch_got_fewer(tmp_path):
-    config, plan = nemo_like_plan()
+    config, _ = nemo_like_plan()
     document = workflow.plan(config, announce=False)
     assert all("planned_nodes" not in stage for stage in json.loads(document.to_json())["stages"])
     assert "capacity" not in json.loads(document.to_json())
@@ -160,7 +160,6 @@ def test_the_resize_step_trains_a_short_launch_on_fewer_nodes_only_when_allowed(
         (64, 1, 4),
     ]
     # A retry that gets the planned nodes clears the record: the launch trains as planned.
-    json.loads((tmp_path / "pool.json").read_text())
     roomy = local_document(tmp_path, fewer_nodes="allow")
     assert workflow.prepare_launch_pool(roomy, slot=1) == 2
     assert json.loads((tmp_path / "ckpt" / "capacity.json").read_text())["launches"] == []

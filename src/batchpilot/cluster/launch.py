@@ -594,7 +594,9 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
             raise
 
 
-def _capacity(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig) -> contextlib.AbstractContextManager[None]:
+def _capacity(
+    runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
+) -> contextlib.AbstractContextManager[None]:
     """With `cluster.provisioning: flex-start`, the launch's nodes come through a ProvisioningRequest for its
     node count, provisioned before the JobSet is created and deleted when the launch ends
     (`batchpilot.cluster.provisioning`); otherwise the pool was sized by the resize step."""

@@ -122,7 +122,9 @@ def delete_run_jobs(*, cluster: ClusterConfig, run: str) -> list[str]:
     names = delete_labelled(
         cluster, labels={RUN_LABEL: run}, wait_s=_delete_wait_s(), why=f"the end of run {run}"
     )
-    if cluster.provisioning == "flex-start":  # a cancelled or evicted launch's request, still asking or holding
+    if (
+        cluster.provisioning == "flex-start"
+    ):  # a cancelled or evicted launch's request, still asking or holding
         from batchpilot.cluster.provisioning import delete_run_requests
         from batchpilot.cluster.readiness import kube_api_client
 

@@ -165,7 +165,12 @@ def apply_capacity(
 
 
 def capacity_problems(
-    *, backend: str, pool_mode: str, accelerator_type: str | None, fewer_nodes: str, local_capacity_nodes: int | None
+    *,
+    backend: str,
+    pool_mode: str,
+    accelerator_type: str | None,
+    fewer_nodes: str,
+    local_capacity_nodes: int | None,
 ) -> list[BatchpilotError]:
     """Settings of `cluster.fewer_nodes` and `cluster.local_capacity_nodes` that cannot take effect, one
     error each (the planner refuses them before anything is resized)."""

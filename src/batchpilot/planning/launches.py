@@ -50,7 +50,9 @@ class Launch:
     def describe(self) -> str:
         """`stages-0-3: stage-0, stage-1, stage-2, stage-3 on 8 node(s)`."""
         fewer = f" (planned {self.planned_nodes})" if self.planned_nodes else ""
-        return f"{self.name}: {', '.join(self.stage_names)} on {self.num_nodes} node(s){fewer}{self.slice_text}"
+        return (
+            f"{self.name}: {', '.join(self.stage_names)} on {self.num_nodes} node(s){fewer}{self.slice_text}"
+        )
 
     @property
     def slice_text(self) -> str:
