@@ -354,3 +354,26 @@ def test_the_orphan_reaper_is_an_optional_hardened_cronjob_scaling_down_orphaned
     assert rules[("jobset.x-k8s.io", "jobsets")] >= {"list", "get"}
     with pytest.raises(Exception, match="orphanReaper"):
         render({"orphanReaper": {"enabled": True, "every": 5}})  # values.schema.json: no unknown keys
+
+
+@pytest.mark.parametrize("provisioning", ["resize", "flex-start"])
+def test_the_chart_grants_every_permission_a_run_calls(provisioning):
+    """The chart's Role (namespace) and ClusterRole grant each call `batchpilot doctor` checks, which lists
+    what cluster/ calls, call site by call site (doctor/kube.py run_access)."""
+    from batchpilot.doctor.kube import run_access
+
+    kinds = by_kind(render())
+
+    def granted(kind: str) -> set[tuple[str, str, str]]:
+        return {
+            (group, resource, verb)
+            for rule in kinds[kind]["rules"]
+            for group in rule["apiGroups"]
+            for resource in rule["resources"]
+            for verb in rule["verbs"]
+        }
+
+    role, cluster_role = granted("Role"), granted("ClusterRole")
+    for access in run_access("jobset", provisioning):
+        resource = f"{access.resource}/{access.subresource}" if access.subresource else access.resource
+        assert (access.group, resource, access.verb) in (cluster_role if access.cluster_wide else role), access
