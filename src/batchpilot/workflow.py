@@ -234,12 +234,21 @@ def prepare_pool(
     started = time.monotonic()
     before = pool.current_size()
     pool.resize(num_nodes)
-    logger.info("resized: %d -> %d node(s)", before, num_nodes)
-    pool.wait_ready(
-        num_nodes, timeout_s=timeout_s if timeout_s is not None else config.cluster.ready_timeout_s
+    # Flex-start (a ProvisioningRequest per launch) and autoscale mode (pending pods) bring the nodes
+    # when the launch's job asks for them: the pool task neither resized nor waited for them.
+    cluster = config.cluster
+    deferred = cluster.backend == "gke" and (
+        cluster.provisioning == "flex-start" or cluster.pool_mode == "autoscale"
     )
+    if not deferred:
+        logger.info("resized: %d -> %d node(s)", before, num_nodes)
+    pool.wait_ready(num_nodes, timeout_s=timeout_s if timeout_s is not None else cluster.ready_timeout_s)
     change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
-    logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
+    if deferred:
+        how = "its ProvisioningRequest" if cluster.provisioning == "flex-start" else "the cluster autoscaler"
+        logger.info("%d node(s) come with the launch's job (%s); %s", num_nodes, how, change.description)
+    else:
+        logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
     return change
 
 
