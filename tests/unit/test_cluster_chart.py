@@ -376,4 +376,6 @@ def test_the_chart_grants_every_permission_a_run_calls(provisioning):
     role, cluster_role = granted("Role"), granted("ClusterRole")
     for access in run_access("jobset", provisioning):
         resource = f"{access.resource}/{access.subresource}" if access.subresource else access.resource
-        assert (access.group, resource, access.verb) in (cluster_role if access.cluster_wide else role), access
+        assert (access.group, resource, access.verb) in (cluster_role if access.cluster_wide else role), (
+            access
+        )
