@@ -4,6 +4,8 @@
 - `gcs_client`: points google-cloud-storage at that server for one test (STORAGE_EMULATOR_HOST,
   anonymous credentials, a project id) and returns a client.
 - `gcs_bucket`: a fresh, empty bucket name for one test.
+- `fault_rng`: the random kill and stop points of a fault test, seeded and printed (shown with a failure):
+  `BATCHPILOT_FAULT_SEED=<seed>` repeats a run's points.
 - `simulated_cluster`: a simulated GKE cluster (`gke_sim.simulated_gke`) behind the Container and
   Kubernetes API stand-ins, with no node pool yet (`simulated_cluster.add_pool(...)`); pods do not
   run as processes (use `simulated_gke(run_pods_in=folder)` for that).
@@ -11,6 +13,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +48,13 @@ def gcs_bucket(gcs_client: Any) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     gcs_client.create_bucket(name)
     return name
+
+
+@pytest.fixture
+def fault_rng(request: pytest.FixtureRequest) -> random.Random:
+    seed = int(os.environ.get("BATCHPILOT_FAULT_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"{request.node.nodeid}: fault points from seed {seed} (repeat: BATCHPILOT_FAULT_SEED={seed})")
+    return random.Random(seed)
 
 
 @pytest.fixture

@@ -113,7 +113,9 @@ def gcs_server_running(*, log_path: Path) -> Iterator[GCSServer]:
 
 
 FAULTS = ("503", "429", "drop", "500", "408", "truncate", "502", "504")
-"""Faults the proxy cycles through: an HTTP status, a connection closed with no answer, or a body cut short."""
+"""Faults the proxy cycles through: an HTTP status, a connection closed with no answer, or a body cut short.
+`flip` (not in the default cycle) flips one byte in the middle of an object's content on its way to the
+client, with the length and headers unchanged: only a checksum can tell."""
 
 _HOP_BY_HOP = {
     "connection",
@@ -127,23 +129,29 @@ _HOP_BY_HOP = {
 
 @dataclass
 class FaultProxy:
-    """An HTTP proxy on loopback that fails every `fail_every`-th request with the next fault in FAULTS."""
+    """An HTTP proxy on loopback that fails every `fail_every`-th request with the next of `faults`."""
 
     upstream_port: int
     fail_every: int
+    faults: tuple[str, ...] = FAULTS
     server: ThreadingHTTPServer | None = None
     injected: list[str] = field(default_factory=list)
     _counter: itertools.count[int] = field(default_factory=itertools.count)
-    _faults: Iterator[str] = field(default_factory=lambda: itertools.cycle(FAULTS))
+    _faults: Iterator[str] = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._faults = itertools.cycle(self.faults)
 
     @property
     def endpoint(self) -> str:
         assert self.server is not None
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def next_fault(self, method: str) -> str | None:
+    def next_fault(self, method: str, path: str) -> str | None:
         with self._lock:
+            if fault_only_for_content(self.faults) and not is_content_read(method, path):
+                return None  # count and damage only what `flip` can damage: object content
             if next(self._counter) % self.fail_every != self.fail_every - 1:
                 return None
             fault = next(self._faults)
@@ -151,6 +159,20 @@ class FaultProxy:
                 fault = "503"
             self.injected.append(fault)
             return fault
+
+
+def is_content_read(method: str, path: str) -> bool:
+    """A GET of an object's bytes (the JSON API's media download), not of its metadata or a listing."""
+    return method == "GET" and "alt=media" in path
+
+
+def fault_only_for_content(faults: tuple[str, ...]) -> bool:
+    return set(faults) == {"flip"}
+
+
+def _flip_middle_byte(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1 :]
 
 
 def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
@@ -162,11 +184,11 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            fault = proxy.next_fault(self.command)
+            fault = proxy.next_fault(self.command, self.path)
             if fault == "drop":
                 self.close_connection = True
                 return
-            if fault is not None and fault != "truncate":
+            if fault is not None and fault not in ("truncate", "flip"):
                 payload = b'{"error": {"code": %s, "message": "injected fault"}}' % fault.encode()
                 self.send_response(int(fault))
                 self.send_header("Content-Type", "application/json")
@@ -195,7 +217,7 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data[: len(data) // 2])
                 self.close_connection = True
                 return
-            self.wfile.write(data)
+            self.wfile.write(_flip_middle_byte(data) if fault == "flip" and data else data)
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
 
@@ -210,9 +232,12 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def fault_proxy(*, upstream_port: int, fail_every: int) -> Iterator[FaultProxy]:
-    """Runs a FaultProxy on a free loopback port in a background thread."""
-    proxy = FaultProxy(upstream_port=upstream_port, fail_every=fail_every)
+def fault_proxy(
+    *, upstream_port: int, fail_every: int, faults: tuple[str, ...] = FAULTS
+) -> Iterator[FaultProxy]:
+    """Runs a FaultProxy on a free loopback port in a background thread (`faults=("flip",)`: only flips,
+    counted over object content reads)."""
+    proxy = FaultProxy(upstream_port=upstream_port, fail_every=fail_every, faults=faults)
     proxy.server = _QuietServer(("127.0.0.1", 0), _handler(proxy))
     thread = threading.Thread(target=proxy.server.serve_forever, daemon=True)
     thread.start()

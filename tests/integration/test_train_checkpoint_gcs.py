@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gcs_server import fault_proxy
 
 from batchpilot.data.storage import PreconditionFailed, open_storage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
@@ -43,3 +44,19 @@ def test_latest_is_guarded_by_its_generation_on_gcs(gcs_bucket):
     with pytest.raises(PreconditionFailed):
         storage.write("latest", b"000000001\n", if_generation_match=stale)
     assert checkpointer.latest_step() == 2
+
+
+def test_a_byte_flipped_in_transit_is_caught_and_read_again(gcs_server, gcs_bucket, monkeypatch):
+    """Every second object read through the proxy arrives with one byte flipped (same length): the
+    client's CRC32C check of a whole-object read catches it and the read is repeated, so the checkpoint
+    loads with the bytes that were saved. Breaks when whole-object reads skip the checksum (the flipped
+    shard would then fail the SHA-256 of meta.json instead of being read again)."""
+    uri = f"gs://{gcs_bucket}/flip"
+    saved = {"model": {"w": torch.arange(4096.0)}, "optimizer": {"state": {}, "param_groups": []}}
+    Checkpointer(uri=uri).save_sharded(step=1, consumed_samples=8, state=saved, rng=capture_rng_state())
+    with fault_proxy(upstream_port=gcs_server.port, fail_every=2, faults=("flip",)) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        loaded = Checkpointer(uri=uri).load()
+        assert loaded is not None
+        assert torch.equal(loaded.full_state()["model"]["w"], saved["model"]["w"])
+    assert proxy.injected.count("flip") >= 2  # rng.pt, and the shard or .metadata

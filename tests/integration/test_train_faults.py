@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 from pathlib import Path
 
@@ -72,10 +71,10 @@ def assert_identical_to(reference: Path, root: Path) -> None:
         assert resumed["noise_scale"] == pytest.approx(uninterrupted["noise_scale"], rel=1e-9)
 
 
-def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp_path):
+def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp_path, fault_rng):
     plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
     out = tmp_path / "out"
-    victim_step, victim_rank = random.Random().randint(3, 100), random.choice([0, 1])
+    victim_step, victim_rank = fault_rng.randint(3, 100), fault_rng.choice([0, 1])
     proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", victim_step, proc)
     os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
