@@ -210,6 +210,19 @@ class ClusterConfig(_Section):
         "pool's ready nodes); at most the machine type's allocatable",
     )
     env: dict[str, str] = Field(default_factory=dict, description="gke: extra environment of the trainers")
+    gpudirect: Literal["auto", "off"] = Field(
+        "auto",
+        description="gke: GPUDirect networking of the trainer pods: auto = the machine type's stack (TCPX on "
+        "a3-highgpu-8g, TCPXO on a3-megagpu-8g, RDMA on a3-ultragpu-8g and a4-highgpu-8g: the GPU NICs' "
+        "networks, the receive-path daemon sidecar, the NCCL plugin's mounts and settings; the node pool needs "
+        "the additional networks, docs/cluster.md); off = a plain pod on the primary network",
+    )
+    gpudirect_networks: list[str] | None = Field(
+        None,
+        description="gke, GPUDirect: the GKE Network objects of the node pool's GPU NICs in NIC order (none: "
+        "the names GKE's guides create: vpc1..vpc4 on A3 High, vpc1..vpc8 on A3 Mega, rdma-0..rdma-7 on A3 "
+        "Ultra and A4)",
+    )
     ready_timeout_s: float = Field(
         1800.0, gt=0, description="gke: how long to wait for the pool's nodes to be Ready with their GPUs"
     )

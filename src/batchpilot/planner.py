@@ -30,6 +30,7 @@ from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecisio
 from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.capacity import capacity_problems
 from batchpilot.planning.devices import device_memory_bytes
+from batchpilot.planning.gpudirect import gpudirect_problems
 from batchpilot.planning.memory import (
     RESERVE_FIXED_BYTES,
     MemoryPlan,
@@ -362,6 +363,10 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
     problems += capacity_problems(
         backend=cluster.backend, pool_mode=cluster.pool_mode, accelerator_type=cluster.accelerator_type,
         fewer_nodes=cluster.fewer_nodes, local_capacity_nodes=cluster.local_capacity_nodes,
+    )  # fmt: skip
+    problems += gpudirect_problems(
+        backend=cluster.backend, gpudirect=cluster.gpudirect, machine_type=cluster.machine_type,
+        gpudirect_networks=cluster.gpudirect_networks,
     )  # fmt: skip
     tpu_problems = check_tpu(config)
     if tpu_problems:

@@ -403,8 +403,10 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool
     (a real launch); without it (a dry run) such a config is an error naming what to set.
     """
     from torchx.components.dist import torchrun
+    from torchx.specs.api import BindMount
     from torchx.specs.overlays import set_overlay
 
+    from batchpilot.cluster.gpudirect import gpudirect_pod
     from batchpilot.cluster.placement import trainer_pod_overlay
 
     if not cluster.image:
@@ -429,6 +431,7 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool
     # under memory pressure, and a trainer killed mid-step loses the work since its last checkpoint.
     # torchx writes the limit as memMB and the request 1024 MB (its RESERVED_MEMMB) below it; the CPU
     # request 100m below the limit. GPUs: request == limit == devices_per_node.
+    direct = gpudirect_pod(cluster)  # the trainer container's GPUDirect mounts, environment and settings
     appdef = torchrun(
         *spec.trainer_args,
         m="batchpilot",
@@ -438,13 +441,24 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool
         cpu=resources.cpu,
         gpu=gpus,
         memMB=resources.memory_bytes // MEGABYTE,
-        env={"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **cluster.env, **spec.env},
+        env={
+            "PYTHONUNBUFFERED": "1", "HOME": "/tmp", **(direct.trainer_env if direct else {}), **cluster.env,
+            **spec.env,
+        },
         rdzv_port=RDZV_PORT,
         tee=3,
-    )
+    )  # fmt: skip
     role = appdef.roles[0]
     assert role.args[0] == "-c", role.args  # torchrun's component runs one bash command line
-    role.args = ["-c", write_inputs_command() + role.args[1]]
+    setup = ""
+    if direct is not None:
+        logger.info(
+            "%s on %s: GPU NICs on GKE Networks %s", direct.stack.title, cluster.machine_type,
+            ", ".join(cluster.gpudirect_networks or direct.stack.default_networks),
+        )  # fmt: skip
+        role.mounts = [BindMount(host, path, read_only) for host, path, read_only in direct.trainer_mounts]
+        setup = direct.setup_command()
+    role.args = ["-c", write_inputs_command() + setup + role.args[1]]
     set_overlay(role, "kubernetes", "V1Pod", trainer_pod_overlay(cluster))
     return appdef
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchpilot.cluster.gpudirect import add_to_pod_overlay, gpudirect_pod
 from batchpilot.cluster.readiness import GKE_NODE_POOL_LABEL, GPU_RESOURCE
 from batchpilot.config import ClusterConfig, Config
 from batchpilot.planning.tpu import TPU_RESOURCE_NAME, slice_pool_name
@@ -89,7 +90,7 @@ def trainer_pod_overlay(cluster: ClusterConfig, *, tpu_topology: str | None = No
             tpu_node_selector(cluster, topology=tpu_topology),
             tpu_tolerations(cluster),
         )
-    return {
+    overlay: dict[str, Any] = {
         "metadata": {"annotations": {SAFE_TO_EVICT_ANNOTATION: "false"}},
         "spec": {
             "nodeSelector": node_selector,
@@ -106,6 +107,11 @@ def trainer_pod_overlay(cluster: ClusterConfig, *, tpu_topology: str | None = No
             "volumes": [{"name": "tmp", "emptyDir": {}}],
         },
     }
+    # GPU NICs' networks and the receive-path daemon (cluster/gpudirect.py); the trainer container's part
+    # of it is in launch.cluster_appdef.
+    if tpu_topology is None and (direct := gpudirect_pod(cluster)) is not None:
+        add_to_pod_overlay(overlay, direct)
+    return overlay
 
 
 def _requests_equal_limits(container: dict[str, Any]) -> None:
