@@ -140,7 +140,7 @@ class CountingStorage:
     """Wraps a storage and records every read's (name, start, end)."""
 
     def __init__(self, inner: Storage) -> None:
-        self.inner, self.reads = inner, list[tuple[str, int, int | None]]()
+        self.inner, self.reads, self.data = inner, list[tuple[str, int, int | None]](), list[bytes]()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -149,7 +149,8 @@ class CountingStorage:
         self, name: str, *, start: int = 0, end: int | None = None, generation: int | None = None
     ) -> bytes:
         self.reads.append((name, start, end))
-        return self.inner.read(name, start=start, end=end, generation=generation)
+        self.data.append(self.inner.read(name, start=start, end=end, generation=generation))
+        return self.data[-1]
 
 
 def test_an_epoch_in_order_reads_each_block_once_with_few_large_reads(shard_uri: str) -> None:
@@ -157,7 +158,7 @@ def test_an_epoch_in_order_reads_each_block_once_with_few_large_reads(shard_uri:
         assert loader._shards is not None and loader._cache is not None
         storage = loader._shards.storage = CountingStorage(loader._shards.storage)
         order, global_batch = loader.order, 8
-        touched: set[int] = set()
+        windows: set[tuple[int, int]] = set()
         for consumed in range(0, order.num_samples - global_batch + 1, global_batch):
             (batch,) = loader.micro_batches(
                 consumed_samples=consumed,
@@ -166,13 +167,19 @@ def test_an_epoch_in_order_reads_each_block_once_with_few_large_reads(shard_uri:
                 gradient_accumulation_steps=1,
             )
             assert torch.equal(batch, expected_step(shard_uri, consumed=consumed, global_batch=global_batch))
-            touched |= {order.sample_at(p) // 5 for p in range(consumed, consumed + global_batch)}
-            # The cache holds only the windows of the current step: at most two of 3 blocks here.
-            assert loader._cache.num_cached_blocks <= 2 * 3
-        assert loader.stats.num_blocks_read == len(touched) >= order.num_blocks - 3
+            windows |= {order.window_of(p) for p in range(consumed, consumed + global_batch)}
+            # The cache holds only the windows of the current step: at most two of 3 blocks of 5 here.
+            assert loader._cache.num_cached_samples <= 2 * 3 * 5
+        # One rank trains whole windows, so it reads each of their blocks whole, once (adjacent blocks
+        # overlap by one token, which one request reads once).
+        blocks = [b for epoch, window in windows for b in order.window_blocks_of(epoch=epoch, window=window)]
+        assert len(blocks) == len(set(blocks)) >= order.num_blocks - 3
+        block_bytes = sum((len(order.block_samples_range(b)) * SEQ_LEN + 1) * 2 for b in blocks)
+        assert block_bytes - 2 * len(blocks) <= loader.stats.num_storage_bytes_read <= block_bytes
+        assert sum(len(data) for data in storage.data) == loader.stats.num_storage_bytes_read
         # One ranged read per block and shard it spans (adjacent blocks may share one), never per sample.
         num_shards = len(loader._shards.shards)
-        assert len(storage.reads) <= loader.stats.num_blocks_read + num_shards
+        assert len(storage.reads) == loader.stats.num_storage_requests <= len(blocks) + num_shards
         assert len(storage.reads) < loader.stats.num_samples_read / 4
 
 

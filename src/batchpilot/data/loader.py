@@ -4,10 +4,12 @@ With `expansion_factor` f > 1 only the first rank of every f-th host (a "loading
 reads from storage: it reads the samples of all ranks of its host and of the next f - 1 hosts and sends
 each rank its own over a dedicated gloo process group. With f <= 1 every rank reads its own samples.
 
-A reader does not fetch samples one by one: the sample order (`SampleOrder`, a block-window shuffle) makes
-every step draw from the few blocks of one or two windows, so the reader fetches each block it needs with
-one ranged read per shard, keeps the blocks of the windows the current step touches in memory, and cuts
-the samples out of them. Reading an epoch in order fetches each block once.
+A reader fetches only the samples its ranks train (`SampleCache`): the sample order (`SampleOrder`, a
+block-window shuffle) makes every step draw from the few blocks of one or two windows, and when a step
+first touches a window the reader fetches every sample of it that its ranks will train, one ranged read
+per run of adjacent samples. One rank reading for itself alone thus reads whole blocks (each once per
+epoch), and one rank of 128 about one sample per block: storage returns about the bytes it trains at
+any world size (whole blocks for every rank cost ~85x at 16 x 8, bench/data_loader.py).
 
 A background thread prepares the next `prefetch_steps` steps, guessing that the next step starts where
 this one ends with the same batch shape. The guesses depend only on the calls the trainer makes, which
@@ -31,11 +33,11 @@ from batchpilot.data.sampling import (
     DEFAULT_WINDOW_BLOCKS,
     LoadingGroup,
     SampleOrder,
-    block_token_range,
     check_block_window,
     loading_group,
     num_samples,
     rank_micro_batches,
+    rank_of_position,
 )
 from batchpilot.data.shards import ShardSet
 from batchpilot.errors import BatchpilotError
@@ -66,59 +68,144 @@ class LoaderStats:
     """Where the trainer's time went: `wait_s` blocked on data over `num_steps` steps.
 
     `num_samples_read` and `num_bytes_read` count the samples a reader produced (for its whole group);
-    `num_blocks_read` and `num_storage_bytes_read` what it fetched from storage to produce them.
+    `num_storage_requests` and `num_storage_bytes_read` what storage returned to produce them.
     """
 
     num_steps: int = 0
     wait_s: float = 0.0
     num_samples_read: int = 0
     num_bytes_read: int = 0
-    num_blocks_read: int = 0
+    num_storage_requests: int = 0
     num_storage_bytes_read: int = 0
 
 
-class BlockCache:
-    """The blocks of the windows one step touches, each fetched with one ranged read per shard.
+# A reader merges two runs of samples of one block when the samples between them, summed over the merges
+# of one read, stay within this share of the samples it needs: fewer requests for at most 5% more bytes.
+READ_GAP_SHARE = 0.05
 
-    Before each step it drops every block outside the windows of that step's positions, so it holds at
-    most `ceil(step / window) + 1` windows of `window_blocks x block_samples` samples: two windows when a
-    step is no larger than a window. A block is the same in every epoch, so a block that the next
-    epoch's window needs again is kept.
+
+class SampleCache:
+    """The samples a reader's ranks train from the windows one step touches, fetched a window at a time.
+
+    When a step first touches a window, the reader fetches every sample of that window its ranks will
+    train from that step on if the batch shape stays the same: the windows' positions are shuffled
+    within the window, so a rank among many trains a few samples scattered over the window's blocks, and
+    fetching whole blocks would read `world size / ranks read for` times what it trains. Adjacent samples
+    of one block are one ranged read; runs a few samples apart are merged within `READ_GAP_SHARE`. A
+    reader that trains whole windows (one rank, or a loading host feeding every rank) so reads each block
+    whole once, and a rank of 128 reads only its own samples, about one per block.
+
+    A step with another batch shape plans the windows it touches again; a sample a step needs that no
+    plan covered is read with the step, so the plan decides what is fetched, never what is trained.
+    Before each step the samples outside the step's windows are dropped: the cache holds at most the
+    reader's share of `ceil(step / window) + 1` windows.
     """
 
-    def __init__(self, *, shards: ShardSet, order: SampleOrder, seq_len: int, stats: LoaderStats) -> None:
+    def __init__(
+        self, *, shards: ShardSet, order: SampleOrder, seq_len: int, world_size: int, stats: LoaderStats
+    ) -> None:
         self._shards, self._order, self._seq_len, self._stats = shards, order, seq_len, stats
-        self._blocks: dict[int, np.ndarray] = {}
+        self._world_size = world_size
+        self._samples: dict[int, np.ndarray] = {}
+        # (epoch, window) -> the batch shape its plan assumed: (global batch, micro batch, grid offset).
+        self._planned: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._lock = threading.Lock()
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._blocks)
+    def num_cached_samples(self) -> int:
+        return len(self._samples)
 
-    def samples(self, positions: list[int]) -> np.ndarray:
-        """int32 tokens `[len(positions), seq_len + 1]` of the samples at `positions`."""
+    def samples(self, positions: list[int], *, key: StepKey, ranks: tuple[int, ...]) -> np.ndarray:
+        """int32 tokens `[len(positions), seq_len + 1]` of the samples at `positions`, which `ranks`
+        train in the step `key`."""
         order, seq_len = self._order, self._seq_len
         samples = [order.sample_at(position) for position in positions]
         windows = {order.window_of(position) for position in positions}
         keep = {
             block for epoch, window in windows for block in order.window_blocks_of(epoch=epoch, window=window)
         }
+        shape = (key.global_batch_size, key.micro_batch_size, key.consumed_samples % key.global_batch_size)
         with self._lock:
-            for block in [block for block in self._blocks if block not in keep]:
-                del self._blocks[block]
-            missing = sorted({sample // order.block_samples for sample in samples} - self._blocks.keys())
-            ranges = [
-                block_token_range(order.block_samples_range(block), seq_len=seq_len) for block in missing
-            ]
-            for block, tokens in zip(missing, self._shards.read_tokens(ranges), strict=True):
-                self._blocks[block] = tokens
-                self._stats.num_storage_bytes_read += tokens.nbytes
-            self._stats.num_blocks_read += len(missing)
+            self._samples = {s: t for s, t in self._samples.items() if s // order.block_samples in keep}
+            self._planned = {w: planned for w, planned in self._planned.items() if w in windows}
+            wanted = set(samples)
+            for window in sorted(w for w in windows if self._planned.get(w) != shape):
+                wanted.update(self._window_samples(window, key=key, ranks=ranks))
+                self._planned[window] = shape
+            self._fetch(sorted(wanted - self._samples.keys()))
             out = np.empty((len(samples), seq_len + 1), dtype=np.int32)
             for row, sample in enumerate(samples):
-                block, within = divmod(sample, order.block_samples)
-                out[row] = self._blocks[block][within * seq_len : within * seq_len + seq_len + 1]
+                out[row] = self._samples[sample]
         return out
+
+    def _window_samples(self, window: tuple[int, int], *, key: StepKey, ranks: tuple[int, ...]) -> list[int]:
+        """The samples of `window` that `ranks` train from `key`'s step on, if every step has its shape."""
+        epoch, index = window
+        positions = self._order.window_positions(epoch=epoch, window=index)
+        members = set(ranks)
+        return [
+            self._order.sample_at(position)
+            for position in range(max(positions.start, key.consumed_samples), positions.stop)
+            if rank_of_position(
+                position,
+                consumed_samples=key.consumed_samples,
+                global_batch_size=key.global_batch_size,
+                micro_batch_size=key.micro_batch_size,
+                data_parallel_size=self._world_size,
+            )
+            in members
+        ]
+
+    def _fetch(self, samples: list[int]) -> None:
+        """Reads the sorted, distinct `samples` into the cache, one ranged read per run."""
+        if not samples:
+            return
+        seq_len = self._seq_len
+        runs = read_runs(samples, block_samples=self._order.block_samples, gap_share=READ_GAP_SHARE)
+        ranges = [(first * seq_len, last * seq_len + seq_len + 1) for first, last in runs]
+        wanted = iter(samples)
+        sample = next(wanted, None)
+        for (first, last), tokens in zip(
+            runs, self._shards.read_tokens(ranges, coalesce_gap_bytes=0), strict=True
+        ):
+            while sample is not None and sample <= last:
+                offset = (sample - first) * seq_len
+                self._samples[sample] = tokens[offset : offset + seq_len + 1]
+                sample = next(wanted, None)
+        self._stats.num_storage_requests = self._shards.num_requests
+        self._stats.num_storage_bytes_read = self._shards.num_bytes_fetched
+
+
+def read_runs(samples: list[int], *, block_samples: int, gap_share: float) -> list[tuple[int, int]]:
+    """Sorted, distinct `samples` as runs `(first, last)` to read, each within one block.
+
+    Adjacent samples share a run; then the smallest gaps between runs of one block are closed while the
+    samples they add stay within `gap_share x len(samples)`.
+    """
+    runs: list[tuple[int, int]] = []
+    for sample in samples:
+        if runs and sample == runs[-1][1] + 1 and sample // block_samples == runs[-1][0] // block_samples:
+            runs[-1] = (runs[-1][0], sample)
+        else:
+            runs.append((sample, sample))
+    gaps = sorted(
+        (runs[i + 1][0] - runs[i][1] - 1, i)
+        for i in range(len(runs) - 1)
+        if runs[i][0] // block_samples == runs[i + 1][0] // block_samples
+    )
+    allowance, closed = int(gap_share * len(samples)), set()
+    for size, i in gaps:
+        if size > allowance:
+            break
+        allowance -= size
+        closed.add(i)
+    merged: list[tuple[int, int]] = []
+    for i, run in enumerate(runs):
+        if i - 1 in closed:
+            merged[-1] = (merged[-1][0], run[1])
+        else:
+            merged.append(run)
+    return merged
 
 
 class TokenLoader:
@@ -196,7 +283,13 @@ class TokenLoader:
         self._cache = (
             None
             if self._shards is None
-            else BlockCache(shards=self._shards, order=self.order, seq_len=seq_len, stats=self.stats)
+            else SampleCache(
+                shards=self._shards,
+                order=self.order,
+                seq_len=seq_len,
+                world_size=world_size,
+                stats=self.stats,
+            )
         )
         self._prefetch_steps = prefetch_steps
         self._issued: collections.deque[StepKey] = collections.deque()
@@ -408,7 +501,7 @@ class TokenLoader:
             for position in micro
         ]
         assert self._cache is not None
-        tokens = self._cache.samples(positions)
+        tokens = self._cache.samples(positions, key=key, ranks=ranks)
         self.stats.num_samples_read += len(positions)
         self.stats.num_bytes_read += len(positions) * (self.seq_len + 1) * self._shards.dtype.itemsize
         shape = (len(ranks), key.gradient_accumulation_steps, key.micro_batch_size, self.seq_len + 1)

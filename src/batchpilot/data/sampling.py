@@ -198,18 +198,35 @@ class SampleOrder:
             return last
         return _slot_of_block(last, num_blocks=self.num_blocks, seed=self.seed, epoch=epoch)
 
+    def window_positions(self, *, epoch: int, window: int) -> range:
+        """The consumed-sample positions (across epochs) whose samples window `window` of `epoch` holds."""
+        if not 0 <= window < self.num_windows:
+            raise IndexError(f"window {window} outside range({self.num_windows})")
+        short = self._short_block_slot(epoch)
+        start = epoch * self.num_samples + self._window_start(window, short=short)
+        end = (
+            (epoch + 1) * self.num_samples
+            if window + 1 == self.num_windows
+            else epoch * self.num_samples + self._window_start(window + 1, short=short)
+        )
+        return range(start, end)
+
+    def _window_start(self, window: int, *, short: int | None) -> int:
+        """Window `w` starts at `w x W x K` positions, less the short block's deficit if that block sits in
+        an earlier window (`short` is its slot in the epoch's block order, None when it is full)."""
+        earlier = short is not None and short < window * self.window_blocks
+        return window * self.window_blocks * self.block_samples - (self._deficit if earlier else 0)
+
     def _locate(self, epoch: int, index: int) -> tuple[int, int, int | None]:
         """(window, offset in the window, slot of the short block within the window or None).
 
-        Window `w` starts at `w x W x K` positions, less the short block's deficit if that block sits in
-        an earlier window, so window `index // (W x K)` or the next one holds `index`.
+        Window `index // (W x K)` or the next one holds `index` (see `_window_start`).
         """
         per_window = self.window_blocks * self.block_samples
         short = self._short_block_slot(epoch)
 
         def start(window: int) -> int:
-            earlier = short is not None and short < window * self.window_blocks
-            return window * per_window - (self._deficit if earlier else 0)
+            return self._window_start(window, short=short)
 
         window = index // per_window
         if window + 1 < self.num_windows and start(window + 1) <= index:
@@ -291,6 +308,20 @@ def rank_micro_batches(
         for a in range(accumulation_steps)
     )
     return [range(start, start + micro_batch_size) for start in starts]
+
+
+def rank_of_position(
+    position: int,
+    *,
+    consumed_samples: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+) -> int:
+    """The data-parallel rank that trains `position` when the steps from `consumed_samples` on all have
+    this batch shape (the inverse of `rank_micro_batches` over those steps)."""
+    offset = (position - consumed_samples) % global_batch_size
+    return offset % (micro_batch_size * data_parallel_size) // micro_batch_size
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import json
 import struct
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -227,6 +228,8 @@ class ShardSet:
         for shard in self.shards:
             self._starts.append(self._starts[-1] + shard.num_tokens)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="shard-read")
+        self.num_requests = self.num_bytes_fetched = 0
+        self._counter_lock = threading.Lock()
 
     @classmethod
     def open(
@@ -270,16 +273,20 @@ class ShardSet:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def read_tokens(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+    def read_tokens(
+        self, ranges: Sequence[tuple[int, int]], *, coalesce_gap_bytes: int = COALESCE_GAP_BYTES
+    ) -> list[np.ndarray]:
         """The tokens of each split-wide range `[start, end)`, in the manifest's dtype.
 
-        Nearby ranges of one shard are fetched by one request; requests run concurrently.
+        Ranges of one shard at most `coalesce_gap_bytes` apart are fetched by one request (0: only
+        touching or overlapping ones); requests run concurrently. `num_requests` and
+        `num_bytes_fetched` count what storage returned.
         """
         segments = [
             seg for index, (start, end) in enumerate(ranges) for seg in self._segments(index, start, end)
         ]
         outputs = [np.empty(end - start, dtype=self.dtype) for start, end in ranges]
-        requests = _coalesce(segments)
+        requests = _coalesce(segments, gap_bytes=coalesce_gap_bytes)
         results = self._pool.map(self._fetch, requests)
         for (shard, start, _end, members), data in zip(requests, results, strict=True):
             del shard
@@ -304,6 +311,9 @@ class ShardSet:
                 f"returned {len(data)} bytes for range [{start}, {end})",
                 "the shard is truncated; re-run batchpilot data prepare",
             )
+        with self._counter_lock:
+            self.num_requests += 1
+            self.num_bytes_fetched += len(data)
         return data
 
     def _segments(self, out: int, start: int, end: int) -> list[_Segment]:
@@ -330,13 +340,13 @@ class ShardSet:
         return segments
 
 
-def _coalesce(segments: list[_Segment]) -> list[tuple[int, int, int, list[_Segment]]]:
+def _coalesce(segments: list[_Segment], *, gap_bytes: int) -> list[tuple[int, int, int, list[_Segment]]]:
     """Groups segments into requests `(shard, start, end, members)` over nearby bytes of one shard."""
     requests: list[tuple[int, int, int, list[_Segment]]] = []
     for seg in sorted(segments, key=lambda s: (s.shard, s.start)):
         if requests:
             shard, start, end, members = requests[-1]
-            near = seg.shard == shard and seg.start - end <= COALESCE_GAP_BYTES
+            near = seg.shard == shard and seg.start - end <= gap_bytes
             if near and max(end, seg.end) - start <= MAX_REQUEST_BYTES:
                 requests[-1] = (shard, start, max(end, seg.end), [*members, seg])
                 continue
