@@ -181,8 +181,11 @@ def test_rank_of_position_inverts_the_rank_split() -> None:
 
 
 def test_window_positions_hold_exactly_the_positions_of_their_window() -> None:
-    for num_samples, block, window in ((97, 5, 3), (100, 5, 4), (1000, 128, 8), (31, 4, 2)):
-        order = SampleOrder(num_samples=num_samples, seed=3, block_samples=block, window_blocks=window)
+    cases = [(97, 5, 3, True), (100, 5, 4, True), (1000, 128, 8, True), (31, 4, 2, True), (97, 5, 3, False)]
+    for num_samples, block, window, shuffle in cases:
+        order = SampleOrder(
+            num_samples=num_samples, seed=3, block_samples=block, window_blocks=window, shuffle=shuffle
+        )
         for epoch in range(2):
             covered = []
             for index in range(order.num_windows):
