@@ -262,6 +262,14 @@ class LocalStorage:
                     names.append(name)
         return sorted(names)
 
+    def delete_temporaries(self, folder: str) -> None:
+        """Removes the temporary files that writes killed mid-way left in `folder` (only for a folder nobody
+        writes to any more, such as a pruned checkpoint's: a running write's temporary would go too)."""
+        path = self._path(folder)
+        if path.is_dir():
+            for leftover in path.rglob(f"{_HIDDEN_PREFIX}*.tmp"):
+                leftover.unlink(missing_ok=True)
+
     def delete(self, name: str) -> None:
         """Deletes the object, its lock file, and the folders this leaves empty.
 

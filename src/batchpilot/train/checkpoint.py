@@ -6,6 +6,13 @@ a generation precondition. A reader follows `latest`, so a checkpoint interrupte
 missing, or `latest` not yet moved) is never seen; the interrupted step folder is removed by the next
 successful save.
 
+The trainer saves asynchronously (`start_save_sharded`): it blocks only while the state is copied to CPU
+memory (DCP's stager; pinned on CUDA); a background thread then writes every rank's files (several
+objects per rank, uploaded in parallel), gathers their checksums, commits on rank 0 and prunes. Its
+collectives run on a process group of their own, so they never interleave with training's. At most one
+save is in flight: the next save, `wait` and the end of a stage wait for it (bounded) and raise its failure.
+A process that dies mid-save leaves `latest` on the previous checkpoint.
+
 - `sharded` (what the trainer writes): `torch.distributed.checkpoint` files, one per rank
   (`__<rank>_0.distcp`, written by every rank in parallel) and `.metadata`, plus rank 0's `rng.pt`. The
   state is keyed by parameter name, so it loads on any world size and any strategy (DDP, FSDP, HSDP):
@@ -18,26 +25,38 @@ successful save.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import io
 import json
+import logging
 import random
 import re
+import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from batchpilot import __version__
-from batchpilot.data.storage import ObjectNotFound, PreconditionFailed, Storage, open_storage
+from batchpilot.data.storage import (
+    LocalStorage,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    join_uri,
+    open_storage,
+)
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.dcp_storage import StorageReader, StorageWriter
 
@@ -45,6 +64,12 @@ LATEST = "latest"
 SHARDED = "sharded"
 _FILES = ("model.pt", "optimizer.pt", "rng.pt")
 _STEP_DIR = re.compile(r"^(\d{9})/")
+UPLOAD_THREADS = 4
+"""Objects each rank writes per checkpoint, uploaded in parallel (one object per thread)."""
+SAVE_TIMEOUT_S = 1800.0
+"""How long a wait for a save in flight (and the checkpoint group's collectives) may take."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,21 +136,58 @@ def dcp_quietly() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def user_errors_of_dcp() -> Iterator[None]:
+    """DCP wraps every rank's exception in one CheckpointException; a BatchpilotError among them (a corrupted
+    or missing file, a failed upload) is the one line to show."""
+    try:
+        yield
+    except CheckpointException as error:
+        for failure, _trace in error.failures.values():
+            if isinstance(failure, BatchpilotError):
+                raise failure from None
+        raise
+
+
 def _to_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
 
 
+@dataclass
+class _InFlight:
+    """A save running in the background thread."""
+
+    step: int
+    where: str
+    started_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 class Checkpointer:
     """Saves and loads checkpoints under one URI; keeps the newest `keep_last`."""
 
-    def __init__(self, *, uri: str, keep_last: int = 2, storage: Storage | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        uri: str,
+        keep_last: int = 2,
+        storage: Storage | None = None,
+        upload_threads: int = UPLOAD_THREADS,
+        save_timeout_s: float = SAVE_TIMEOUT_S,
+    ) -> None:
         if keep_last < 1:
             raise BatchpilotError("train.keep_checkpoints", f"must be at least 1, got {keep_last}")
         self.uri = uri
         self.keep_last = keep_last
         self.storage = storage or open_storage(uri)
+        self.upload_threads = upload_threads
+        self.save_timeout_s = save_timeout_s
+        self._in_flight: _InFlight | None = None
+        self._group: Any = None  # the checkpoint's own gloo process group (asynchronous saves)
+        self._stager: DefaultStager | None = None
 
     def latest_step(self) -> int | None:
         """The step `latest` points to, or None before the first checkpoint."""
@@ -155,7 +217,9 @@ class Checkpointer:
         files = {
             name: {"size_bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for name, d in blobs.items()
         }
-        return self._commit(step=step, consumed_samples=consumed_samples, files=files, extra=extra)
+        where = self._commit(step=step, consumed_samples=consumed_samples, files=files, extra=extra)
+        self._prune(current=step)
+        return where
 
     def save_sharded(
         self,
@@ -166,43 +230,184 @@ class Checkpointer:
         rng: dict[str, Any],
         extra: dict[str, Any] | None = None,
         planner: SavePlanner | None = None,
+        side_objects: dict[str, bytes] | None = None,
     ) -> str | None:
         """Every rank calls this: each writes its own shards of `state` (DCP), then rank 0 writes rng.pt and
         meta.json (with every rank's files and checksums) and moves `latest`. Returns the step folder's URI
-        on rank 0, None on the others; returns once the checkpoint is complete on every rank. `planner`:
-        DCP's save planner (None: its default; the XLA runtime passes torch_xla's SPMD planner)."""
-        folder = f"{step:09d}"
-        writer = StorageWriter(self.storage, folder)
-        with dcp_quietly():
-            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized(), planner=planner)
-        files = dict(writer.storage_fs.written)
-        if dist.is_initialized():
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, files)
-            files = {name: info for rank_files in gathered for name, info in rank_files.items()}
-        where = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            rng_bytes = _to_bytes(rng)
-            self.storage.write(f"{folder}/rng.pt", rng_bytes)
-            files[f"{folder}/rng.pt"] = {
-                "size_bytes": len(rng_bytes),
-                "sha256": hashlib.sha256(rng_bytes).hexdigest(),
-            }
-            relative = {name.removeprefix(f"{folder}/"): info for name, info in sorted(files.items())}
-            where = self._commit(
-                step=step,
-                consumed_samples=consumed_samples,
-                files=relative,
-                extra={"format": SHARDED, **(extra or {})},
+        on rank 0, None on the others; returns once the checkpoint is committed (rank 0 prunes before it
+        returns, the other ranks do not wait for that). Waits first for a save in flight. `planner`: DCP's
+        save planner (None: its default; the XLA runtime passes torch_xla's SPMD planner)."""
+        self.wait()
+        return self._write_and_commit(
+            step=step, consumed_samples=consumed_samples, state=state, rng=rng, extra=extra,
+            planner=planner, side_objects=side_objects, group=None,
+        )  # fmt: skip
+
+    def start_save_sharded(
+        self,
+        *,
+        step: int,
+        consumed_samples: int,
+        state: dict[str, Any],
+        rng: dict[str, Any],
+        extra: dict[str, Any] | None = None,
+        side_objects: dict[str, bytes] | None = None,
+    ) -> str:
+        """`save_sharded` in the background. Every rank calls it at the same step. Blocks while it waits for
+        the previous save (raising its failure) and while `state` is copied to CPU memory; returns the step
+        folder's URI the save will commit. `side_objects` (rank 0): objects written before `latest` moves."""
+        self.wait()
+        group = self._checkpoint_group()
+        if self._stager is None:
+            on_gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=on_gpu,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
             )
-        if dist.is_initialized():
-            dist.barrier()
+        staged = self._stager.stage(state)
+        assert isinstance(staged, dict)  # synchronous staging returns the copy itself
+        where = f"{self.uri.rstrip('/')}/{step:09d}"
+        in_flight = _InFlight(step=step, where=where, started_s=time.monotonic())
+
+        def run() -> None:
+            try:
+                self._write_and_commit(
+                    step=step, consumed_samples=consumed_samples, state=staged, rng=rng, extra=extra,
+                    planner=None, side_objects=side_objects, group=group,
+                )  # fmt: skip
+            except BaseException as error:  # surfaced by the next wait(), never dropped
+                in_flight.error = error
+            finally:
+                in_flight.done.set()
+
+        self._in_flight = in_flight
+        # A daemon thread: a process that ends without waiting (a crash) abandons the save; `latest` has not
+        # moved, and the next successful save removes the partial folder.
+        threading.Thread(target=run, name=f"checkpoint-{step:09d}", daemon=True).start()
         return where
+
+    @property
+    def save_in_flight(self) -> int | None:
+        """The step of the save started in the background and not yet waited for (running or done), if any."""
+        return None if self._in_flight is None else self._in_flight.step
+
+    def wait(self) -> float | None:
+        """Waits (at most `save_timeout_s`) for the save in flight and raises its failure; returns how long it
+        took from its start, None when none was in flight."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return None
+        where = in_flight.where
+        if not in_flight.done.wait(self.save_timeout_s):
+            raise BatchpilotError(
+                where,
+                f"the checkpoint of step {in_flight.step} is still being written after {self.save_timeout_s:g} s",
+                "check that the checkpoint storage is reachable and every rank is alive; `latest` still names "
+                "the previous checkpoint",
+            )
+        self._in_flight = None
+        if in_flight.error is not None:
+            error = in_flight.error
+            problem = error.args[0] if isinstance(error, BatchpilotError) and error.args else repr(error)
+            raise BatchpilotError(
+                where,
+                f"the checkpoint of step {in_flight.step} failed in the background ({problem}); it was not "
+                "committed and `latest` names the previous checkpoint",
+                "fix the cause and run the stage again: it resumes from `latest`",
+            ) from error
+        return time.monotonic() - in_flight.started_s
+
+    def _checkpoint_group(self) -> Any:
+        """A gloo group of every rank for the background thread's collectives (created on first use: every
+        rank starts its first asynchronous save at the same step)."""
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.save_timeout_s)
+            )
+        return self._group
+
+    def _write_and_commit(
+        self,
+        *,
+        step: int,
+        consumed_samples: int,
+        state: dict[str, Any],
+        rng: dict[str, Any],
+        extra: dict[str, Any] | None,
+        planner: SavePlanner | None,
+        side_objects: dict[str, bytes] | None,
+        group: Any,
+    ) -> str | None:
+        """Every rank's files, then rank 0's commit; every rank learns whether it committed; then rank 0
+        prunes (nobody waits for that)."""
+        folder = f"{step:09d}"
+        distributed = dist.is_initialized()
+        writer = StorageWriter(self.storage, folder, thread_count=self.upload_threads)
+        with user_errors_of_dcp(), dcp_quietly():
+            dcp.save(
+                state, storage_writer=writer, no_dist=not distributed, planner=planner, process_group=group
+            )
+        files = dict(writer.storage_fs.written)
+        if distributed:
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, files, group=group)
+            files = {name: info for rank_files in gathered for name, info in rank_files.items()}
+        main = not distributed or dist.get_rank() == 0
+        where, failure = None, None
+        if main:
+            try:
+                where = self._commit_sharded(
+                    folder=folder, step=step, consumed_samples=consumed_samples, files=files, rng=rng,
+                    extra=extra, side_objects=side_objects or {},
+                )  # fmt: skip
+            except BaseException as error:
+                failure = error
+        if distributed:
+            outcome = [None if failure is None else repr(failure)]
+            dist.broadcast_object_list(outcome, src=0, group=group)  # replaces a barrier: the commit's result
+            if outcome[0] is not None and failure is None:
+                raise BatchpilotError(join_uri(self.uri, folder), f"rank 0 could not commit it: {outcome[0]}")
+        if failure is not None:
+            raise failure
+        if main:
+            self._prune(current=step)
+        return where
+
+    def _commit_sharded(
+        self,
+        *,
+        folder: str,
+        step: int,
+        consumed_samples: int,
+        files: dict[str, Any],
+        rng: dict[str, Any],
+        extra: dict[str, Any] | None,
+        side_objects: dict[str, bytes],
+    ) -> str:
+        rng_bytes = _to_bytes(rng)
+        self.storage.write(f"{folder}/rng.pt", rng_bytes)
+        files[f"{folder}/rng.pt"] = {
+            "size_bytes": len(rng_bytes),
+            "sha256": hashlib.sha256(rng_bytes).hexdigest(),
+        }
+        for name, data in side_objects.items():
+            self.storage.write(name, data)
+        relative = {name.removeprefix(f"{folder}/"): info for name, info in sorted(files.items())}
+        return self._commit(
+            step=step,
+            consumed_samples=consumed_samples,
+            files=relative,
+            extra={"format": SHARDED, **(extra or {})},
+        )
 
     def _commit(
         self, *, step: int, consumed_samples: int, files: dict[str, Any], extra: dict[str, Any] | None
     ) -> str:
-        """meta.json of a step whose files are all written, then `latest`, then pruning."""
+        """meta.json of a step whose files are all written, then `latest`."""
         folder = f"{step:09d}"
         meta = {
             "step": step,
@@ -224,7 +429,6 @@ class Checkpointer:
             # A retried write whose first attempt succeeded (response lost) also lands here: that is ours.
             if self.latest_step() != step:
                 raise
-        self._prune(current=step)
         return f"{self.uri.rstrip('/')}/{folder}"
 
     def _prune(self, *, current: int) -> None:
@@ -233,6 +437,8 @@ class Checkpointer:
         keep = set(complete[-self.keep_last :])
         for step in steps:
             if step <= current and step not in keep:
+                if isinstance(self.storage, LocalStorage):  # a killed save's temporary files, first
+                    self.storage.delete_temporaries(f"{step:09d}")
                 for name in self.storage.list(f"{step:09d}/"):
                     self.storage.delete(name)
 

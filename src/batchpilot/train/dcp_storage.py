@@ -16,6 +16,9 @@ from collections.abc import Generator
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from batchpilot.data.storage import Storage, join_uri
 from batchpilot.errors import BatchpilotError
@@ -42,6 +45,7 @@ class StorageFileSystem(FileSystemBase):
         self.storage = storage
         self.expected_sha256 = expected_sha256 or {}
         self.written: dict[str, dict[str, int | str]] = {}
+        self.failures: list[BaseException] = []
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -54,9 +58,14 @@ class StorageFileSystem(FileSystemBase):
             yield io.BytesIO(data)
             return
         buffer = _KeptBuffer()
-        yield buffer
-        data = buffer.contents()
-        self.storage.write(name, data)
+        try:
+            yield buffer
+            data = buffer.contents()
+            self.storage.write(name, data)
+        except BaseException as error:
+            # DCP's extra writer threads drop their exceptions; StorageWriter.write_data raises this.
+            self.failures.append(error)
+            raise
         self.written[name] = {"size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -89,12 +98,30 @@ class StorageFileSystem(FileSystemBase):
 class StorageWriter(FileSystemWriter):
     """DCP writer of one step folder; `storage_fs.written` lists this rank's files with their checksums."""
 
-    def __init__(self, storage: Storage, folder: str) -> None:
+    def __init__(self, storage: Storage, folder: str, *, thread_count: int = 1) -> None:
         # sync_files: the storage's writes are atomic and durable already (and a BytesIO has no fileno).
-        super().__init__(folder, single_file_per_rank=True, sync_files=False, overwrite=True)
+        # thread_count: this rank's state goes to that many objects (`__<rank>_<i>.distcp`), written and
+        # uploaded by as many threads at once.
+        super().__init__(
+            folder, single_file_per_rank=True, sync_files=False, overwrite=True, thread_count=thread_count
+        )
         self.storage_fs = StorageFileSystem(storage)
         self.fs = self.storage_fs  # type: ignore[assignment]  # DCP types it as its local FileSystem
         self.path = folder
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """DCP's write, refusing to report success when one of its writer threads failed: those threads'
+        exceptions are lost, and their items would be missing from the checkpoint's metadata."""
+        results = super().write_data(plan, planner)
+        written = results.value()
+        if self.storage_fs.failures or len(written) != len(plan.items):
+            if self.storage_fs.failures:
+                raise self.storage_fs.failures[0]
+            raise BatchpilotError(
+                join_uri(self.storage_fs.storage.uri, os.fspath(self.path)),
+                f"a writer thread stopped: {len(written)} of {len(plan.items)} items written",
+            )
+        return results
 
 
 class StorageReader(FileSystemReader):

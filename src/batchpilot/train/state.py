@@ -7,19 +7,15 @@ DCP reads, on every rank, the parts of each tensor that rank holds.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from batchpilot.errors import BatchpilotError
-from batchpilot.train.checkpoint import Checkpoint, dcp_quietly
+from batchpilot.train.checkpoint import Checkpoint, dcp_quietly, user_errors_of_dcp
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -34,7 +30,7 @@ def restore_training_state(
     """Loads the checkpoint into the (already wrapped or sharded) model and its optimizer, on every rank."""
     if checkpoint.sharded:
         state = training_state(model, optimizer)  # the layout to read into: this rank's shards
-        with _user_errors_of_dcp(), dcp_quietly():
+        with user_errors_of_dcp(), dcp_quietly():
             dcp.load(state, storage_reader=checkpoint.reader(), no_dist=not dist.is_initialized())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return
@@ -46,19 +42,6 @@ def restore_training_state(
         optim_state_dict=_named_optimizer_state(checkpoint.optimizer, model, optimizer),
         options=StateDictOptions(full_state_dict=True),
     )
-
-
-@contextlib.contextmanager
-def _user_errors_of_dcp() -> Iterator[None]:
-    """DCP wraps every rank's exception in one CheckpointException; a BatchpilotError among them (a corrupted
-    or missing file) is the one line to show."""
-    try:
-        yield
-    except CheckpointException as error:
-        for failure, _trace in error.failures.values():
-            if isinstance(failure, BatchpilotError):
-                raise failure from None
-        raise
 
 
 def _named_optimizer_state(

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.train.checkpoint import Checkpoint, Checkpointer, dcp_quietly
-from batchpilot.train.state import _user_errors_of_dcp, training_state
+from batchpilot.train.checkpoint import Checkpoint, Checkpointer, dcp_quietly, user_errors_of_dcp
+from batchpilot.train.state import training_state
 from batchpilot.train.xla import Layout, shard_optimizer_state
 
 
@@ -118,7 +118,7 @@ def restore_xla_state(
     shard_optimizer_state(model, optimizer, layout)
     torch_xla.sync()
     flat, mappings = _flat_state(model, optimizer)  # the layout to read into: this host's shards
-    with _user_errors_of_dcp(), dcp_quietly():
+    with user_errors_of_dcp(), dcp_quietly():
         dcp.load(
             flat,
             storage_reader=checkpoint.reader(),
