@@ -248,11 +248,12 @@ class TokenLoader:
             shuffle: a new seeded order each epoch (False: samples in file order, e.g. for evaluation).
             verify_checksums: check every shard against the manifest when opening.
             num_read_threads: concurrent storage requests of a loading rank.
-            shuffle_block_samples: K, contiguous samples per block: a reader fetches a block with one
-                ranged read (per shard it spans) and serves its samples from memory.
+            shuffle_block_samples: K, contiguous samples per block: a reader's samples of one block are
+                read in runs, a whole block with one ranged read when its ranks train all of it.
             shuffle_window_blocks: W, blocks per shuffling window: samples mix freely within a window.
-                A reader holds at most the windows of one step, two when a step is at most W x K samples
-                (at K 128, W 8, seq_len 1024, uint16: about 4 MB).
+                A reader holds its ranks' samples of at most the windows of one step, two when a step is
+                at most W x K samples (a reader of every rank at K 128, W 8, seq_len 1024, uint16: about
+                4 MB; a rank of 128 about 1/128 of that).
         """
         if seq_len <= 0 or prefetch_steps < 0:
             raise BatchpilotError(
