@@ -8,17 +8,17 @@ Python standard library's source) into it, then measures in one run:
    and what it fetched from storage for them (blocks, bytes);
 3. a simulated trainer (torch matmuls for `--step-time-s` per step) with prefetch: the fraction of
    step time spent waiting for data (target < 2%);
-4. multi-rank: every rank of a simulated `--nodes` x `--devices-per-node` world (default 16 x 8, micro
-   batch 2, global batch 1024, expansion factor 1), one rank after another in this process, each with
-   its own loader: bytes fetched from storage per byte trained (target <= 1.1), storage requests, and
-   the time per rank-step.
+4. multi-rank: every rank of each simulated `--worlds` world (nodes x devices per node; default 16 x 8
+   and 2 x 8, micro batch 2, global batch 1024, expansion factor 1), one rank after another in this
+   process, each with its own loader: bytes fetched from storage per byte trained (target <= 1.1 at
+   16 x 8), storage requests, and the time per rank-step.
 
 The loader uses its default block-window shuffle (`--block-samples`, `--window-blocks`): with 64 samples
 per step and 1024-sample windows, one step in 16 starts a window and fetches its 8 blocks; the default
 48 steps cross three windows.
 
 Usage: .venv/bin/python bench/data_loader.py [--seq-len 1024] [--global-batch-size 64] [--steps 48]
-       [--rows single,multi] [--nodes 16] [--devices-per-node 8] [--multi-steps 4]
+       [--rows single,multi] [--worlds 16x8,2x8] [--multi-steps 4]
 """
 
 from __future__ import annotations
@@ -223,24 +223,32 @@ def single_rank_rows(uri: str, args: argparse.Namespace, order: dict[str, int], 
         )
 
 
-def multi_rank_row(uri: str, args: argparse.Namespace, order: dict[str, int], raw_rate: float) -> None:
+def multi_rank_row(
+    uri: str,
+    args: argparse.Namespace,
+    order: dict[str, int],
+    raw_rate: float,
+    *,
+    num_nodes: int,
+    devices_per_node: int,
+) -> None:
     """Row 4: bytes fetched per byte trained over every rank of a simulated world."""
     result = multi_rank(
         uri,
         seq_len=args.seq_len,
-        num_nodes=args.nodes,
-        devices_per_node=args.devices_per_node,
+        num_nodes=num_nodes,
+        devices_per_node=devices_per_node,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.multi_global_batch_size,
         num_steps=args.multi_steps,
         order=order,
     )
     ratio = result.fetched_bytes / result.trained_bytes
-    num_rank_steps = args.nodes * args.devices_per_node * args.multi_steps
+    num_rank_steps = num_nodes * devices_per_node * args.multi_steps
     trained_rate = result.trained_bytes / result.step_s
     verdict = "PASS" if ratio <= TARGET_FETCHED_PER_TRAINED else "ABOVE TARGET"
     print(
-        f"multi     {args.nodes} x {args.devices_per_node} ranks, micro batch {args.micro_batch_size}, "
+        f"multi     {num_nodes} x {devices_per_node} ranks, micro batch {args.micro_batch_size}, "
         f"global batch {args.multi_global_batch_size}, {args.multi_steps} steps: fetched "
         f"{result.fetched_bytes / 1e6:.1f} MB in {result.num_requests} requests for "
         f"{result.trained_bytes / 1e6:.1f} MB trained = {ratio:.3f} bytes fetched per byte trained "
@@ -264,8 +272,7 @@ def main() -> None:
         default="0.1,0.5",
         help="simulated compute per optimizer step, comma-separated values",
     )
-    parser.add_argument("--nodes", type=int, default=16)
-    parser.add_argument("--devices-per-node", type=int, default=8)
+    parser.add_argument("--worlds", default="16x8,2x8", help="NODESxDEVICES_PER_NODE, comma-separated")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--multi-global-batch-size", type=int, default=1024)
     parser.add_argument("--multi-steps", type=int, default=4)
@@ -302,7 +309,11 @@ def main() -> None:
         if "single" in rows:
             single_rank_rows(uri, args, order, raw_rate)
         if "multi" in rows:
-            multi_rank_row(uri, args, order, raw_rate)
+            for world in args.worlds.split(","):
+                num_nodes, devices_per_node = (int(value) for value in world.split("x"))
+                multi_rank_row(
+                    uri, args, order, raw_rate, num_nodes=num_nodes, devices_per_node=devices_per_node
+                )
 
 
 if __name__ == "__main__":
