@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,14 +35,32 @@ from gke_sim import SimulatedGke, simulated_gke
 
 pytestmark = pytest.mark.slow
 
-SHIM = Path(__file__).resolve().parent / "flex_start_shim"  # its sitecustomize.py, outside /tmp (see there)
+SHIM = Path(__file__).resolve().parent / "flex_start_shim" / "sitecustomize.py"
 
 
 @pytest.fixture
-def flex_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedGke]:
+def shim_folder() -> Iterator[Path]:
+    """A copy of SHIM in a folder outside /tmp: a simulated pod's /tmp is its own emptyDir, so the pod runner
+    maps every /tmp path (a checkout under /tmp included) to the pod's folder, where the shim is not."""
+    for parent in (Path("/var/tmp"), Path.home() / ".cache"):
+        if parent.is_dir() and os.access(parent, os.W_OK) and not str(parent.resolve()).startswith("/tmp"):
+            break
+    else:
+        pytest.fail("no writable folder outside /tmp (/var/tmp, ~/.cache) for the pods' sitecustomize shim")
+    folder = Path(tempfile.mkdtemp(prefix="batchpilot-flex-shim-", dir=parent))
+    shutil.copy(SHIM, folder / "sitecustomize.py")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def flex_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shim_folder: Path
+) -> Iterator[SimulatedGke]:
     """A queued-provisioning pool `gpu` of g2-standard-8 nodes (one L4 each), autoscaling 0..2, no node;
     nodes of a deleted request go once empty for 0.5 s (the autoscaler's unneeded time, shortened)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH")])))
+    paths = [str(shim_folder), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     with simulated_gke(run_pods_in=tmp_path / "pods", scale_down_unneeded_s=0.5) as gke:
         gke.add_pool(
             "gpu", machine_type="g2-standard-8", queued_provisioning=True,
