@@ -45,7 +45,6 @@ def gradients(*, rank: int, world_size: int, micro: int, strategy: str = "ddp") 
         micro_batches=micro_batches,
         ctx=ctx,
         autocast=contextlib.nullcontext,
-        stop_requested=lambda: False,
         measure_noise=True,
         measure_coherence=True,
     )

@@ -103,7 +103,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_u
         os.kill(pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, output
-    assert "SIGTERM: stopping at a micro-batch boundary" in output
+    assert "SIGTERM: stopping at the end of a step" in output
     checkpointed = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
     # A pod's command turns this marker into exit 75 for the Job's podFailurePolicy (torchrun exits 1).
     assert (out / PREEMPTED_FILE).read_text() == f"{checkpointed.consumed_samples}\n"

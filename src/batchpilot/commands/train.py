@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
         "train",
         help="train stage(s) of a plan in this process (one rank; run under torchrun or `batchpilot launch`)",
         description="Resumes from the checkpoint `latest`, trains to the stage's end sample, checkpoints and "
-        "exits 0. SIGTERM checkpoints at the next micro-batch boundary and exits 75.",
+        "exits 0. SIGTERM checkpoints at the end of the current step and exits 75.",
     )
     _common(
         train,

@@ -119,7 +119,6 @@ class Session:
                 micro_batches=micro_batches,
                 ctx=self.ctx,
                 autocast=self.autocast,
-                stop_requested=lambda: False,
                 measure_noise=False,
                 measure_coherence=False,
             )

@@ -117,6 +117,12 @@ class GPT(nn.Module):
         """Recompute each block's activations in the backward pass instead of storing them."""
         self.activation_checkpointing = enabled
 
+    def outer_modules(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The modules that run before the first block (token and position embeddings) and after the last
+        (final norm, output head): the trainer shards each side as one unit, or both as one when they share
+        a weight, as the tied head and token embedding do here (train/parallel.py)."""
+        return [self.wte, self.wpe], [self.ln_f, self.head]
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]
         if seq > self.config.block_size:

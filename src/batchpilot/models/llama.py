@@ -236,6 +236,12 @@ class Llama(nn.Module):
         """Recompute each block's activations in the backward pass instead of storing them."""
         self.activation_checkpointing = enabled
 
+    def outer_modules(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The modules that run before the first block (the token embedding) and after the last (final
+        norm, output head): the trainer shards each side as one unit, or both as one with
+        `tie_embeddings` (train/parallel.py)."""
+        return [self.tok_embeddings], [self.norm, self.output]
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]
         if seq > self.config.max_seq_len:

@@ -65,6 +65,28 @@ class DistContext:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return [bool(value) for value in tensor.tolist()]
 
+    def step_values(
+        self, *, means: list[torch.Tensor], flags: list[bool], local: list[torch.Tensor]
+    ) -> tuple[list[float], list[bool], list[float]]:
+        """A step's numbers in one all-reduce and one host synchronisation: the mean over ranks of each of
+        `means` (device scalars), whether any rank set each of `flags`, and this rank's `local` scalars."""
+        reduced = torch.cat(
+            [
+                torch.stack([value.to(self.device, torch.float64) for value in means]),
+                torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=self.device),
+            ]
+        )
+        if self.distributed:
+            dist.all_reduce(reduced)
+        kept = torch.stack([value.to(self.device, torch.float64) for value in local])
+        values = torch.cat([reduced, kept]).tolist()
+        count = len(means)
+        return (
+            [value / self.world_size for value in values[:count]],
+            [value > 0 for value in values[count : count + len(flags)]],
+            values[count + len(flags) :],
+        )
+
     def mean(self, values: list[float]) -> list[float]:
         """Element-wise mean of `values` over ranks."""
         if not self.distributed:

@@ -2,10 +2,16 @@
 
 - `ddp`: a full fp32 replica per rank; gradients are all-reduced once per optimizer step (the local-norm
   hook records each rank's gradient norm for the noise scale, see step.py).
-- `fsdp`: `fully_shard` on every block of `model.blocks`, then on the root, over one mesh dimension of all
-  ranks: parameters, gradients and AdamW state are split `world_size` ways.
+- `fsdp`: `fully_shard` on each unit of `shard_units` (the embeddings, every block of `model.blocks`, the
+  final norm with the output head), then on the root, over one mesh dimension of all ranks: parameters,
+  gradients and AdamW state are split `world_size` ways. Every micro-batch's backward reduce-scatters
+  into the shards (as torchtitan does): keeping unsharded gradients until the last micro-batch would
+  hold a whole fp32 gradient per device, which is what fsdp is chosen to avoid.
 - `hsdp`: the same on a 2-D mesh `(dp_replicate, dp_shard)` = `(nodes, devices per node)`: sharded
   within a node, replicated across nodes, so per-device memory does not depend on the node count.
+  Micro-batches before the last reduce-scatter within the node only (FSDP2 adds them up in its
+  partial-reduce buffer); the last one's backward all-reduces across nodes (`set_requires_all_reduce`):
+  one cross-node reduction per optimizer step whatever the accumulation.
 
 On a single process every strategy is the bare model (nothing to shard or replicate). With bf16 on a
 GPU, FSDP runs its mixed-precision policy (bf16 parameters and compute, fp32 gradient reductions, fp32
@@ -21,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -83,6 +89,7 @@ class Parallel:
         mixed_precision: bf16 parameters and compute under FSDP's policy (autocast is then not used).
         shard_group: the ranks one parameter's shards are spread over (fsdp: all; hsdp: the node's), over
             which sums of per-shard quantities add up to the whole gradient's.
+        replicate_group: hsdp only: this rank and its peers on the other nodes (the cross-node all-reduce).
     """
 
     strategy: Strategy
@@ -92,6 +99,7 @@ class Parallel:
     shard_degree: int
     mixed_precision: bool
     shard_group: dist.ProcessGroup | None = None
+    replicate_group: dist.ProcessGroup | None = None
 
     def describe(self) -> str:
         if self.sharded:
@@ -101,9 +109,29 @@ class Parallel:
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units FSDP shards one at a time: `model.blocks` (a ModuleList), else none (the root only)."""
+    """The blocks FSDP shards one at a time: `model.blocks` (a ModuleList), else none."""
     blocks = getattr(model, "blocks", None)
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def shard_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The FSDP units in forward order, the root left out (it takes what no unit holds).
+
+    A model with `outer_modules()` (both built-in ones) gets its embeddings as one unit and its final norm
+    with the output head as another, as torchtitan shards them, so neither is gathered for the whole
+    forward and backward with the root. When the two sides share a parameter (tied embedding and head)
+    they are one unit: FSDP2 manages a parameter in one unit only. Without `outer_modules` the units are
+    the blocks alone; without blocks, none (the root is then the only unit).
+    """
+    blocks = [[block] for block in model_blocks(model)]
+    outer = getattr(model, "outer_modules", None)
+    if outer is None:
+        return blocks
+    first, last = outer()
+    first_ids = {id(p) for module in first for p in module.parameters()}
+    if any(id(p) in first_ids for module in last for p in module.parameters()):
+        return [[*first, *last], *blocks]
+    return [list(first), *blocks, list(last)]
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: bool) -> Parallel:
@@ -117,6 +145,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         ddp.register_comm_hook(hook, _allreduce_with_local_norm)
         return Parallel(strategy, ddp, hook, sharded=False, shard_degree=1, mixed_precision=False)
+    replicate_group = None
     if strategy == "hsdp":
         if ctx.world_size % ctx.local_world_size:
             raise BatchpilotError(
@@ -128,6 +157,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
         shape = (ctx.world_size // ctx.local_world_size, ctx.local_world_size)
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
         degree = ctx.local_world_size
+        replicate_group = mesh["dp_replicate"].get_group()
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
         degree = ctx.world_size
@@ -137,19 +167,24 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
         if bf16
         else MixedPrecisionPolicy()
     )
-    for block in model_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    units = shard_units(model)
+    outer = getattr(model, "outer_modules", None)
+    head = outer()[1][-1] if outer is not None else None
+    for index, unit in enumerate(units):
+        # The unit that runs last in the forward (the output head, tied or not) runs first in the backward:
+        # keeping it gathered in between saves an all-gather (torchtitan's default for it).
+        runs_last = index == len(units) - 1 or any(module is head for module in unit)
+        fully_shard(
+            unit if len(unit) > 1 else unit[0],
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=not runs_last,
+        )
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return Parallel(
-        strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16, shard_group=group
-    )
-
-
-def global_sum(value: torch.Tensor) -> float:
-    """A reduction over sharded gradients as one number (DTensor partial sums are added over the mesh)."""
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return float(value)
+        strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16, shard_group=group,
+        replicate_group=replicate_group,
+    )  # fmt: skip
 
 
 def gradients(model: nn.Module) -> list[torch.Tensor]:
@@ -158,24 +193,85 @@ def gradients(model: nn.Module) -> list[torch.Tensor]:
     return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 
 
-def _sum_over(total: torch.Tensor, group: dist.ProcessGroup | None) -> float:
-    """`total` added up over `group` (None: this rank's alone)."""
+def _sum_over(total: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`total` added up over `group` (None: this rank's alone), on the device: no host synchronisation."""
     if group is not None:
         dist.all_reduce(total, group=group)
-    return float(total)
+    return total
 
 
-def squared_norm(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, scale: float = 1.0) -> float:
-    """The squared L2 norm of the gradient `scale x grads`: this rank's tensors (or shards), summed over
-    `group` when they are shards (one small all-reduce; shards of one replica do not overlap)."""
+def squared_norm_tensor(
+    grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, scale: float = 1.0
+) -> torch.Tensor:
+    """The squared L2 norm of the gradient `scale x grads` as a float64 device scalar: this rank's tensors
+    (or shards), summed over `group` when they are shards (one small all-reduce; shards of one replica do
+    not overlap)."""
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(grads, 2.0)
     total = torch.stack([n.double() for n in norms]).pow(2).sum() * scale**2
     return _sum_over(total, group)
 
 
+def squared_norm(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, scale: float = 1.0) -> float:
+    """`squared_norm_tensor` as a number (one host synchronisation)."""
+    return float(squared_norm_tensor(grads, group=group, scale=scale))
+
+
 def dot(a: list[torch.Tensor], b: list[torch.Tensor], *, group: dist.ProcessGroup | None) -> float:
     """The inner product of two gradients laid out alike (summed over `group` for shards)."""
     total = torch.stack([(x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)]).sum()
-    return _sum_over(total, group)
+    return float(_sum_over(total, group))
+
+
+def cosine_tensor(
+    a: list[torch.Tensor], b: list[torch.Tensor], *, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The cosine between two gradients laid out alike as a float64 device scalar (NaN when one is zero):
+    both squared norms and the inner product in one all-reduce over `group`."""
+    terms = torch.stack(
+        [
+            torch.stack([n.double() for n in torch._foreach_norm(a, 2.0)]).pow(2).sum(),
+            torch.stack([n.double() for n in torch._foreach_norm(b, 2.0)]).pow(2).sum(),
+            torch.stack([(x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)]).sum(),
+        ]
+    )
+    sq_a, sq_b, inner = _sum_over(terms, group).unbind()
+    norms = sq_a * sq_b
+    return torch.where(norms > 0, inner / norms.clamp_min(torch.finfo(torch.float64).tiny).sqrt(), torch.nan)
+
+
+def node_gradient_shards(model: nn.Module) -> list[torch.Tensor]:
+    """hsdp between accumulation passes: this rank's shard of its node's gradient so far.
+
+    With `set_requires_all_reduce(False)` FSDP2 adds each pass's reduce-scatter output (the node's mean)
+    into one flat buffer per unit and assigns no `.grad` until the cross-node all-reduce of the last pass;
+    these are those buffers (their padding is zeros, so norms and inner products are the gradient's).
+    `_partial_reduce_output` is FSDP2's internal name (read from the installed torch's sources); a torch without
+    it fails here (tests/integration/test_train_hsdp.py checks the values against a one-process reference).
+    """
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if id(state) in seen:  # the modules of one grouped unit share a state
+            continue
+        seen.add(id(state))
+        for group in state._fsdp_param_groups:
+            partial = group._partial_reduce_output
+            if partial is not None:
+                buffers.append(partial)
+    assert buffers, (
+        "no partial-reduce buffers: call between hsdp passes run with set_requires_all_reduce(False)"
+    )
+    return buffers
+
+
+def set_cross_node_reduction(parallel: Parallel, *, enabled: bool) -> None:
+    """hsdp: whether the next backward all-reduces across nodes (only the last micro-batch's does); a no-op
+    for the other strategies (fsdp reduce-scatters over all ranks every pass, ddp uses no_sync)."""
+    if parallel.replicate_group is not None:
+        assert isinstance(parallel.wrapped, FSDPModule)
+        parallel.wrapped.set_requires_all_reduce(enabled)

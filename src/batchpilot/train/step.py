@@ -4,22 +4,29 @@ Each micro-batch's loss is the mean token loss of its samples divided by the acc
 the gradient reduction averages over ranks, so the accumulated gradient is the gradient of the mean loss
 over the global batch whatever the split (world x accumulation x micro).
 
-- DDP synchronises only on the last micro-batch (`no_sync` on the others). Out of memory (CUDA): all
-  ranks agree after every micro-batch (and before the last, synchronising backward) whether any rank ran
-  out; if so, every rank drops the step's partial gradients and the trainer retries the same global batch
-  with half the micro batch. An OOM *inside* the last micro-batch's backward cannot be agreed on (the
-  other ranks are already in its all-reduce): it raises `UnagreedOutOfMemory`, handled as under FSDP.
-- FSDP/HSDP reduce-scatter every micro-batch's gradients into the shards (no unsharded gradient is kept
-  between passes). Their forward and backward passes are full of collectives (a block's parameters are
-  all-gathered before it runs), so an OOM on one rank cannot be agreed on at all: `accumulate_sharded`
-  raises `UnagreedOutOfMemory` and the trainer records the halved micro batch and ends the job, whose
-  retry resumes from the last checkpoint with it (trainer.py).
+No pass waits for the device: losses and noise-scale terms stay on it (`StepOutcome` holds tensors) and
+the trainer reads them once per optimizer step, with the ranks' stop and checkpoint flags (trainer.py).
+
+- DDP synchronises only on the last micro-batch (`no_sync` on the others). Out of memory (CUDA): a rank
+  that runs out skips its remaining passes (they have no collectives under `no_sync`), and before the
+  last, synchronising backward all ranks agree whether any ran out (the step's one extra agreement
+  under ddp); if so, every rank drops the step's partial gradients and the trainer retries the same
+  global batch with half the micro batch. An OOM *inside* the last micro-batch's backward cannot be
+  agreed on (the other ranks are already in its all-reduce): it raises `UnagreedOutOfMemory`, handled
+  as under FSDP.
+- FSDP reduce-scatters every micro-batch's gradients into the shards (no unsharded gradient is kept
+  between passes). HSDP reduce-scatters within the node every pass and all-reduces across nodes on the
+  last pass only (parallel.py). Their forward and backward passes are full of collectives (a block's
+  parameters are all-gathered before it runs), so an OOM on one rank cannot be agreed on at all:
+  `accumulate_sharded` raises `UnagreedOutOfMemory` and the trainer records the halved micro batch and
+  ends the job, whose retry resumes from the last checkpoint with it (trainer.py).
 
 Gradient noise scale (McCandlish et al. 2018, appendix A) needs the squared norm of a small-batch and a
 big-batch gradient. DDP: each rank's own accumulated gradient (batch micro x accumulation) before the
-all-reduce vs the global one. FSDP/HSDP: there is no rank-local gradient (every backward reduces), so the
+all-reduce vs the global one. FSDP: there is no rank-local gradient (every backward reduces), so the
 small batch is the first accumulation pass over all ranks (micro x world), read from the shards after
-the first backward; it needs accumulation >= 2.
+the first backward; it needs accumulation >= 2. HSDP: the first pass over the node's ranks (micro x
+devices per node), read from FSDP2's partial-reduce buffers, before any cross-node reduction.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from batchpilot.train.distributed import DistContext
-from batchpilot.train.parallel import Parallel, dot, gradients, squared_norm
+from batchpilot.train.parallel import (
+    Parallel,
+    cosine_tensor,
+    gradients,
+    node_gradient_shards,
+    set_cross_node_reduction,
+    squared_norm_tensor,
+)
 
 # Testing hook: simulate a device on which micro-batches larger than this run out of memory (rank 0).
 INJECT_OOM_ENV = "BATCHPILOT_INJECT_OOM_ABOVE_MICRO_BATCH"
@@ -52,15 +66,19 @@ class UnagreedOutOfMemory(Exception):
 
 @dataclass
 class StepOutcome:
-    """What happened in one attempt at an optimizer step (gradients are ready only if `completed`)."""
+    """What happened in one attempt at an optimizer step (gradients are ready only if `completed`).
+
+    The numbers are device scalars (float64), read by the trainer once per step: `loss` is this rank's
+    mean micro-batch loss, `small_sq_norm` the squared norm of the small-batch gradient of `small_batch`
+    samples, `coherence` the cosine between the first two passes' gradients (NaN when one is zero).
+    """
 
     completed: bool
-    loss: float = 0.0
-    small_sq_norm: float | None = None
+    loss: torch.Tensor | None = None
+    small_sq_norm: torch.Tensor | None = None
     small_batch: int | None = None
-    coherence: float | None = None
+    coherence: torch.Tensor | None = None
     out_of_memory: bool = False
-    stopped: bool = False
 
 
 def install_oom_injection(model: nn.Module, ctx: DistContext) -> None:
@@ -119,10 +137,10 @@ def _backward(loss: torch.Tensor, *, may_fail: bool, micro: int) -> bool:
     return True
 
 
-def _abandon(model: nn.Module, *, out_of_memory: bool) -> StepOutcome:
-    """Drops the partial gradients of an attempt that all ranks agreed to stop."""
+def _abandon(model: nn.Module) -> StepOutcome:
+    """Drops the partial gradients of an attempt that all ranks agreed to give up (out of memory)."""
     model.zero_grad(set_to_none=True)
-    return StepOutcome(completed=False, out_of_memory=out_of_memory, stopped=not out_of_memory)
+    return StepOutcome(completed=False, out_of_memory=True)
 
 
 def accumulate_gradients(
@@ -132,26 +150,24 @@ def accumulate_gradients(
     micro_batches: Sequence[torch.Tensor],
     ctx: DistContext,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    stop_requested: Callable[[], bool],
     measure_noise: bool,
     measure_coherence: bool,
 ) -> StepOutcome:
-    """Runs every micro-batch; agrees with all ranks on OOM or stop requests at each boundary."""
+    """Runs every micro-batch; under ddp agrees with all ranks on out-of-memory before the last backward."""
     if parallel.sharded:
         return accumulate_sharded(
             model=model,
-            group=parallel.shard_group,
+            parallel=parallel,
             micro_batches=micro_batches,
             ctx=ctx,
             autocast=autocast,
-            stop_requested=stop_requested,
             measure_noise=measure_noise,
             measure_coherence=measure_coherence,
         )
     wrapped, hook = parallel.wrapped, parallel.hook
     accumulation = len(micro_batches)
     micro = micro_batches[0].shape[0]
-    total_loss = 0.0
+    total_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
     outcome = StepOutcome(completed=False)
     first: list[torch.Tensor] | None = None
     # Gradients stay rank-local until the last micro-batch's backward synchronises them.
@@ -159,82 +175,88 @@ def accumulate_gradients(
     coherence_local = measure_coherence and (accumulation > 2 or (accumulation > 1 and not ctx.distributed))
     if hook is not None:
         hook.reset()
+    out_of_memory, loss = False, None
     for index, batch in enumerate(micro_batches):
-        last = index == accumulation - 1
         # Every forward runs without arming DDP's reducer; the last micro-batch arms it only once all ranks
-        # agree that their forward fit, so an abandoned attempt never leaves the reducer half-armed.
+        # agree that their passes fit, so an abandoned attempt never leaves the reducer half-armed.
         with wrapped.no_sync() if ctx.distributed else contextlib.nullcontext():  # type: ignore[operator]
             loss = _forward(ctx, wrapped, batch, autocast)
-        if last and ctx.any_true(loss is None)[0]:
-            return _abandon(model, out_of_memory=True)
-        if last and ctx.distributed:
-            _arm_gradient_sync(wrapped)
-        with wrapped.no_sync() if ctx.distributed and not last else contextlib.nullcontext():  # type: ignore[operator]
-            out_of_memory = loss is None or not _backward(loss / accumulation, may_fail=not last, micro=micro)
-        if not last:
-            oom_anywhere, stop = ctx.any_true(out_of_memory, stop_requested())
-            if oom_anywhere or stop:
-                return _abandon(model, out_of_memory=oom_anywhere)
-        assert loss is not None
-        total_loss += loss.item()
+        if loss is None or index == accumulation - 1:
+            out_of_memory = loss is None
+            break
+        with wrapped.no_sync() if ctx.distributed else contextlib.nullcontext():  # type: ignore[operator]
+            if not _backward(loss / accumulation, may_fail=True, micro=micro):
+                out_of_memory = True
+                break
+        total_loss += loss.detach().double()
         if index == 0 and noise_from_first:  # the first micro-batch's mean gradient: batch `micro`
-            outcome.small_sq_norm = squared_norm(gradients(model), group=None, scale=accumulation)
+            outcome.small_sq_norm = squared_norm_tensor(gradients(model), group=None, scale=accumulation)
             outcome.small_batch = micro
         if index == 0 and coherence_local:
             first = [g.clone() for g in gradients(model)]  # one copy of the gradient
         if index == 1 and first is not None:
-            outcome.coherence = _cosine(
-                first, [g - f for g, f in zip(gradients(model), first, strict=True)], None
+            outcome.coherence = cosine_tensor(
+                first, [g - f for g, f in zip(gradients(model), first, strict=True)], group=None
             )
+    if ctx.any_true(out_of_memory)[0]:  # a rank that ran out skipped its remaining passes
+        return _abandon(model)
+    assert loss is not None
+    if ctx.distributed:
+        _arm_gradient_sync(wrapped)
+    _backward(loss / accumulation, may_fail=False, micro=micro)
+    total_loss += loss.detach().double()
+    if index == 1 and first is not None:  # accumulation 2 on one process: the second pass was the last
+        outcome.coherence = cosine_tensor(
+            first, [g - f for g, f in zip(gradients(model), first, strict=True)], group=None
+        )
     outcome.completed = True
     outcome.loss = total_loss / accumulation
     if measure_noise and hook is not None and hook.sq_norm is not None:
-        outcome.small_sq_norm, outcome.small_batch = float(hook.sq_norm), micro * accumulation
+        outcome.small_sq_norm, outcome.small_batch = hook.sq_norm, micro * accumulation
     return outcome
-
-
-def _cosine(a: list[torch.Tensor], b: list[torch.Tensor], group: Any) -> float | None:
-    """The cosine between two gradients (shards summed over `group`); None when one is zero."""
-    norms = squared_norm(a, group=group) * squared_norm(b, group=group)
-    return dot(a, b, group=group) / norms**0.5 if norms > 0 else None
 
 
 def accumulate_sharded(
     *,
     model: nn.Module,
-    group: Any,
+    parallel: Parallel,
     micro_batches: Sequence[torch.Tensor],
     ctx: DistContext,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    stop_requested: Callable[[], bool],
     measure_noise: bool,
     measure_coherence: bool,
 ) -> StepOutcome:
-    """FSDP/HSDP: every micro-batch's backward reduces into the shards; stop requests are agreed between
-    passes; an OOM raises UnagreedOutOfMemory (see the module docstring)."""
+    """FSDP/HSDP: every micro-batch's backward reduces into the shards (within the node only before the
+    last pass under hsdp); an OOM raises UnagreedOutOfMemory (see the module docstring)."""
     accumulation = len(micro_batches)
     micro = micro_batches[0].shape[0]
-    total_loss = 0.0
+    hsdp = parallel.replicate_group is not None
+    group = parallel.shard_group
+    total_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
     outcome = StepOutcome(completed=False)
     first: list[torch.Tensor] | None = None
     for index, batch in enumerate(micro_batches):
+        last = index == accumulation - 1
+        set_cross_node_reduction(parallel, enabled=last)
         try:
             loss = micro_batch_loss(model, batch.to(ctx.device, non_blocking=True), autocast())
             (loss / accumulation).backward()
         except torch.cuda.OutOfMemoryError:
             raise UnagreedOutOfMemory(micro) from None
-        total_loss += loss.item()
-        if index < accumulation - 1 and ctx.any_true(stop_requested())[0]:
-            return _abandon(model, out_of_memory=False)
-        if index == 0 and accumulation > 1 and measure_noise:
-            # The mean gradient of the first pass over all ranks: batch micro x world.
-            outcome.small_sq_norm = squared_norm(gradients(model), group=group, scale=accumulation)
-            outcome.small_batch = micro * ctx.world_size
-        if index == 0 and accumulation > 1 and measure_coherence:
-            first = [g.clone() for g in gradients(model)]  # a sharded copy: 1/shard_degree of the model
-        if index == 1 and first is not None and measure_coherence:
-            outcome.coherence = _cosine(
-                first, [g - f for g, f in zip(gradients(model), first, strict=True)], group
+        total_loss += loss.detach().double()
+        # After the first and second of several passes: the gradient so far, over all ranks (fsdp), or over
+        # the node's ranks before any cross-node all-reduce (hsdp: so its coherence needs accumulation >= 3).
+        if index > 1 or accumulation == 1 or (hsdp and last):
+            continue
+        grads = node_gradient_shards(model) if hsdp else gradients(model)
+        if index == 0 and measure_noise:
+            outcome.small_sq_norm = squared_norm_tensor(grads, group=group, scale=accumulation)
+            outcome.small_batch = micro * (ctx.local_world_size if hsdp else ctx.world_size)
+        if index == 0 and measure_coherence:
+            first = [g.clone() for g in grads]  # a sharded copy: 1/shard_degree of the model
+        if index == 1 and first is not None:
+            outcome.coherence = cosine_tensor(
+                first, [g - f for g, f in zip(grads, first, strict=True)], group=group
             )
     outcome.completed = True
     outcome.loss = total_loss / accumulation

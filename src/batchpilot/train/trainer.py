@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from batchpilot.config import Config, resolved_runtime
 from batchpilot.data.loader import TokenLoader
@@ -40,7 +41,7 @@ from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA, noise_terms
-from batchpilot.train.parallel import Parallel, Strategy, global_sum, wrap_model
+from batchpilot.train.parallel import Parallel, Strategy, wrap_model
 from batchpilot.train.shape import model_shape
 from batchpilot.train.state import restore_training_state, training_state
 from batchpilot.train.step import (
@@ -236,28 +237,19 @@ class _Loop:
     def run(self) -> int:
         end = self.stages[-1].end_sample
         while self.consumed < end:
-            # One all-reduce agrees on both: a SIGTERM on any rank, and rank 0's clock saying a time
-            # checkpoint is due (every rank must enter the save's barrier together).
-            stop, checkpoint_due = self.ctx.any_true(self.stop_requested, self._time_checkpoint_due())
-            if stop:
-                return self._preempted()
-            if checkpoint_due:
-                self._save(
-                    why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
-                )
             stage = self.plan.stage_at(self.consumed)
             try:
-                outcome, micro, accumulation, step_time_s, lr = self._attempt(stage)
+                outcome, micro, accumulation, started, lr = self._attempt(stage)
             except UnagreedOutOfMemory as error:
                 self._end_after_unagreed_oom(stage, error.micro_batch_size)
-            if outcome.stopped:
-                return self._preempted()
             if outcome.out_of_memory:
                 self._halve_micro_batch(stage, micro)
                 continue
-            self._finish_step(stage, outcome, micro, accumulation, step_time_s, lr)
+            # The step's one host synchronisation also agrees on a SIGTERM on any rank and on rank 0's clock
+            # saying a time checkpoint is due (every rank must enter the save's barrier together).
+            stop, checkpoint_due = self._finish_step(stage, outcome, micro, accumulation, started, lr)
             if self.decided is not None:  # the adaptive rule ended the stage here: the next is another launch
-                self._save()
+                self._save(wait=True)
                 log(self.ctx, f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
                 return 0
             if self.consumed == stage.end_sample:
@@ -268,6 +260,13 @@ class _Loop:
                 and self.step % self.config.train.checkpoint_every_steps == 0
             ):
                 self._save()
+            if stop and self.consumed < end:
+                return self._preempted()
+            if checkpoint_due:
+                self._save(
+                    why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
+                )
+        self._wait_for_checkpoint()  # the last stage's checkpoint is committed before the process exits
         return 0
 
     def _time_checkpoint_due(self) -> bool:
@@ -276,6 +275,7 @@ class _Loop:
         return bool(self.ctx.is_main and every_s and time.monotonic() - self.last_save_s >= every_s)
 
     def _attempt(self, stage: Stage) -> tuple[StepOutcome, int, int, float, float]:
+        """Runs the passes of one step: (outcome, micro batch, accumulation, perf_counter at the start, lr)."""
         micro = self.micro_override.get(stage.index, stage.micro_batch_size)
         per_pass = micro * self.ctx.world_size
         if stage.global_batch_size % per_pass:
@@ -301,13 +301,12 @@ class _Loop:
             micro_batches=batches,
             ctx=self.ctx,
             autocast=self.autocast,
-            stop_requested=lambda: self.stop_requested,
             measure_noise=self.config.train.measure_noise_scale,
             measure_coherence=self.config.train.measure_coherence,
         )
         if outcome.completed and self.audit_dir is not None:
             self._audit(stage, micro)
-        return outcome, micro, accumulation, time.perf_counter() - started, lr
+        return outcome, micro, accumulation, started, lr
 
     def _halved(self, stage: Stage, micro: int) -> int:
         if micro % 2:
@@ -348,13 +347,31 @@ class _Loop:
         sys.stderr.flush()
         os._exit(1)
 
+    def _read_step(self, outcome: StepOutcome, grad_norm: torch.Tensor) -> tuple[list[float], list[bool]]:
+        """The step's one host synchronisation (one small all-reduce): [mean loss, mean small-batch squared
+        norm, gradient norm, coherence or NaN] and [SIGTERM on any rank, a time checkpoint due]."""
+        assert outcome.loss is not None
+        small_sq = outcome.small_sq_norm if outcome.small_sq_norm is not None else torch.zeros(())
+        coherence = outcome.coherence if outcome.coherence is not None else torch.tensor(math.nan)
+        full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        means, flags, local = self.ctx.step_values(
+            means=[outcome.loss, small_sq],
+            flags=[self.stop_requested, self._time_checkpoint_due()],
+            local=[full_norm, coherence],
+        )
+        return [*means, *local], flags
+
     def _finish_step(
-        self, stage: Stage, outcome: StepOutcome, micro: int, accumulation: int, step_time_s: float, lr: float
-    ) -> None:
+        self, stage: Stage, outcome: StepOutcome, micro: int, accumulation: int, started: float, lr: float
+    ) -> tuple[bool, bool]:
+        """Clips, steps the optimizer, reads the step's numbers and writes its metrics; returns the agreed
+        (stop, checkpoint due)."""
         clip = self.config.train.grad_clip or math.inf
-        grad_norm = global_sum(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        (loss, small_sq, grad_norm, coherence), (stop, checkpoint_due) = self._read_step(outcome, norm)
+        step_time_s = time.perf_counter() - started
         before = self.consumed
         self.consumed += stage.global_batch_size
         self.step += 1
@@ -363,7 +380,6 @@ class _Loop:
             before, self.consumed, stage_end=self.consumed == stage.end_sample
         ):
             val_loss = self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
-        loss, small_sq = self.ctx.mean([outcome.loss, outcome.small_sq_norm or 0.0])
         noise_scale = None
         if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
             g2, s = noise_terms(
@@ -391,7 +407,7 @@ class _Loop:
             peak_flops=self.peak_flops,
             peak_memory_bytes=peak_memory_bytes(self.ctx.device),
             noise_scale=noise_scale,
-            coherence=outcome.coherence,
+            coherence=None if math.isnan(coherence) else coherence,
             val_loss=val_loss,
         )
         if self.adaptive is not None:  # the rule's inputs and outcome, so that it can be replayed
@@ -401,6 +417,7 @@ class _Loop:
         if self.metrics is not None:
             self.metrics.append(record)
         self._progress(stage, record)
+        return stop, checkpoint_due
 
     def _adaptive_decision(self, stage: Stage) -> dict[str, Any] | None:
         """The adaptive rule after this step, on the open stage only: when it fires, the decision goes to
@@ -441,15 +458,20 @@ class _Loop:
             ranks=[self.ctx.rank],
         )  # fmt: skip
 
-    def _save(self, why: str = "") -> None:
+    def _save(self, why: str = "", *, wait: bool = False) -> None:
+        """Starts a checkpoint of this step (training goes on while it is written; see train/checkpoint.py);
+        `wait`: also wait until it is committed."""
         if self.saved_step == self.step:
+            if wait:
+                self._wait_for_checkpoint()
             return
-        if self.metrics is not None:
-            # Before `latest` moves: the copy always covers the checkpoint's steps (a resume truncates
-            # the steps after it), even when the process dies between the two writes.
-            self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
-        # Every rank writes its own shards; returns when the checkpoint is complete everywhere.
-        where = self.checkpointer.save_sharded(
+        self._wait_for_checkpoint()  # at most one in flight; a failed one ends the job here
+        # metrics.jsonl as of this step, written before `latest` moves: the copy always covers the
+        # checkpoint's steps (a resume truncates the steps after it), even when the process dies between.
+        side = {METRICS_OBJECT: self.metrics.text().encode()} if self.metrics is not None else None
+        started = time.perf_counter()
+        # Blocks while this rank's state is copied to CPU memory; the files are written in the background.
+        where = self.checkpointer.start_save_sharded(
             step=self.step,
             consumed_samples=self.consumed,
             state=training_state(self.model, self.optimizer),
@@ -466,18 +488,33 @@ class _Loop:
                     else {}
                 ),
             },
+            side_objects=side,
         )
-        log(self.ctx, f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}")
+        blocked_s = time.perf_counter() - started
+        log(
+            self.ctx,
+            f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}: training blocked "
+            f"{blocked_s:.2f} s, writing in the background",
+        )
         self.saved_step = self.step
         self.last_save_s = time.monotonic()
+        if wait:
+            self._wait_for_checkpoint()
+
+    def _wait_for_checkpoint(self) -> None:
+        """Waits (bounded) for the checkpoint in flight, if any; raises its failure."""
+        step = self.checkpointer.save_in_flight
+        took_s = self.checkpointer.wait()
+        if took_s is not None and step is not None:
+            log(self.ctx, f"checkpoint step {step} committed ({took_s:.1f} s after it started)")
 
     def _stage_done(self, stage: Stage) -> None:
         log(self.ctx, stage_done_line(self.plan, stage, step=self.step))
 
     def _preempted(self) -> int:
         self.optimizer.zero_grad(set_to_none=True)
-        log(self.ctx, f"SIGTERM: stopping at a micro-batch boundary, {self.consumed:,} samples consumed")
-        self._save()
+        log(self.ctx, f"SIGTERM: stopping at the end of a step, {self.consumed:,} samples consumed")
+        self._save(wait=True)  # a save in flight finishes first, then this step's is committed
         if self.preempted_file is not None:
             self.preempted_file.write_text(f"{self.consumed}\n")  # for the pod's command: see PREEMPTED_FILE
         log(self.ctx, f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")

@@ -1,0 +1,235 @@
+"""How fsdp and hsdp shard and reduce, on real gloo processes (one per rank, spawned here):
+
+- hsdp on 2 nodes x 2 ranks at accumulation 4 all-reduces across nodes once per optimizer step (each
+  FSDP unit once), not once per micro-batch, and still gives the global batch's mean gradient;
+- its noise-scale terms are those of the node's first pass (the gradient before any cross-node
+  reduction), computed here again in one process;
+- the token embedding and [final norm, output head] are FSDP units of their own (sharded while the
+  blocks run), tied weights stay one parameter, and the gradients are those of one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+
+from batchpilot.models.gpt import build as build_gpt
+from batchpilot.models.llama import build as build_llama
+from batchpilot.train.distributed import DistContext
+from batchpilot.train.parallel import shard_units, wrap_model
+from batchpilot.train.step import accumulate_gradients
+
+pytestmark = pytest.mark.slow
+
+GPT_ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}
+LLAMA_ARGS = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "max_seq_len": 16, "vocab_size": 64}
+GLOBAL_BATCH, MICRO = 32, 2  # hsdp 2 x 2: accumulation 4
+
+
+def build(name: str, **extra: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_gpt(**GPT_ARGS) if name == "gpt" else build_llama(**LLAMA_ARGS, **extra)
+
+
+def global_batch() -> torch.Tensor:
+    return torch.randint(0, 64, (GLOBAL_BATCH, 17), generator=torch.Generator().manual_seed(1))
+
+
+def rank_micro_batches(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank `rank`'s micro-batches: pass a takes samples [a x micro x world + rank x micro, ... + micro)."""
+    per_pass = MICRO * world_size
+    batch = global_batch()
+    return [
+        batch[a * per_pass + rank * MICRO : a * per_pass + (rank + 1) * MICRO]
+        for a in range(GLOBAL_BATCH // per_pass)
+    ]
+
+
+def mean_loss_gradient(model: torch.nn.Module, samples: torch.Tensor) -> list[torch.Tensor]:
+    """The gradient of the mean token loss over `samples`, in one process."""
+    model.zero_grad(set_to_none=True)
+    logits = model(samples[:, :-1])
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), samples[:, 1:].reshape(-1)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+
+
+def count_cross_node_all_reduces(per_node: int) -> Counter:
+    """Counts this process's `dist.all_reduce` calls (and bytes) over groups that span nodes, as FSDP2 issues
+    its HSDP all-reduce (`dist.all_reduce` on the replicate group); returns the live counter."""
+    counts: Counter = Counter()
+    original = dist.all_reduce
+
+    def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        ranks = (
+            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        )
+        if len({rank // per_node for rank in ranks}) > 1:
+            counts["calls"] += 1
+            counts["bytes"] += tensor.numel() * tensor.element_size()
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counting
+    return counts
+
+
+def _join(rank: int, world_size: int, per_node: int, port: int) -> DistContext:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    return DistContext.from_env()
+
+
+def _hsdp_worker(rank: int, world_size: int, per_node: int, port: int, out: str) -> None:
+    ctx = _join(rank, world_size, per_node, port)
+    model = build("gpt")
+    parallel = wrap_model(model, ctx, strategy="hsdp", bf16=False)
+    counts = count_cross_node_all_reduces(per_node)
+    outcome = accumulate_gradients(
+        model=model,
+        parallel=parallel,
+        micro_batches=rank_micro_batches(rank, world_size),
+        ctx=ctx,
+        autocast=contextlib.nullcontext,
+        measure_noise=True,
+        measure_coherence=True,
+    )
+    gradient_bytes = sum(p.grad.to_local().numel() * 4 for p in model.parameters())
+    result = {
+        "cross_node_calls": counts["calls"],
+        "cross_node_bytes": counts["bytes"],
+        "gradient_bytes": gradient_bytes,
+        "units": len(shard_units(model)),  # the root holds no parameter of its own
+        "grads": {name: full(p.grad) for name, p in model.named_parameters()},
+        "small_sq_norm": float(outcome.small_sq_norm),
+        "small_batch": outcome.small_batch,
+        "coherence": float(outcome.coherence),
+    }
+    torch.save(result, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(worker, world_size: int, per_node: int, out: Path, *args: object) -> list[dict]:
+    mp.spawn(worker, args=(world_size, per_node, free_port(), str(out), *args), nprocs=world_size, join=True)
+    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def hsdp_ranks(tmp_path_factory) -> list[dict]:
+    """One step of 2 nodes x 2 ranks under hsdp, micro batch 2, accumulation 4."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)
+    return spawn(_hsdp_worker, 4, 2, tmp_path_factory.mktemp("hsdp") / "result")
+
+
+def test_hsdp_all_reduces_across_nodes_once_per_step(hsdp_ranks):
+    for rank in hsdp_ranks:
+        # Each FSDP unit all-reduces its gradient shard once, on the last micro-batch (4 times before).
+        assert rank["cross_node_calls"] == rank["units"]
+        assert rank["cross_node_bytes"] == rank["gradient_bytes"]
+
+
+def test_hsdp_accumulated_gradient_is_the_global_batch_mean(hsdp_ranks):
+    reference = dict(
+        zip(
+            [n for n, _ in build("gpt").named_parameters()],
+            mean_loss_gradient(build("gpt"), global_batch()),
+            strict=True,
+        )
+    )
+    for rank in hsdp_ranks:
+        for name, expected in reference.items():
+            assert torch.allclose(rank["grads"][name], expected, rtol=1e-4, atol=1e-6), name
+
+
+def test_hsdp_noise_terms_are_the_nodes_first_pass(hsdp_ranks):
+    """The small batch is the first pass over a node's 2 ranks (micro 2 x 2 = 4 samples), read before the
+    cross-node all-reduce; coherence compares it with the node's second pass."""
+    model = build("gpt")
+    for node in (0, 1):
+        ranks = (2 * node, 2 * node + 1)
+        first = torch.cat([rank_micro_batches(r, 4)[0] for r in ranks])
+        second = torch.cat([rank_micro_batches(r, 4)[1] for r in ranks])
+        g1, g2 = mean_loss_gradient(model, first), mean_loss_gradient(model, second)
+        sq_norm = sum(float(g.double().pow(2).sum()) for g in g1)
+        inner = sum(float((a.double() * b.double()).sum()) for a, b in zip(g1, g2, strict=True))
+        cosine = inner / (sq_norm * sum(float(g.double().pow(2).sum()) for g in g2)) ** 0.5
+        for rank in ranks:
+            result = hsdp_ranks[rank]
+            assert result["small_batch"] == 4
+            assert result["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
+            assert result["coherence"] == pytest.approx(cosine, rel=1e-5), rank
+
+
+def _units_worker(
+    rank: int, world_size: int, per_node: int, port: int, out: str, name: str, tied: bool
+) -> None:
+    ctx = _join(rank, world_size, per_node, port)
+    model = build(name, **({"tie_embeddings": True} if tied else {}))
+    parallel = wrap_model(model, ctx, strategy="fsdp", bf16=False)
+    first, last = model.outer_modules()
+    seen: dict[str, bool] = {}
+
+    def during_blocks(module, inputs):  # what the outer units hold while a block runs
+        seen["first_sharded"] = all(isinstance(p, DTensor) for m in first for p in m.parameters())
+        seen["last_sharded"] = all(isinstance(p, DTensor) for m in last for p in m.parameters())
+
+    model.blocks[0].register_forward_pre_hook(during_blocks)
+    accumulate_gradients(
+        model=model,
+        parallel=parallel,
+        micro_batches=rank_micro_batches(rank, world_size),
+        ctx=ctx,
+        autocast=contextlib.nullcontext,
+        measure_noise=False,
+        measure_coherence=False,
+    )
+    result = {
+        "outer_are_units": all(isinstance(m, FSDPModule) for m in [*first, *last]),
+        "tied": model.output.weight is model.tok_embeddings.weight
+        if name == "llama"
+        else model.head.weight is model.wte.weight,
+        "grads": {n: full(p.grad) for n, p in model.named_parameters()},
+        **seen,
+    }
+    torch.save(result, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("name", "tied"), [("llama", False), ("llama", True), ("gpt", True)])
+def test_embedding_and_head_are_their_own_fsdp_units(tmp_path, monkeypatch, name, tied):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    ranks = spawn(_units_worker, 2, 2, tmp_path / "result", name, tied)
+    model = build(name, **({"tie_embeddings": True} if tied else {}))
+    names = [n for n, _ in model.named_parameters()]
+    reference = dict(zip(names, mean_loss_gradient(model, global_batch()), strict=True))
+    for rank in ranks:
+        assert rank["outer_are_units"] and rank["tied"] == tied
+        # Untied, the embedding is resharded after its forward and the head not yet gathered while the blocks
+        # run; tied, they are one unit, gathered from the embedding's forward to the head's.
+        assert rank["first_sharded"] == rank["last_sharded"] == (not tied)
+        for parameter, expected in reference.items():
+            assert torch.allclose(rank["grads"][parameter], expected, rtol=1e-4, atol=1e-6), parameter
