@@ -47,10 +47,11 @@ def test_latest_is_guarded_by_its_generation_on_gcs(gcs_bucket):
 
 
 def test_a_byte_flipped_in_transit_is_caught_and_read_again(gcs_server, gcs_bucket, monkeypatch):
-    """Every second object read through the proxy arrives with one byte flipped (same length): the
-    client's CRC32C check of a whole-object read catches it and the read is repeated, so the checkpoint
-    loads with the bytes that were saved. Breaks when whole-object reads skip the checksum (the flipped
-    shard would then fail the SHA-256 of meta.json instead of being read again)."""
+    """Every second object read through the proxy arrives with one byte flipped (same length). A whole-object
+    read (meta.json, rng.pt) is caught by the client's CRC32C check and repeated; a ranged read of a shard's
+    blocks (GCS has no checksum for a range) by the block's SHA-256 from meta.json, and the block is read
+    again. The checkpoint loads with the bytes that were saved. Breaks when whole-object reads skip the
+    CRC32C, or when a block that fails its checksum is not read again."""
     uri = f"gs://{gcs_bucket}/flip"
     saved = {"model": {"w": torch.arange(4096.0)}, "optimizer": {"state": {}, "param_groups": []}}
     Checkpointer(uri=uri).save_sharded(step=1, consumed_samples=8, state=saved, rng=capture_rng_state())

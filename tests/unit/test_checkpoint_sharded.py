@@ -97,3 +97,27 @@ def test_full_checkpoints_of_earlier_versions_keep_loading(tmp_path):
     target = fresh()
     restore_training_state(checkpoint, *target)
     assert_same_state(source, target)
+
+
+def test_a_reader_fetches_only_the_blocks_of_the_tensors_it_loads(tmp_path):
+    """What a rank that reshards does: it asks DCP for its part of the state, and only the byte ranges of
+    those chunks are read (each checked against its block's checksum), not whole files."""
+    import torch.distributed.checkpoint as dcp
+
+    from batchpilot.train.checkpoint import dcp_quietly
+
+    weights = {f"w{i}": torch.full((2_000_000,), float(i)) for i in range(4)}  # 8 MB each, one file
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", upload_threads=1)
+    checkpointer.save_sharded(
+        step=1, consumed_samples=4, state={"model": weights, "optimizer": {}}, rng=capture_rng_state()
+    )
+    checkpoint = checkpointer.load()
+    shard_bytes = (tmp_path / "000000001" / "__0_0.distcp").stat().st_size
+    part = {"model": {"w2": torch.empty(2_000_000)}}
+    reader = checkpoint.reader()
+    with dcp_quietly():
+        dcp.load(part, storage_reader=reader, no_dist=True)
+    assert torch.equal(part["model"]["w2"], weights["w2"])
+    metadata_bytes = (tmp_path / "000000001" / ".metadata").stat().st_size
+    # w2's 8 MB and at most one partly used 4 MiB block at each end, of a 32 MB file
+    assert reader.storage_fs.bytes_fetched - metadata_bytes <= 8_000_000 + 2 * 4 * 1024 * 1024 < shard_bytes

@@ -97,9 +97,9 @@ class Checkpoint:
         return self.meta.get("format") == SHARDED
 
     def reader(self) -> StorageReader:
-        """A DCP reader of this (sharded) checkpoint that checks every file's checksum."""
-        expected = {f"{self.folder}/{name}": info["sha256"] for name, info in self.meta["files"].items()}
-        return StorageReader(self.storage, self.folder, expected_sha256=expected)
+        """A DCP reader of this (sharded) checkpoint that checks every byte it reads against meta.json."""
+        expected = {f"{self.folder}/{name}": info for name, info in self.meta["files"].items()}
+        return StorageReader(self.storage, self.folder, expected=expected)
 
     def full_state(self) -> dict[str, Any]:
         """The whole `{"model": ..., "optimizer": ...}` state on this one process (no process group), for
