@@ -19,7 +19,7 @@ GIB = 2**30
 H100 = device_memory_bytes("nvidia-h100-80gb")
 
 # GPT (batchpilot.models.gpt, tied head): vocab*h + block_size*h + layers*(12h^2 + 13h) + 2h.
-H, LAYERS, VOCAB, SEQ = 4096, 24, 51200, 2048
+H, LAYERS, VOCAB, SEQ, HEADS = 4096, 24, 51200, 2048, 32
 BLOCK = 12 * H * H + 13 * H
 GPT_5B = ModelShape(
     num_params=VOCAB * H + SEQ * H + LAYERS * BLOCK + 2 * H,
@@ -28,6 +28,7 @@ GPT_5B = ModelShape(
     vocab_size=VOCAB,
     ffn_hidden_size=4 * H,
     largest_block_params=BLOCK,
+    num_heads=HEADS,
 )
 STAGES = plan_stages(
     schedule=megatron_rampup(start=256, increment=256, ramp_samples=10_000_000, target=2048),
@@ -90,7 +91,7 @@ def test_ddp_does_not_fit_an_h100_and_is_refused_naming_what_fits():
     assert message.startswith("train.parallelism: ddp needs ")
     assert "\n" not in message
     assert "at stage stage-0" in message and "the device's 79.6 GiB" in message
-    assert "(fix: use hsdp (peak 46.7 GiB) or fsdp (peak 38.1 GiB))" in message
+    assert "(fix: use hsdp (peak 43.2 GiB) or fsdp (peak 34.6 GiB))" in message
 
 
 def test_auto_picks_hsdp_and_both_sharded_strategies_fit_every_stage():
@@ -117,11 +118,15 @@ def test_hsdp_breakdown_in_bytes():
     e = estimate("hsdp")
     n = GPT_5B.num_params
     assert (e.parameters, e.gradients, e.optimizer) == (4 * n // 8, 4 * n // 8, 8 * n // 8)
-    root = VOCAB * H + SEQ * H + 2 * H  # embeddings and final norm: FSDP2's root unit
-    assert e.unsharded_working_set == 2 * (root + 2 * BLOCK + max(root, BLOCK))
-    # 38h bytes per token per block (Korthikanti's 34h, LayerNorm inputs in fp32), the final norm's and
-    # head's input, 10 bytes per logit.
-    assert e.activations == 4 * SEQ * (LAYERS * 38 * H + 6 * H + 10 * VOCAB)
+    # The tied embeddings, final norm and head are one unit: gathered, with their unsharded gradient, through
+    # the whole backward, beside two gathered blocks and one block's gradient.
+    outer = VOCAB * H + SEQ * H + 2 * H
+    assert e.unsharded_working_set == 2 * (2 * outer + 2 * BLOCK + BLOCK)
+    # Per token of a block, bf16 residual under FSDP: two LayerNorms (input 2h + 8 bytes of statistics
+    # each), their outputs 2 x 2h, QKV 6h, the output projection's input 2h, 32 fp32 log-sum-exps, GELU's
+    # input and output 2 x 8h: 32h + 16 + 4 x 32. The final norm's (2h + 8) and head's (2h) inputs, 12 bytes
+    # per logit.
+    assert e.activations == 4 * SEQ * (LAYERS * (32 * H + 16 + 4 * HEADS) + 4 * H + 8 + 12 * VOCAB)
     assert e.reserve == GIB + -(-5 * (e.total - e.reserve) // 100)
     assert e.activations_source == "estimate"
 
@@ -144,8 +149,8 @@ def test_the_breakdown_sums_to_the_total_and_survives_plan_json():
 def test_describe_is_one_line_in_gib():
     text = estimate("hsdp").describe()
     assert text == (
-        "46.7 GiB = params 2.4 + grads 2.4 + optimizer 4.7 + working set 1.6"
-        " + activations 32.6 (estimate) + reserve 3.2"
+        "43.2 GiB = params 2.4 + grads 2.4 + optimizer 4.7 + working set 1.9"
+        " + activations 28.8 (estimate) + reserve 3.0"
     )
 
 
@@ -153,12 +158,12 @@ def test_activation_checkpointing_keeps_block_inputs_only():
     full = estimate("fsdp").activations
     checkpointed = estimate("fsdp", activation_checkpointing=True).activations
     # 24 bf16 block inputs + one block recomputed + head + logits instead of 24 blocks' activations.
-    assert checkpointed == 4 * SEQ * (LAYERS * 2 * H + 38 * H + 6 * H + 10 * VOCAB)
-    assert checkpointed < full / 4
-    # Under ddp's autocast the residual stream stays fp32.
-    assert (
-        estimate("ddp", activation_checkpointing=True).activations - checkpointed == 4 * SEQ * LAYERS * 2 * H
-    )
+    assert checkpointed == 4 * SEQ * (LAYERS * 2 * H + (32 * H + 16 + 4 * HEADS) + 4 * H + 8 + 12 * VOCAB)
+    assert checkpointed < full / 3  # the loss's 12 bytes per logit stay
+    # Under ddp's autocast the residual stream stays fp32: the 24 block inputs, and the inputs of the
+    # recomputed block's two LayerNorms and of the final one.
+    ddp = estimate("ddp", activation_checkpointing=True).activations
+    assert ddp - checkpointed == 4 * SEQ * (LAYERS * 2 * H + 2 * 2 * H + 2 * H)
 
 
 def test_explore_measured_activations_replace_the_estimate():
@@ -194,7 +199,7 @@ def test_unknown_device_memory_is_not_checked():
 def test_fp32_doubles_the_working_set_and_drops_autocast_copies():
     mixed, fp32 = estimate("fsdp"), estimate("fsdp", mixed_precision=False)
     assert fp32.unsharded_working_set == 2 * mixed.unsharded_working_set
-    assert fp32.activations == 4 * SEQ * (LAYERS * 66 * H + 8 * H + 12 * VOCAB)
+    assert fp32.activations == 4 * SEQ * (LAYERS * (64 * H + 16 + 4 * HEADS) + 8 * H + 8 + 12 * VOCAB)
     assert estimate("ddp", mixed_precision=False).unsharded_working_set == 0
     assert estimate("ddp").unsharded_working_set == 2 * GPT_5B.num_params
 
@@ -221,7 +226,7 @@ def test_a_model_without_blocks_is_one_fsdp_unit():
     )
     assert e.unsharded_working_set == 2 * 1000 * 4  # all parameters and their gradients, fp32
     assert (e.parameters, e.optimizer) == (1000, 2000)
-    assert e.activations == 2 * 16 * (8 * 8 + 12 * 100)
+    assert e.activations == 2 * 16 * (8 * 4 + 8 + 4 * 8 + 12 * 100)  # final LayerNorm, head input, loss
     assert e.reserve == -(-5 * (e.total - e.reserve) // 100)
 
 

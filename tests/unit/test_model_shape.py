@@ -9,6 +9,7 @@ from torch import nn
 from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
+from batchpilot.models.llama import Llama
 from batchpilot.planning.memory import ModelShape
 from batchpilot.train.shape import model_shape
 
@@ -20,6 +21,9 @@ LLAMA = "batchpilot.models.llama:build"
 def measured(model: nn.Module) -> ModelShape:
     """The shape read off a real CPU build, the slow obvious way."""
     embedding = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+    llama = isinstance(model, Llama)  # RMSNorm, SwiGLU, separate Q K V; the GPT: LayerNorm, GELU, fused QKV
+    heads = model.config.n_head
+    kv_heads = model.config.n_kv_head if llama else heads
     return ModelShape(
         num_params=sum(p.numel() for p in model.parameters()),
         num_layers=len(model.blocks),
@@ -27,6 +31,11 @@ def measured(model: nn.Module) -> ModelShape:
         vocab_size=embedding.num_embeddings,
         ffn_hidden_size=getattr(model, "ffn_hidden_size", 4 * embedding.embedding_dim),
         largest_block_params=max(sum(p.numel() for p in block.parameters()) for block in model.blocks),
+        kv_hidden_size=embedding.embedding_dim // heads * kv_heads,
+        num_heads=heads,
+        gated_mlp=llama,
+        rms_norm=llama,
+        input_projections=5 if llama else 2,
     )
 
 
@@ -65,6 +74,11 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
         vocab_size=128256,
         ffn_hidden_size=8192,
         largest_block_params=100_669_440,
+        kv_hidden_size=1024,
+        num_heads=24,
+        gated_mlp=True,
+        rms_norm=True,
+        input_projections=5,
     )
     assert elapsed_s < 1.0
 

@@ -14,33 +14,41 @@ Adam's two fp32 moments take 12 bytes per parameter in mixed precision):
   caches each cast for the rest of the forward (`torch.autocast(cache_enabled=True)`) and the matrix
   multiplies save the bf16 weight for their backward, so all of them live until the backward reaches
   them (counted whole, an upper bound with activation checkpointing, which frees them block by block).
-- fsdp/hsdp (FSDP2 `fully_shard` on every block, then on the root; `MixedPrecisionPolicy(param_dtype=
-  bf16, reduce_dtype=fp32)` with mixed precision): fp32 parameters 4N/shard, fp32 gradients 4N/shard,
-  AdamW state 8N/shard (FSDP2 docs: parameters are DTensors sharded on dim 0, the optimizer steps on the
-  shards). Working set, in the param dtype (2 bytes mixed, else 4): the root unit's parameters (what is
-  not in a block: embeddings, final norm, head), unsharded from the first all-gather to the end of the
-  backward because FSDP2 does not reshard the root after forward; two blocks' all-gathered parameters
-  (the block running and the one prefetched); and the larger of a block's and the root's unsharded
-  gradients before their reduce-scatter. A model with no blocks is one unit: all of it unsharded, with
-  its gradients.
+- fsdp/hsdp (FSDP2 `fully_shard` on the embeddings, on every block and on the final norm with the output
+  head, then on the root, as train/parallel.py's `shard_units`; `MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)` with mixed precision): fp32 parameters 4N/shard, fp32 gradients 4N/shard, AdamW state
+  8N/shard (FSDP2 docs: parameters are DTensors sharded on dim 0, the optimizer steps on the shards).
+  Working set, in the param dtype (2 bytes mixed, else 4): two blocks' all-gathered parameters (the block
+  running and the one prefetched) plus, at the peak of the phases of the backward, the unsharded buffers of
+  the outer units: the head unit (kept gathered from its forward to its backward) with its gradient at the
+  backward's start, a block's gradient in the middle, the embeddings and their gradient at the end. A tied
+  embedding and head are one unit, gathered from the forward's start to the backward's end, and its
+  gradient waits unsharded for the reduce-scatter until its whole backward is done, the end: both count
+  through the backward. A model with no blocks is one unit: all of it unsharded, with its gradients.
 
 Activations, with `activation_bytes_per_sample` (measured by explore, the slope of peak memory over the
-micro batch): that times the micro batch ("explore"). Otherwise an analytic estimate ("estimate") per
-token of every block, after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", section 4.1, 34 x hidden bytes per token per layer in 16 bits without parallelism):
-- attention: the QKV input, Q, K, V and the output projection's input, 5h values; no s x s term since
-  `scaled_dot_product_attention` runs a fused (flash) kernel that keeps no score matrix;
-- MLP: the first linear's input h, the GELU's input and output 2f (f = ffn_hidden_size; 16h for 4h);
-- both LayerNorms' inputs, 2h values in fp32 (autocast runs layer_norm in fp32; the paper counts them in
-  16 bits, so this is 4h bytes above its 34h);
-- two dropout masks, 2h bytes (kept as in the paper; an upper bound when dropout is 0).
-So 2(6h + 2f) + 8h + 2h bytes per token per block in mixed precision (38h for f = 4h), 4(6h + 2f) + 8h +
-2h in fp32. With activation checkpointing only each block's input is kept (the residual stream: fp32
-under ddp's autocast, which leaves the fp32 embeddings' sum in fp32; bf16 under FSDP's bf16 parameters)
-plus one block's full activations while it is recomputed. On top: the final LayerNorm's input (fp32)
-and the head's input, and the logits: the trainer upcasts them to fp32 for the cross-entropy, so their
-peak is the log-softmax's saved fp32 output and its fp32 gradient plus the bf16 logits (10 bytes per
-logit), or three fp32 copies (12 bytes) without mixed precision.
+micro batch): that times the micro batch ("explore"). Otherwise the tensors each block's forward saves for
+its backward, per token (a = 2 bytes for a matmul's inputs and outputs in mixed precision, else 4; r = the
+residual stream's bytes, fp32 under autocast and in fp32, bf16 under FSDP's bf16 parameters; h the width,
+kv the keys' and values' width, f the MLP's inner width):
+- each of the two norms: its input (r h) and fp32 statistics (LayerNorm mean and 1/std, 8 bytes; RMSNorm
+  1/rms, 4 bytes), and RMSNorm's normalized input (r h) for its scale's gradient;
+- attention: the norm's output that Q, K and V are projected from (a h; under autocast one bf16 copy per
+  projection reading it, since autocast caches the casts of parameters only: 3 for separate Q, K and V,
+  1 for a fused QKV), Q K V into the fused attention
+  (a (h + 2 kv); with rotary positions the rotated Q and K), one fp32 log-sum-exp per head, the output
+  projection's input (a h); no s x s term since `scaled_dot_product_attention` keeps no score matrix;
+- MLP: the norm's output (a h; under autocast one copy per up projection: 2 for SwiGLU), then GELU's input
+  and output (2 a f), or SwiGLU's gate and up projections,
+  the gate's SiLU and the product (4 a f);
+- no dropout masks: the built-in models train with dropout 0.
+A test sums the bytes autograd saves for one Llama and one GPT block on CPU (saved_tensors_hooks) and
+finds this within 10% (tests/unit/test_memory_saved_tensors.py). This is Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", section 4.1) without its dropout masks
+and with SwiGLU's four f-wide tensors. With activation checkpointing only each block's input is kept
+(r h) plus one block's full activations while it is recomputed. On top: the final norm's saved tensors and
+the head's input, and the loss: 12 bytes per logit (`LOSS_BYTES_PER_LOGIT`, measured: the log-softmax's
+fp32 output and two fp32 gradients at the start of the backward).
 
 Reserve: 1 GiB (the CUDA context, cuBLAS workspaces and NCCL's buffers, none of which the caching
 allocator reports) plus 5% of everything else (the allocator's fragmentation, which grows with what is
@@ -82,6 +90,13 @@ class ModelShape:
         vocab_size: rows of the token embedding (the logits' width).
         ffn_hidden_size: width of the MLP's inner layer (4 x hidden for GPT, SwiGLU's intermediate size).
         largest_block_params: parameters of the largest block (0 when num_layers is 0).
+        kv_hidden_size: width of the keys and of the values (None: hidden_size; less with grouped-query
+            attention).
+        num_heads: attention heads (the fused attention keeps one fp32 log-sum-exp per head and token).
+        gated_mlp: the MLP is SwiGLU's (gate, up and down projections) rather than GELU's two.
+        rms_norm: the norms are RMSNorm (which keeps its normalized output too), not LayerNorm.
+        input_projections: linear layers reading a norm's output in a block (GPT: the fused QKV and the
+            MLP's first, 2; Llama: Q, K, V, gate and up, 5); autocast saves a bf16 copy for each.
     """
 
     num_params: int
@@ -90,6 +105,11 @@ class ModelShape:
     vocab_size: int
     ffn_hidden_size: int
     largest_block_params: int
+    kv_hidden_size: int | None = None
+    num_heads: int = 0
+    gated_mlp: bool = False
+    rms_norm: bool = False
+    input_projections: int = 2
 
 
 @dataclass(frozen=True)
@@ -215,6 +235,7 @@ def estimate_memory(
                 mixed_precision=mixed_precision,
                 activation_checkpointing=activation_checkpointing,
                 residual_bytes=4 if strategy == "ddp" or not mixed_precision else 2,
+                autocast=mixed_precision and strategy == "ddp",
             )
         )
         source = "estimate"
@@ -233,29 +254,86 @@ def estimate_memory(
 
 
 def _fsdp_working_set(shape: ModelShape, *, param_bytes: int) -> int:
-    """FSDP2's unsharded parameters and gradients at the peak, in the param dtype."""
+    """FSDP2's unsharded parameters and gradients at the peak, in the param dtype (module docstring)."""
     if shape.num_layers == 0:
         return 2 * shape.num_params * param_bytes
     block = shape.largest_block_params
-    root = max(shape.num_params - shape.num_layers * block, 0)
-    gathered = root + min(2, shape.num_layers) * block
-    return (gathered + max(block, root)) * param_bytes
+    outer = max(shape.num_params - shape.num_layers * block, 0)
+    embedding = shape.vocab_size * shape.hidden_size
+    gathered_blocks = min(2, shape.num_layers) * block
+    if outer < 2 * embedding:
+        # One outer unit (a tied embedding and head): gathered from the forward's start to the backward's end,
+        # and its gradient, reduce-scattered once its whole backward is done, unsharded through the backward.
+        return (2 * outer + gathered_blocks + block) * param_bytes
+    head = outer - embedding  # the final norm and the output head
+    peaks = (
+        2 * head + gathered_blocks,  # backward's start: the head unit and its gradient, two blocks gathered
+        gathered_blocks + block,  # a block's backward: two blocks gathered, one's gradient
+        2 * embedding + 2 * block,  # backward's end: the embeddings and their gradient, the first block's
+    )
+    return max(peaks) * param_bytes
+
+
+LOSS_BYTES_PER_LOGIT = 12
+"""The cross-entropy's peak per logit, measured (tests/unit/test_memory_saved_tensors.py): the log-softmax's
+saved fp32 output, the fp32 gradient arriving from the loss and the fp32 gradient it passes back, whether
+the logits are bf16 or fp32 (the trainer upcasts them; the bf16 logits and their fp32 copy are freed
+once the forward is done)."""
+
+
+def block_activation_bytes_per_token(
+    shape: ModelShape, *, act_bytes: int, residual_bytes: int, autocast: bool
+) -> int:
+    """What one block's forward saves for its backward, per token (module docstring).
+
+    Args:
+        act_bytes: bytes of a matmul's inputs and outputs (2 in mixed precision, else 4).
+        residual_bytes: bytes of the residual stream and the norms' saved tensors (fp32 under autocast).
+        autocast: the norms' fp32 outputs are cast to bf16 once per projection reading them (autocast caches
+            the casts of parameters only), not once per norm.
+    """
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    kv = shape.kv_hidden_size if shape.kv_hidden_size is not None else h
+    norm_outputs = shape.input_projections if autocast else 2
+    return (
+        2 * _norm_bytes_per_token(shape, residual_bytes=residual_bytes)
+        + act_bytes * h * norm_outputs  # the inputs of the projections that read the norms
+        + act_bytes * ((h + 2 * kv) + h)  # attention: Q K V, the output projection's input
+        + 4 * shape.num_heads  # the fused attention's fp32 log-sum-exp
+        + act_bytes
+        * f
+        * (4 if shape.gated_mlp else 2)  # SwiGLU: gate, up, silu(gate), product; GELU: in, out
+    )
+
+
+def _norm_bytes_per_token(shape: ModelShape, *, residual_bytes: int) -> int:
+    """A norm's saved tensors per token: its input and fp32 statistics (LayerNorm: mean and 1/std), and
+    RMSNorm's normalized input too (kept for the scale's gradient)."""
+    h = shape.hidden_size
+    if shape.rms_norm:
+        return 2 * residual_bytes * h + 4
+    return residual_bytes * h + 8
 
 
 def _activation_bytes_per_token(
-    shape: ModelShape, *, mixed_precision: bool, activation_checkpointing: bool, residual_bytes: int
+    shape: ModelShape,
+    *,
+    mixed_precision: bool,
+    activation_checkpointing: bool,
+    residual_bytes: int,
+    autocast: bool,
 ) -> int:
-    """Activation bytes per token of one sample (Korthikanti et al. 2022, adapted; module docstring)."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    """Activation bytes per token of one sample, at the start of the backward (module docstring)."""
     act = 2 if mixed_precision else 4
-    block = act * (6 * h + 2 * f) + 4 * 2 * h + 2 * h
+    block = block_activation_bytes_per_token(
+        shape, act_bytes=act, residual_bytes=residual_bytes, autocast=autocast
+    )
     if activation_checkpointing:
-        blocks = shape.num_layers * residual_bytes * h + (block if shape.num_layers else 0)
+        blocks = shape.num_layers * residual_bytes * shape.hidden_size + (block if shape.num_layers else 0)
     else:
         blocks = shape.num_layers * block
-    head = 4 * h + act * h
-    logits = shape.vocab_size * (10 if mixed_precision else 12)
-    return blocks + head + logits
+    head = _norm_bytes_per_token(shape, residual_bytes=residual_bytes) + act * shape.hidden_size
+    return blocks + head + shape.vocab_size * LOSS_BYTES_PER_LOGIT
 
 
 def activation_bytes_per_sample(points: Sequence[tuple[int, int]]) -> float | None:

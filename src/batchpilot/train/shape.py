@@ -29,7 +29,8 @@ def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
     Returns:
         Parameters counted once each (tied weights once), the blocks in `model.blocks` (0 when the model
         has no such nn.ModuleList), widths from the first nn.Embedding, and `model.ffn_hidden_size` when
-        the model has that attribute, else 4 x hidden (the GPT's MLP).
+        the model has that attribute, else 4 x hidden (the GPT's MLP); heads from `model.config`, the
+        gated MLP and RMSNorm from the first block's modules.
 
     Raises:
         BatchpilotError: the factory fails (see `build_model`) or the model has no nn.Embedding.
@@ -48,13 +49,30 @@ def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
     block_params = [_num_params(block) for block in blocks] if isinstance(blocks, nn.ModuleList) else []
     hidden_size = embedding.embedding_dim
     ffn_hidden_size = getattr(model, "ffn_hidden_size", None)
+    ffn = int(ffn_hidden_size) if ffn_hidden_size is not None else 4 * hidden_size
+    # What the activation estimate needs of a block: its heads (`model.config.n_head`, `n_kv_head`), whether
+    # its MLP is gated (two projections up to the MLP's width) and its norms RMSNorm.
+    config = getattr(model, "config", None)
+    num_heads = int(getattr(config, "n_head", 0))
+    num_kv_heads = int(getattr(config, "n_kv_head", num_heads))
+    first = blocks[0] if isinstance(blocks, nn.ModuleList) and len(blocks) else nn.Module()
+    linears = [m for m in first.modules() if isinstance(m, nn.Linear)]
+    up = [m for m in linears if m.out_features == ffn]
+    # Linear layers reading a norm's output: those taking the residual width in, less the attention's output
+    # projection (which reads the attention's output).
+    reading_norms = sum(m.in_features == hidden_size for m in linears) - 1
     return ModelShape(
         num_params=_num_params(model),
         num_layers=len(block_params),
         hidden_size=hidden_size,
         vocab_size=embedding.num_embeddings,
-        ffn_hidden_size=int(ffn_hidden_size) if ffn_hidden_size is not None else 4 * hidden_size,
+        ffn_hidden_size=ffn,
         largest_block_params=max(block_params, default=0),
+        kv_hidden_size=hidden_size * num_kv_heads // num_heads if num_heads else None,
+        num_heads=num_heads,
+        gated_mlp=len(up) >= 2,
+        rms_norm=any(isinstance(m, nn.RMSNorm) for m in first.modules()),
+        input_projections=max(reading_norms, 2),
     )
 
 
