@@ -29,7 +29,6 @@ import datetime
 import hashlib
 import io
 import json
-import logging
 import random
 import re
 import threading
@@ -68,8 +67,6 @@ UPLOAD_THREADS = 4
 """Objects each rank writes per checkpoint, uploaded in parallel (one object per thread)."""
 SAVE_TIMEOUT_S = 1800.0
 """How long a wait for a save in flight (and the checkpoint group's collectives) may take."""
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -164,6 +161,7 @@ class _InFlight:
     started_s: float
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    finished_s: float = 0.0
 
 
 class Checkpointer:
@@ -282,6 +280,7 @@ class Checkpointer:
             except BaseException as error:  # surfaced by the next wait(), never dropped
                 in_flight.error = error
             finally:
+                in_flight.finished_s = time.monotonic()
                 in_flight.done.set()
 
         self._in_flight = in_flight
@@ -296,8 +295,8 @@ class Checkpointer:
         return None if self._in_flight is None else self._in_flight.step
 
     def wait(self) -> float | None:
-        """Waits (at most `save_timeout_s`) for the save in flight and raises its failure; returns how long it
-        took from its start, None when none was in flight."""
+        """Waits (at most `save_timeout_s`) for the save in flight and raises its failure; returns how long the
+        save took from its start to its commit, None when none was in flight."""
         in_flight = self._in_flight
         if in_flight is None:
             return None
@@ -312,14 +311,14 @@ class Checkpointer:
         self._in_flight = None
         if in_flight.error is not None:
             error = in_flight.error
-            problem = error.args[0] if isinstance(error, BatchpilotError) and error.args else repr(error)
+            problem = str(error) if isinstance(error, BatchpilotError) else repr(error)
             raise BatchpilotError(
                 where,
                 f"the checkpoint of step {in_flight.step} failed in the background ({problem}); it was not "
                 "committed and `latest` names the previous checkpoint",
                 "fix the cause and run the stage again: it resumes from `latest`",
             ) from error
-        return time.monotonic() - in_flight.started_s
+        return in_flight.finished_s - in_flight.started_s
 
     def _checkpoint_group(self) -> Any:
         """A gloo group of every rank for the background thread's collectives (created on first use: every
