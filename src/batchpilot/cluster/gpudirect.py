@@ -148,7 +148,9 @@ def _host_volume(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "hostPath": {"path": path}}
 
 
-def _daemon(*, name: str, image: str, capabilities: list[str], mounts: list[dict[str, str]], **command: Any):
+def _daemon(
+    *, name: str, image: str, capabilities: list[str], mounts: list[dict[str, str]], **command: Any
+) -> dict[str, Any]:
     """The receive-path daemon as a native sidecar. It runs as root with only the capabilities GKE's guide
     adds: the image's user in GKE's manifests, while the pod's securityContext asks for the trainer's
     non-root user, which would not hold the capabilities."""
