@@ -136,6 +136,8 @@ class FaultProxy:
     faults: tuple[str, ...] = FAULTS
     server: ThreadingHTTPServer | None = None
     injected: list[str] = field(default_factory=list)
+    request_body_bytes: int = 0
+    """Bytes of every request body the proxy received (uploads: what the client sent, retries included)."""
     _counter: itertools.count[int] = field(default_factory=itertools.count)
     _faults: Iterator[str] = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -184,6 +186,8 @@ def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with proxy._lock:
+                proxy.request_body_bytes += len(body)
             fault = proxy.next_fault(self.command, self.path)
             if fault == "drop":
                 self.close_connection = True

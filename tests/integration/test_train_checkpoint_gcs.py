@@ -6,6 +6,7 @@ import pytest
 import torch
 from gcs_server import fault_proxy
 
+from batchpilot.data.gcs import GCSStorage
 from batchpilot.data.storage import PreconditionFailed, open_storage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 
@@ -61,3 +62,18 @@ def test_a_byte_flipped_in_transit_is_caught_and_read_again(gcs_server, gcs_buck
         assert loaded is not None
         assert torch.equal(loaded.full_state()["model"]["w"], saved["model"]["w"])
     assert proxy.injected.count("flip") >= 2  # rng.pt, and the shard or .metadata
+
+
+def test_a_large_object_upload_resumes_after_failed_chunks(gcs_server, gcs_bucket, monkeypatch):
+    """A checkpoint file over 8 MiB goes up as a resumable upload; every fourth request fails (503, 429, a
+    dropped connection, ...) and the client sends the failed chunk again from where GCS stopped, not the
+    whole object. Breaks when such objects are uploaded in one request retried whole."""
+    data = bytes(range(256)) * (40 * 1024)  # 10 MiB: ten chunks of 1 MiB
+    with fault_proxy(upstream_port=gcs_server.port, fail_every=4) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        storage = GCSStorage(bucket=gcs_bucket, prefix="big", upload_chunk_bytes=1024 * 1024)
+        storage.write("000000001/__0_0.distcp", data)
+        assert len(proxy.injected) >= 3
+        assert proxy.request_body_bytes < 2 * len(data)  # failed chunks again, not the object each time
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    assert open_storage(f"gs://{gcs_bucket}/big").read("000000001/__0_0.distcp") == data

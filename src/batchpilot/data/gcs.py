@@ -82,16 +82,37 @@ def crc32c_from_base64(value: str | None) -> int | None:
     return int.from_bytes(base64.b64decode(value), "big") if value else None
 
 
+UPLOAD_CHUNK_BYTES = 32 * 1024 * 1024
+"""Chunk of a resumable upload: a failed chunk is sent again from the last byte GCS kept, not the whole
+object (a multiple of 256 KiB, as GCS requires)."""
+_ONE_REQUEST_MAX_BYTES = 8 * 1024 * 1024
+"""google-cloud-storage uploads objects up to this size in one (multipart) request, larger ones resumably."""
+
+
 class GCSStorage:
-    """Objects under `gs://bucket/prefix`. Safe to use from several threads (one client per thread)."""
+    """Objects under `gs://bucket/prefix`. Safe to use from several threads (one client per thread).
+
+    Objects over 8 MiB written without a generation precondition (checkpoint files) go up as resumable
+    uploads in chunks of `upload_chunk_bytes`; the client retries a failed chunk and resumes where GCS
+    stopped. Smaller objects, and conditional writes, are one request retried whole.
+    """
 
     def __init__(
-        self, *, bucket: str, prefix: str, retry: Retry | None = None, timeout_s: float = 60.0
+        self,
+        *,
+        bucket: str,
+        prefix: str,
+        retry: Retry | None = None,
+        timeout_s: float = 60.0,
+        upload_chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> None:
+        if upload_chunk_bytes % (256 * 1024):
+            raise ValueError(f"upload_chunk_bytes must be a multiple of 256 KiB, got {upload_chunk_bytes}")
         self._bucket_name = bucket
         self._prefix = f"{prefix}/" if prefix else ""
         self._retry = retry or transient_retry()
         self._timeout_s = timeout_s
+        self._upload_chunk_bytes = upload_chunk_bytes
         self._local = threading.local()
 
     @property
@@ -136,14 +157,19 @@ class GCSStorage:
             raise self._failed(name, error) from None
 
     def write(self, name: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        blob = self._bucket().blob(self._blob_name(name))
+        chunked = len(data) > _ONE_REQUEST_MAX_BYTES and if_generation_match is None
+        blob = self._bucket().blob(
+            self._blob_name(name), chunk_size=self._upload_chunk_bytes if chunked else None
+        )
+        # Chunked: the client retries each chunk and resumes (a whole-call retry would start over).
+        upload = blob.upload_from_string if chunked else self._retry(blob.upload_from_string)
         try:
-            self._retry(blob.upload_from_string)(
+            upload(
                 data,
                 content_type="application/octet-stream",
                 if_generation_match=if_generation_match,
                 checksum="crc32c",
-                retry=None,
+                retry=self._retry if chunked else None,
                 timeout=self._timeout_s,
             )
         except api_exceptions.PreconditionFailed:
