@@ -77,7 +77,9 @@ def test_a3_high_pods_get_the_four_gpu_nics_the_tcpx_daemon_and_gkes_nccl_settin
     assert env["NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX"] == "/run/tcpx"
     assert env["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"] == "eth1,eth2,eth3,eth4"
     assert env["NCCL_GPUDIRECTTCPX_CTRL_DEV"] == "eth0" and env["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert (
+        "LD_LIBRARY_PATH" not in env
+    )  # the image's (test_the_image_puts_the_plugin_folder_on_the_library_path)
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     shm = next(v for v in tcpx["spec"]["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory"}
@@ -114,7 +116,7 @@ def test_a3_ultra_pods_get_the_rdma_networks_and_the_gib_plugin_without_a_daemon
         "/usr/local/nvidia": ("/home/kubernetes/bin/nvidia", True),
         "/usr/local/gib": ("/home/kubernetes/bin/gib", True),
     }
-    assert env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert "LD_LIBRARY_PATH" not in env
     assert "source /usr/local/gib/scripts/set_nccl_env.sh && " in container["command"][-1]
 
 
@@ -157,6 +159,16 @@ def test_the_canary_job_measures_the_gpudirect_path_the_trainers_use():
     _, env, _ = trainer(pod)
     assert env["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"] == "eth1,eth2,eth3,eth4"
     assert "canary-rank" in pod["spec"]["containers"][0]["command"][-1]
+
+
+def test_the_image_puts_the_plugin_folder_on_the_library_path():
+    # GKE's guides give the workload LD_LIBRARY_PATH=/usr/local/nvidia/lib64 (where the plugins are mounted);
+    # the image's environment starts with it, so the pods leave it as the image sets it.
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    (line,) = [
+        line.strip() for line in dockerfile.splitlines() if line.strip().startswith("LD_LIBRARY_PATH=")
+    ]
+    assert line.split("=", 1)[1].split(":")[0] == "/usr/local/nvidia/lib64"
 
 
 # --- the settings script at the trainer's start ----------------------------------------------------

@@ -17,7 +17,9 @@ mode clusters" (cloud.google.com/kubernetes-engine/docs/how-to/gpu-bandwidth-gpu
 workloads with GPUDirect RDMA" (.../how-to/gpu-bandwidth-gpudirect-rdma), with the values of the public
 manifests they apply (GoogleCloudPlatform/container-engine-accelerators: gpudirect-tcpx/nccl-test-latest.yaml
 and nccl-config.yaml, gpudirect-tcpxo/nccl-test-latest.yaml and README.md, gpudirect-rdma/nccl-test.yaml).
-/dev/shm (a memory-backed emptyDir, which the guides mount) comes with every torchx pod already.
+/dev/shm (a memory-backed emptyDir, which the guides mount) comes with every torchx pod already, and the
+guides' LD_LIBRARY_PATH=/usr/local/nvidia/lib64 with the image (the Dockerfile's LD_LIBRARY_PATH starts
+with it; setting it here would drop the rest).
 """
 
 from __future__ import annotations
@@ -126,7 +128,6 @@ def gpudirect_pod(cluster: ClusterConfig) -> GPUDirectPod | None:
         stack=RDMA,
         annotations=annotations,
         trainer_mounts=((NVIDIA_HOST_DIR, NVIDIA_DIR, True), (GIB_HOST_DIR, GIB_DIR, True)),
-        trainer_env={"LD_LIBRARY_PATH": NVIDIA_LIB_DIR},
         setup_script=f"{GIB_DIR}/scripts/set_nccl_env.sh",
     )
 
@@ -206,7 +207,6 @@ def _tcpx(annotations: dict[str, str], networks: tuple[str, ...]) -> GPUDirectPo
             (TCPX_SOCKET_DIR, TCPX_SOCKET_DIR, False),
         ),
         trainer_env={
-            "LD_LIBRARY_PATH": NVIDIA_LIB_DIR,
             **TCPX_NCCL_ENV,
             "NCCL_GPUDIRECTTCPX_SOCKET_IFNAME": gpu_nics,
         },
@@ -237,7 +237,6 @@ def _tcpxo(annotations: dict[str, str]) -> GPUDirectPod:
         # The guide's NCCL settings come from the installer's nccl-env-profile.sh (sourced at start), so they
         # follow the installed plugin's version.
         trainer_env={
-            "LD_LIBRARY_PATH": NVIDIA_LIB_DIR,
             "NCCL_LIB_DIR": NVIDIA_LIB_DIR,
             "NCCL_FASTRAK_LLCM_DEVICE_DIRECTORY": APERTURE_DIR,
         },
