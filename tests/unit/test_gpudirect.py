@@ -171,6 +171,16 @@ def test_the_image_puts_the_plugin_folder_on_the_library_path():
     assert line.split("=", 1)[1].split(":")[0] == "/usr/local/nvidia/lib64"
 
 
+def test_without_gpudirect_the_canary_expects_the_primary_nics_bandwidth():
+    on = canary_spec(parse_config(gke_a3_config()), num_nodes=2)
+    off = canary_spec(parse_config(gke_a3_config(gpudirect="off")), num_nodes=2)
+    assert on["expected_bus_bandwidth_bytes_per_s"] == 800e9 / 8  # A3 High's four GPU NICs
+    assert off["expected_bus_bandwidth_bytes_per_s"] == 200e9 / 8  # its primary NIC alone
+    ultra = gke_a3_config(gpudirect="off")
+    ultra["cluster"].update(machine_type="a3-ultragpu-8g", accelerator_type="nvidia-h200-141gb")
+    assert canary_spec(parse_config(ultra), num_nodes=2)["expected_bus_bandwidth_bytes_per_s"] is None
+
+
 # --- the settings script at the trainer's start ----------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from batchpilot.cluster.launch import TRAINER_DIR, LaunchSpec, stage_labels
 from batchpilot.cluster.machines import expected_bus_bandwidth_bytes_per_s
 from batchpilot.config import Config
 from batchpilot.exitcodes import CANARY_FAILED_MARKER
+from batchpilot.planning.gpudirect import MACHINE_STACKS, PRIMARY_NIC_GBPS
 
 CANARY_NAME = "canary"
 """The canary's launch name: its job's stage label and name suffix (`<run>-canary`)."""
@@ -49,13 +50,17 @@ def result_uri(config: Config) -> str:
 
 def canary_spec(config: Config, *, num_nodes: int) -> dict[str, Any]:
     """What every canary rank reads (`train.canary.read_spec`)."""
+    cluster = config.cluster
+    expected = expected_bus_bandwidth_bytes_per_s(machine_type_name=cluster.machine_type, num_nodes=num_nodes)
+    if cluster.gpudirect == "off" and cluster.machine_type in MACHINE_STACKS and expected is not None:
+        # The GPU NICs are left out: the primary NIC carries the all-reduce (None: no documented figure).
+        primary_gbps = PRIMARY_NIC_GBPS.get(cluster.machine_type)
+        expected = primary_gbps * 1e9 / 8 if primary_gbps else None
     return {
         "config": config.model_dump(mode="json"),
         "num_nodes": num_nodes,
         "result_uri": result_uri(config),
-        "expected_bus_bandwidth_bytes_per_s": expected_bus_bandwidth_bytes_per_s(
-            machine_type_name=config.cluster.machine_type, num_nodes=num_nodes
-        ),
+        "expected_bus_bandwidth_bytes_per_s": expected,
     }
 
 

@@ -61,6 +61,11 @@ MACHINE_STACKS: dict[str, GPUDirectStack] = {
 NICs) trains over the primary network alone."""
 
 
+PRIMARY_NIC_GBPS: dict[str, int] = {"a3-highgpu-8g": 200, "a3-megagpu-8g": 200}
+"""The primary NIC's bandwidth (GKE's GPUDirect guide: up to 200 Gbps on A3's primary NIC): what crosses
+nodes with `gpudirect: off`. A3 Ultra and A4 are absent: the guides give no figure for their primary NIC."""
+
+
 def gpudirect_stack(*, gpudirect: str, machine_type: str | None) -> GPUDirectStack | None:
     """The stack the trainers' pods use: the machine type's with `gpudirect: auto`, none with `off`."""
     if gpudirect == "off" or machine_type is None:
