@@ -5,15 +5,19 @@ Rows (`--rows`):
   too, on CUDA when there is a GPU (bf16 autocast), else on the CPU with the process's default threads.
 - `fsdp`: two CPU processes with gloo under torchrun, one thread each (OMP_NUM_THREADS=1 on both sides):
   the trainer as `batchpilot train` with `train.parallelism: fsdp`, the bare loop as this file's worker
-  mode, which applies `fully_shard` to each block then the root on a 1-D mesh, as the trainer does.
+  mode, which applies `fully_shard` to the same units as the trainer (`shard_units`: the embeddings, each
+  block, the final norm with the head; one unit for the tied GPT's embedding and head) then the root.
 
-The trainer's steady-state time per step is the difference between two runs of different length (so
-start-up, data opening and the final checkpoint cancel out); the bare loop times `steps` steps after
-warm-up ones, with the same model, AdamW, micro-batches per rank, accumulation, clipping and loss, and
-micro-batches from memory. Each row prints the throughput ratio bare/trainer (target >= 0.95, i.e. the
+Both sides time `steps` optimizer steps after WARMUP_STEPS untimed ones, inside one run: the trainer from
+the end of its warm-up steps to the end of its last (each step's end recorded by wrapping the loop's
+`_finish_step`, so start-up, data opening and the final checkpoint stay out), the bare loop likewise; both
+with the same model, AdamW, micro-batches per rank, accumulation, clipping and loss (the bare loop's
+micro-batches from memory). A shared machine's load drifts by more than the overhead being measured, so
+the two are measured in pairs, back to back (the order alternating between pairs), and each row prints
+the median of the per-pair throughput ratios bare/trainer with their range (target >= 0.95, i.e. the
 trainer's overhead is at most 5%).
 
-Run: .venv/bin/python bench/trainer_overhead.py [--rows single,fsdp] [--steps 20] [--repeats 3]
+Run: .venv/bin/python bench/trainer_overhead.py [--rows single,fsdp] [--steps 20] [--pairs 5]
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,9 +42,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn import functional as F
 
+from batchpilot.cli import main as cli_main
 from batchpilot.config import Config, parse_config
 from batchpilot.models.factory import build_model
 from batchpilot.planner import build_plan, make_run_document
+from batchpilot.train import trainer as trainer_module
+from batchpilot.train.parallel import shard_units
 from batchpilot.train.shape import model_shape
 from batchpilot.train.trainer import autocast_factory, make_optimizer, train
 
@@ -48,7 +55,7 @@ FACTORY = "batchpilot.models.gpt:build"
 MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 128, "vocab_size": 257}
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN = 32, 8, 128
 LR, WEIGHT_DECAY, GRAD_CLIP = 3e-4, 0.1, 1.0
-SHORT_STEPS = WARMUP_STEPS = 5
+WARMUP_STEPS = 5
 FSDP_WORLD = 2
 ROWS = ("single", "fsdp")
 TARGET_RATIO = 0.95
@@ -107,29 +114,75 @@ def config_for(
 # --- the trainer ------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def step_ends() -> Iterator[list[float]]:
+    """A list that gets `time.perf_counter()` each time the trainer finishes an optimizer step (after its
+    metrics line), so the steady state is timed inside one run: start-up, data opening and the final
+    checkpoint stay out, with no second run to subtract."""
+    ends: list[float] = []
+    finish_step = trainer_module._Loop._finish_step
+
+    def timed(self, *args, **kwargs):
+        result = finish_step(self, *args, **kwargs)
+        ends.append(time.perf_counter())
+        return result
+
+    trainer_module._Loop._finish_step = timed  # type: ignore[method-assign]
+    try:
+        yield ends
+    finally:
+        trainer_module._Loop._finish_step = finish_step  # type: ignore[method-assign]
+
+
+def steady_seconds(ends: list[float], steps: int) -> float:
+    """Seconds of the last `steps` steps (after WARMUP_STEPS, as the bare loop's)."""
+    assert len(ends) == WARMUP_STEPS + steps, f"{len(ends)} steps timed, expected {WARMUP_STEPS + steps}"
+    return ends[-1] - ends[WARMUP_STEPS - 1]
+
+
 def trainer_seconds(setup: Setup, root: Path, data_uri: str, steps: int, run: str) -> float:
-    """One process: `train()` in this process (world 1, no process group)."""
-    config = config_for(setup, root, data_uri, steps, run)
+    """One process: `train()` in this process (world 1, no process group); seconds of `steps` steps."""
+    config = config_for(setup, root, data_uri, WARMUP_STEPS + steps, run)
     plan = build_plan(config, micro_batch_size=setup.micro_batch)
-    started = time.perf_counter()
     # The trainer's progress goes to the `batchpilot` logger, which shows nothing here (no console).
     # It runs on CUDA when there is a GPU (bf16 autocast with train.precision auto), else on the CPU.
-    assert train(config=config, plan=plan, stage="all", output_dir=root / run / "out") == 0
-    return time.perf_counter() - started
+    with step_ends() as ends:
+        assert train(config=config, plan=plan, stage="all", output_dir=root / run / "out") == 0
+    return steady_seconds(ends, steps)
 
 
 def fsdp_trainer_seconds(setup: Setup, root: Path, data_uri: str, steps: int, run: str) -> float:
-    """`batchpilot train` under torchrun: FSDP_WORLD CPU processes, `train.parallelism: fsdp`."""
-    config = config_for(setup, root, data_uri, steps, run, world_size=FSDP_WORLD, parallelism="fsdp")
+    """`batchpilot train` under torchrun (this file's trainer-worker mode): FSDP_WORLD CPU processes,
+    `train.parallelism: fsdp`; seconds of `steps` steps on rank 0."""
+    config = config_for(
+        setup, root, data_uri, WARMUP_STEPS + steps, run, world_size=FSDP_WORLD, parallelism="fsdp"
+    )
     document = make_run_document(config, shape=model_shape(factory=FACTORY, args=setup.model))
     assert document.plan.parallelism == "fsdp" and document.plan.stages[0].world_size == FSDP_WORLD
     plan_path = root / run / "plan.json"
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.write_text(document.to_json())
-    command = ["-m", "batchpilot", "train", "--plan", str(plan_path), "--stage", "all"]
-    started = time.perf_counter()
-    _torchrun([*command, "--output-dir", str(root / run / "out")])
-    return time.perf_counter() - started
+    result = root / f"{run}.json"
+    train_args = [
+        "train",
+        "--plan",
+        str(plan_path),
+        "--stage",
+        "all",
+        "--output-dir",
+        str(root / run / "out"),
+    ]
+    _torchrun([__file__, "--trainer-worker", str(result), "--steps", str(steps), "--", *train_args])
+    return float(json.loads(result.read_text())["seconds"])
+
+
+def trainer_worker(result: Path, steps: int, train_args: list[str]) -> None:
+    """One rank of `batchpilot train` (run under torchrun) with its step ends recorded; rank 0 writes the
+    seconds of the last `steps` steps to `result`."""
+    with step_ends() as ends:
+        assert cli_main(train_args) == 0
+    if os.environ.get("RANK") == "0":
+        result.write_text(json.dumps({"seconds": steady_seconds(ends, steps)}))
 
 
 def _torchrun(command: list[str]) -> None:
@@ -160,8 +213,7 @@ def bare_steps(
     sync: Callable[[], None],
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> float:
-    """Seconds of `steps` optimizer steps after WARMUP_STEPS untimed ones (the trainer's short run plays
-    that role); `data` holds `[(WARMUP_STEPS + steps) x accumulation, micro, seq_len + 1]` token ids."""
+    """Seconds of `steps` optimizer steps after WARMUP_STEPS untimed ones (as the trainer's are timed); `data` holds `[(WARMUP_STEPS + steps) x accumulation, micro, seq_len + 1]` token ids."""
     optimizer = make_optimizer(model, weight_decay=WEIGHT_DECAY)
     for group in optimizer.param_groups:
         group["lr"] = LR
@@ -213,8 +265,11 @@ def fsdp_bare_worker(setup: Setup, steps: int, result: Path) -> None:
     torch.manual_seed(0)
     model = build_model(factory=FACTORY, args=setup.model)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy())
+    units = shard_units(model)
+    head = model.outer_modules()[1][-1]  # type: ignore[operator]
+    for index, unit in enumerate(units):  # the unit with the head stays gathered for the backward
+        keep = index == len(units) - 1 or any(module is head for module in unit)
+        fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     torch.manual_seed(1 + dist.get_rank())  # each rank its own micro-batches, as the trainer's loader
     data = _token_ids(setup, steps, setup.accumulation(world_size), torch.device("cpu"))
@@ -242,11 +297,11 @@ def fsdp_bare_seconds(setup: Setup, root: Path, steps: int, run: str) -> float:
 # --- measuring --------------------------------------------------------------------------------------
 
 
-def measure(setup: Setup, *, steps: int, repeats: int, row: str = "single") -> tuple[float, float]:
-    """(trainer, bare loop) seconds per step of `row`, each the median of `repeats`, measured in this run.
+def measure(setup: Setup, *, steps: int, pairs: int, row: str = "single") -> list[tuple[float, float]]:
+    """(trainer, bare loop) seconds per step of `row`, one tuple per pair measured back to back.
 
-    The trainer's steady-state step time is the difference between a short and a long run, so start-up,
-    data opening and the final checkpoint cancel out.
+    Even pairs run the trainer first, odd pairs the bare
+    loop first, so neither side always meets the machine in the same state.
     """
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -256,30 +311,47 @@ def measure(setup: Setup, *, steps: int, repeats: int, row: str = "single") -> t
             check=True,
             capture_output=True,
         )
-        trainer, bare = [], []
-        for repeat in range(repeats):
-            if row == "single":
-                t_short = trainer_seconds(setup, root, data_uri, SHORT_STEPS, f"short{repeat}")
-                t_long = trainer_seconds(setup, root, data_uri, SHORT_STEPS + steps, f"long{repeat}")
-                t_bare = bare_loop_seconds(setup, steps)
+        measured = []
+        for pair in range(pairs):
+
+            def trainer_s(pair: int = pair) -> float:
+                seconds = trainer_seconds if row == "single" else fsdp_trainer_seconds
+                return seconds(setup, root, data_uri, steps, f"trainer{pair}") / steps
+
+            def bare_s(pair: int = pair) -> float:
+                if row == "single":
+                    return bare_loop_seconds(setup, steps) / steps
+                return fsdp_bare_seconds(setup, root, steps, f"bare{pair}") / steps
+
+            if pair % 2:
+                bare = bare_s()
+                trainer = trainer_s()
             else:
-                t_short = fsdp_trainer_seconds(setup, root, data_uri, SHORT_STEPS, f"short{repeat}")
-                t_long = fsdp_trainer_seconds(setup, root, data_uri, SHORT_STEPS + steps, f"long{repeat}")
-                t_bare = fsdp_bare_seconds(setup, root, steps, f"bare{repeat}")
-            trainer.append((t_long - t_short) / steps)
-            bare.append(t_bare / steps)
-    return statistics.median(trainer), statistics.median(bare)
+                trainer = trainer_s()
+                bare = bare_s()
+            measured.append((trainer, bare))
+    return measured
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--steps", type=int, default=20, help="extra steps of the longer trainer run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps of each run (after 5 warm-up steps)"
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=5, help="trainer/bare pairs per row, measured back to back"
+    )
     # A rank of the bare FSDP loop, under torchrun: where to write its seconds, and the Setup as JSON.
     parser.add_argument("--fsdp-bare-worker", type=Path, help=argparse.SUPPRESS)
+    # A rank of the trainer under torchrun: where to write its seconds; `batchpilot` arguments after `--`.
+    parser.add_argument("--trainer-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("train_args", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--setup", type=json.loads, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trainer_worker is not None:
+        trainer_worker(args.trainer_worker, args.steps, args.train_args)
+        return
     if args.fsdp_bare_worker is not None:
         fsdp_bare_worker(Setup(**args.setup), args.steps, args.fsdp_bare_worker)
         return
@@ -288,22 +360,28 @@ def main() -> None:
         parser.error(f"--rows: {args.rows!r}; choose from {', '.join(ROWS)}")
     print(
         f"model {MODEL['n_layer']}x{MODEL['n_embd']}, global batch {GLOBAL_BATCH}, micro {MICRO_BATCH}, "
-        f"seq_len {SEQ_LEN}; {args.steps} steps, median of {args.repeats}"
+        f"seq_len {SEQ_LEN}; {args.steps} steps, {args.pairs} pairs (trainer and bare loop back to back)"
     )
     print(
-        f"{'row':<7}| {'batch':<14}| {'trainer ms/step':>15} | {'bare ms/step':>12} | ratio (bare/trainer throughput)"
+        f"{'row':<7}| {'batch':<14}| {'trainer ms/step':>15} | {'bare ms/step':>12} | "
+        "ratio bare/trainer throughput: median of pairs [min..max]"
     )
     for row in rows:
         world_size = 1 if row == "single" else FSDP_WORLD
-        trainer_s, bare_s = measure(CPU_SETUP, steps=args.steps, repeats=args.repeats, row=row)
-        ratio = bare_s / trainer_s
+        measured = measure(CPU_SETUP, steps=args.steps, pairs=args.pairs, row=row)
+        ratios = sorted(bare / trainer for trainer, bare in measured)
+        ratio = statistics.median(ratios)
+        trainer_s = statistics.median(trainer for trainer, _ in measured)
+        bare_s = statistics.median(bare for _, bare in measured)
         batch = f"{MICRO_BATCH} x {world_size} x {CPU_SETUP.accumulation(world_size)}"
         verdict = "ok" if ratio >= TARGET_RATIO else "BELOW TARGET"
+        pairs = " ".join(f"{r:.3f}" for r in ratios)
         print(
-            f"{row:<7}| {batch:<14}| {trainer_s * 1000:15.1f} | {bare_s * 1000:12.1f} | {ratio:.3f} {verdict}",
+            f"{row:<7}| {batch:<14}| {trainer_s * 1000:15.1f} | {bare_s * 1000:12.1f} | "
+            f"{ratio:.3f} [{ratios[0]:.3f}..{ratios[-1]:.3f}] {verdict}  (pairs: {pairs})",
             flush=True,
         )
-    print(f"target: ratio >= {TARGET_RATIO} (the trainer's overhead at most 5%)")
+    print(f"target: median ratio >= {TARGET_RATIO} (the trainer's overhead at most 5%)")
 
 
 if __name__ == "__main__":
