@@ -69,16 +69,15 @@ class DistContext:
         self, *, means: list[torch.Tensor], flags: list[bool], local: list[torch.Tensor]
     ) -> tuple[list[float], list[bool], list[float]]:
         """A step's numbers in one all-reduce and one host synchronisation: the mean over ranks of each of
-        `means` (device scalars), whether any rank set each of `flags`, and this rank's `local` scalars."""
-        reduced = torch.cat(
-            [
-                torch.stack([value.to(self.device, torch.float64) for value in means]),
-                torch.tensor([float(flag) for flag in flags], dtype=torch.float64, device=self.device),
-            ]
-        )
+        `means`, whether any rank set each of `flags`, and this rank's `local` values (all scalars on this
+        process's device)."""
+        # The flags are filled in on the device: a tensor built from a list would be copied from host memory,
+        # and that copy waits for the device's queue.
+        on_device = [torch.full((), float(flag), dtype=torch.float64, device=self.device) for flag in flags]
+        reduced = torch.stack([*(value.to(torch.float64) for value in means), *on_device])
         if self.distributed:
             dist.all_reduce(reduced)
-        kept = torch.stack([value.to(self.device, torch.float64) for value in local])
+        kept = torch.stack([value.to(torch.float64) for value in local])
         values = torch.cat([reduced, kept]).tolist()
         count = len(means)
         return (

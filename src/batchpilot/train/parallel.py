@@ -207,7 +207,7 @@ def squared_norm_tensor(
     (or shards), summed over `group` when they are shards (one small all-reduce; shards of one replica do
     not overlap)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64)  # nothing to measure: no device to wait for either
     norms = torch._foreach_norm(grads, 2.0)
     total = torch.stack([n.double() for n in norms]).pow(2).sum() * scale**2
     return _sum_over(total, group)

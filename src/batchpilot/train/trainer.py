@@ -351,8 +351,10 @@ class _Loop:
         """The step's one host synchronisation (one small all-reduce): [mean loss, mean small-batch squared
         norm, gradient norm, coherence or NaN] and [SIGTERM on any rank, a time checkpoint due]."""
         assert outcome.loss is not None
-        small_sq = outcome.small_sq_norm if outcome.small_sq_norm is not None else torch.zeros(())
-        coherence = outcome.coherence if outcome.coherence is not None else torch.tensor(math.nan)
+        device = self.ctx.device
+        zero, nan = torch.zeros((), device=device), torch.full((), math.nan, device=device)
+        small_sq = outcome.small_sq_norm if outcome.small_sq_norm is not None else zero
+        coherence = outcome.coherence if outcome.coherence is not None else nan
         full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         means, flags, local = self.ctx.step_values(
             means=[outcome.loss, small_sq],
