@@ -7,7 +7,9 @@ and `B_simple = S / |G|^2`, the critical batch size estimate. Both estimates are
 smoothed separately with bias-corrected exponential moving averages before taking the ratio.
 
 The trainer gets the two norms for free: `g_small` is each rank's local gradient before the all-reduce
-(or, on one rank, the first micro-batch's gradient), `g_big` is the all-reduced global gradient.
+(or, on one rank, the first micro-batch's gradient; under fsdp the first pass over all ranks, under hsdp
+over a node's ranks: train/step.py), `g_big` is the all-reduced global gradient. Both stay on the device
+until the step's one host synchronisation (trainer.py); the arithmetic here is on host numbers.
 """
 
 from __future__ import annotations
