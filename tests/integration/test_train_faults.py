@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE
-from batchpilot.train.checkpoint import Checkpointer
+from batchpilot.train.checkpoint import DELAY_ENV, Checkpointer
 from batchpilot.train.metrics import read_metrics
 from helpers import (
     launch,
@@ -160,3 +160,22 @@ def test_out_of_memory_halves_the_micro_batch_on_every_rank(reference, demo_data
     ref = read_metrics(reference / "out" / "metrics.jsonl")
     for a, b in zip(metrics, ref, strict=True):  # the same global batches: the same training, up to rounding
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_the_last_checkpoint_is_committed_before_the_job_ends(demo_data_uri, tmp_path):
+    """Every background save waits 2 s before it writes (an upload slower than the 4 steps between
+    checkpoints), so saves overlap training and the next save waits for the one in flight. Breaks when
+    the job ends without waiting for its last checkpoint: `latest` would name an earlier step."""
+    config = tiny_config(
+        data_uri=demo_data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt", batch__global_batch_size=32,
+        batch__schedule=None, train__total_samples=512, train__checkpoint_every_steps=4,
+    )  # fmt: skip
+    plan = write_plan(tmp_path, config)
+    env = {**os.environ, DELAY_ENV: "2"}
+    result = run_batchpilot(
+        "launch", "--plan", plan, "--stage", "final", "--output-dir", str(tmp_path / "out"), env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() == 16
+    committed = [line for line in result.stdout.splitlines() if "committed (" in line]
+    assert [line.split("checkpoint step ")[1].split()[0] for line in committed] == ["4", "8", "12", "16"]

@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import io
 import json
+import os
 import random
 import re
 import threading
@@ -65,6 +66,8 @@ _FILES = ("model.pt", "optimizer.pt", "rng.pt")
 _STEP_DIR = re.compile(r"^(\d{9})/")
 UPLOAD_THREADS = 4
 """Objects each rank writes per checkpoint, uploaded in parallel (one object per thread)."""
+DELAY_ENV = "BATCHPILOT_TEST_CHECKPOINT_DELAY_S"
+"""Tests: seconds the background thread waits before it writes (an upload slower than training)."""
 SAVE_TIMEOUT_S = 1800.0
 """How long a wait for a save in flight (and the checkpoint group's collectives) may take."""
 
@@ -273,6 +276,7 @@ class Checkpointer:
 
         def run() -> None:
             try:
+                time.sleep(float(os.environ.get(DELAY_ENV, "0")))  # tests: a slow upload
                 self._write_and_commit(
                     step=step, consumed_samples=consumed_samples, state=staged, rng=rng, extra=extra,
                     planner=None, side_objects=side_objects, group=group,
