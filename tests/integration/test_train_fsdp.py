@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 from pathlib import Path
 
@@ -100,10 +99,10 @@ def test_fsdp_trains_as_ddp_does(runs):
         assert torch.allclose(actual[name], expected[name], rtol=1e-3, atol=1e-5), name
 
 
-def test_kill_9_under_fsdp_then_resume_is_identical(runs, demo_data_uri, tmp_path):
+def test_kill_9_under_fsdp_then_resume_is_identical(runs, demo_data_uri, tmp_path, fault_rng):
     plan = write_plan(tmp_path, two_rank_config(demo_data_uri, tmp_path, "fsdp"))
     out = tmp_path / "out"
-    victim_step, victim_rank = random.Random().randint(5, STEPS - 6), random.choice([0, 1])
+    victim_step, victim_rank = fault_rng.randint(5, STEPS - 6), fault_rng.choice([0, 1])
     proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", victim_step, proc)
     os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
@@ -141,7 +140,7 @@ def test_out_of_memory_under_fsdp_ends_the_job_and_the_retry_trains_with_half(ru
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
-def test_sigterm_under_fsdp_with_a_loading_host_resumes_exactly(runs, demo_data_uri, tmp_path):
+def test_sigterm_under_fsdp_with_a_loading_host_resumes_exactly(runs, demo_data_uri, tmp_path, fault_rng):
     """Preemption under FSDP while one loading host reads for both nodes (data.expansion_factor_real_data
     2): the ranks agree between passes, every rank writes its shards, and the resumed run ends with the
     same parameters as the uninterrupted one (which read on both hosts: the data order is the same)."""
@@ -149,7 +148,7 @@ def test_sigterm_under_fsdp_with_a_loading_host_resumes_exactly(runs, demo_data_
     plan = write_plan(tmp_path, config)
     out = tmp_path / "out"
     proc = launch(plan, out)
-    wait_for_steps(out / "metrics.jsonl", random.Random().randint(5, STEPS - 10), proc)
+    wait_for_steps(out / "metrics.jsonl", fault_rng.randint(5, STEPS - 10), proc)
     agents = [
         pid for pid, argv, _ in processes_with(str(out)) if any(a.endswith("torchrun") for a in argv[:2])
     ]
@@ -162,5 +161,35 @@ def test_sigterm_under_fsdp_with_a_loading_host_resumes_exactly(runs, demo_data_
     result = train_final(plan, out)
     assert result.returncode == 0, result.stdout[-3000:]
     expected, actual = weights(runs["fsdp"]), weights(tmp_path)
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+def test_fsdp_checkpoints_on_gcs_stop_and_resume_exactly(
+    runs, demo_data_uri, tmp_path, gcs_bucket, fault_rng
+):
+    """Sharded checkpoints of 2 FSDP ranks on gs:// (fake-gcs-server through the real client; the ranks
+    inherit STORAGE_EMULATOR_HOST): each rank writes its own shard objects, a SIGTERM mid-run stops on a
+    checkpoint in the bucket, and the resumed run reads it back to the same parameters as the run on
+    local files."""
+    uri = f"gs://{gcs_bucket}/ckpt"
+    config = two_rank_config(demo_data_uri, tmp_path, "fsdp")
+    config["train"]["checkpoint_uri"] = uri
+    plan = write_plan(tmp_path, config)
+    out = tmp_path / "out"
+    proc = launch(plan, out)
+    wait_for_steps(out / "metrics.jsonl", fault_rng.randint(5, STEPS - 10), proc)
+    for pid, argv, _ in processes_with(str(out)):
+        if any(a.endswith("torchrun") for a in argv[:2]):
+            os.kill(pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    stopped = Checkpointer(uri=uri).load()
+    assert stopped.meta["parallelism"] == "fsdp" and stopped.step < STEPS
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng.pt"} <= set(stopped.meta["files"])
+    result = train_final(plan, out)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"resumed from step {stopped.step}" in result.stdout
+    expected, actual = weights(runs["fsdp"]), Checkpointer(uri=uri).load().full_state()["model"]
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
