@@ -1,0 +1,117 @@
+"""Training time blocked per checkpoint: the asynchronous save against the synchronous one, in one run.
+
+One process on the CPU, a GPT of about 67M parameters (268 MB of fp32 weights; with AdamW's two moments
+the checkpoint is about 800 MB), checkpoints to a local folder (`file://`). Both modes run the same loop:
+`--steps-between` optimizer steps, then a save, `--saves` times.
+
+- synchronous: `Checkpointer.save_sharded` (every file written, hashed, committed before it returns).
+- asynchronous: `Checkpointer.start_save_sharded` (waits for the previous save if it is still running, copies
+  the state to CPU memory, returns; the files are written in a background thread). The final checkpoint's
+  wait is reported on its own line (a stage waits for it once, before the process exits).
+
+Prints the blocked seconds per save of each mode, their ratio (target <= 0.2, bench/README.md), and the
+mean step time while a background save was running against the steps of the synchronous run (the
+background thread shares the cores).
+
+    .venv/bin/python bench/checkpoint_blocking.py [--saves 3] [--steps-between 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from batchpilot.models.gpt import build
+from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+from batchpilot.train.state import training_state
+from batchpilot.train.trainer import make_optimizer
+
+MODEL_ARGS = {"n_layer": 6, "n_head": 12, "n_embd": 768, "block_size": 64, "vocab_size": 32000}
+BATCH, SEQ = 1, 64
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    started = time.perf_counter()
+    tokens = torch.randint(0, MODEL_ARGS["vocab_size"], (BATCH, SEQ + 1))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def run(*, mode: str, root: Path, saves: int, steps_between: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = build(**MODEL_ARGS)
+    optimizer = make_optimizer(model, weight_decay=0.1)
+    train_step(model, optimizer)  # AdamW's moments exist from here on: a checkpoint of full size
+    checkpointer = Checkpointer(uri=f"file://{root / mode}", keep_last=2)
+    blocked, step_times = [], []
+    step = 1
+    for _ in range(saves):
+        for _ in range(steps_between):
+            step_times.append(train_step(model, optimizer))
+            step += 1
+        state = training_state(model, optimizer)
+        started = time.perf_counter()
+        if mode == "sync":
+            checkpointer.save_sharded(step=step, consumed_samples=step, state=state, rng=capture_rng_state())
+        else:
+            checkpointer.start_save_sharded(
+                step=step, consumed_samples=step, state=state, rng=capture_rng_state()
+            )
+        blocked.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    checkpointer.wait()
+    final_wait_s = time.perf_counter() - started
+    size_bytes = sum(p.stat().st_size for p in (root / mode / f"{step:09d}").iterdir())
+    return {
+        "blocked_s": statistics.mean(blocked),
+        "first_blocked_s": blocked[0],
+        "final_wait_s": final_wait_s,
+        # the first save's steps run before any save was in flight in either mode
+        "step_s": statistics.mean(step_times[steps_between:]),
+        "checkpoint_bytes": size_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--steps-between", type=int, default=3)
+    args = parser.parse_args()
+    num_params = sum(p.numel() for p in build(**MODEL_ARGS).parameters())
+    print(
+        f"GPT {num_params / 1e6:.1f}M parameters ({num_params * 4 / 1e6:.0f} MB fp32), torch {torch.__version__}, "
+        f"{platform.machine()} with {torch.get_num_threads()} threads; {args.saves} saves, "
+        f"{args.steps_between} steps between saves"
+    )
+    with tempfile.TemporaryDirectory(prefix="checkpoint-bench-") as folder:
+        results = {
+            mode: run(mode=mode, root=Path(folder), saves=args.saves, steps_between=args.steps_between)
+            for mode in ("sync", "async")
+        }
+    sync, asynchronous = results["sync"], results["async"]
+    print(f"checkpoint size: {sync['checkpoint_bytes'] / 1e6:.0f} MB (file://, one process)")
+    print("| mode | blocked per save s | first save s | final wait s | step s (saves 2..n) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for mode, row in results.items():
+        print(
+            f"| {mode} | {row['blocked_s']:.3f} | {row['first_blocked_s']:.3f} | {row['final_wait_s']:.3f} "
+            f"| {row['step_s']:.3f} |"
+        )
+    print(
+        f"ratio (async blocked / sync blocked): {asynchronous['blocked_s'] / sync['blocked_s']:.3f}  (target <= 0.2)"
+    )
+    print(f"step time with a save in the background / without: {asynchronous['step_s'] / sync['step_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
