@@ -179,3 +179,28 @@ def test_the_last_checkpoint_is_committed_before_the_job_ends(demo_data_uri, tmp
     assert Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() == 16
     committed = [line for line in result.stdout.splitlines() if "committed (" in line]
     assert [line.split("checkpoint step ")[1].split()[0] for line in committed] == ["4", "8", "12", "16"]
+
+
+def test_sigterm_while_a_checkpoint_is_in_flight_commits_it_then_the_stop_step(
+    reference, demo_data_uri, tmp_path
+):
+    """Preemption while the checkpoint of step 8 is still being written (each background save waits 3 s
+    first): the stop waits for it, then writes and commits the checkpoint of the step it stopped at, and
+    the run resumes exactly. Breaks when the preemption checkpoint is not waited for (the job would end
+    with `latest` on step 8 or earlier)."""
+    plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
+    out = tmp_path / "out"
+    proc = launch(plan, out, env={**os.environ, DELAY_ENV: "3"})
+    wait_for_steps(out / "metrics.jsonl", 9, proc)
+    for pid, argv, _ in processes_with(str(out)):
+        if any(a.endswith("torchrun") for a in argv[:2]):
+            os.kill(pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    stopped = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    assert (out / PREEMPTED_FILE).read_text() == f"{stopped.consumed_samples}\n"
+    assert stopped.step > 8 and f"checkpoint step {stopped.step} committed" in output
+    result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"resumed from step {stopped.step}" in result.stdout
+    assert_identical_to(reference, tmp_path)
