@@ -13,7 +13,8 @@ the end of its warm-up steps to the end of its last (each step's end recorded by
 `_finish_step`, so start-up, data opening and the final checkpoint stay out), the bare loop likewise; both
 with the same model, AdamW, micro-batches per rank, accumulation, clipping and loss (the bare loop's
 micro-batches from memory). A shared machine's load drifts by more than the overhead being measured, so
-the two are measured in pairs, back to back (the order alternating between pairs), and each row prints
+the two are measured in pairs, back to back (the order alternating between pairs; the single row on the
+CPU in the process's CPU seconds, which others' work inflates far less), and each row prints
 the median of the per-pair throughput ratios bare/trainer with their range (target >= 0.95, i.e. the
 trainer's overhead is at most 5%).
 
@@ -115,17 +116,25 @@ def config_for(
 # --- the trainer ------------------------------------------------------------------------------------
 
 
+def single_row_clock() -> Callable[[], float]:
+    """The single row's clock: wall time on a GPU; on the CPU the process's CPU time (every thread's,
+    the trainer's prefetch thread included), which other work on a shared machine inflates far less than
+    wall time. It leaves out time spent waiting (a stall for data would not show: the fsdp row, timed in
+    wall seconds, would show it)."""
+    return time.perf_counter if torch.cuda.is_available() else time.process_time
+
+
 @contextlib.contextmanager
-def step_ends() -> Iterator[list[float]]:
-    """A list that gets `time.perf_counter()` each time the trainer finishes an optimizer step (after its
-    metrics line), so the steady state is timed inside one run: start-up, data opening and the final
-    checkpoint stay out, with no second run to subtract."""
+def step_ends(clock: Callable[[], float] = time.perf_counter) -> Iterator[list[float]]:
+    """A list that gets `clock()` each time the trainer finishes an optimizer step (after its metrics
+    line), so the steady state is timed inside one run: start-up, data opening and the final checkpoint
+    stay out, with no second run to subtract."""
     ends: list[float] = []
     finish_step = trainer_module._Loop._finish_step
 
     def timed(self, *args, **kwargs):
         result = finish_step(self, *args, **kwargs)
-        ends.append(time.perf_counter())
+        ends.append(clock())
         return result
 
     trainer_module._Loop._finish_step = timed  # type: ignore[method-assign]
@@ -147,7 +156,7 @@ def trainer_seconds(setup: Setup, root: Path, data_uri: str, steps: int, run: st
     plan = build_plan(config, micro_batch_size=setup.micro_batch)
     # The trainer's progress goes to the `batchpilot` logger, which shows nothing here (no console).
     # It runs on CUDA when there is a GPU (bf16 autocast with train.precision auto), else on the CPU.
-    with step_ends() as ends:
+    with step_ends(single_row_clock()) as ends:
         assert train(config=config, plan=plan, stage="all", output_dir=root / run / "out") == 0
     return steady_seconds(ends, steps)
 
@@ -213,16 +222,17 @@ def bare_steps(
     steps: int,
     sync: Callable[[], None],
     autocast: Callable[[], contextlib.AbstractContextManager],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Seconds of `steps` optimizer steps after WARMUP_STEPS untimed ones (as the trainer's are timed); `data` holds `[(WARMUP_STEPS + steps) x accumulation, micro, seq_len + 1]` token ids."""
     optimizer = make_optimizer(model, weight_decay=WEIGHT_DECAY)
     for group in optimizer.param_groups:
         group["lr"] = LR
-    started = time.perf_counter()
+    started = clock()
     for step in range(WARMUP_STEPS + steps):
         if step == WARMUP_STEPS:
             sync()
-            started = time.perf_counter()
+            started = clock()
         for micro in range(accumulation):
             batch = data[step * accumulation + micro]
             with autocast():
@@ -233,7 +243,7 @@ def bare_steps(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     sync()
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def _token_ids(setup: Setup, steps: int, accumulation: int, device: torch.device) -> torch.Tensor:
@@ -256,6 +266,7 @@ def bare_loop_seconds(setup: Setup, steps: int) -> float:
         steps=steps,
         sync=sync,
         autocast=autocast_factory(device, "auto"),
+        clock=single_row_clock(),
     )
 
 
