@@ -165,7 +165,7 @@ def test_out_of_memory_in_the_last_backward_cannot_be_retried_in_place():
             micro_batches=[torch.randint(0, 64, (4, 17))],
             ctx=ctx,
             autocast=contextlib.nullcontext,
-                measure_noise=True,
+            measure_noise=True,
             measure_coherence=False,
         )
     assert raised.value.micro_batch_size == 4
