@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: set up, prepare the demo token shards (once), then run the whole
-# pipeline locally (explore -> plan -> ramp-up stages -> final -> report) into a new runs/demo/run-* folder.
+# pipeline locally (canary -> explore -> plan -> ramp-up stages -> final -> report) into a new runs/demo/run-* folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
