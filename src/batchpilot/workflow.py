@@ -29,6 +29,7 @@ from batchpilot.planning.launches import Launch, launch_containing, launch_of, l
 from batchpilot.rundoc import RunDocument
 
 if TYPE_CHECKING:
+    from batchpilot.cluster.capacity import CapacityShortfall
     from batchpilot.explore import ExploreResult
 
 logger = logging.getLogger(__name__)
@@ -524,7 +525,8 @@ def prepare_launch_pool(document: RunDocument, *, slot: int) -> int | None:
         return None
     config = document.config
     planned = launch.requested_nodes
-    logger.info("launch-%d is %s", slot, launch.describe().replace(f" (planned {planned})", ""))
+    # What it asks for: the plan's count, whatever a previous attempt's record moved it to.
+    logger.info("launch-%d is %s", slot, replace(launch, num_nodes=planned, planned_nodes=None).describe())
     timeout_s = config.cluster.capacity_timeout_s or config.cluster.ready_timeout_s
     started = time.monotonic()
     try:
@@ -543,7 +545,9 @@ def prepare_launch_pool(document: RunDocument, *, slot: int) -> int | None:
     return planned
 
 
-def _fewer_nodes(document: RunDocument, launch: Launch, *, short: Any, waited_s: float) -> LaunchCapacity:
+def _fewer_nodes(
+    document: RunDocument, launch: Launch, *, short: CapacityShortfall, waited_s: float
+) -> LaunchCapacity:
     """Moves `launch` to the nodes that came (see `prepare_launch_pool`); returns the record it keeps."""
     from batchpilot.cluster.nodepool import node_pool_for
     from batchpilot.planner import loading_factor, memory_on_fewer_nodes
