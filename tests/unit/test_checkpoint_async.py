@@ -4,6 +4,7 @@ bounded, and a process killed mid-save leaves `latest` on the previous checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -182,3 +183,42 @@ def test_a_failed_upload_in_one_of_dcps_writer_threads_fails_the_save(tmp_path):
     with pytest.raises(StorageError, match=r"__0_\d\.distcp: request failed: 503 injected"):
         checkpointer.save_sharded(step=1, consumed_samples=16, state=state, rng=capture_rng_state())
     assert checkpointer.latest_step() is None
+
+
+class LingeringDone(threading.Event):
+    """A save's `done` event after whose set() the background thread goes on a while (as it does freeing
+    the staged copy of a large state)."""
+
+    def set(self) -> None:
+        super().set()
+        time.sleep(0.5)
+
+
+def test_a_wait_returns_only_when_the_background_thread_has_ended(tmp_path, monkeypatch):
+    """A daemon thread still running (inside torch's C++ code) when the interpreter finalises aborts the
+    process (SIGABRT after the stage's last commit). Breaks when wait() returns as soon as the commit is
+    signalled, before the thread has ended."""
+
+    @dataclasses.dataclass
+    class InFlight(checkpoint_module._InFlight):
+        done: threading.Event = dataclasses.field(default_factory=LingeringDone)
+
+    monkeypatch.setattr(checkpoint_module, "_InFlight", InFlight)
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}")
+    start(checkpointer, 1, torch.zeros(10))
+    assert checkpointer.wait() is not None
+    assert [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")] == []
+
+
+def test_close_ends_a_failed_save_in_flight_without_raising(tmp_path, caplog):
+    """The trainer closes the checkpointer also when training failed: the failure that ended training is the
+    one raised, the background save's own failure is logged, and no thread outlives the close."""
+    storage = GatedStorage(tmp_path)
+    storage.fail_suffix = "/meta.json"
+    storage.gate.set()
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", storage=storage)
+    start(checkpointer, 1, torch.zeros(10))
+    checkpointer.close()
+    assert "the checkpoint of step 1 failed in the background" in caplog.text
+    assert checkpointer.save_in_flight is None
+    assert [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")] == []

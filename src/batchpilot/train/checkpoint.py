@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import re
@@ -59,6 +60,8 @@ from batchpilot.data.storage import (
 )
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.dcp_storage import StorageReader, StorageWriter
+
+logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 SHARDED = "sharded"
@@ -165,6 +168,7 @@ class _InFlight:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     finished_s: float = 0.0
+    thread: threading.Thread | None = None
 
 
 class Checkpointer:
@@ -290,7 +294,8 @@ class Checkpointer:
         self._in_flight = in_flight
         # A daemon thread: a process that ends without waiting (a crash) abandons the save; `latest` has not
         # moved, and the next successful save removes the partial folder.
-        threading.Thread(target=run, name=f"checkpoint-{step:09d}", daemon=True).start()
+        in_flight.thread = threading.Thread(target=run, name=f"checkpoint-{step:09d}", daemon=True)
+        in_flight.thread.start()
         return where
 
     @property
@@ -312,6 +317,10 @@ class Checkpointer:
                 "check that the checkpoint storage is reachable and every rank is alive; `latest` still names "
                 "the previous checkpoint",
             )
+        # The thread still frees the staged copy after `done` is set; it ends before the process may: a daemon
+        # thread inside torch's C++ code while the interpreter finalises aborts the process (SIGABRT).
+        if in_flight.thread is not None:
+            in_flight.thread.join(self.save_timeout_s)
         self._in_flight = None
         if in_flight.error is not None:
             error = in_flight.error
@@ -323,6 +332,14 @@ class Checkpointer:
                 "fix the cause and run the stage again: it resumes from `latest`",
             ) from error
         return in_flight.finished_s - in_flight.started_s
+
+    def close(self) -> None:
+        """Ends the save in flight, if any, before the process ends (also when training failed): it commits
+        when it can, and a failure is logged here (the error that ended training is the one raised)."""
+        try:
+            self.wait()
+        except BatchpilotError as error:
+            logger.error("%s", error)
 
     def _checkpoint_group(self) -> Any:
         """A gloo group of every rank for the background thread's collectives (created on first use: every

@@ -97,3 +97,8 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def close(self) -> None:
+        """Leaves every process group of this process (the checkpoint's and the loader's too)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

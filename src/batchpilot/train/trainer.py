@@ -652,9 +652,12 @@ def train(
         f"{parallel.describe()}) from sample {consumed:,}",
     )
     try:
-        return loop.run()
+        code = loop.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        checkpointer.close()
         loader.close()
         validator.close()
         sys.stdout.flush()
+    ctx.close()  # training ended on every rank: the process groups go before the interpreter finalises
+    return code
