@@ -13,6 +13,7 @@ import pytest
 import torch
 from xla_helpers import metrics, run_eager, run_xla, train_args, write_plan, xla_config, xla_env
 
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.train.checkpoint import Checkpointer
 
 STEPS = 12
@@ -78,6 +79,14 @@ def test_xla_trains_as_the_eager_trainer_does(runs):
     assert xla[-1]["loss"] < xla[0]["loss"]
 
 
+def test_only_the_first_step_and_the_first_evaluation_compile(runs):
+    """AdamW's moments exist, sharded, before the first step: every later step runs the graphs the first
+    one compiled (checkpoints every 2 steps included); the stage's end compiles the evaluation's."""
+    compiles = [r["xla_compiles"] for r in metrics(runs["xla"] / "out")]
+    assert compiles[0] > 0 and compiles[-1] > 0
+    assert compiles[1:-1] == [0] * (STEPS - 2)
+
+
 def test_an_xla_checkpoint_is_the_eager_format(runs):
     """The same parameter names, shapes and optimizer state, loadable by the eager code; weights close
     after 12 AdamW steps (AdamW amplifies float rounding, so only roughly)."""
@@ -133,3 +142,40 @@ def test_kill_9_mid_stage_resumes_exactly(runs, demo_data_uri, tmp_path):
     for name, state in theirs["optimizer"]["state"].items():
         for key, value in state.items():
             assert torch.equal(mine["optimizer"]["state"][name][key], value), (name, key)
+
+
+def test_sigterm_stops_at_a_step_end_with_its_checkpoint_and_resumes_exactly(runs, demo_data_uri, tmp_path):
+    """The preemption path the eager loop uses (train/loop.py): the hosts agree at the step's end, that
+    step's checkpoint is committed, exit 75 with the marker file and line; the rerun ends as the
+    uninterrupted run."""
+    plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path, runtime="xla"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        train_args(plan, "final", out),
+        env=xla_env(4),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while not (
+        (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+    ):
+        assert proc.poll() is None, "the run ended before it was stopped"
+        assert time.monotonic() < deadline, "the run did not reach 3 steps"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, log[-3000:]
+    stopped_at = len(metrics(out))
+    assert stopped_at < STEPS, "the run ended before SIGTERM: nothing was tested"
+    assert PREEMPTED_LOG_MARKER in log and "SIGTERM: stopping at the end of a step" in log
+    assert (out / PREEMPTED_FILE).read_text().strip() == str(stopped_at * 32)
+    assert Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() == stopped_at
+
+    log = run_xla(plan, "final", out, num_devices=4)
+    assert f"resumed from step {stopped_at}" in log
+    resumed, reference = metrics(out), metrics(runs["xla"] / "out")
+    assert [[r[k] for k in RESUMED_KEYS] for r in resumed] == [
+        [r[k] for k in RESUMED_KEYS] for r in reference
+    ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -73,7 +73,78 @@ def check_validation_split(uri: str) -> None:
         )
 
 
-class Validator:
+class ValidatorBase:
+    """What the eager and the XLA validators share: when to evaluate, the count they log, and the model in
+    eval mode without gradients for the passes."""
+
+    eval_samples: int
+    eval_every_samples: int
+    num_samples: int = 0
+    """Samples per evaluation over all ranks (after rounding and capping)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_samples > 0
+
+    def due(self, consumed_before: int, consumed_after: int, *, stage_end: bool) -> bool:
+        """Whether the step that took consumed samples from `consumed_before` to `consumed_after` ends with
+        an evaluation (see `evaluation_due`). The same on every rank: it depends only on the counters."""
+        return evaluation_due(
+            consumed_before=consumed_before,
+            consumed_after=consumed_after,
+            stage_end=stage_end,
+            eval_samples=self.num_samples,
+            eval_every_samples=self.eval_every_samples,
+        )
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        *,
+        micro_batch_size: int,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> float:
+        """The mean token loss of the validation samples over all ranks (every process calls it together).
+
+        Args:
+            model: the module the trainer trains, put in eval mode for the passes, then back in its mode.
+            micro_batch_size: samples per forward pass (the stage's training micro batch fits).
+            autocast: the trainer's autocast factory.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    @contextlib.contextmanager
+    def evaluating(model: nn.Module) -> Iterator[None]:
+        """`model` in eval mode without gradients, then back in its mode."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            model.train(was_training)
+
+    def log_count(self, world_size: int, ranks: str) -> None:
+        """The main process: how many samples each evaluation uses, why not `eval_samples`, and when."""
+        when = (
+            f"every {self.eval_every_samples:,} samples and at each stage's end"
+            if self.eval_every_samples
+            else "at each stage's end"
+        )
+        why = ""
+        if self.num_samples != self.eval_samples:
+            why = (
+                f" (train.eval_samples {self.eval_samples:,} rounded to a multiple of {world_size} {ranks}, at "
+                "most the validation split)"
+            )
+        logger.info(
+            "validation loss: %s samples of the validation split over %d %s%s, %s",
+            f"{self.num_samples:,}", world_size, ranks, why, when,
+        )  # fmt: skip
+
+
+class Validator(ValidatorBase):
     """This rank's share of the validation samples and when to evaluate them; one per trainer process.
 
     Every rank constructs it at the same point of the program (its loader may create a process group,
@@ -109,8 +180,6 @@ class Validator:
                 one smaller than the world size.
         """
         self.eval_samples, self.eval_every_samples, self.ctx = eval_samples, eval_every_samples, ctx
-        self.num_samples = 0
-        """Samples per evaluation over all ranks (after rounding and capping)."""
         self._tokens: torch.Tensor | None = None
         self._loader: TokenLoader | None = None
         if eval_samples == 0:
@@ -144,7 +213,7 @@ class Validator:
         self._tokens = tokens.to(torch.int32)
         self.num_samples = share * ctx.world_size
         if ctx.is_main:
-            self._log_count()
+            self.log_count(ctx.world_size, "ranks")
 
     @classmethod
     def from_config(cls, config: Config, ctx: DistContext) -> Validator:
@@ -159,38 +228,6 @@ class Validator:
             verify_checksums=config.data.verify_checksums,
         )
 
-    def _log_count(self) -> None:
-        when = (
-            f"every {self.eval_every_samples:,} samples and at each stage's end"
-            if self.eval_every_samples
-            else "at each stage's end"
-        )
-        why = ""
-        if self.num_samples != self.eval_samples:
-            why = (
-                f" (train.eval_samples {self.eval_samples:,} rounded to a multiple of {self.ctx.world_size} "
-                "ranks, at most the validation split)"
-            )
-        logger.info(
-            "validation loss: %s samples of the validation split%s, %s",
-            f"{self.num_samples:,}", why, when,
-        )  # fmt: skip
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_samples > 0
-
-    def due(self, consumed_before: int, consumed_after: int, *, stage_end: bool) -> bool:
-        """Whether the step that took consumed samples from `consumed_before` to `consumed_after` ends with
-        an evaluation (see `evaluation_due`). The same on every rank: it depends only on the counters."""
-        return evaluation_due(
-            consumed_before=consumed_before,
-            consumed_after=consumed_after,
-            stage_end=stage_end,
-            eval_samples=self.num_samples,
-            eval_every_samples=self.eval_every_samples,
-        )
-
     def evaluate(
         self,
         model: nn.Module,
@@ -198,27 +235,14 @@ class Validator:
         micro_batch_size: int,
         autocast: Callable[[], contextlib.AbstractContextManager],
     ) -> float:
-        """The mean token loss of the validation samples over all ranks (a collective: every rank calls it).
-
-        Args:
-            model: the module the trainer trains (the bare or FSDP-sharded model; DDP's wrapper is not
-                needed without gradients). Put in eval mode for the passes, then back in its mode.
-            micro_batch_size: samples per forward pass (the stage's training micro batch fits).
-            autocast: the trainer's autocast factory.
-        """
         assert self._tokens is not None, "validation is off (train.eval_samples: 0)"
-        was_training = model.training
-        model.eval()
         loss_tokens = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        try:
-            with torch.no_grad():
-                for batch in torch.split(self._tokens, micro_batch_size):
-                    loss = micro_batch_loss(
-                        model, batch.to(self.ctx.device, dtype=torch.long, non_blocking=True), autocast()
-                    )
-                    loss_tokens += loss.double() * batch[:, 1:].numel()
-        finally:
-            model.train(was_training)
+        with self.evaluating(model):
+            for batch in torch.split(self._tokens, micro_batch_size):
+                loss = micro_batch_loss(
+                    model, batch.to(self.ctx.device, dtype=torch.long, non_blocking=True), autocast()
+                )
+                loss_tokens += loss.double() * batch[:, 1:].numel()
         num_tokens = self._tokens[:, 1:].numel()
         total, tokens = self.ctx.mean([loss_tokens.item(), float(num_tokens)])
         return total / tokens

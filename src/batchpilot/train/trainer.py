@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import resource
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -29,9 +28,9 @@ from batchpilot.config import Config, resolved_runtime
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.storage import ObjectNotFound
 from batchpilot.errors import BatchpilotError
-from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
+from batchpilot.exitcodes import PREEMPTED_FILE
 from batchpilot.models.factory import build_model, set_activation_checkpointing
-from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.planning import Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun, NoisePoint, StageDecision, decide
 from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
@@ -39,8 +38,8 @@ from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_st
 from batchpilot.train.decisions import write_decisions
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
-from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
-from batchpilot.train.noise import NoiseScaleEMA, noise_terms
+from batchpilot.train.loop import LoopBase, data_order, prepare_outputs, run_loop
+from batchpilot.train.noise import noise_terms
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
 from batchpilot.train.shape import model_shape
 from batchpilot.train.state import restore_training_state, training_state
@@ -50,7 +49,7 @@ from batchpilot.train.step import (
     accumulate_gradients,
     install_oom_injection,
 )
-from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
+from batchpilot.train.steps import append_audit
 from batchpilot.train.xla import XLA_RUNTIME
 
 logger = logging.getLogger(__name__)
@@ -134,20 +133,6 @@ def write_micro_batch_overrides(checkpointer: Checkpointer, overrides: dict[int,
     checkpointer.storage.write(MICRO_BATCH_OBJECT, json.dumps(data, indent=2).encode())
 
 
-def data_order(config: Config) -> dict[str, Any]:
-    """The settings that decide which sample each position reads; a resumed run must use the same."""
-    data = config.data
-    return {
-        "uri": data.uri,
-        "split": data.split,
-        "seq_len": data.seq_len,
-        "seed": config.train.seed,
-        "shuffle": data.shuffle,
-        "shuffle_block_samples": data.shuffle_block_samples,
-        "shuffle_window_blocks": data.shuffle_window_blocks,
-    }
-
-
 def check_same_data_order(config: Config, checkpoint: Checkpoint | None) -> None:
     """Refuses to resume with a different sample order (samples would be repeated or skipped)."""
     saved = checkpoint.meta.get("data_order") if checkpoint else None
@@ -199,40 +184,28 @@ def check_resume_point(*, stages: list[Stage], checkpoint: Checkpoint | None, ur
     return consumed
 
 
-@dataclass
-class _Loop:
-    """State of the training loop for one invocation."""
+@dataclass(kw_only=True)
+class _Loop(LoopBase):
+    """The eager loop for one invocation: one process per device (torchrun), DDP or FSDP2 over them."""
 
     ctx: DistContext
-    config: Config
-    plan: Plan
-    stages: list[Stage]
-    model: nn.Module
     parallel: Parallel
-    optimizer: torch.optim.Optimizer
-    loader: TokenLoader
-    checkpointer: Checkpointer
-    metrics: MetricsLog | None
-    lr: LRSchedule
-    consumed: int
-    step: int
-    audit_dir: Path | None
-    autocast: Callable[[], contextlib.AbstractContextManager]
-    validator: Validator | None = None
-    flops_per_token: float = 0.0
-    peak_flops: float | None = None
-    noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
-    micro_override: dict[int, int] = field(default_factory=dict)
-    stop_requested: bool = False
-    saved_step: int = -1
-    last_log_s: float = 0.0
-    last_save_s: float = field(default_factory=time.monotonic)
-    preempted_file: Path | None = None
     adaptive: AdaptiveRun | None = None
     trace: list[NoisePoint] = field(default_factory=list)
     """An adaptive ramp-up's noise measurements so far (every step that measured one), in checkpoints."""
     decided: StageDecision | None = None
     """The decision that ended the open stage in this process, if it fired."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    def peak_memory_bytes(self) -> int:
+        return peak_memory_bytes(self.ctx.device)
 
     def run(self) -> int:
         end = self.stages[-1].end_sample
@@ -249,45 +222,21 @@ class _Loop:
             # saying a time checkpoint is due (every rank must enter the save's barrier together).
             stop, checkpoint_due = self._finish_step(stage, outcome, micro, accumulation, started, lr)
             if self.decided is not None:  # the adaptive rule ended the stage here: the next is another launch
-                self._save(wait=True)
-                log(self.ctx, f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
+                self.save(wait=True)
+                self.log(f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
                 return 0
-            if self.consumed == stage.end_sample:
-                self._save()
-                self._stage_done(stage)
-            elif (
-                self.config.train.checkpoint_every_steps
-                and self.step % self.config.train.checkpoint_every_steps == 0
-            ):
-                self._save()
+            self.checkpoint_after_step(stage)
             if stop and self.consumed < end:
-                return self._preempted()
+                return self.preempted()
             if checkpoint_due:
-                self._save(
-                    why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
-                )
-        self._wait_for_checkpoint()  # the last stage's checkpoint is committed before the process exits
+                self.save_for_time()
+        self.wait_for_checkpoint()  # the last stage's checkpoint is committed before the process exits
         return 0
-
-    def _time_checkpoint_due(self) -> bool:
-        """Rank 0: `train.checkpoint_every_s` has passed since the last checkpoint (or the start)."""
-        every_s = self.config.train.checkpoint_every_s
-        return bool(self.ctx.is_main and every_s and time.monotonic() - self.last_save_s >= every_s)
 
     def _attempt(self, stage: Stage) -> tuple[StepOutcome, int, int, float, float]:
         """Runs the passes of one step: (outcome, micro batch, accumulation, perf_counter at the start, lr)."""
-        micro = self.micro_override.get(stage.index, stage.micro_batch_size)
-        per_pass = micro * self.ctx.world_size
-        if stage.global_batch_size % per_pass:
-            raise BatchpilotError(
-                f"{stage.name}",
-                f"global_batch_size {stage.global_batch_size} does not split over micro {micro} x world {self.ctx.world_size}",
-                "launch the stage with the plan's node count",
-            )
-        accumulation = stage.global_batch_size // per_pass
-        lr = self.lr.at(consumed_samples=self.consumed, global_batch_size=stage.global_batch_size)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        micro, accumulation = self.batch_split(stage)
+        lr = self.set_lr(stage)
         started = time.perf_counter()
         batches = self.loader.micro_batches(
             consumed_samples=self.consumed,
@@ -358,7 +307,7 @@ class _Loop:
         full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
         means, flags, local = self.ctx.step_values(
             means=[outcome.loss, small_sq],
-            flags=[self.stop_requested, self._time_checkpoint_due()],
+            flags=[self.stop_requested, self.time_checkpoint_due()],
             local=[full_norm, coherence],
         )
         return [*means, *local], flags
@@ -377,11 +326,7 @@ class _Loop:
         before = self.consumed
         self.consumed += stage.global_batch_size
         self.step += 1
-        val_loss = None
-        if self.validator is not None and self.validator.due(
-            before, self.consumed, stage_end=self.consumed == stage.end_sample
-        ):
-            val_loss = self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
+        val_loss = self.validation_loss(stage, before=before, micro=micro)
         noise_scale = None
         if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
             g2, s = noise_terms(
@@ -393,32 +338,19 @@ class _Loop:
             noise_scale = self.noise.add(g2=g2, s=s)
             if self.adaptive is not None:
                 self.trace.append(NoisePoint(consumed_samples=self.consumed, g2=g2, s=s))
-        record = step_record(
-            step=self.step,
-            consumed=self.consumed,
-            stage=stage,
-            micro=micro,
-            accumulation=accumulation,
-            world_size=self.ctx.world_size,
-            loss=loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            step_time_s=step_time_s,
-            seq_len=self.config.data.seq_len,
-            flops_per_token=self.flops_per_token,
-            peak_flops=self.peak_flops,
-            peak_memory_bytes=peak_memory_bytes(self.ctx.device),
-            noise_scale=noise_scale,
-            coherence=None if math.isnan(coherence) else coherence,
-            val_loss=val_loss,
-        )
+        extra = None
         if self.adaptive is not None:  # the rule's inputs and outcome, so that it can be replayed
             last = self.trace[-1] if self.trace and self.trace[-1].consumed_samples == self.consumed else None
-            record["noise_g2"], record["noise_s"] = (last.g2, last.s) if last else (None, None)
-            record["adaptive_decision"] = self._adaptive_decision(stage)
-        if self.metrics is not None:
-            self.metrics.append(record)
-        self._progress(stage, record)
+            extra = {
+                "noise_g2": last.g2 if last else None,
+                "noise_s": last.s if last else None,
+                "adaptive_decision": self._adaptive_decision(stage),
+            }
+        self.record(
+            stage, micro=micro, accumulation=accumulation, lr=lr, loss=loss, grad_norm=grad_norm,
+            step_time_s=step_time_s, noise_scale=noise_scale, coherence=None if math.isnan(coherence) else coherence,
+            val_loss=val_loss, extra=extra,
+        )  # fmt: skip
         return stop, checkpoint_due
 
     def _adaptive_decision(self, stage: Stage) -> dict[str, Any] | None:
@@ -446,13 +378,6 @@ class _Loop:
             write_decisions(self.config.train.checkpoint_uri, [*self.adaptive.decisions, self.decided])
         return self.decided.to_dict()
 
-    def _progress(self, stage: Stage, record: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample and record["val_loss"] is None:
-            return
-        self.last_log_s = now
-        log(self.ctx, progress_line(stage, record, world=str(self.ctx.world_size)))
-
     def _audit(self, stage: Stage, micro: int) -> None:
         assert self.audit_dir is not None
         append_audit(
@@ -460,74 +385,24 @@ class _Loop:
             ranks=[self.ctx.rank],
         )  # fmt: skip
 
-    def _save(self, why: str = "", *, wait: bool = False) -> None:
-        """Starts a checkpoint of this step (training goes on while it is written; see train/checkpoint.py);
-        `wait`: also wait until it is committed."""
-        if self.saved_step == self.step:
-            if wait:
-                self._wait_for_checkpoint()
-            return
-        self._wait_for_checkpoint()  # at most one in flight; a failed one ends the job here
-        # metrics.jsonl as of this step, written before `latest` moves: the copy always covers the
-        # checkpoint's steps (a resume truncates the steps after it), even when the process dies between.
-        side = {METRICS_OBJECT: self.metrics.text().encode()} if self.metrics is not None else None
-        started = time.perf_counter()
+    def checkpoint_extra(self) -> dict[str, Any]:
+        if self.adaptive is None:
+            return {}
+        return {"adaptive_trace": [[p.consumed_samples, p.g2, p.s] for p in self.trace]}
+
+    def write_checkpoint(
+        self, *, extra: dict[str, Any], side: dict[str, bytes] | None
+    ) -> tuple[str | None, bool]:
         # Blocks while this rank's state is copied to CPU memory; the files are written in the background.
         where = self.checkpointer.start_save_sharded(
             step=self.step,
             consumed_samples=self.consumed,
             state=training_state(self.model, self.optimizer),
             rng=capture_rng_state(),
-            extra={
-                "world_size": self.ctx.world_size,
-                "parallelism": self.parallel.strategy,
-                "stage": self.plan.stage_at(self.consumed - 1).index,
-                "data_order": data_order(self.config),
-                "noise_scale_ema": self.noise.state_dict(),
-                **(
-                    {"adaptive_trace": [[p.consumed_samples, p.g2, p.s] for p in self.trace]}
-                    if self.adaptive
-                    else {}
-                ),
-            },
+            extra=extra,
             side_objects=side,
         )
-        blocked_s = time.perf_counter() - started
-        log(
-            self.ctx,
-            f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}: training blocked "
-            f"{blocked_s:.2f} s, writing in the background",
-        )
-        self.saved_step = self.step
-        self.last_save_s = time.monotonic()
-        if wait:
-            self._wait_for_checkpoint()
-
-    def _wait_for_checkpoint(self) -> None:
-        """Waits (bounded) for the checkpoint in flight, if any; raises its failure."""
-        step = self.checkpointer.save_in_flight
-        took_s = self.checkpointer.wait()
-        if took_s is not None and step is not None:
-            log(self.ctx, f"checkpoint step {step} committed ({took_s:.1f} s after it started)")
-
-    def _stage_done(self, stage: Stage) -> None:
-        log(self.ctx, stage_done_line(self.plan, stage, step=self.step))
-
-    def _preempted(self) -> int:
-        self.optimizer.zero_grad(set_to_none=True)
-        log(self.ctx, f"SIGTERM: stopping at the end of a step, {self.consumed:,} samples consumed")
-        self._save(wait=True)  # a save in flight finishes first, then this step's is committed
-        if self.preempted_file is not None:
-            self.preempted_file.write_text(f"{self.consumed}\n")  # for the pod's command: see PREEMPTED_FILE
-        log(self.ctx, f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")
-        return EXIT_PREEMPTED
-
-
-def restore_metrics(metrics: MetricsLog, checkpointer: Checkpointer, *, consumed: int) -> None:
-    """Starts from the metrics kept beside the checkpoints (a new pod has no local copy), up to `consumed`."""
-    if checkpointer.storage.exists(METRICS_OBJECT):
-        metrics.replace_with(checkpointer.storage.read(METRICS_OBJECT).decode())
-    metrics.truncate_to(consumed)
+        return where, True
 
 
 def train(
@@ -607,14 +482,9 @@ def train(
             f"resumed from step {checkpoint.step} ({consumed:,} samples) of {config.train.checkpoint_uri} "
             f"(saved by {checkpoint.meta.get('world_size', '?')} process(es) under {saved})",
         )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a previous run's marker is not this run's
-    metrics = MetricsLog(output_dir / "metrics.jsonl") if ctx.is_main else None
-    if metrics is not None:
-        restore_metrics(metrics, checkpointer, consumed=consumed)
-    audit_dir = output_dir / "audit" if audit else None
-    if audit_dir is not None:
-        audit_dir.mkdir(parents=True, exist_ok=True)
+    metrics, audit_dir = prepare_outputs(
+        output_dir, is_main=ctx.is_main, checkpointer=checkpointer, consumed=consumed, audit=audit
+    )
     loop = _Loop(
         ctx=ctx,
         config=config,
@@ -645,19 +515,11 @@ def train(
     loop.micro_override = read_micro_batch_overrides(checkpointer)
     if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:
         loop.noise.load_state_dict(checkpoint.meta["noise_scale_ema"])
-    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))
     log(
         ctx,
         f"training {', '.join(s.name for s in stages)} on {ctx.world_size} process(es) ({ctx.device.type}, "
         f"{parallel.describe()}) from sample {consumed:,}",
     )
-    try:
-        code = loop.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        checkpointer.close()
-        loader.close()
-        validator.close()
-        sys.stdout.flush()
+    code = run_loop(loop, closing=[loader.close, validator.close])
     ctx.close()  # training ended on every rank: the process groups go before the interpreter finalises
     return code

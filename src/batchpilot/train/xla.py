@@ -6,11 +6,19 @@ written for one big device and the XLA compiler partitions it over all devices o
 the collectives. The data-parallel ranks of the eager trainer become devices: device `d` of the mesh
 trains the samples rank `d` would train on a GPU job of the same world size (its rows of the batch).
 
-Sharding: `mark_sharding` on dim 0 of every parameter of two or more dimensions whose size divides by
-the shard degree (the others are replicated), not torch_xla's FSDPv2 wrapper: the wrapper renames every
-parameter (`_orig_module.`), and checkpoints are keyed by the model's own parameter names so that an XLA
-checkpoint loads in the eager trainer and back. The compiler gathers each parameter where it is used, as
-FSDP's all-gather does, and reduce-scatters its gradient into the same layout.
+Sharding follows torch_xla's FSDPv2 (`SpmdFullyShardedDataParallel`) without its wrapper, which renames
+every parameter (`_orig_module.`) while checkpoints are keyed by the model's own parameter names (an XLA
+checkpoint loads in the eager trainer and back):
+- every parameter is sharded over the shard axis along its largest dimension, uneven sizes included (XLA
+  pads the last shard), norms and biases too: no parameter is replicated on every device;
+- each block's output is marked sharded along the batch (FSDPv2's `shard_output`), so the compiler keeps
+  activations split by sample between blocks instead of choosing a layout of its own;
+- each block's backward ends at an optimization barrier over its gradients and input gradients, so the
+  compiler cannot fuse blocks' backward passes into one with gigantic gradient buffers;
+- AdamW's moments exist, sharded as their parameters, before the first step: the first step compiles the
+  same graph as every later one.
+The compiler gathers each parameter where it is used, as FSDP's all-gather does, and reduce-scatters its
+gradient into the same layout.
 
 torch_xla is imported lazily (inside functions): the eager trainer, the planner and the tests of the
 main venv never import it. Install it with the `tpu` extra (a torch/torch_xla pair pinned together).
@@ -28,6 +36,7 @@ from torch import nn
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.accelerators import require_tpu
+from batchpilot.train.parallel import model_blocks
 
 XLA_RUNTIME = "xla"
 
@@ -186,14 +195,17 @@ def make_layout(*, strategy: str, num_devices: int, devices_per_node: int) -> La
 
 
 def _param_spec(tensor: torch.Tensor, layout: Layout) -> tuple[Any, ...] | None:
-    """Dim 0 over the shard axis for >=2-D tensors whose dim 0 divides evenly; None: replicated."""
-    if layout.param_axis is None or tensor.dim() < 2 or tensor.shape[0] % layout.shard_degree:
+    """The shard axis on the tensor's largest dimension (FSDPv2's `shard_maximal`; the first of equal
+    ones), whether or not it divides evenly; None (replicated) under ddp and for scalars."""
+    if layout.param_axis is None or tensor.dim() == 0:
         return None
-    return (layout.param_axis,) + (None,) * (tensor.dim() - 1)
+    spec: list[Any] = [None] * tensor.dim()
+    spec[list(tensor.shape).index(max(tensor.shape))] = layout.param_axis
+    return tuple(spec)
 
 
 def shard_parameters(model: nn.Module, layout: Layout) -> int:
-    """Marks every shardable parameter (see `_param_spec`); returns how many were sharded."""
+    """Marks every parameter (see `_param_spec`); returns how many were sharded."""
     import torch_xla.distributed.spmd as xs
 
     sharded = 0
@@ -203,6 +215,51 @@ def shard_parameters(model: nn.Module, layout: Layout) -> int:
             xs.mark_sharding(param, layout.mesh, spec)
             sharded += 1
     return sharded
+
+
+def shard_blocks(model: nn.Module, layout: Layout) -> int:
+    """FSDPv2's per-layer pieces on each block of `model.blocks`: its output marked sharded along the batch
+    (the batch's own spec), and an optimization barrier at the end of its backward. Returns the number of
+    blocks."""
+    import torch_xla.distributed.spmd as xs
+
+    blocks = model_blocks(model)
+    batch_axes = layout.batch_spec[0]
+
+    def shard_output(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        tensor = output[0] if isinstance(output, tuple) else output
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1:
+            xs.mark_sharding(tensor, layout.mesh, (batch_axes,) + (None,) * (tensor.dim() - 1))
+
+    for block in blocks:
+        block.register_forward_hook(shard_output)
+        xs.apply_backward_optimization_barrier(block)
+    return len(blocks)
+
+
+def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout) -> None:
+    """AdamW's state as its first step would create it (step 0, zero moments), each moment sharded as its
+    parameter, before the first step. Created inside the step instead, the moments would be laid out by
+    the compiler, and sharding them afterwards would make the second step compile another graph."""
+    import torch_xla
+
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise BatchpilotError(
+            "train.runtime",
+            f"is xla, whose optimizer state is laid out for AdamW, not {type(optimizer).__name__}",
+            "train with AdamW (make_optimizer)",
+        )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if optimizer.state.get(param):
+                continue
+            state: dict[str, torch.Tensor] = {"step": torch.tensor(0.0)}
+            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            for name in names:
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            optimizer.state[param] = state
+    shard_optimizer_state(model, optimizer, layout)
+    torch_xla.sync()  # the zeros become device data: a pending zeros_like would be part of the first step
 
 
 def shard_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout) -> None:

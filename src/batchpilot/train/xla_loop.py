@@ -25,11 +25,9 @@ import contextlib
 import logging
 import math
 import os
-import signal
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,33 +37,32 @@ from torch import nn
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
-from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
+from batchpilot.exitcodes import PREEMPTED_FILE
 from batchpilot.models.factory import build_model, set_activation_checkpointing
-from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.planning import Plan, Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
-from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
+from batchpilot.train.loop import LoopBase, prepare_outputs, run_loop
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.step import INJECT_OOM_ENV, micro_batch_loss
-from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
+from batchpilot.train.steps import append_audit
 from batchpilot.train.trainer import (
     check_resume_point,
     check_same_data_order,
     check_vocabulary,
-    data_order,
     device_peak,
     make_optimizer,
     model_flops_per_token,
     read_micro_batch_overrides,
-    restore_metrics,
 )
 from batchpilot.train.xla import (
     XLA_RUNTIME,
     Layout,
     XlaHost,
+    init_optimizer_state,
     make_layout,
     move_to_xla,
     refuse_unsupported,
-    shard_optimizer_state,
+    shard_blocks,
     shard_parameters,
     start_runtime,
     uses_bf16_on_xla,
@@ -99,94 +96,49 @@ def _gradients(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach() for p in model.parameters() if p.grad is not None]
 
 
-@dataclass
-class XlaLoop:
-    """State of the XLA training loop for one invocation (the counterpart of trainer._Loop)."""
+@dataclass(kw_only=True)
+class XlaLoop(LoopBase):
+    """The XLA loop for one invocation: one process per host, SPMD over every device of the stage."""
 
     host: XlaHost
-    config: Config
-    plan: Plan
-    stages: list[Stage]
-    model: nn.Module
     layout: Layout
-    optimizer: torch.optim.Optimizer
-    loader: TokenLoader
-    checkpointer: Checkpointer
-    metrics: MetricsLog | None
-    lr: LRSchedule
-    consumed: int
-    step: int
-    audit_dir: Path | None
-    autocast: Callable[[], contextlib.AbstractContextManager]
-    validator: XlaValidator | None = None
-    flops_per_token: float = 0.0
-    peak_flops: float | None = None
-    noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
-    micro_override: dict[int, int] = field(default_factory=dict)
-    optimizer_sharded: bool = False
-    stop_requested: bool = False
-    saved_step: int = -1
-    last_log_s: float = 0.0
-    last_save_s: float = field(default_factory=time.monotonic)
-    preempted_file: Path | None = None
+    compiles_seen: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.host.is_main
 
     @property
     def world_size(self) -> int:
         return self.host.num_devices
 
-    def log(self, message: str) -> None:
-        if self.host.is_main:
-            logger.info(message)
+    @property
+    def world_label(self) -> str:
+        return f"{self.world_size} devices"
+
+    def peak_memory_bytes(self) -> int:
+        return peak_memory_bytes()
 
     def run(self) -> int:
         end = self.stages[-1].end_sample
         while self.consumed < end:
-            stop, checkpoint_due = agree(self.stop_requested, self._time_checkpoint_due())
-            if stop:
-                return self._preempted()
-            if checkpoint_due:
-                self._save(
-                    why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
-                )
             stage = self.plan.stage_at(self.consumed)
-            micro = self.micro_override.get(stage.index, stage.micro_batch_size)
-            accumulation = self._accumulation(stage, micro)
-            lr = self.lr.at(consumed_samples=self.consumed, global_batch_size=stage.global_batch_size)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            micro, accumulation = self.batch_split(stage)
+            lr = self.set_lr(stage)
             started = time.perf_counter()
             result = self._passes(stage, micro, accumulation)
-            if result is None:
-                return self._preempted()
-            self._finish_step(stage, result, micro, accumulation, started, lr)
-            if self.consumed == stage.end_sample:
-                self._save()
-                self._stage_done(stage)
-            elif (
-                self.config.train.checkpoint_every_steps
-                and self.step % self.config.train.checkpoint_every_steps == 0
-            ):
-                self._save()
+            # As in the eager loop: the hosts agree once per step, at its end, on a SIGTERM on any host and on
+            # host 0's clock saying a time checkpoint is due.
+            stop, checkpoint_due = self._finish_step(stage, result, micro, accumulation, started, lr)
+            self.checkpoint_after_step(stage)
+            if stop and self.consumed < end:
+                return self.preempted()
+            if checkpoint_due:
+                self.save_for_time()
         return 0
 
-    def _time_checkpoint_due(self) -> bool:
-        every_s = self.config.train.checkpoint_every_s
-        return bool(self.host.is_main and every_s and time.monotonic() - self.last_save_s >= every_s)
-
-    def _accumulation(self, stage: Stage, micro: int) -> int:
-        per_pass = micro * self.world_size
-        if stage.global_batch_size % per_pass:
-            raise BatchpilotError(
-                f"{stage.name}",
-                f"global_batch_size {stage.global_batch_size} does not split over micro {micro} x "
-                f"{self.world_size} XLA devices",
-                "launch the stage with the plan's node count",
-            )
-        return stage.global_batch_size // per_pass
-
-    def _passes(self, stage: Stage, micro: int, accumulation: int) -> PassResult | None:
-        """Forward and backward of every pass (gradients accumulate in the parameters' layout); None when
-        a stop was agreed between passes (the partial gradients are dropped)."""
+    def _passes(self, stage: Stage, micro: int, accumulation: int) -> PassResult:
+        """Forward and backward of every pass (gradients accumulate in the parameters' layout)."""
         import torch_xla
 
         local_rows = micro * self.host.num_local_devices
@@ -218,9 +170,6 @@ class XlaLoop:
                 result.coherence = dot / (_sq_norm(first) * _sq_norm(second)).sqrt()
                 first = None
             torch_xla.sync()
-            if index < accumulation - 1 and agree(self.stop_requested)[0]:
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
         assert total is not None
         result.loss = total / accumulation
         if self.audit_dir is not None and self.host.is_main:
@@ -229,28 +178,25 @@ class XlaLoop:
 
     def _finish_step(
         self, stage: Stage, result: PassResult, micro: int, accumulation: int, started: float, lr: float
-    ) -> None:
+    ) -> tuple[bool, bool]:
+        """Clips, steps the optimizer, reads the step's numbers and writes its metrics; returns the agreed
+        (stop, checkpoint due)."""
         import torch_xla
+        import torch_xla.debug.metrics as met
 
         clip = self.config.train.grad_clip or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not self.optimizer_sharded:  # AdamW's moments exist from the first step on: lay them out once
-            shard_optimizer_state(self.model, self.optimizer, self.layout)
-            self.optimizer_sharded = True
         torch_xla.sync()
         values = [result.loss, grad_norm, result.small_sq_norm, result.coherence]
         loss, norm, small_sq, coherence = (None if v is None else float(v.item()) for v in values)
+        stop, checkpoint_due = agree(self.stop_requested, self.time_checkpoint_due())
         step_time_s = time.perf_counter() - started
         before = self.consumed
         self.consumed += stage.global_batch_size
         self.step += 1
-        val_loss = None
-        if self.validator is not None and self.validator.due(
-            before, self.consumed, stage_end=self.consumed == stage.end_sample
-        ):
-            val_loss = self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
+        val_loss = self.validation_loss(stage, before=before, micro=micro)
         assert loss is not None and norm is not None
         noise_scale = None
         if small_sq is not None:
@@ -260,52 +206,20 @@ class XlaLoop:
                 b_small=micro * self.world_size,
                 b_big=stage.global_batch_size,
             )
-        self._record(
-            stage, micro, accumulation, lr, loss, norm, step_time_s, noise_scale, coherence, val_loss
-        )
+        self.record(
+            stage, micro=micro, accumulation=accumulation, lr=lr, loss=loss, grad_norm=norm,
+            step_time_s=step_time_s, noise_scale=noise_scale, coherence=coherence, val_loss=val_loss,
+            extra={"runtime": XLA_RUNTIME, "xla_compiles": self._new_compiles(met)},
+        )  # fmt: skip
+        return stop, checkpoint_due
 
-    def _record(
-        self,
-        stage: Stage,
-        micro: int,
-        accumulation: int,
-        lr: float,
-        loss: float,
-        grad_norm: float,
-        step_time_s: float,
-        noise_scale: float | None,
-        coherence: float | None,
-        val_loss: float | None,
-    ) -> None:
-        record = step_record(
-            step=self.step,
-            consumed=self.consumed,
-            stage=stage,
-            micro=micro,
-            accumulation=accumulation,
-            world_size=self.world_size,
-            loss=loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            step_time_s=step_time_s,
-            seq_len=self.config.data.seq_len,
-            flops_per_token=self.flops_per_token,
-            peak_flops=self.peak_flops,
-            peak_memory_bytes=peak_memory_bytes(),
-            noise_scale=noise_scale,
-            coherence=coherence,
-            val_loss=val_loss,
-        ) | {"runtime": XLA_RUNTIME}
-        if self.metrics is not None:
-            self.metrics.append(record)
-        self._progress(stage, record)
-
-    def _progress(self, stage: Stage, record: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if now - self.last_log_s < 2.0 and self.consumed != stage.end_sample and record["val_loss"] is None:
-            return
-        self.last_log_s = now
-        self.log(progress_line(stage, record, world=f"{self.world_size} devices"))
+    def _new_compiles(self, met: Any) -> int:
+        """Graphs XLA compiled since the last step's record: the first step's training graph, a stage's new
+        batch shape, the first evaluation; any other is a recompilation that costs every step its time."""
+        data = met.metric_data("CompileTime")
+        total = int(data[0]) if data else 0
+        new, self.compiles_seen = total - self.compiles_seen, total
+        return new
 
     def _audit(self, stage: Stage, micro: int) -> None:
         """The positions every device (logical rank) trained, in the eager trainer's audit format."""
@@ -315,11 +229,14 @@ class XlaLoop:
             ranks=range(self.world_size),
         )  # fmt: skip
 
-    def _save(self, why: str = "") -> None:
-        if self.saved_step == self.step:
-            return
-        if self.metrics is not None:
-            self.checkpointer.storage.write(METRICS_OBJECT, self.metrics.text().encode())
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"runtime": XLA_RUNTIME, "num_hosts": self.host.num_hosts}
+
+    def write_checkpoint(
+        self, *, extra: dict[str, Any], side: dict[str, bytes] | None
+    ) -> tuple[str | None, bool]:
+        # Synchronous: each host writes its devices' shards through torch_xla's SPMD planner, which reads
+        # them from the devices; there is no staged CPU copy to write in the background.
         where = save_xla_checkpoint(
             self.checkpointer,
             model=self.model,
@@ -327,31 +244,10 @@ class XlaLoop:
             step=self.step,
             consumed_samples=self.consumed,
             rng=capture_rng_state(),
-            extra={
-                "world_size": self.world_size,
-                "parallelism": self.plan.parallelism,
-                "runtime": XLA_RUNTIME,
-                "num_hosts": self.host.num_hosts,
-                "stage": self.plan.stage_at(self.consumed - 1).index,
-                "data_order": data_order(self.config),
-                "noise_scale_ema": self.noise.state_dict(),
-            },
+            extra=extra,
+            side_objects=side,
         )
-        self.log(f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}")
-        self.saved_step = self.step
-        self.last_save_s = time.monotonic()
-
-    def _stage_done(self, stage: Stage) -> None:
-        self.log(stage_done_line(self.plan, stage, step=self.step))
-
-    def _preempted(self) -> int:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.log(f"SIGTERM: stopping at a micro-batch boundary, {self.consumed:,} samples consumed")
-        self._save()
-        if self.preempted_file is not None and self.host.is_main:
-            self.preempted_file.write_text(f"{self.consumed}\n")
-        self.log(f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")
-        return EXIT_PREEMPTED
+        return where, False
 
 
 def check_device_count(*, stages: list[Stage], stage: str, host: XlaHost, devices_per_node: int) -> None:
@@ -375,7 +271,9 @@ def _build_model(config: Config, layout: Layout, *, vocab_size: int) -> tuple[nn
     check_vocabulary(model, vocab_size=vocab_size)
     set_activation_checkpointing(model, config.train.activation_checkpointing)
     move_to_xla(model)
-    return model, shard_parameters(model, layout)
+    sharded = shard_parameters(model, layout)
+    shard_blocks(model, layout)
+    return model, sharded
 
 
 def _refuse(config: Config, *, adaptive: bool) -> None:
@@ -433,22 +331,7 @@ def _restore(
             checkpoint.step, f"{checkpoint.consumed_samples:,}", uri, checkpoint.meta.get("world_size", "?"),
             checkpoint.meta.get("parallelism", "ddp"), checkpoint.meta.get("runtime", "eager"),
         )  # fmt: skip
-    return {"optimizer_sharded": True, "noise": noise, "saved_step": checkpoint.step}
-
-
-def _outputs(
-    output_dir: Path, *, host: XlaHost, checkpointer: Checkpointer, consumed: int, audit: bool
-) -> tuple[MetricsLog | None, Path | None]:
-    """metrics.jsonl (host 0, restored up to `consumed`) and the audit folder, as the eager trainer keeps them."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a previous run's marker is not this run's
-    metrics = MetricsLog(output_dir / "metrics.jsonl") if host.is_main else None
-    if metrics is not None:
-        restore_metrics(metrics, checkpointer, consumed=consumed)
-    audit_dir = output_dir / "audit" if audit else None
-    if audit_dir is not None:
-        audit_dir.mkdir(parents=True, exist_ok=True)
-    return metrics, audit_dir
+    return {"noise": noise, "saved_step": checkpoint.step}
 
 
 def train_xla(
@@ -480,6 +363,7 @@ def train_xla(
     validator = XlaValidator.from_config(config, host, layout)  # a missing validation split fails here
     model, num_sharded = _build_model(config, layout, vocab_size=loader.vocab_size)
     optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)
+    init_optimizer_state(model, optimizer, layout)  # the first step compiles the graph every step runs
     restored = _restore(
         checkpoint,
         host=host,
@@ -488,8 +372,8 @@ def train_xla(
         optimizer=optimizer,
         layout=layout,
     )
-    metrics, audit_dir = _outputs(
-        output_dir, host=host, checkpointer=checkpointer, consumed=consumed, audit=audit
+    metrics, audit_dir = prepare_outputs(
+        output_dir, is_main=host.is_main, checkpointer=checkpointer, consumed=consumed, audit=audit
     )
     bf16 = uses_bf16_on_xla(config.train.precision)
     loop = XlaLoop(
@@ -515,17 +399,11 @@ def train_xla(
         preempted_file=output_dir / PREEMPTED_FILE,
         **restored,
     )
-    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))
     loop.log(
         f"training {', '.join(s.name for s in stages)} on {host.num_devices} XLA device(s) of "
         f"{host.num_hosts} host(s) (runtime xla, SPMD; {_describe(layout, num_sharded)}) from sample {consumed:,}"
     )
-    try:
-        return loop.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        loader.close()
-        sys.stdout.flush()
+    return run_loop(loop, closing=[loader.close])
 
 
 def _autocast(bf16: bool) -> Callable[[], contextlib.AbstractContextManager]:
@@ -538,4 +416,7 @@ def _autocast(bf16: bool) -> Callable[[], contextlib.AbstractContextManager]:
 def _describe(layout: Layout, num_sharded: int) -> str:
     if layout.param_axis is None:
         return "parameters replicated (ddp)"
-    return f"{num_sharded} parameter(s) sharded {layout.shard_degree} ways on dim 0 over mesh axis {layout.param_axis!r}"
+    return (
+        f"all {num_sharded} parameters sharded {layout.shard_degree} ways on their largest dimension over mesh "
+        f"axis {layout.param_axis!r}"
+    )

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, dcp_quietly, user_errors_of_dcp
 from batchpilot.train.state import training_state
-from batchpilot.train.xla import Layout, shard_optimizer_state
+from batchpilot.train.xla import Layout, init_optimizer_state, shard_optimizer_state
 
 
 def agree(*flags: bool) -> list[bool]:
@@ -80,9 +80,10 @@ def save_xla_checkpoint(
     consumed_samples: int,
     rng: dict[str, Any],
     extra: dict[str, Any],
+    side_objects: dict[str, bytes] | None = None,
 ) -> str | None:
-    """Every host calls this: each writes its devices' shards; host 0 writes rng.pt and meta.json and moves
-    `latest` (Checkpointer.save_sharded). Returns the step folder's URI on host 0."""
+    """Every host calls this: each writes its devices' shards; host 0 writes `side_objects`, rng.pt and
+    meta.json and moves `latest` (Checkpointer.save_sharded). Returns the step folder's URI on host 0."""
     import torch_xla
     import torch_xla.experimental.distributed_checkpoint as xc
 
@@ -95,6 +96,7 @@ def save_xla_checkpoint(
         rng=capture_xla_rng(rng),
         extra=extra,
         planner=_save_planner(xc.SPMDSavePlanner, mappings),
+        side_objects=side_objects,
     )
 
 
@@ -114,8 +116,7 @@ def restore_xla_state(
             "does not load",
             "resume it once with train.runtime: eager, whose next checkpoint is sharded",
         )
-    prime_optimizer(model, optimizer)
-    shard_optimizer_state(model, optimizer, layout)
+    init_optimizer_state(model, optimizer, layout)  # the tensors DCP loads into, already sharded
     torch_xla.sync()
     flat, mappings = _flat_state(model, optimizer)  # the layout to read into: this host's shards
     with user_errors_of_dcp(), dcp_quietly():
@@ -150,17 +151,3 @@ def _save_planner(base: type, mappings: Any) -> Any:
             self.mappings = mappings
 
     return SavePlanner()
-
-
-def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Creates AdamW's state so that DCP can load into it: one step with zero gradients at lr 0 changes
-    no parameter; the state it creates (and its step count) is then overwritten by the checkpoint."""
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr

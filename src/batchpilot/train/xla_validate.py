@@ -18,7 +18,7 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
-from batchpilot.train.evaluate import SPLIT, check_validation_split, evaluation_due, samples_per_rank
+from batchpilot.train.evaluate import SPLIT, ValidatorBase, check_validation_split, samples_per_rank
 from batchpilot.train.step import micro_batch_loss
 from batchpilot.train.xla import Layout, XlaHost
 from batchpilot.train.xla_state import send_rows
@@ -26,7 +26,7 @@ from batchpilot.train.xla_state import send_rows
 logger = logging.getLogger(__name__)
 
 
-class XlaValidator:
+class XlaValidator(ValidatorBase):
     """The validation samples of all devices and when to evaluate them; one per host process."""
 
     def __init__(
@@ -41,7 +41,6 @@ class XlaValidator:
     ) -> None:
         self.eval_samples, self.eval_every_samples = eval_samples, eval_every_samples
         self.host, self.layout = host, layout
-        self.num_samples = 0
         self._share = 0
         self._tokens: torch.Tensor | None = None
         if eval_samples == 0:
@@ -63,11 +62,7 @@ class XlaValidator:
         self._tokens = tokens.reshape(world, self._share, -1)  # device d's samples, as rank d's
         self.num_samples = self._share * world
         if host.is_main:
-            logger.info(
-                "validation loss: %s samples of the validation split over %d devices",
-                f"{self.num_samples:,}",
-                world,
-            )
+            self.log_count(world, "devices")
 
     @classmethod
     def from_config(cls, config: Config, host: XlaHost, layout: Layout) -> XlaValidator:
@@ -80,19 +75,6 @@ class XlaValidator:
             layout=layout,
         )
 
-    @property
-    def enabled(self) -> bool:
-        return self.num_samples > 0
-
-    def due(self, consumed_before: int, consumed_after: int, *, stage_end: bool) -> bool:
-        return evaluation_due(
-            consumed_before=consumed_before,
-            consumed_after=consumed_after,
-            stage_end=stage_end,
-            eval_samples=self.num_samples,
-            eval_every_samples=self.eval_every_samples,
-        )
-
     def evaluate(
         self,
         model: nn.Module,
@@ -100,24 +82,19 @@ class XlaValidator:
         micro_batch_size: int,
         autocast: Callable[[], contextlib.AbstractContextManager],
     ) -> float:
-        """The mean token loss over every device's validation samples (all hosts call it together)."""
         import torch_xla
 
         assert self._tokens is not None, "validation is off (train.eval_samples: 0)"
         local = self.host.num_local_devices
         mine = self._tokens[self.host.host * local : (self.host.host + 1) * local]
-        was_training = model.training
-        model.eval()
-        total = torch.zeros((), dtype=torch.float64)
-        try:
-            with torch.no_grad():
-                for start in range(0, self._share, micro_batch_size):
-                    rows = mine[:, start : start + micro_batch_size]
-                    batch = send_rows(rows.reshape(-1, rows.shape[-1]).long(), self.layout)
-                    loss = micro_batch_loss(model, batch, autocast())
-                    torch_xla.sync()
-                    # Each pass's loss is the mean over all devices' rows of this pass.
-                    total += loss.double().cpu() * rows.shape[1] * self.host.num_devices * (rows.shape[2] - 1)
-        finally:
-            model.train(was_training)
-        return float(total) / (self.num_samples * (self._tokens.shape[-1] - 1))
+        total = torch.zeros((), device=torch_xla.device())
+        with self.evaluating(model):
+            for start in range(0, self._share, micro_batch_size):
+                rows = mine[:, start : start + micro_batch_size]
+                batch = send_rows(rows.reshape(-1, rows.shape[-1]).long(), self.layout)
+                # Each pass's loss is the mean over all devices' rows of this pass: weighted by its tokens.
+                loss = micro_batch_loss(model, batch, autocast())
+                total = total + loss.float() * (rows.shape[1] * self.host.num_devices * (rows.shape[2] - 1))
+                torch_xla.sync()
+        # One transfer to the host for the whole evaluation.
+        return float(total.cpu()) / (self.num_samples * (self._tokens.shape[-1] - 1))

@@ -1,0 +1,302 @@
+"""What the eager and the XLA training loops share: the loop's state, the step's batch arithmetic and LR, the
+checkpoint policy (stage end, every N steps, every N seconds), the save, the preemption stop, the metrics
+record and the progress line. `trainer._Loop` (one process per device) and `xla_loop.XlaLoop` (one process
+per host, SPMD) add how a step runs on their device and how a checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchpilot.config import Config
+from batchpilot.data.loader import TokenLoader
+from batchpilot.errors import BatchpilotError
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
+from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.train.checkpoint import Checkpointer
+from batchpilot.train.evaluate import ValidatorBase
+from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
+from batchpilot.train.noise import NoiseScaleEMA
+from batchpilot.train.steps import progress_line, stage_done_line, step_record
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class LoopBase:
+    """State of a training loop for one invocation, and the parts that do not touch the device."""
+
+    config: Config
+    plan: Plan
+    stages: list[Stage]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: TokenLoader
+    checkpointer: Checkpointer
+    metrics: MetricsLog | None
+    lr: LRSchedule
+    consumed: int
+    step: int
+    audit_dir: Path | None
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    flops_per_token: float = 0.0
+    peak_flops: float | None = None
+    noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
+    micro_override: dict[int, int] = field(default_factory=dict)
+    stop_requested: bool = False
+    saved_step: int = -1
+    last_log_s: float = 0.0
+    last_save_s: float = field(default_factory=time.monotonic)
+    preempted_file: Path | None = None
+    validator: ValidatorBase | None = None
+
+    # -- what each runtime says about itself ------------------------------------------------------------
+
+    @property
+    def is_main(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: processes (eager) or devices (XLA)."""
+        raise NotImplementedError
+
+    @property
+    def world_label(self) -> str:
+        """The world as the progress line names it."""
+        return str(self.world_size)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The runtime's own entries of a checkpoint's meta.json."""
+        return {}
+
+    def write_checkpoint(
+        self, *, extra: dict[str, Any], side: dict[str, bytes] | None
+    ) -> tuple[str | None, bool]:
+        """Writes (or starts writing) this step's checkpoint; returns (its URI on the main process, whether
+        it is being written in the background)."""
+        raise NotImplementedError
+
+    def peak_memory_bytes(self) -> int:
+        raise NotImplementedError
+
+    def run(self) -> int:
+        """Steps until the last stage's end sample; returns the exit code."""
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------------------
+
+    def log(self, message: str) -> None:
+        """Progress and summaries at INFO, on the main process only (the others would repeat it)."""
+        if self.is_main:
+            logger.info(message)
+
+    def time_checkpoint_due(self) -> bool:
+        """The main process: `train.checkpoint_every_s` has passed since the last checkpoint (or the start)."""
+        every_s = self.config.train.checkpoint_every_s
+        return bool(self.is_main and every_s and time.monotonic() - self.last_save_s >= every_s)
+
+    def batch_split(self, stage: Stage) -> tuple[int, int]:
+        """(micro batch, gradient accumulation steps) of a step of `stage` on this world."""
+        micro = self.micro_override.get(stage.index, stage.micro_batch_size)
+        per_pass = micro * self.world_size
+        if stage.global_batch_size % per_pass:
+            raise BatchpilotError(
+                f"{stage.name}",
+                f"global_batch_size {stage.global_batch_size} does not split over micro {micro} x world "
+                f"{self.world_size}",
+                "launch the stage with the plan's node count",
+            )
+        return micro, stage.global_batch_size // per_pass
+
+    def set_lr(self, stage: Stage) -> float:
+        """The schedule's LR at this step, set on every parameter group."""
+        lr = self.lr.at(consumed_samples=self.consumed, global_batch_size=stage.global_batch_size)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def checkpoint_after_step(self, stage: Stage) -> None:
+        """The checkpoint policy after a step: at the stage's end (then its summary), or every
+        `train.checkpoint_every_steps`."""
+        if self.consumed == stage.end_sample:
+            self.save()
+            self.log(stage_done_line(self.plan, stage, step=self.step))
+        elif (
+            self.config.train.checkpoint_every_steps
+            and self.step % self.config.train.checkpoint_every_steps == 0
+        ):
+            self.save()
+
+    def validation_loss(self, stage: Stage, *, before: int, micro: int) -> float | None:
+        """The validation loss when the step that started at sample `before` ends with an evaluation (every
+        process calls it: an evaluation is a collective), else None."""
+        if self.validator is None or not self.validator.due(
+            before, self.consumed, stage_end=self.consumed == stage.end_sample
+        ):
+            return None
+        return self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
+
+    def save_for_time(self) -> None:
+        self.save(
+            why=f" ({self.config.train.checkpoint_every_s:g} s since the last: train.checkpoint_every_s)"
+        )
+
+    def record(
+        self,
+        stage: Stage,
+        *,
+        micro: int,
+        accumulation: int,
+        lr: float,
+        loss: float,
+        grad_norm: float,
+        step_time_s: float,
+        noise_scale: float | None,
+        coherence: float | None,
+        val_loss: float | None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The step's metrics record, appended to metrics.jsonl (main process) and shown as progress."""
+        record = step_record(
+            step=self.step,
+            consumed=self.consumed,
+            stage=stage,
+            micro=micro,
+            accumulation=accumulation,
+            world_size=self.world_size,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=step_time_s,
+            seq_len=self.config.data.seq_len,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.peak_flops,
+            peak_memory_bytes=self.peak_memory_bytes(),
+            noise_scale=noise_scale,
+            coherence=coherence,
+            val_loss=val_loss,
+        ) | (extra or {})
+        if self.metrics is not None:
+            self.metrics.append(record)
+        now = time.monotonic()
+        if (
+            now - self.last_log_s >= 2.0
+            or self.consumed == stage.end_sample
+            or record["val_loss"] is not None
+        ):
+            self.last_log_s = now
+            self.log(progress_line(stage, record, world=self.world_label))
+        return record
+
+    def save(self, why: str = "", *, wait: bool = False) -> None:
+        """A checkpoint of this step (at most one in flight: the previous one is waited for first);
+        `wait`: also wait until it is committed."""
+        if self.saved_step == self.step:
+            if wait:
+                self.wait_for_checkpoint()
+            return
+        self.wait_for_checkpoint()  # a failed one ends the job here
+        # metrics.jsonl as of this step, written before `latest` moves: the copy always covers the
+        # checkpoint's steps (a resume truncates the steps after it), even when the process dies between.
+        side = {METRICS_OBJECT: self.metrics.text().encode()} if self.metrics is not None else None
+        extra = {
+            "world_size": self.world_size,
+            "parallelism": self.plan.parallelism,
+            "stage": self.plan.stage_at(self.consumed - 1).index,
+            "data_order": data_order(self.config),
+            "noise_scale_ema": self.noise.state_dict(),
+            **self.checkpoint_extra(),
+        }
+        started = time.perf_counter()
+        where, background = self.write_checkpoint(extra=extra, side=side)
+        blocked_s = time.perf_counter() - started
+        how = "writing in the background" if background else "committed"
+        self.log(
+            f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}: training blocked "
+            f"{blocked_s:.2f} s, {how}"
+        )
+        self.saved_step = self.step
+        self.last_save_s = time.monotonic()
+        if wait:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits (bounded) for the checkpoint in flight, if any; raises its failure."""
+        step = self.checkpointer.save_in_flight
+        took_s = self.checkpointer.wait()
+        if took_s is not None and step is not None:
+            self.log(f"checkpoint step {step} committed ({took_s:.1f} s after it started)")
+
+    def preempted(self) -> int:
+        """SIGTERM (agreed by every process) at the end of a step: this step's checkpoint is committed, the
+        marker file and log line tell the pod's command and the launcher, and the exit code says so."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.log(f"SIGTERM: stopping at the end of a step, {self.consumed:,} samples consumed")
+        self.save(wait=True)  # a save in flight finishes first, then this step's is committed
+        if self.preempted_file is not None:  # every process: each pod's command looks in its own folder
+            self.preempted_file.write_text(f"{self.consumed}\n")  # for the pod's command: see PREEMPTED_FILE
+        self.log(f"{PREEMPTED_LOG_MARKER}; run the same stage again to resume exactly here")
+        return EXIT_PREEMPTED
+
+
+def data_order(config: Config) -> dict[str, Any]:
+    """The settings that decide which sample each position reads; a resumed run must use the same."""
+    data = config.data
+    return {
+        "uri": data.uri,
+        "split": data.split,
+        "seq_len": data.seq_len,
+        "seed": config.train.seed,
+        "shuffle": data.shuffle,
+        "shuffle_block_samples": data.shuffle_block_samples,
+        "shuffle_window_blocks": data.shuffle_window_blocks,
+    }
+
+
+def restore_metrics(metrics: MetricsLog, checkpointer: Checkpointer, *, consumed: int) -> None:
+    """Starts from the metrics kept beside the checkpoints (a new pod has no local copy), up to `consumed`."""
+    if checkpointer.storage.exists(METRICS_OBJECT):
+        metrics.replace_with(checkpointer.storage.read(METRICS_OBJECT).decode())
+    metrics.truncate_to(consumed)
+
+
+def prepare_outputs(
+    output_dir: Path, *, is_main: bool, checkpointer: Checkpointer, consumed: int, audit: bool
+) -> tuple[MetricsLog | None, Path | None]:
+    """The output folder: no previous run's preemption marker, metrics.jsonl (main process, restored up to
+    `consumed`) and, with `audit`, the folder of the trained sample positions."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a previous run's marker is not this run's
+    metrics = MetricsLog(output_dir / "metrics.jsonl") if is_main else None
+    if metrics is not None:
+        restore_metrics(metrics, checkpointer, consumed=consumed)
+    audit_dir = output_dir / "audit" if audit else None
+    if audit_dir is not None:
+        audit_dir.mkdir(parents=True, exist_ok=True)
+    return metrics, audit_dir
+
+
+def run_loop(loop: LoopBase, *, closing: list[Callable[[], None]]) -> int:
+    """Runs `loop` with SIGTERM asking it to stop at the end of a step; then, also when it failed, ends the
+    checkpoint in flight and calls each of `closing` (loaders)."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))
+    try:
+        return loop.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        loop.checkpointer.close()
+        for close in closing:
+            close()
+        sys.stdout.flush()
