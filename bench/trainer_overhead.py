@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from batchpilot.cli import main as cli_main
 from batchpilot.config import Config, parse_config
-from batchpilot.models.factory import build_model
+from batchpilot.models.factory import build_model, compile_model
 from batchpilot.planner import build_plan, make_run_document
 from batchpilot.train import trainer as trainer_module
 from batchpilot.train.parallel import shard_units
@@ -70,6 +70,9 @@ class Setup:
     global_batch: int
     micro_batch: int
     seq_len: int
+    factory: str = FACTORY
+    compile: bool = False
+    """train.compile on both sides (compile_model: each block)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -95,7 +98,7 @@ def config_for(
     return parse_config(
         {
             "name": "bench",
-            "model": {"factory": FACTORY, "args": setup.model},
+            "model": {"factory": setup.factory, "args": setup.model},
             "data": {"uri": data_uri, "seq_len": setup.seq_len},
             "cluster": {"devices_per_node": world_size, "max_nodes": 1},
             "batch": {"global_batch_size": setup.global_batch, "micro_batch_size": setup.micro_batch},
@@ -108,6 +111,7 @@ def config_for(
                 "checkpoint_uri": f"file://{root}/{run}/ckpt",
                 "checkpoint_every_s": 0,
                 "eval_samples": 0,  # the stage-end validation would land in the last timed step
+                "compile": setup.compile,
             },
         }
     )
@@ -167,7 +171,7 @@ def fsdp_trainer_seconds(setup: Setup, root: Path, data_uri: str, steps: int, ru
     config = config_for(
         setup, root, data_uri, WARMUP_STEPS + steps, run, world_size=FSDP_WORLD, parallelism="fsdp"
     )
-    document = make_run_document(config, shape=model_shape(factory=FACTORY, args=setup.model))
+    document = make_run_document(config, shape=model_shape(factory=setup.factory, args=setup.model))
     assert document.plan.parallelism == "fsdp" and document.plan.stages[0].world_size == FSDP_WORLD
     plan_path = root / run / "plan.json"
     plan_path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +259,9 @@ def bare_loop_seconds(setup: Setup, steps: int) -> float:
     """One process, on the device the trainer uses, with its precision (bf16 autocast on CUDA)."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(factory=FACTORY, args=setup.model).to(device)
+    model = build_model(factory=setup.factory, args=setup.model).to(device)
+    if setup.compile:
+        compile_model(model)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     data = _token_ids(setup, steps, setup.accumulation(1), device)
     return bare_steps(
@@ -275,7 +281,9 @@ def fsdp_bare_worker(setup: Setup, steps: int, result: Path) -> None:
     dist.init_process_group(backend="gloo")
     world_size = dist.get_world_size()
     torch.manual_seed(0)
-    model = build_model(factory=FACTORY, args=setup.model)
+    model = build_model(factory=setup.factory, args=setup.model)
+    if setup.compile:
+        compile_model(model)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     units = shard_units(model)
     head = model.outer_modules()[1][-1]  # type: ignore[operator]

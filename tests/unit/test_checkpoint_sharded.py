@@ -121,3 +121,25 @@ def test_a_reader_fetches_only_the_blocks_of_the_tensors_it_loads(tmp_path):
     metadata_bytes = (tmp_path / "000000001" / ".metadata").stat().st_size
     # w2's 8 MB and at most one partly used 4 MiB block at each end, of a 32 MB file
     assert reader.storage_fs.bytes_fetched - metadata_bytes <= 8_000_000 + 2 * 4 * 1024 * 1024 < shard_bytes
+
+
+def test_a_gpu_checkpoints_fused_adamw_resumes_with_this_processs_implementation(tmp_path):
+    """A checkpoint written with fused AdamW (make_optimizer on CUDA) loads its moments, but the groups
+    keep this process's settings: a fused flag carried to a CPU or XLA process would fail its first step."""
+    model, optimizer = trained()
+    for group in optimizer.param_groups:
+        group["fused"] = True  # as make_optimizer sets it for parameters on CUDA
+    Checkpointer(uri=f"file://{tmp_path}").save_sharded(
+        step=2, consumed_samples=8, state=training_state(model, optimizer), rng=capture_rng_state()
+    )
+    target = fresh()
+    loaded = Checkpointer(uri=f"file://{tmp_path}").load()
+    assert loaded is not None
+    restore_training_state(loaded, *target)
+    assert [group["fused"] for group in target[1].param_groups] == [None, None]
+    assert_same_state(target, (model, optimizer))
+
+
+def test_make_optimizer_is_fused_only_for_parameters_on_cuda():
+    model = build(**ARGS)
+    assert [group["fused"] for group in make_optimizer(model, weight_decay=0.1).param_groups] == [None, None]

@@ -42,7 +42,7 @@ from batchpilot.explore.records import (
     pair_ratios,
     timing_from_steps,
 )
-from batchpilot.models.factory import build_model, set_activation_checkpointing
+from batchpilot.models.factory import build_model, compile_model, set_activation_checkpointing
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
 from batchpilot.train.step import UnagreedOutOfMemory, accumulate_gradients
@@ -171,7 +171,7 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
         model.to(ctx.device)
         model.train()
         if request.compile:
-            model.compile()
+            compile_model(model)
         strategy: Strategy = request.parallelism  # type: ignore[assignment]
         parallel = wrap_model(model, ctx, strategy=strategy, bf16=uses_bf16(ctx.device, request.precision))
         optimizer = make_optimizer(model, weight_decay=0.0)  # after sharding: on the shards

@@ -45,3 +45,16 @@ def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
             )
         return
     switch(enabled)
+
+
+def compile_model(model: nn.Module) -> int:
+    """`train.compile`: torch.compile on each block of `model.blocks` (the repeated blocks share one compiled
+    graph, and FSDP's per-block hooks stay outside the compiled code, as torchtitan does), else on the whole
+    model. Returns how many blocks were compiled (0: the whole model)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+        for block in blocks:
+            block.compile()
+        return len(blocks)
+    model.compile()
+    return 0

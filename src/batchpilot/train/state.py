@@ -7,6 +7,8 @@ DCP reads, on every rank, the parts of each tensor that rank holds.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,10 +26,30 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+_IMPLEMENTATION = ("fused", "foreach", "capturable")
+"""Optimizer settings that belong to the hardware, not to the training state: a checkpoint written on GPUs
+(fused AdamW) resumes on CPUs or TPUs with their own."""
+
+
+@contextlib.contextmanager
+def own_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around loading a checkpoint into `optimizer`: its groups keep this process's implementation settings
+    (`_IMPLEMENTATION`) whatever the checkpoint's say."""
+    kept = [{key: group.get(key) for key in _IMPLEMENTATION} for group in optimizer.param_groups]
+    yield
+    for group, settings in zip(optimizer.param_groups, kept, strict=True):
+        group.update(settings)
+
+
 def restore_training_state(
     checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
     """Loads the checkpoint into the (already wrapped or sharded) model and its optimizer, on every rank."""
+    with own_implementation(optimizer):
+        _restore(checkpoint, model, optimizer)
+
+
+def _restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if checkpoint.sharded:
         state = training_state(model, optimizer)  # the layout to read into: this rank's shards
         with user_errors_of_dcp(), dcp_quietly():

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, dcp_quietly, user_errors_of_dcp
-from batchpilot.train.state import training_state
+from batchpilot.train.state import own_implementation, training_state
 from batchpilot.train.xla import Layout, init_optimizer_state, shard_optimizer_state
 
 
@@ -127,7 +127,8 @@ def restore_xla_state(
             no_dist=not dist.is_initialized(),
         )
     state = unflatten_state_dict(flat, mappings)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    with own_implementation(optimizer):  # a GPU checkpoint's fused AdamW does not run on XLA
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     shard_optimizer_state(model, optimizer, layout)  # loading the optimizer made new tensors
     torch_xla.sync()
     if "xla" in checkpoint.rng:
