@@ -130,8 +130,13 @@ def test_at_the_target_the_rule_never_fires():
 
 def test_patience_counts_from_the_stage_start():
     # The estimate was above 32 long before this stage began at sample 1600: the stage must still wait.
+    # Its standard error counts the stage's points only, and needs 3 of them: the lower bound exists (and
+    # the patience begins) after the stage's second step, at 1632; on the estimate alone (k = 0), at 1600.
     trace = trace_of([40.0] * 100) + trace_of([40.0] * 10, start=1600)
     decision = decide(trace, rule=RULE, current=16, stage_start=1600, accepted=ACCEPTED)
+    assert not decision.fired and decision.above_since == 1632
+    on_estimate = AdaptiveRule(**{**RULE.to_dict(), "confidence": 0.0})
+    decision = decide(trace, rule=on_estimate, current=16, stage_start=1600, accepted=ACCEPTED)
     assert not decision.fired and decision.above_since == 1600
 
 

@@ -7,18 +7,26 @@ and the config, so it can be tested on synthetic traces and replayed from `metri
 
 - smooth |G|^2 and S separately with bias-corrected exponential moving averages (`smoothing` is the
   decay per step) and take the ratio, as the trainer's `NoiseScaleEMA` does;
+- the *estimate* at a step is that ratio times `scale` (1 by default; a calibration of B_simple against
+  the critical batch measured by branched trials, docs/planning.md);
+- its uncertainty is the jackknife standard error of the ratio of the means of S and |G|^2 over the
+  stage's last `window` steps up to that step (the EMA's effective length; only points of the current
+  stage, none when it has fewer than 3), times `scale`;
+- the *lower bound* at a step is `estimate - confidence * stderr` (both scaled, so `scale * (ratio - k *
+  the ratio's jackknife standard error)`): with `confidence` k = 2 a noise scale that is in truth well
+  below the threshold rarely lifts it there; a step without a standard error has no lower bound when
+  k > 0 (with k = 0 the bound is the estimate itself);
 - the *threshold* is the next batch size the node schedule accepts above the current batch;
-- the stage ends when the smoothed estimate has stayed at or above the threshold for `patience_samples`
-  samples in a row (and the stage has trained at least `min_stage_samples`);
-- the next batch is the smallest accepted size at least the smoothed estimate, at most
+- the stage ends when the lower bound has stayed at or above the threshold at every step for
+  `patience_samples` samples in a row (and the stage has trained at least `min_stage_samples`): the rule
+  decides on evidence, not on an estimate that noise lifted above the threshold;
+- the next batch is the smallest accepted size at least the (scaled) estimate, at most
   `max_growth` x the current batch and the target, never below the threshold;
 - when the stage reaches `ramp_samples` without firing, the next stage trains at the target: the ramp-up
   has a bounded length whatever the noise does (reason `ramp_end`); so does a firing on the last ramp
   stage the pipeline has a slot for (`max_stages`).
 
-The uncertainty reported with a decision is the jackknife standard error of the ratio of the means of S
-and |G|^2 over the last `window` steps (the EMA's effective length), a number to read beside the estimate,
-not an input of the rule.
+A decision reports the estimate, its standard error, the lower bound and k after the last point.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ class AdaptiveRule:
         max_growth: the next batch is at most this times the current one.
         min_stage_samples: no stage ends before training this many samples.
         ramp_samples: the stage that reaches this sample without firing hands over to the target.
+        confidence: k, the standard errors the lower bound keeps below the estimate (0: the estimate alone).
+        scale: the multiplier on the measured B_simple (calibrated against branched trials).
     """
 
     start: int
@@ -53,6 +63,8 @@ class AdaptiveRule:
     max_growth: float
     min_stage_samples: int
     ramp_samples: int
+    confidence: float = 2.0
+    scale: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,14 +89,19 @@ class Decision:
     Attributes:
         fired: whether the stage ends here.
         next_batch: the next stage's global batch when fired, else None.
-        reason: `noise_scale` (the estimate stayed above the threshold), `ramp_end` (ramp_samples reached),
-            `at_target` (the current batch is the target: the rule never fires) or `continue`.
-        estimate: the smoothed B_simple after the last point (None until measurable).
-        stderr: its jackknife standard error over the last `window` steps (None with too few points).
+        reason: `noise_scale` (the lower bound stayed above the threshold), `ramp_end` (ramp_samples
+            reached), `at_target` (the current batch is the target: the rule never fires) or `continue`.
+        estimate: the smoothed B_simple times the rule's scale after the last point (None until measurable).
+        stderr: its jackknife standard error over the stage's last `window` steps, times the scale (None
+            with fewer than 3 points in the stage).
         threshold: the next accepted batch above the current one (None at the target).
-        above_since: the sample from which the estimate has stayed at or above the threshold (None: below).
+        above_since: the sample from which the lower bound has stayed at or above the threshold (None:
+            below).
         stage_samples: samples the stage has trained.
         consumed_samples: samples consumed in all (the trace's last point).
+        lower_bound: the estimate less `confidence` standard errors after the last point (None: unmeasured,
+            and in decisions recorded before the rule had one).
+        confidence: the rule's k (None in decisions recorded before the rule had one).
     """
 
     fired: bool
@@ -96,20 +113,33 @@ class Decision:
     above_since: int | None
     stage_samples: int
     consumed_samples: int
+    lower_bound: float | None = None
+    confidence: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def describe(self) -> str:
-        """One line for logs and the report."""
+    def measured(self) -> str:
+        """The estimate as a phrase: "estimate 812.3 +- 40.1 (lower bound 732.1 at k=2)"."""
         estimate = "unmeasured" if self.estimate is None else f"{self.estimate:,.1f}"
         error = "" if self.stderr is None else f" +- {self.stderr:,.1f}"
+        bound = (
+            ""
+            if self.lower_bound is None or self.confidence is None
+            else f" (lower bound {self.lower_bound:,.1f} at k={self.confidence:g})"
+        )
+        return f"estimate {estimate}{error}{bound}"
+
+    def describe(self) -> str:
+        """One line for logs and the report."""
         if not self.fired:
-            return f"keep going: estimate {estimate}{error}, threshold {self.threshold}"
+            return f"keep going: {self.measured()}, threshold {self.threshold}"
+        # Decisions recorded before the rule had a lower bound (confidence None) fired on the estimate.
+        evidence = "the estimate" if self.confidence is None else "the lower bound"
         why = {
-            "noise_scale": f"the estimate {estimate}{error} stayed >= {self.threshold} since sample "
-            f"{self.above_since:,}",
-            "ramp_end": f"the ramp ends at {self.consumed_samples:,} samples (estimate {estimate}{error})",
+            "noise_scale": f"{evidence} stayed >= {self.threshold} since sample {self.above_since:,}: "
+            f"{self.measured()}",
+            "ramp_end": f"the ramp ends at {self.consumed_samples:,} samples ({self.measured()})",
         }.get(self.reason, self.reason)
         return f"next batch {self.next_batch}: {why}; {self.stage_samples:,} samples in this stage"
 
@@ -168,7 +198,8 @@ def decide(
     last_ramp_stage: bool = False,
 ) -> Decision:
     """The rule after the last point of `trace` (every measurement of the run so far, oldest first; the
-    EMAs run over all of it, the patience and the stage's samples count from `stage_start`).
+    EMAs run over all of it, the standard errors, the patience and the stage's samples count from
+    `stage_start`).
 
     `accepted` are the global batch sizes the node schedule accepts (ascending; the target among them).
     On the `last_ramp_stage` (the pipeline has no slot for another ramp stage) a firing rule goes straight
@@ -180,10 +211,10 @@ def decide(
         )
     consumed = trace[-1].consumed_samples if trace else stage_start
     stage_samples = consumed - stage_start
-    estimates = smoothed_estimates(trace, smoothing=rule.smoothing)
-    estimate = estimates[-1] if estimates else None
-    recent = [point for point in trace if point.consumed_samples > stage_start][-window(rule.smoothing) :]
-    stderr = jackknife_stderr(recent)
+    evidence = _Evidence(trace, rule=rule, stage_start=stage_start)
+    last = len(trace) - 1
+    estimate = evidence.estimate(last) if trace else None
+    stderr = evidence.stderr(last) if trace else None
     threshold = next_accepted([size for size in accepted if size <= rule.target], current)
 
     def decision(fired: bool, next_batch: int | None, reason: Reason, above_since: int | None) -> Decision:
@@ -197,11 +228,13 @@ def decide(
             above_since=above_since,
             stage_samples=stage_samples,
             consumed_samples=consumed,
+            lower_bound=evidence.lower_bound(last) if trace else None,
+            confidence=rule.confidence,
         )
 
     if threshold is None or current >= rule.target:
         return decision(False, None, "at_target", None)
-    above_since = _above_since(trace, estimates, threshold=threshold, stage_start=stage_start)
+    above_since = evidence.above_since(threshold)
     if consumed >= rule.ramp_samples:
         return decision(True, rule.target, "ramp_end", above_since)
     if (
@@ -218,21 +251,52 @@ def decide(
     return decision(False, None, "continue", above_since)
 
 
-def _above_since(
-    trace: Sequence[NoisePoint], estimates: Sequence[float | None], *, threshold: int, stage_start: int
-) -> int | None:
-    """The consumed samples before the first step of the stage's trailing run of estimates at or above
-    `threshold` (None when the last estimate is below it or unmeasured)."""
-    since: int | None = None
-    previous = stage_start
-    for point, estimate in zip(trace, estimates, strict=True):
-        if point.consumed_samples > stage_start:
-            if estimate is not None and estimate >= threshold:
-                since = previous if since is None else since
-            else:
-                since = None
-        previous = point.consumed_samples
-    return since
+class _Evidence:
+    """The scaled estimate, standard error and lower bound at each point of a trace (by index), the
+    standard error over the current stage's points only."""
+
+    def __init__(self, trace: Sequence[NoisePoint], *, rule: AdaptiveRule, stage_start: int) -> None:
+        self.trace = trace
+        self.rule = rule
+        self.stage_start = stage_start
+        self.estimates = smoothed_estimates(trace, smoothing=rule.smoothing)
+        # The stage's first point: the trace is ordered by consumed samples.
+        self.first = next(
+            (index for index, point in enumerate(trace) if point.consumed_samples > stage_start), len(trace)
+        )
+
+    def estimate(self, index: int) -> float | None:
+        value = self.estimates[index]
+        return None if value is None else self.rule.scale * value
+
+    def stderr(self, index: int) -> float | None:
+        if index < self.first:
+            return None
+        recent = self.trace[max(self.first, index + 1 - window(self.rule.smoothing)) : index + 1]
+        value = jackknife_stderr(recent)
+        return None if value is None else self.rule.scale * value
+
+    def lower_bound(self, index: int) -> float | None:
+        """`scale * (estimate - k * stderr)`; without a standard error, the estimate only when k = 0."""
+        estimate = self.estimate(index)
+        if estimate is None:
+            return None
+        if self.rule.confidence == 0:
+            return estimate
+        stderr = self.stderr(index)
+        return None if stderr is None else estimate - self.rule.confidence * stderr
+
+    def above_since(self, threshold: int) -> int | None:
+        """The consumed samples before the first step of the stage's trailing run of lower bounds at or
+        above `threshold` (None when the last one is below it or unmeasured). Walks back from the last
+        point: the standard errors of the trailing run only are computed, not of the whole stage."""
+        since: int | None = None
+        for index in range(len(self.trace) - 1, self.first - 1, -1):
+            bound = self.lower_bound(index)
+            if bound is None or bound < threshold:
+                break
+            since = self.trace[index - 1].consumed_samples if index > self.first else self.stage_start
+        return since
 
 
 @dataclass(frozen=True)
