@@ -354,6 +354,23 @@ class AdaptiveSettings(_Section):
     )
     max_growth: float = Field(2.0, gt=1, description="the next batch is at most this times the current one")
     min_stage_samples: Count = Field(0, description="no stage ends before training this many samples")
+    confidence: float = Field(
+        2.0,
+        ge=0,
+        description="standard errors the estimate's lower bound keeps below it: a stage ends when the lower "
+        "bound stays at or above the next batch size; 0 decides on the estimate alone",
+    )
+    doubling: bool = Field(
+        False,
+        description="candidate batch sizes are start x 2^k only (and the target): a batch-size warm-up that "
+        "doubles the batch each time the measured critical batch passes the doubled size",
+    )
+    scale: float = Field(
+        1.0,
+        gt=0,
+        description="multiplier on the measured B_simple (the critical batch measured by branched trials over "
+        "B_simple at one checkpoint; docs/planning.md says how to calibrate it)",
+    )
     max_stages: int = Field(
         6,
         ge=2,
@@ -497,7 +514,16 @@ class TrainConfig(_Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
     )
-    measure_noise_scale: bool = Field(True, description="estimate the gradient noise scale every step")
+    measure_noise_scale: bool = Field(
+        True, description="estimate the gradient noise scale (every step where it is free; see below)"
+    )
+    measure_noise_every_steps: Count = Field(
+        4,
+        description="at gradient accumulation 1 (under fsdp, hsdp, xla or on one process), every Nth step "
+        "runs its micro-batch as two halves to measure the noise scale: the same gradient, one more pass's "
+        "collectives that step; 0: never (such stages do not measure). Steps with accumulation >= 2, and ddp "
+        "on several ranks, measure every step at no cost",
+    )
     measure_coherence: bool = Field(
         False, description="cosine between successive micro-batch gradients (costs a gradient copy)"
     )

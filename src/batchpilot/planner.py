@@ -47,6 +47,7 @@ from batchpilot.planning.nodes import (
     nearest_valid_batch_sizes,
     walk_nodes,
 )
+from batchpilot.planning.noise import NoiseMeasurement, noise_measurement, why_unmeasured
 from batchpilot.planning.provisioning import provisioning_problems
 from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import Stage, sample_ranges
@@ -180,15 +181,6 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
                 )
             )
         problems += _explore_on_xla(config)
-        if is_adaptive(config):
-            problems.append(
-                BatchpilotError(
-                    "batch.rampup",
-                    "is adaptive, which is not implemented for runtime xla yet (the XLA trainer does not run "
-                    "the decision rule)",
-                    "use a fixed ramp-up (rampup: [start, increment, samples] or schedule) on TPUs",
-                )
-            )
         if loading_factor(config) > 1 or config.data.expansion_factor_real_data != 1:
             problems.append(
                 BatchpilotError(
@@ -244,30 +236,98 @@ def adaptive_rule(config: Config) -> AdaptiveRule:
         max_growth=settings.max_growth,
         min_stage_samples=settings.min_stage_samples,
         ramp_samples=settings.samples,
+        confidence=settings.confidence,
+        scale=settings.scale,
     )
 
 
-def accepted_batch_sizes(config: Config, *, micro_batch_size: int) -> list[int]:
+def accepted_batch_sizes(
+    config: Config,
+    *,
+    micro_batch_size: int,
+    memory: MemoryPlan | None = None,
+    shape: ModelShape | None = None,
+) -> tuple[list[int], dict[int, str]]:
     """The global batch sizes from the adaptive start to the target that the node schedule can place at
-    `micro_batch_size` (on some allowed node count up to the target's), ascending."""
+    `micro_batch_size` (on some allowed node count up to the target's), ascending; and, given the plan's
+    `memory` and the model's `shape`, the placeable sizes left out because their stage would not fit the
+    device (fsdp's share of the model grows on fewer nodes), each with the reason in one line."""
     rule = adaptive_rule(config)
     target_nodes = build_plan(config, micro_batch_size=micro_batch_size).stages[-1].num_nodes
     placement = _placement(config) | {"max_nodes": target_nodes}
-    candidates = range(rule.start, rule.target + 1)
-    return [
-        size
-        for size in candidates
-        if size % micro_batch_size == 0
-        and walk_nodes(batch_sizes=[size], micro_batch_size=micro_batch_size, **placement)[0] is not None
-    ]
+    accepted: list[int] = []
+    too_big: dict[int, str] = {}
+    doubling = config.batch.rampup.adaptive.doubling  # type: ignore[union-attr]
+    for size in range(rule.start, rule.target + 1):
+        if size % micro_batch_size:
+            continue
+        if doubling and size != rule.target and not _is_doubling(size, rule.start):
+            continue
+        nodes = walk_nodes(batch_sizes=[size], micro_batch_size=micro_batch_size, **placement)[0]
+        if nodes is None:
+            continue
+        why = _does_not_fit(config, memory, shape, num_nodes=nodes, micro_batch_size=micro_batch_size)
+        if why is None or size == rule.target:  # the target's stage was checked with the plan
+            accepted.append(size)
+        else:
+            too_big[size] = why
+    return accepted, too_big
 
 
-def adaptive_run(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision]) -> AdaptiveRun:
-    """The adaptive ramp-up's rule, accepted sizes at `micro_batch_size`, stage limit and `decisions`."""
+def _is_doubling(size: int, start: int) -> bool:
+    """Whether `size` is start x 2^k."""
+    ratio, remainder = divmod(size, start)
+    return remainder == 0 and ratio & (ratio - 1) == 0
+
+
+def _does_not_fit(
+    config: Config,
+    memory: MemoryPlan | None,
+    shape: ModelShape | None,
+    *,
+    num_nodes: int,
+    micro_batch_size: int,
+) -> str | None:
+    """Why a stage on `num_nodes` would not fit the device under the plan's strategy (None: it fits, or
+    memory is unknown), with the activations the plan estimated for its first stage."""
+    if memory is None or shape is None or memory.device_memory_bytes is None or not memory.stages:
+        return None
+    cluster = config.cluster
+    first = memory.stages[0].estimate
+    measured = first.activations_source == "explore"
+    world = num_nodes * cluster.devices_per_node
+    estimate = estimate_memory(
+        shape=shape, strategy=memory.strategy, world_size=world, devices_per_node=cluster.devices_per_node,
+        micro_batch_size=micro_batch_size, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=first.activations / micro_batch_size if measured else None,
+        reserve_fixed_bytes=0 if cluster.backend == "local" or cluster.accelerator_type is None
+        else RESERVE_FIXED_BYTES,
+    )  # fmt: skip
+    if estimate.total <= memory.device_memory_bytes:
+        return None
+    return (
+        f"on {num_nodes} node(s) it needs {estimate.describe()} per device under {memory.strategy} (shard "
+        f"degree {estimate.shard_degree}), more than the device's {memory.device_memory_bytes / 2**30:.1f} GiB"
+    )
+
+
+def adaptive_run(
+    config: Config,
+    *,
+    micro_batch_size: int,
+    decisions: Sequence[StageDecision],
+    accepted: Sequence[int] | None = None,
+) -> AdaptiveRun:
+    """The adaptive ramp-up's rule, the accepted sizes (`accepted_batch_sizes` at `micro_batch_size`
+    unless given: the trainer passes them without the sizes that would not fit), stage limit and
+    `decisions`."""
     assert isinstance(config.batch.rampup, AdaptiveRampup)
+    if accepted is None:
+        accepted, _ = accepted_batch_sizes(config, micro_batch_size=micro_batch_size)
     return AdaptiveRun(
         rule=adaptive_rule(config),
-        accepted=tuple(accepted_batch_sizes(config, micro_batch_size=micro_batch_size)),
+        accepted=tuple(accepted),
         max_stages=config.batch.rampup.adaptive.max_stages,
         decisions=tuple(decisions),
     )
@@ -297,6 +357,9 @@ def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[Sta
         tpu=tpu_plan_slices(config),
         each_stage_alone=isinstance(config.batch.rampup, AdaptiveRampup),
     )
+    unmeasured = noise_note(config, plan)
+    if unmeasured is not None:
+        plan = replace(plan, notes=(*plan.notes, unmeasured))
     if not isinstance(config.batch.rampup, AdaptiveRampup):
         return plan
     settings = config.batch.rampup.adaptive
@@ -313,6 +376,39 @@ def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[Sta
         + f"at most {settings.max_stages} stages in all"
     )
     return replace(plan, notes=(note, *plan.notes), stage_per_launch=True)
+
+
+def noise_note(config: Config, plan: Plan) -> str | None:
+    """One line naming the stages whose steps cannot measure the noise scale (planning/noise.py), and why;
+    under an adaptive ramp-up such a stage cannot end on the rule. None when every stage measures."""
+    if not config.train.measure_noise_scale:
+        return None
+    every = config.train.measure_noise_every_steps
+    strategy = "xla" if resolved_runtime(config) == "xla" else plan.parallelism
+    blind = [
+        stage
+        for stage in plan.stages
+        if noise_measurement(
+            strategy=strategy, world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
+            accumulation=stage.gradient_accumulation_steps, split_every_steps=every,
+        )
+        is NoiseMeasurement.NONE
+    ]  # fmt: skip
+    if not blind:
+        return None
+    names = ", ".join(stage.name for stage in blind[:SHOWN_STAGES])
+    more = f" and {len(blind) - SHOWN_STAGES} more" if len(blind) > SHOWN_STAGES else ""
+    why = why_unmeasured(micro_batch_size=blind[0].micro_batch_size, split_every_steps=every)
+    adaptive = (
+        "; the adaptive rule cannot end such a stage (it trains to its last sample)"
+        if isinstance(config.batch.rampup, AdaptiveRampup)
+        else ""
+    )
+    fix = "an even micro batch >= 2" if every else "train.measure_noise_every_steps >= 1"
+    return (
+        f"noise scale not measured in {names}{more}: accumulation 1 under {strategy} and {why}{adaptive} "
+        f"(fix: {fix})"
+    )
 
 
 def num_stages(config: Config) -> int:

@@ -164,3 +164,13 @@ def test_a_decision_reports_its_lower_bound_and_reads_back_old_logs_without_one(
     assert read.decision.lower_bound is None and read.decision.confidence is None
     assert read.decision.estimate == decision.estimate and read.next_batch == 512
     assert "the estimate stayed >= 384" in read.decision.describe()
+
+
+def test_a_ramp_end_decision_describes_itself_without_an_above_since():
+    """A stage that reaches the ramp's end without its lower bound above the threshold fires with
+    `above_since` None; its one line (logged by the trainer) must still be written."""
+    decision = Decision(
+        fired=True, next_batch=16, reason="ramp_end", estimate=5.0, stderr=2.0, threshold=8, above_since=None,
+        stage_samples=4096, consumed_samples=4096, lower_bound=1.0, confidence=2.0,
+    )  # fmt: skip
+    assert decision.describe().startswith("next batch 16: the ramp ends at 4,096 samples (")

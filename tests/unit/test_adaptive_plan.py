@@ -52,7 +52,7 @@ def test_before_any_decision_the_plan_is_the_open_stage_and_the_target():
 
 def test_the_accepted_sizes_are_those_some_node_count_splits():
     # micro 2 on 1-device nodes, at most the target's 2 nodes: every even size from the start to the target.
-    assert accepted_batch_sizes(load_config(DEMO), micro_batch_size=2) == [4, 6, 8, 10, 12, 14, 16]
+    assert accepted_batch_sizes(load_config(DEMO), micro_batch_size=2) == ([4, 6, 8, 10, 12, 14, 16], {})
 
 
 def test_decided_stages_keep_their_node_counts_as_later_ones_are_added():
@@ -115,17 +115,22 @@ def test_bad_adaptive_settings_are_one_line(tmp_path, capsys, adaptive, expected
     assert capsys.readouterr().err.splitlines()[0].startswith(f"batchpilot: error: {expected}")
 
 
-def test_the_adaptive_form_is_refused_under_the_xla_runtime(tmp_path, capsys):
+def test_the_adaptive_form_plans_under_the_xla_runtime(tmp_path, capsys):
+    """The XLA trainer runs the decision rule (train/loop.py), so TPU plans may be adaptive."""
     data = yaml.safe_load(DEMO.read_text())
     data["train"]["runtime"] = "xla"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
-    assert main(["plan", "--config", str(path)]) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        "batchpilot: error: batch.rampup: is adaptive, which is not implemented for runtime xla yet (the XLA "
-        "trainer does not run the decision rule) (fix: use a fixed ramp-up (rampup: [start, increment, "
-        "samples] or schedule) on TPUs)"
-    ]
+    assert main(["plan", "--config", str(path)]) == 0
+    assert "adaptive ramp-up: 0 stage(s) decided so far" in capsys.readouterr().out
+
+
+def test_a_doubling_warm_up_accepts_only_the_doubled_sizes():
+    data = yaml.safe_load(DEMO.read_text())
+    data["batch"]["global_batch_size"] = 24
+    data["batch"]["rampup"]["adaptive"]["doubling"] = True
+    accepted, _ = accepted_batch_sizes(parse_config(data), micro_batch_size=2)
+    assert accepted == [4, 8, 16, 24]
 
 
 def test_stage_decisions_round_trip():

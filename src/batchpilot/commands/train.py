@@ -6,12 +6,15 @@ Both take the run document (`plan.json` of `batchpilot plan --out`): it carries 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.rundoc import read_run_document
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -61,8 +64,9 @@ def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from batchpilot.config import resolved_runtime
-    from batchpilot.planner import adaptive_run, is_adaptive
+    from batchpilot.planner import accepted_batch_sizes, adaptive_run, is_adaptive
     from batchpilot.train.accelerators import require_planned_accelerator
+    from batchpilot.train.shape import model_shape
     from batchpilot.train.trainer import train
     from batchpilot.workflow import current_document
 
@@ -87,8 +91,21 @@ def run_train(args: argparse.Namespace) -> int:
                 "next stage's batch is decided when it ends)",
                 f"give one stage: {document.plan.stages[-1].index} is the last one decided so far",
             )
+        # Sizes whose stage would not fit the device (fsdp on fewer nodes) are never grown to.
+        shape = model_shape(factory=document.config.model.factory, args=document.config.model.args)
+        accepted, too_big = accepted_batch_sizes(
+            document.config,
+            micro_batch_size=document.plan.micro_batch_size,
+            memory=document.memory,
+            shape=shape,
+        )
+        for size, why in too_big.items():
+            logger.warning("adaptive ramp-up: batch %d is never decided: %s", size, why)
         adaptive = adaptive_run(
-            document.config, micro_batch_size=document.plan.micro_batch_size, decisions=document.decisions
+            document.config,
+            micro_batch_size=document.plan.micro_batch_size,
+            decisions=document.decisions,
+            accepted=accepted,
         )
     return train(
         config=document.config,

@@ -136,11 +136,14 @@ class Decision:
             return f"keep going: {self.measured()}, threshold {self.threshold}"
         # Decisions recorded before the rule had a lower bound (confidence None) fired on the estimate.
         evidence = "the estimate" if self.confidence is None else "the lower bound"
-        why = {
-            "noise_scale": f"{evidence} stayed >= {self.threshold} since sample {self.above_since:,}: "
-            f"{self.measured()}",
-            "ramp_end": f"the ramp ends at {self.consumed_samples:,} samples ({self.measured()})",
-        }.get(self.reason, self.reason)
+        if self.reason == "noise_scale" and self.above_since is not None:
+            why = (
+                f"{evidence} stayed >= {self.threshold} since sample {self.above_since:,}: {self.measured()}"
+            )
+        elif self.reason == "ramp_end":
+            why = f"the ramp ends at {self.consumed_samples:,} samples ({self.measured()})"
+        else:
+            why = self.reason
         return f"next batch {self.next_batch}: {why}; {self.stage_samples:,} samples in this stage"
 
 

@@ -24,10 +24,13 @@ from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
 from batchpilot.planning import LRSchedule, Plan, Stage
+from batchpilot.planning.adaptive import AdaptiveRun, NoisePoint, StageDecision, decide
+from batchpilot.planning.noise import noise_measurement, splits_step
 from batchpilot.train.checkpoint import Checkpointer
+from batchpilot.train.decisions import write_decisions
 from batchpilot.train.evaluate import ValidatorBase
 from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
-from batchpilot.train.noise import NoiseScaleEMA
+from batchpilot.train.noise import NoiseScaleEMA, noise_terms
 from batchpilot.train.steps import progress_line, stage_done_line, step_record
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,11 @@ class LoopBase:
     last_save_s: float = field(default_factory=time.monotonic)
     preempted_file: Path | None = None
     validator: ValidatorBase | None = None
+    adaptive: AdaptiveRun | None = None
+    trace: list[NoisePoint] = field(default_factory=list)
+    """An adaptive ramp-up's noise measurements so far (every step that measured one), in checkpoints."""
+    decided: StageDecision | None = None
+    """The decision that ended the open stage in this process, if it fired."""
 
     # -- what each runtime says about itself ------------------------------------------------------------
 
@@ -120,6 +128,26 @@ class LoopBase:
             )
         return micro, stage.global_batch_size // per_pass
 
+    @property
+    def noise_strategy(self) -> str:
+        """The layout name `planning.noise` decides by: the plan's parallelism (the XLA loop says xla)."""
+        return self.plan.parallelism
+
+    def splits_for_noise(self, micro: int, accumulation: int) -> bool:
+        """Whether this step runs its one micro-batch as two halves to measure the noise scale
+        (`planning.noise`: accumulation 1, every `train.measure_noise_every_steps` steps)."""
+        train = self.config.train
+        if not train.measure_noise_scale:
+            return False
+        measurement = noise_measurement(
+            strategy=self.noise_strategy,
+            world_size=self.world_size,
+            micro_batch_size=micro,
+            accumulation=accumulation,
+            split_every_steps=train.measure_noise_every_steps,
+        )
+        return splits_step(measurement, step=self.step + 1, split_every_steps=train.measure_noise_every_steps)
+
     def set_lr(self, stage: Stage) -> float:
         """The schedule's LR at this step, set on every parameter group."""
         lr = self.lr.at(consumed_samples=self.consumed, global_batch_size=stage.global_batch_size)
@@ -147,6 +175,76 @@ class LoopBase:
         ):
             return None
         return self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
+
+    def measure_noise(
+        self, stage: Stage, *, small_batch: int | None, small_sq_norm: float, big_sq_norm: float
+    ) -> float | None:
+        """The step's noise-scale terms into the running average (and an adaptive ramp-up's trace); returns
+        the smoothed noise scale, None when the step did not measure (`planning/noise.py`)."""
+        if small_batch is None or small_batch >= stage.global_batch_size:
+            return None
+        g2, s = noise_terms(
+            small_sq_norm=small_sq_norm,
+            big_sq_norm=big_sq_norm,
+            b_small=small_batch,
+            b_big=stage.global_batch_size,
+        )
+        if self.adaptive is not None:
+            self.trace.append(NoisePoint(consumed_samples=self.consumed, g2=g2, s=s))
+        return self.noise.add(g2=g2, s=s)
+
+    def adaptive_record(self, stage: Stage) -> dict[str, Any] | None:
+        """An adaptive ramp-up's entries of the step's metrics record: the rule's inputs and its outcome, so
+        that the decisions can be replayed from metrics.jsonl."""
+        if self.adaptive is None:
+            return None
+        last = self.trace[-1] if self.trace and self.trace[-1].consumed_samples == self.consumed else None
+        return {
+            "noise_g2": last.g2 if last else None,
+            "noise_s": last.s if last else None,
+            "adaptive_decision": self._adaptive_decision(stage),
+        }
+
+    def _adaptive_decision(self, stage: Stage) -> dict[str, Any] | None:
+        """The adaptive rule after this step, on the open stage only: when it fires, the decision goes to
+        `adaptive.json` (before the checkpoint that ends the stage: a replay from an earlier checkpoint
+        reaches the same decision at the same sample)."""
+        assert self.adaptive is not None
+        if stage.is_final or stage.index != self.adaptive.open_stage():
+            return None
+        decision = decide(
+            self.trace,
+            rule=self.adaptive.rule,
+            current=stage.global_batch_size,
+            stage_start=stage.start_sample,
+            accepted=self.adaptive.accepted,
+            last_ramp_stage=stage.index >= self.adaptive.max_stages - 2,
+        )
+        if not decision.fired:
+            return None
+        assert decision.next_batch is not None
+        self.decided = StageDecision(
+            stage=stage.index, end_sample=self.consumed, next_batch=decision.next_batch, decision=decision
+        )
+        if self.is_main:
+            write_decisions(self.config.train.checkpoint_uri, [*self.adaptive.decisions, self.decided])
+        return self.decided.to_dict()
+
+    def ended_by_decision(self, stage: Stage) -> bool:
+        """After a step: when the adaptive rule ended the open stage here, its checkpoint is committed and
+        this launch ends (the next stage is another launch, on its own node count)."""
+        if self.decided is None:
+            return False
+        self.save(wait=True)
+        self.log(f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
+        return True
+
+    def restore_trace(self, meta: dict[str, Any]) -> None:
+        """An adaptive ramp-up's trace from a checkpoint's meta.json."""
+        if self.adaptive is not None:
+            self.trace = [
+                NoisePoint(int(c), float(g2), float(s)) for c, g2, s in meta.get("adaptive_trace", [])
+            ]
 
     def save_for_time(self) -> None:
         self.save(
@@ -217,6 +315,11 @@ class LoopBase:
             "stage": self.plan.stage_at(self.consumed - 1).index,
             "data_order": data_order(self.config),
             "noise_scale_ema": self.noise.state_dict(),
+            **(
+                {"adaptive_trace": [[p.consumed_samples, p.g2, p.s] for p in self.trace]}
+                if self.adaptive is not None
+                else {}
+            ),
             **self.checkpoint_extra(),
         }
         started = time.perf_counter()

@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,15 +31,13 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import PREEMPTED_FILE
 from batchpilot.models.factory import build_model, compile_model, set_activation_checkpointing
 from batchpilot.planning import Plan, Stage
-from batchpilot.planning.adaptive import AdaptiveRun, NoisePoint, StageDecision, decide
+from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
-from batchpilot.train.decisions import write_decisions
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.loop import LoopBase, data_order, prepare_outputs, run_loop
-from batchpilot.train.noise import noise_terms
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
 from batchpilot.train.shape import model_shape
 from batchpilot.train.state import restore_training_state, training_state
@@ -192,11 +190,6 @@ class _Loop(LoopBase):
 
     ctx: DistContext
     parallel: Parallel
-    adaptive: AdaptiveRun | None = None
-    trace: list[NoisePoint] = field(default_factory=list)
-    """An adaptive ramp-up's noise measurements so far (every step that measured one), in checkpoints."""
-    decided: StageDecision | None = None
-    """The decision that ended the open stage in this process, if it fired."""
 
     @property
     def is_main(self) -> bool:
@@ -223,9 +216,7 @@ class _Loop(LoopBase):
             # The step's one host synchronisation also agrees on a SIGTERM on any rank and on rank 0's clock
             # saying a time checkpoint is due (every rank must enter the save's barrier together).
             stop, checkpoint_due = self._finish_step(stage, outcome, micro, accumulation, started, lr)
-            if self.decided is not None:  # the adaptive rule ended the stage here: the next is another launch
-                self.save(wait=True)
-                self.log(f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
+            if self.ended_by_decision(stage):
                 return 0
             self.checkpoint_after_step(stage)
             if stop and self.consumed < end:
@@ -246,6 +237,10 @@ class _Loop(LoopBase):
             micro_batch_size=micro,
             gradient_accumulation_steps=accumulation,
         )
+        if self.splits_for_noise(micro, accumulation):
+            # The same samples on this rank, as two passes of half the micro batch: the same gradient, and
+            # the first half's, over all ranks, is the noise scale's small batch (planning/noise.py).
+            batches = list(batches[0].chunk(2))
         outcome = accumulate_gradients(
             model=self.model,
             parallel=self.parallel,
@@ -329,25 +324,10 @@ class _Loop(LoopBase):
         self.consumed += stage.global_batch_size
         self.step += 1
         val_loss = self.validation_loss(stage, before=before, micro=micro)
-        noise_scale = None
-        if outcome.small_batch is not None and outcome.small_batch < stage.global_batch_size:
-            g2, s = noise_terms(
-                small_sq_norm=small_sq,
-                big_sq_norm=grad_norm**2,
-                b_small=outcome.small_batch,
-                b_big=stage.global_batch_size,
-            )
-            noise_scale = self.noise.add(g2=g2, s=s)
-            if self.adaptive is not None:
-                self.trace.append(NoisePoint(consumed_samples=self.consumed, g2=g2, s=s))
-        extra = None
-        if self.adaptive is not None:  # the rule's inputs and outcome, so that it can be replayed
-            last = self.trace[-1] if self.trace and self.trace[-1].consumed_samples == self.consumed else None
-            extra = {
-                "noise_g2": last.g2 if last else None,
-                "noise_s": last.s if last else None,
-                "adaptive_decision": self._adaptive_decision(stage),
-            }
+        noise_scale = self.measure_noise(
+            stage, small_batch=outcome.small_batch, small_sq_norm=small_sq, big_sq_norm=grad_norm**2
+        )
+        extra = self.adaptive_record(stage)
         self.record(
             stage, micro=micro, accumulation=accumulation, lr=lr, loss=loss, grad_norm=grad_norm,
             step_time_s=step_time_s, noise_scale=noise_scale, coherence=None if math.isnan(coherence) else coherence,
@@ -355,42 +335,12 @@ class _Loop(LoopBase):
         )  # fmt: skip
         return stop, checkpoint_due
 
-    def _adaptive_decision(self, stage: Stage) -> dict[str, Any] | None:
-        """The adaptive rule after this step, on the open stage only: when it fires, the decision goes to
-        `adaptive.json` (before the checkpoint that ends the stage: a replay from an earlier checkpoint
-        reaches the same decision at the same sample) and into this step's metrics record."""
-        assert self.adaptive is not None
-        if stage.is_final or stage.index != self.adaptive.open_stage():
-            return None
-        decision = decide(
-            self.trace,
-            rule=self.adaptive.rule,
-            current=stage.global_batch_size,
-            stage_start=stage.start_sample,
-            accepted=self.adaptive.accepted,
-            last_ramp_stage=stage.index >= self.adaptive.max_stages - 2,
-        )
-        if not decision.fired:
-            return None
-        assert decision.next_batch is not None
-        self.decided = StageDecision(
-            stage=stage.index, end_sample=self.consumed, next_batch=decision.next_batch, decision=decision
-        )
-        if self.ctx.is_main:
-            write_decisions(self.config.train.checkpoint_uri, [*self.adaptive.decisions, self.decided])
-        return self.decided.to_dict()
-
     def _audit(self, stage: Stage, micro: int) -> None:
         assert self.audit_dir is not None
         append_audit(
             self.audit_dir, stage, consumed=self.consumed, micro=micro, world_size=self.ctx.world_size,
             ranks=[self.ctx.rank],
         )  # fmt: skip
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        if self.adaptive is None:
-            return {}
-        return {"adaptive_trace": [[p.consumed_samples, p.g2, p.s] for p in self.trace]}
 
     def write_checkpoint(
         self, *, extra: dict[str, Any], side: dict[str, bytes] | None
@@ -427,7 +377,7 @@ def train(
             stage=stage,
             output_dir=output_dir,
             audit=audit,
-            adaptive=adaptive is not None,
+            adaptive=adaptive,
         )
     stages = list(plan.select(stage, allow_all=True))
     ctx = DistContext.from_env()
@@ -509,10 +459,8 @@ def train(
         preempted_file=output_dir / PREEMPTED_FILE,
         adaptive=adaptive,
     )
-    if adaptive is not None and checkpoint is not None:
-        loop.trace = [
-            NoisePoint(int(c), float(g2), float(s)) for c, g2, s in checkpoint.meta.get("adaptive_trace", [])
-        ]
+    if checkpoint is not None:
+        loop.restore_trace(checkpoint.meta)
     loop.saved_step = loop.step if checkpoint else -1
     loop.micro_override = read_micro_batch_overrides(checkpointer)
     if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:

@@ -40,6 +40,7 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import PREEMPTED_FILE
 from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planning import Plan, Stage
+from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.loop import LoopBase, prepare_outputs, run_loop
 from batchpilot.train.noise import NoiseScaleEMA
@@ -84,6 +85,8 @@ class PassResult:
     """One optimizer step's passes, as device tensors until the step ends (None: not measured)."""
 
     loss: torch.Tensor
+    small_batch: int = 0
+    """Samples of the small-batch gradient (the first pass over all devices)."""
     small_sq_norm: torch.Tensor | None = None
     coherence: torch.Tensor | None = None
 
@@ -116,6 +119,10 @@ class XlaLoop(LoopBase):
     def world_label(self) -> str:
         return f"{self.world_size} devices"
 
+    @property
+    def noise_strategy(self) -> str:
+        return XLA_RUNTIME
+
     def peak_memory_bytes(self) -> int:
         return peak_memory_bytes()
 
@@ -130,6 +137,8 @@ class XlaLoop(LoopBase):
             # As in the eager loop: the hosts agree once per step, at its end, on a SIGTERM on any host and on
             # host 0's clock saying a time checkpoint is due.
             stop, checkpoint_due = self._finish_step(stage, result, micro, accumulation, started, lr)
+            if self.ended_by_decision(stage):
+                return 0
             self.checkpoint_after_step(stage)
             if stop and self.consumed < end:
                 return self.preempted()
@@ -148,9 +157,22 @@ class XlaLoop(LoopBase):
             micro_batch_size=local_rows,
             gradient_accumulation_steps=accumulation,
         )
+        if self.splits_for_noise(micro, accumulation):
+            # Each device's rows as two halves (device d keeps its samples): two passes of micro / 2 rows per
+            # device, the same gradient; the first half over all devices is the noise scale's small batch.
+            (rows,) = batches
+            per_device = rows.reshape(self.host.num_local_devices, micro, -1)
+            half = micro // 2
+            batches = [
+                per_device[:, :half].reshape(-1, rows.shape[-1]),
+                per_device[:, half:].reshape(-1, rows.shape[-1]),
+            ]
+            accumulation, pass_rows = 2, half
+        else:
+            pass_rows = micro
         measure = accumulation > 1
         total: torch.Tensor | None = None
-        result = PassResult(loss=torch.zeros(()))
+        result = PassResult(loss=torch.zeros(()), small_batch=pass_rows * self.world_size)
         first: list[torch.Tensor] | None = None
         for index, rows in enumerate(batches):
             batch = send_rows(rows, self.layout)
@@ -200,16 +222,17 @@ class XlaLoop(LoopBase):
         assert loss is not None and norm is not None
         noise_scale = None
         if small_sq is not None:
-            noise_scale = self.noise.update(
-                small_sq_norm=small_sq,
-                big_sq_norm=norm**2,
-                b_small=micro * self.world_size,
-                b_big=stage.global_batch_size,
+            noise_scale = self.measure_noise(
+                stage, small_batch=result.small_batch, small_sq_norm=small_sq, big_sq_norm=norm**2
             )
         self.record(
             stage, micro=micro, accumulation=accumulation, lr=lr, loss=loss, grad_norm=norm,
             step_time_s=step_time_s, noise_scale=noise_scale, coherence=coherence, val_loss=val_loss,
-            extra={"runtime": XLA_RUNTIME, "xla_compiles": self._new_compiles(met)},
+            extra={
+                "runtime": XLA_RUNTIME,
+                "xla_compiles": self._new_compiles(met),
+                **(self.adaptive_record(stage) or {}),
+            },
         )  # fmt: skip
         return stop, checkpoint_due
 
@@ -276,14 +299,8 @@ def _build_model(config: Config, layout: Layout, *, vocab_size: int) -> tuple[nn
     return model, sharded
 
 
-def _refuse(config: Config, *, adaptive: bool) -> None:
+def _refuse(config: Config) -> None:
     refuse_unsupported(config)
-    if adaptive:
-        raise BatchpilotError(
-            "batch.rampup",
-            "an adaptive ramp-up is not implemented for runtime xla",
-            "give the ramp-up's stages",
-        )
     if os.environ.get(INJECT_OOM_ENV):
         raise BatchpilotError(
             INJECT_OOM_ENV, "halving the micro batch after out of memory is not implemented for runtime xla"
@@ -335,14 +352,20 @@ def _restore(
 
 
 def train_xla(
-    *, config: Config, plan: Plan, stage: str, output_dir: Path, audit: bool = False, adaptive: bool = False
+    *,
+    config: Config,
+    plan: Plan,
+    stage: str,
+    output_dir: Path,
+    audit: bool = False,
+    adaptive: AdaptiveRun | None = None,
 ) -> int:
     """Trains the selected stage(s) of `plan` on this host's XLA devices (one process per host).
 
     Args:
-        adaptive: the ramp-up is adaptive (stages decided while training), which runtime xla refuses.
+        adaptive: an adaptive ramp-up's rule and decisions so far: the open stage ends where it fires.
     """
-    _refuse(config, adaptive=adaptive)
+    _refuse(config)
     stages = list(plan.select(stage, allow_all=True))
     host = start_runtime()
     check_device_count(stages=stages, stage=stage, host=host, devices_per_node=plan.devices_per_node)
@@ -397,8 +420,11 @@ def train_xla(
         peak_flops=device_peak(config, torch.device("xla"), bf16=bf16),
         micro_override=read_micro_batch_overrides(checkpointer),
         preempted_file=output_dir / PREEMPTED_FILE,
+        adaptive=adaptive,
         **restored,
     )
+    if checkpoint is not None:
+        loop.restore_trace(checkpoint.meta)
     loop.log(
         f"training {', '.join(s.name for s in stages)} on {host.num_devices} XLA device(s) of "
         f"{host.num_hosts} host(s) (runtime xla, SPMD; {_describe(layout, num_sharded)}) from sample {consumed:,}"
