@@ -270,19 +270,21 @@ def _decisions_section(document: RunDocument) -> str:
         decision = taken.decision
         estimate = "" if decision.estimate is None else f"{decision.estimate:,.1f}"
         stderr = "" if decision.stderr is None else f"{decision.stderr:,.1f}"
+        lower = "" if decision.lower_bound is None else f"{decision.lower_bound:,.1f}"
+        k = "" if decision.confidence is None else f"{decision.confidence:g}"
         rows.append(
             f"<tr><td>stage-{taken.stage}</td><td>{taken.end_sample:,}</td><td>{decision.stage_samples:,}</td>"
-            f"<td>{estimate}</td><td>{stderr}</td><td>{decision.threshold or ''}</td>"
+            f"<td>{estimate}</td><td>{stderr}</td><td>{lower}</td><td>{k}</td><td>{decision.threshold or ''}</td>"
             f"<td>{html.escape(decision.reason)}</td><td>{taken.next_batch}</td></tr>"
         )
     return (
-        "<h2>Adaptive ramp-up decisions</h2><p>Each stage ended when the smoothed gradient noise scale (the "
-        "critical batch estimate) stayed at or above the next batch size the node schedule accepts for the "
+        "<h2>Adaptive ramp-up decisions</h2><p>Each stage ended when the lower bound of the smoothed gradient "
+        "noise scale (the critical batch estimate less k jackknife standard errors, times "
+        "<code>adaptive.scale</code>) stayed at or above the next batch size the node schedule accepts for the "
         "configured patience (reason noise_scale), or at the ramp's end (ramp_end).</p>"
         "<table border='1' cellpadding='4'><tr><th>stage</th><th>ended at sample</th><th>samples in stage</th>"
-        "<th>estimate</th><th>+- (jackknife)</th><th>threshold</th><th>reason</th><th>next batch</th></tr>"
-        + "".join(rows)
-        + "</table>"
+        "<th>estimate</th><th>+- (jackknife)</th><th>lower bound</th><th>k</th><th>threshold</th><th>reason</th>"
+        "<th>next batch</th></tr>" + "".join(rows) + "</table>"
     )
 
 
