@@ -140,7 +140,7 @@ def at_multiples(curve: list[tuple[int, float]]) -> dict[int, float]:
     return {samples: loss for samples, loss in points.items() if samples > 0}
 
 
-def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
+def plot(results: dict[str, list[dict[str, Any]]], path: Path, *, model: str) -> None:
     """Validation loss against samples, mean over seeds with the min-max band, one line per arm."""
     import matplotlib
 
@@ -159,7 +159,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
         axes.fill_between(xs, [min(points[x]) for x in xs], [max(points[x]) for x in xs], alpha=0.2)
     axes.set_xlabel("samples trained (x 128 tokens)")
     axes.set_ylabel("validation loss (256 samples)")
-    axes.set_title("Ramp-up arms on the demo model, mean over seeds (band: min-max)")
+    axes.set_title(f"Ramp-up arms on {model}, mean over seeds (band: min-max)")
     axes.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
@@ -201,6 +201,13 @@ def report(results: dict[str, list[dict[str, Any]]], *, overhead: float | None, 
     )
 
 
+def base_name(path: str) -> str:
+    """The model the arms train, for the plot's title: the base config's name and model shape."""
+    config = yaml.safe_load(Path(path).read_text())
+    args = config["model"]["args"]
+    return f"{config['name']} ({args['n_layer']} x {args['n_embd']})"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -222,7 +229,7 @@ def main(argv: list[str]) -> int:
     if args.from_summary:
         results = json.loads(Path(args.from_summary).read_text())
         report(results, overhead=None, seeds=len(results["start"]))
-        plot(results, Path(args.plot))
+        plot(results, Path(args.plot), model=base_name(args.base))
         return 0
     if "start" not in args.arms:
         raise SystemExit("--arms: the start arm is the reference (its final validation loss); keep it")
@@ -245,7 +252,7 @@ def main(argv: list[str]) -> int:
         for name in args.arms:
             results[name].append(summary(raw[name][seed], reference_loss=reference, overhead_s=overhead))
     report(results, overhead=overhead, seeds=len(args.seeds))
-    plot(results, Path(args.plot))
+    plot(results, Path(args.plot), model=base_name(args.base))
     (folder / "summary.json").write_text(json.dumps(results, indent=1))
     print(f"plot: {args.plot}; runs and summary.json in {folder}")
     return 0
