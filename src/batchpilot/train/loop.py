@@ -155,6 +155,19 @@ class LoopBase:
             group["lr"] = lr
         return lr
 
+    def after_step(self, stage: Stage, *, stop: bool, checkpoint_due: bool) -> int | None:
+        """What follows a step, given the agreed (SIGTERM on any process, time checkpoint due): the adaptive
+        decision that ends the launch, the checkpoint policy, the preemption stop; the exit code when this
+        launch ends here, else None."""
+        if self.ended_by_decision(stage):
+            return 0
+        self.checkpoint_after_step(stage)
+        if stop and self.consumed < self.stages[-1].end_sample:
+            return self.preempted()
+        if checkpoint_due:
+            self.save_for_time()
+        return None
+
     def checkpoint_after_step(self, stage: Stage) -> None:
         """The checkpoint policy after a step: at the stage's end (then its summary), or every
         `train.checkpoint_every_steps`."""

@@ -216,13 +216,9 @@ class _Loop(LoopBase):
             # The step's one host synchronisation also agrees on a SIGTERM on any rank and on rank 0's clock
             # saying a time checkpoint is due (every rank must enter the save's barrier together).
             stop, checkpoint_due = self._finish_step(stage, outcome, micro, accumulation, started, lr)
-            if self.ended_by_decision(stage):
-                return 0
-            self.checkpoint_after_step(stage)
-            if stop and self.consumed < end:
-                return self.preempted()
-            if checkpoint_due:
-                self.save_for_time()
+            code = self.after_step(stage, stop=stop, checkpoint_due=checkpoint_due)
+            if code is not None:
+                return code
         self.wait_for_checkpoint()  # the last stage's checkpoint is committed before the process exits
         return 0
 

@@ -137,13 +137,9 @@ class XlaLoop(LoopBase):
             # As in the eager loop: the hosts agree once per step, at its end, on a SIGTERM on any host and on
             # host 0's clock saying a time checkpoint is due.
             stop, checkpoint_due = self._finish_step(stage, result, micro, accumulation, started, lr)
-            if self.ended_by_decision(stage):
-                return 0
-            self.checkpoint_after_step(stage)
-            if stop and self.consumed < end:
-                return self.preempted()
-            if checkpoint_due:
-                self.save_for_time()
+            code = self.after_step(stage, stop=stop, checkpoint_due=checkpoint_due)
+            if code is not None:
+                return code
         return 0
 
     def _passes(self, stage: Stage, micro: int, accumulation: int) -> PassResult:
