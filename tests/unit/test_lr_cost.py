@@ -1,10 +1,8 @@
 """Learning rate driven by samples, scaled per stage; cost estimate per stage."""
 
-import math
-
 import pytest
 
-from batchpilot.planning import LRSchedule, estimate_cost, megatron_rampup, plan_stages
+from batchpilot.planning import LRSchedule, estimate_cost, explicit_schedule, plan_stages
 
 
 def schedule(**overrides):
@@ -54,23 +52,29 @@ def test_lr_factor_does_not_depend_on_the_batch_size():
 
 
 def test_cost_estimate_against_a_pool_held_at_max_nodes():
+    """16 (1 node) -> 32 (2 nodes) -> 64 (2 nodes) on nodes of 2 devices at micro batch 8, 2 samples/s per
+    device: the stages train 320, 640 and 1088 samples on 2, 4 and 4 devices, i.e. 80, 80 and 136 s on 1, 2
+    and 2 nodes (80, 160 and 272 node-seconds); a pool held at 2 nodes pays 2 x 296 = 592 node-seconds."""
     plan = plan_stages(
-        schedule=megatron_rampup(start=256, increment=256, ramp_samples=10_000_000, target=2048),
-        total_samples=20_000_000,
-        micro_batch_size=4,
-        devices_per_node=8,
-        max_nodes=16,
+        schedule=explicit_schedule("0:16 320:32 960:64", target=64, seq_len=32),
+        total_samples=2048,
+        micro_batch_size=8,
+        devices_per_node=2,
+        max_nodes=2,
         min_nodes=1,
         lr_schedule=schedule(),
     )
+    assert [(s.global_batch_size, s.num_nodes, s.num_samples) for s in plan.stages] == [
+        (16, 1, 320),
+        (32, 2, 640),
+        (64, 2, 1088),
+    ]
     cost = estimate_cost(plan, samples_per_s_per_device=2.0)
-    first = plan.stages[0]
-    assert cost.stages[0].duration_s == pytest.approx(first.num_samples / (2.0 * 64))
-    assert cost.stages[0].node_hours == pytest.approx(cost.stages[0].duration_s / 3600 * 8)
-    assert cost.duration_s == pytest.approx(sum(s.num_samples / (2.0 * s.world_size) for s in plan.stages))
-    static = sum(s.num_samples / (2.0 * s.world_size) / 3600 * 16 for s in plan.stages)
-    assert cost.static_pool_node_hours == pytest.approx(static)
-    assert 0 < cost.saving_ratio < 1
-    assert math.isclose(cost.node_hours, (1 - cost.saving_ratio) * static)
+    assert [s.duration_s for s in cost.stages] == pytest.approx([80.0, 80.0, 136.0])
+    assert [s.node_hours for s in cost.stages] == pytest.approx([80 / 3600, 160 / 3600, 272 / 3600])
+    assert cost.duration_s == pytest.approx(296.0)
+    assert cost.node_hours == pytest.approx(512 / 3600)
+    assert cost.static_pool_node_hours == pytest.approx(592 / 3600)
+    assert cost.saving_ratio == pytest.approx(80 / 592)
     with pytest.raises(ValueError):
         estimate_cost(plan, samples_per_s_per_device=0)
