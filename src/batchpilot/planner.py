@@ -1,38 +1,28 @@
-"""Config (+ exploration) -> plan: reads the config tree and calls the pure planning functions with narrow
-arguments. `make_run_document` is the one place where the plan's micro batch is decided."""
+"""Checked config (+ exploration) -> plan, read top to bottom: `make_run_document` is the flow, and the one
+place where the plan's micro batch is decided; the functions below it follow in the order it calls them.
+
+The config is checked first (`batchpilot.checks`: every problem that no micro batch can fix, one line
+each); what follows assembles the plan from narrow arguments (`batchpilot.schedule` reads the ramp-up and
+the node placement) and trusts a checked config. Other entry points (the stage count of a compiled
+pipeline, explore's probe strategy, a launch on fewer nodes, the adaptive ramp-up's run-time rule) follow.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup, resolved_runtime
+from batchpilot.checks import SHOWN_STAGES, check_plan_config, plan_problems
+from batchpilot.config import AdaptiveRampup, Config, MegatronRampup, resolved_runtime
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning import (
-    MAX_STAGES,
-    BatchSchedule,
-    LRSchedule,
-    Plan,
-    constant_schedule,
-    estimate_cost,
-    explicit_schedule,
-    maxtext_rampup,
-    megatron_rampup,
-    nearest_ramp,
-    node_counts,
-    plan_stages,
-    unschedulable_stages,
-)
-from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision, adaptive_schedule
-from batchpilot.planning.batch import raise_problems, split_problems
-from batchpilot.planning.capacity import capacity_problems
+from batchpilot.planning import LRSchedule, Plan, estimate_cost, plan_stages
+from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision
 from batchpilot.planning.devices import device_memory_bytes
-from batchpilot.planning.gpudirect import gpudirect_problems
 from batchpilot.planning.memory import (
     RESERVE_FIXED_BYTES,
+    MemoryEstimate,
     MemoryPlan,
     ModelShape,
     StageMemory,
@@ -40,640 +30,95 @@ from batchpilot.planning.memory import (
     estimate_memory,
     plan_memory,
 )
-from batchpilot.planning.names import cluster_problems
-from batchpilot.planning.nodes import (
-    check_loading_factor,
-    data_parallel_size,
-    nearest_valid_batch_sizes,
-    walk_nodes,
-)
+from batchpilot.planning.nodes import walk_nodes
 from batchpilot.planning.noise import NoiseMeasurement, noise_measurement, why_unmeasured
-from batchpilot.planning.provisioning import provisioning_problems
-from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import Stage, sample_ranges
-from batchpilot.planning.tpu import TpuSlices, check_host_range, is_tpu, is_zone, tpu_slices
-from batchpilot.planning.units import format_count
 from batchpilot.rundoc import MicroBatchSource, RunDocument
+from batchpilot.schedule import batch_schedule, placement, tpu_plan_slices
 
 
-def batch_schedule(config: Config, decisions: Sequence[StageDecision] = ()) -> BatchSchedule:
-    """The global batch size as a function of consumed samples, from whichever ramp-up form is set; for the
-    adaptive form, as far as the run's `decisions` so far fix it (the open stage runs to the ramp's end)."""
-    batch = config.batch
-    target = batch.target_bound  # an `auto` target is resolved (make_run_document) before stages run
-    if isinstance(batch.rampup, AdaptiveRampup):
-        settings = batch.rampup.adaptive
-        if settings.start >= target:
-            raise BatchpilotError(
-                "batch.rampup.adaptive.start",
-                f"({settings.start}) must be smaller than the target global batch size ({target})",
-                "lower the start or remove the ramp-up",
-            )
-        return adaptive_schedule(
-            start=settings.start, target=target, ramp_samples=settings.samples, decisions=decisions
-        )
-    if isinstance(batch.rampup, MegatronRampup):
-        return megatron_rampup(
-            start=batch.rampup.start,
-            increment=batch.rampup.increment,
-            ramp_samples=batch.rampup.samples,
-            target=target,
-        )
-    if isinstance(batch.rampup, MaxTextRampup):
-        return maxtext_rampup(
-            per_device_start=Fraction(str(batch.rampup.per_device_start)),
-            per_device_increment=Fraction(str(batch.rampup.per_device_increment)),
-            ramp_samples=batch.rampup.samples,
-            target=target,
-            num_devices=config.cluster.max_nodes * config.cluster.devices_per_node,
-        )
-    if batch.schedule is not None:
-        return explicit_schedule(batch.schedule, target=target, seq_len=config.data.seq_len)
-    return constant_schedule(target)
-
-
-def lr_schedule(config: Config) -> LRSchedule:
-    train = config.train
-    total = config.total_samples
-    return LRSchedule(
-        lr=train.lr,
-        scaling=train.lr_scaling,
-        reference_batch=train.lr_reference_batch or config.batch.target_bound,
-        warmup_samples=train.warmup_samples,
-        decay=train.lr_decay,
-        decay_end_samples=train.lr_decay_samples or total,
-        min_lr_ratio=train.min_lr_ratio,
-    )
-
-
-def check_parallelism(config: Config) -> None:
-    """Refuses model parallelism the trainer does not implement (it would be planned, then ignored)."""
-    for key in ("pipeline_parallel_size", "tensor_parallel_size"):
-        value = getattr(config.batch, key)
-        if value > 1:
-            raise BatchpilotError(
-                f"batch.{key}",
-                f"is {value}, but the trainer implements data parallelism only (ddp, fsdp, hsdp: "
-                "train.parallelism), not pipeline or tensor parallelism",
-                f"set batch.{key}: 1 and shard the model with train.parallelism: fsdp or hsdp",
-            )
-
-
-def tpu_plan_slices(config: Config) -> TpuSlices | None:
-    """The slices the config's TPU type can form (None: not a TPU pool).
-
-    Raises:
-        BatchpilotError: an unknown TPU type or machine type, or devices_per_node that is not its chips
-            per host.
-    """
-    cluster = config.cluster
-    if not is_tpu(cluster.accelerator_type):
-        return None
-    assert cluster.accelerator_type is not None
-    return tpu_slices(
-        accelerator_type=cluster.accelerator_type,
-        machine_type=cluster.machine_type,
-        devices_per_node=cluster.devices_per_node,
-    )
-
-
-def check_tpu(config: Config) -> list[BatchpilotError]:
-    """The TPU rules, one error each: a known type and machine type, devices_per_node = its chips per host,
-    max_nodes a whole slice, runtime xla on a TPU pool, and what the xla runtime does not implement."""
-    problems: list[BatchpilotError] = []
-    cluster, train = config.cluster, config.train
-    try:
-        slices = tpu_plan_slices(config)
-    except BatchpilotError as error:
-        return [error]
-    if slices is not None:
-        try:
-            check_host_range(slices, min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes)
-        except BatchpilotError as error:
-            problems.append(error)
-        zoned = cluster.tpu_zone or is_zone(cluster.location)
-        if cluster.backend == "gke" and cluster.pool_mode == "resize" and cluster.location and not zoned:
-            problems.append(
-                BatchpilotError(
-                    "cluster.tpu_zone",
-                    f"is not set and cluster.location {cluster.location!r} is a region, but batchpilot creates "
-                    "each stage's slice node pool in one zone",
-                    f"set cluster.tpu_zone to a zone of {cluster.location} that offers {cluster.accelerator_type}",
-                )
-            )
-        if train.runtime == "eager":
-            problems.append(
-                BatchpilotError(
-                    "train.runtime",
-                    f"is eager, but {cluster.accelerator_type} nodes have TPUs, which PyTorch reaches only "
-                    "through torch_xla",
-                    "set train.runtime: xla (or auto)",
-                )
-            )
-    if resolved_runtime(config) == "xla":
-        if train.parallelism in ("ddp", "hsdp"):
-            problems.append(
-                BatchpilotError(
-                    "train.parallelism",
-                    f"{train.parallelism} is not implemented for runtime xla, which shards parameters, "
-                    "gradients and optimizer state over every device of the slice (SPMD)",
-                    "set train.parallelism: fsdp (or auto)",
-                )
-            )
-        problems += _explore_on_xla(config)
-        if loading_factor(config) > 1 or config.data.expansion_factor_real_data != 1:
-            problems.append(
-                BatchpilotError(
-                    "data.expansion_factor_real_data",
-                    f"is {config.data.expansion_factor_real_data}, but loading hosts are not implemented "
-                    "for runtime xla (every host reads its own samples)",
-                    "set data.expansion_factor_real_data: 1",
-                )
-            )
-    return problems
-
-
-def _explore_on_xla(config: Config) -> list[BatchpilotError]:
-    """Explore's probes and study run eager PyTorch: under runtime xla they would measure another device
-    than the trainers', so what needs them is refused (docs/cluster.md, TPU)."""
-    why = "explore's probes and noise-scale study do not run on XLA (TPU) yet"
-    problems = []
-    if config.batch.micro_batch_size == "explore":
-        problems.append(
-            BatchpilotError(
-                "batch.micro_batch_size", f"is 'explore', but {why}", "set an integer micro batch"
-            )
-        )
-    if config.batch.global_batch_size == "auto":
-        problems.append(
-            BatchpilotError("batch.global_batch_size", f"is 'auto', but {why}", "set an integer target batch")
-        )
-    if config.explore.study:
-        problems.append(
-            BatchpilotError(
-                "explore.study",
-                f"is true, but {why}",
-                "set explore.study: false (the trainers still measure the noise scale every step)",
-            )
-        )
-    return problems
-
-
-def is_adaptive(config: Config) -> bool:
-    """Whether the ramp-up's stages are decided at run time (`rampup: {adaptive: ...}`)."""
-    return isinstance(config.batch.rampup, AdaptiveRampup)
-
-
-def adaptive_rule(config: Config) -> AdaptiveRule:
-    """The adaptive ramp-up's rule with the target resolved."""
-    assert isinstance(config.batch.rampup, AdaptiveRampup)
-    settings = config.batch.rampup.adaptive
-    return AdaptiveRule(
-        start=settings.start,
-        target=config.batch.target_bound,
-        smoothing=settings.smoothing,
-        patience_samples=settings.patience_samples,
-        max_growth=settings.max_growth,
-        min_stage_samples=settings.min_stage_samples,
-        ramp_samples=settings.samples,
-        confidence=settings.confidence,
-        scale=settings.scale,
-    )
-
-
-def accepted_batch_sizes(
+def make_run_document(
     config: Config,
     *,
-    micro_batch_size: int,
-    memory: MemoryPlan | None = None,
+    micro_batch_size: int | None = None,
+    explore: dict[str, Any] | None = None,
+    samples_per_s_per_device: float | None = None,
     shape: ModelShape | None = None,
-) -> tuple[list[int], dict[int, str]]:
-    """The global batch sizes from the adaptive start to the target that the node schedule can place at
-    `micro_batch_size` (on some allowed node count up to the target's), ascending; and, given the plan's
-    `memory` and the model's `shape`, the placeable sizes left out because their stage would not fit the
-    device (fsdp's share of the model grows on fewer nodes), each with the reason in one line."""
-    rule = adaptive_rule(config)
-    target_nodes = build_plan(config, micro_batch_size=micro_batch_size).stages[-1].num_nodes
-    placement = _placement(config) | {"max_nodes": target_nodes}
-    accepted: list[int] = []
-    too_big: dict[int, str] = {}
-    doubling = config.batch.rampup.adaptive.doubling  # type: ignore[union-attr]
-    for size in range(rule.start, rule.target + 1):
-        if size % micro_batch_size:
-            continue
-        if doubling and size != rule.target and not _is_doubling(size, rule.start):
-            continue
-        nodes = walk_nodes(batch_sizes=[size], micro_batch_size=micro_batch_size, **placement)[0]
-        if nodes is None:
-            continue
-        why = _does_not_fit(config, memory, shape, num_nodes=nodes, micro_batch_size=micro_batch_size)
-        if why is None or size == rule.target:  # the target's stage was checked with the plan
-            accepted.append(size)
-        else:
-            too_big[size] = why
-    return accepted, too_big
+) -> RunDocument:
+    """Config (+ explore.json, + an override) -> the validated run document with every stage.
 
-
-def _is_doubling(size: int, start: int) -> bool:
-    """Whether `size` is start x 2^k."""
-    ratio, remainder = divmod(size, start)
-    return remainder == 0 and ratio & (ratio - 1) == 0
-
-
-def _does_not_fit(
-    config: Config,
-    memory: MemoryPlan | None,
-    shape: ModelShape | None,
-    *,
-    num_nodes: int,
-    micro_batch_size: int,
-) -> str | None:
-    """Why a stage on `num_nodes` would not fit the device under the plan's strategy (None: it fits, or
-    memory is unknown), with the activations the plan estimated for its first stage."""
-    if memory is None or shape is None or memory.device_memory_bytes is None or not memory.stages:
-        return None
-    cluster = config.cluster
-    first = memory.stages[0].estimate
-    measured = first.activations_source == "explore"
-    world = num_nodes * cluster.devices_per_node
-    estimate = estimate_memory(
-        shape=shape, strategy=memory.strategy, world_size=world, devices_per_node=cluster.devices_per_node,
-        micro_batch_size=micro_batch_size, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
-        activation_checkpointing=config.train.activation_checkpointing,
-        activation_bytes_per_sample=first.activations / micro_batch_size if measured else None,
-        reserve_fixed_bytes=0 if cluster.backend == "local" or cluster.accelerator_type is None
-        else RESERVE_FIXED_BYTES,
-    )  # fmt: skip
-    if estimate.total <= memory.device_memory_bytes:
-        return None
-    return (
-        f"on {num_nodes} node(s) it needs {estimate.describe()} per device under {memory.strategy} (shard "
-        f"degree {estimate.shard_degree}), more than the device's {memory.device_memory_bytes / 2**30:.1f} GiB"
-    )
-
-
-def adaptive_run(
-    config: Config,
-    *,
-    micro_batch_size: int,
-    decisions: Sequence[StageDecision],
-    accepted: Sequence[int] | None = None,
-) -> AdaptiveRun:
-    """The adaptive ramp-up's rule, the accepted sizes (`accepted_batch_sizes` at `micro_batch_size`
-    unless given: the trainer passes them without the sizes that would not fit), stage limit and
-    `decisions`."""
-    assert isinstance(config.batch.rampup, AdaptiveRampup)
-    if accepted is None:
-        accepted, _ = accepted_batch_sizes(config, micro_batch_size=micro_batch_size)
-    return AdaptiveRun(
-        rule=adaptive_rule(config),
-        accepted=tuple(accepted),
-        max_stages=config.batch.rampup.adaptive.max_stages,
-        decisions=tuple(decisions),
-    )
-
-
-def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision] = ()) -> Plan:
-    """Validates every stage of the config's ramp-up and schedules its nodes (an adaptive ramp-up: the
-    stages its `decisions` fix, the open stage and the final one).
-
-    Raises:
-        BatchpilotError: every micro-batch-independent problem (`check_plan_config`), one line each; else
-            the stages this micro batch cannot place.
+    Args:
+        config: the resolved config.
+        micro_batch_size: an explicit override of the micro batch (None: the config's, else explore's).
+        explore: the parsed explore.json, when an exploration ran.
+        samples_per_s_per_device: throughput for the cost estimate (default: explore's measurement).
+        shape: the model's shape (a meta-device build, `train.shape`): gives the per-device memory of every
+            stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
     """
-    check_plan_config(config)
-    plan = plan_stages(
-        schedule=batch_schedule(config, decisions),
-        total_samples=config.total_samples,
-        micro_batch_size=micro_batch_size,
-        devices_per_node=config.cluster.devices_per_node,
-        max_nodes=config.cluster.max_nodes,
-        min_nodes=config.cluster.min_nodes,
-        lr_schedule=lr_schedule(config),
-        expansion_factor=Fraction(str(config.data.expansion_factor_real_data)),
-        pipeline_parallel_size=config.batch.pipeline_parallel_size,
-        tensor_parallel_size=config.batch.tensor_parallel_size,
-        num_pipeline_microbatches=config.batch.num_pipeline_microbatches,
-        tpu=tpu_plan_slices(config),
-        each_stage_alone=isinstance(config.batch.rampup, AdaptiveRampup),
-    )
-    unmeasured = noise_note(config, plan)
-    if unmeasured is not None:
-        plan = replace(plan, notes=(*plan.notes, unmeasured))
-    if not isinstance(config.batch.rampup, AdaptiveRampup):
-        return plan
-    settings = config.batch.rampup.adaptive
-    open_stage = plan.stages[len(decisions)] if len(decisions) < len(plan.stages) - 1 else None
-    note = (
-        f"adaptive ramp-up: {len(decisions)} stage(s) decided so far; "
-        + (
-            f"{open_stage.name} (batch {open_stage.global_batch_size}) ends when the smoothed noise scale stays "
-            f"at or above the next accepted batch for {settings.patience_samples:,} samples, at sample "
-            f"{open_stage.end_sample:,} at the latest; "
-            if open_stage
-            else "the target is reached; "
+    check_plan_config(config)  # what no micro batch can fix is reported before asking for one
+    micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
+    auto = config.batch.global_batch_size == "auto"
+    if auto:
+        config, auto_notes = resolve_auto_target(config, explore, micro_batch_size=micro)
+        notes += auto_notes
+    if source == "explore":
+        assert explore is not None
+        config, setting_notes = with_explored_setting(config, explored_setting(explore))
+        notes += setting_notes
+    notes += [] if auto else study_advice(config, explore)  # taken with auto, else shown beside
+    if samples_per_s_per_device is not None and samples_per_s_per_device <= 0:
+        raise BatchpilotError(
+            "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"
         )
-        + f"at most {settings.max_stages} stages in all"
+    plan = build_plan(config, micro_batch_size=micro)
+    memory = memory_plan(config, plan, shape=shape, explore=explore) if shape is not None else None
+    requested = config.train.parallelism
+    plan = replace(
+        plan, parallelism=memory.strategy if memory else "ddp" if requested == "auto" else requested
     )
-    return replace(plan, notes=(note, *plan.notes), stage_per_launch=True)
-
-
-def noise_note(config: Config, plan: Plan) -> str | None:
-    """One line naming the stages whose steps cannot measure the noise scale (planning/noise.py), and why;
-    under an adaptive ramp-up such a stage cannot end on the rule. None when every stage measures."""
-    if not config.train.measure_noise_scale:
-        return None
-    every = config.train.measure_noise_every_steps
-    strategy = "xla" if resolved_runtime(config) == "xla" else plan.parallelism
-    blind = [
-        stage
-        for stage in plan.stages
-        if noise_measurement(
-            strategy=strategy, world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
-            accumulation=stage.gradient_accumulation_steps, split_every_steps=every,
-        )
-        is NoiseMeasurement.NONE
-    ]  # fmt: skip
-    if not blind:
-        return None
-    names = ", ".join(stage.name for stage in blind[:SHOWN_STAGES])
-    more = f" and {len(blind) - SHOWN_STAGES} more" if len(blind) > SHOWN_STAGES else ""
-    why = why_unmeasured(micro_batch_size=blind[0].micro_batch_size, split_every_steps=every)
-    adaptive = (
-        "; the adaptive rule cannot end such a stage (it trains to its last sample)"
-        if isinstance(config.batch.rampup, AdaptiveRampup)
-        else ""
-    )
-    fix = "an even micro batch >= 2" if every else "train.measure_noise_every_steps >= 1"
-    return (
-        f"noise scale not measured in {names}{more}: accumulation 1 under {strategy} and {why}{adaptive} "
-        f"(fix: {fix})"
+    throughput = samples_per_s_per_device
+    if throughput is None and explore is not None:
+        throughput = explored_throughput(explore, micro_batch_size=micro)
+    return RunDocument(
+        config=config,
+        plan=plan,
+        micro_batch_source=source,
+        explore=explore_summary(explore) if explore is not None else None,
+        cost=estimate_cost(plan, samples_per_s_per_device=throughput) if throughput else None,
+        notes=tuple(notes),
+        memory=memory,
     )
 
 
-def num_stages(config: Config) -> int:
-    """How many stages the config's ramp-up has (it does not depend on the micro batch); refuses a config
-    that `check_plan_config` refuses."""
-    check_plan_config(config)
-    if isinstance(config.batch.rampup, AdaptiveRampup):
-        return config.batch.rampup.adaptive.max_stages  # decided at run time: at most this many
-    return len(sample_ranges(batch_schedule(config), total_samples=config.total_samples))
+def choose_micro_batch(
+    config: Config, *, override: int | None, explore: dict[str, Any] | None
+) -> tuple[int, MicroBatchSource, list[str]]:
+    """The plan's micro batch, where it came from, and notes: the one rule the CLI and the pipeline share.
 
-
-# --- checks that do not depend on the micro batch ---------------------------------------------------
-
-SHOWN_STAGES = 8
-"""How many unplaceable stages one error line names; it counts the rest (a ramp may have hundreds)."""
-
-
-def check_plan_config(config: Config) -> None:
-    """Refuses a config whose plan no micro batch could make: one line per problem (`plan_problems`)."""
-    raise_problems(plan_problems(config))
-
-
-def plan_problems(config: Config) -> list[BatchpilotError]:
-    """Every problem of the config's plan that does not depend on the micro batch, one error each.
-
-    Model parallelism, the loading factor against the node range, the ramp-up's shape (or the schedule's
-    entries), training shorter than the ramp, stages that no micro batch can place (micro batch 1 cannot:
-    every micro batch is a multiple of it) and more than `MAX_STAGES` stages. Fixes are written in the
-    user's form: a corrected `rampup: [start, increment, samples]` or `schedule: "..."`.
+    An explicit override (`--micro-batch-size`, the pipeline's `micro_batch_size` parameter) comes first,
+    then an integer in the config, then the exploration (when the config says `explore`).
     """
-    problems: list[BatchpilotError] = []
-    try:
-        check_parallelism(config)
-    except BatchpilotError as error:
-        problems.append(error)
-    cluster = config.cluster  # gke: names the cluster would refuse, storage the trainer pods cannot reach
-    problems += cluster_problems(
-        backend=cluster.backend, run_name=config.name, namespace=cluster.namespace,
-        kueue_queue=cluster.kueue_queue, node_pool=cluster.node_pool, accelerator_type=cluster.accelerator_type,
-        machine_type=cluster.machine_type, devices_per_node=cluster.devices_per_node,
-        min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, data_uri=config.data.uri,
-        checkpoint_uri=config.train.checkpoint_uri,
-    )  # fmt: skip
-    problems += provisioning_problems(
-        provisioning=cluster.provisioning, backend=cluster.backend, launcher=cluster.launcher,
-        accelerator_type=cluster.accelerator_type, pool_mode=cluster.pool_mode, fewer_nodes=cluster.fewer_nodes,
-    )  # fmt: skip
-    problems += capacity_problems(
-        backend=cluster.backend, pool_mode=cluster.pool_mode, accelerator_type=cluster.accelerator_type,
-        fewer_nodes=cluster.fewer_nodes, local_capacity_nodes=cluster.local_capacity_nodes,
-    )  # fmt: skip
-    problems += gpudirect_problems(
-        backend=cluster.backend, gpudirect=cluster.gpudirect, machine_type=cluster.machine_type,
-        gpudirect_networks=cluster.gpudirect_networks,
-    )  # fmt: skip
-    tpu_problems = check_tpu(config)
-    if tpu_problems:
-        return problems + tpu_problems  # no slice to judge the stages on
-    cluster = config.cluster
-    try:
-        check_loading_factor(
-            loading_factor=loading_factor(config), min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes
-        )
-    except BatchpilotError as error:
-        return [*problems, error]  # no node count to judge the stages on
-    try:
-        ranges = sample_ranges(batch_schedule(config), total_samples=config.total_samples)
-    except BatchpilotError as error:
-        return problems + [_with_corrected_ramp(config, line) for line in split_problems(error)]
-    batches = [batch for batch, _, _ in ranges]
-    unplaceable = unschedulable_stages(batch_sizes=batches, **_placement(config))
-    if unplaceable:
-        problems.append(_unplaceable_stages(config, batches, unplaceable))
-    if len(ranges) > MAX_STAGES:
-        problems.append(
-            BatchpilotError(
-                _ramp_field(config),
-                f"makes {len(ranges)} stages, more than {MAX_STAGES} (each stage resizes the node pool, "
-                "launches the job and writes a checkpoint)",
-                _corrected(config, unplaceable=set()) or "use fewer, larger steps",
-            )
-        )
-    return problems
-
-
-def loading_factor(config: Config) -> int:
-    """The whole `data.expansion_factor_real_data` that node counts must be multiples of (1: no rule)."""
-    factor = Fraction(str(config.data.expansion_factor_real_data))
-    return int(factor) if factor > 1 and factor.denominator == 1 else 1
-
-
-def _placement_numbers(config: Config) -> dict[str, int]:
-    cluster, batch = config.cluster, config.batch
-    return {
-        "devices_per_node": cluster.devices_per_node,
-        "max_nodes": cluster.max_nodes,
-        "min_nodes": cluster.min_nodes,
-        "pipeline_parallel_size": batch.pipeline_parallel_size,
-        "tensor_parallel_size": batch.tensor_parallel_size,
-        "loading_factor": loading_factor(config),
-    }
-
-
-def _placement(config: Config) -> dict[str, Any]:
-    slices = tpu_plan_slices(config)
-    return _placement_numbers(config) | {"allowed_nodes": slices.host_counts() if slices else None}
-
-
-def _placeable(config: Config, batch_sizes: Sequence[int]) -> bool:
-    return not unschedulable_stages(batch_sizes=batch_sizes, **_placement(config))
-
-
-def _allowed_nodes(config: Config) -> list[int]:
-    cluster = config.cluster
-    slices = tpu_plan_slices(config)
-    return node_counts(
-        min_nodes=cluster.min_nodes,
-        max_nodes=cluster.max_nodes,
-        loading_factor=loading_factor(config),
-        allowed_nodes=slices.host_counts() if slices else None,
-    )
-
-
-def _nearest_placeable(config: Config, batch: int) -> tuple[int | None, int | None]:
-    return nearest_valid_batch_sizes(
-        batch,
-        node_range=_allowed_nodes(config),
-        micro_batch_size=1,
-        devices_per_node=config.cluster.devices_per_node,
-        pp=config.batch.pipeline_parallel_size,
-        tp=config.batch.tensor_parallel_size,
-    )
-
-
-def _ramp_field(config: Config) -> str:
-    return "batch.schedule" if config.batch.schedule is not None else "batch.rampup"
-
-
-def _unplaceable_stages(config: Config, batches: list[int], unplaceable: list[int]) -> BatchpilotError:
-    cluster = config.cluster
-    factor = loading_factor(config)
-    where = f"{cluster.min_nodes}-{cluster.max_nodes} nodes of {cluster.devices_per_node} device(s)"
-    where += f" (node counts divisible by data.expansion_factor_real_data {factor})" if factor > 1 else ""
-    if unplaceable[-1] == len(batches) - 1:  # the target itself: fix it first, the ramp follows from it
-        nearby = " or ".join(str(b) for b in _nearest_placeable(config, batches[-1]) if b is not None)
-        return BatchpilotError(
-            "batch.global_batch_size",
-            f"{batches[-1]} splits over no node count at any micro batch on {where} (even "
-            "micro_batch_size 1 leaves a remainder)",
-            f"use {nearby}" if nearby else "change cluster.devices_per_node or the node range",
-        )
-    named = ", ".join(f"stage {i} ({batches[i]})" for i in unplaceable[:SHOWN_STAGES])
-    more = len(unplaceable) - SHOWN_STAGES
-    return BatchpilotError(
-        _ramp_field(config),
-        f"{len(unplaceable)} of its {len(batches)} stages fit no micro batch on {where}, not even "
-        f"micro_batch_size 1: {named}" + (f" and {more} more" if more > 0 else ""),
-        _corrected(config, unplaceable={batches[i] for i in unplaceable})
-        or "use global batch sizes that split over whole nodes",
-    )
-
-
-def _with_corrected_ramp(config: Config, error: BatchpilotError) -> BatchpilotError:
-    """A ramp-up shape error (start not below the target, increment not dividing the span, a per-device
-    value that is no whole number of samples) with the nearest valid ramp as its fix."""
-    if not error.field.startswith("batch.rampup") or error.field == "batch.rampup.samples":
-        return error
-    corrected = _corrected(config, unplaceable=set())
-    if corrected is None:
-        return error
-    return BatchpilotError(error.field, error.problem, f"{corrected}, or remove the ramp-up")
-
-
-def _corrected(config: Config, *, unplaceable: set[int]) -> str | None:
-    """The config's ramp-up in its own form, corrected to pass every micro-batch-independent check."""
-    if config.batch.schedule is not None:
-        return _corrected_schedule(config, unplaceable=unplaceable)
-    return _corrected_rampup(config)
-
-
-def _smallest_unit(config: Config) -> int:
-    """The smallest global batch that one pass of micro batch 1 takes on an allowed node count."""
-    sizes = [
-        data_parallel_size(
-            num_nodes=n,
-            devices_per_node=config.cluster.devices_per_node,
-            pipeline_parallel_size=config.batch.pipeline_parallel_size,
-            tensor_parallel_size=config.batch.tensor_parallel_size,
-        )
-        for n in _allowed_nodes(config)
-    ]
-    return min((size for size in sizes if size is not None), default=1)
-
-
-def _corrected_rampup(config: Config) -> str | None:
-    rampup, target = config.batch.rampup, config.batch.target_bound
-    unit = _smallest_unit(config)
-    step = unit if target % unit == 0 else 1
-    devices = 0  # the MaxText form's device count; 0 for the NeMo/Megatron form
-    if isinstance(rampup, MaxTextRampup):
-        devices = config.cluster.max_nodes * config.cluster.devices_per_node
-        # per-device values must be exact decimals: an increment that is a multiple of the devices' odd part
-        step = math.lcm(step, _without_2_and_5(devices))
-        start = Fraction(str(rampup.per_device_start)) * devices
-        increment = Fraction(str(rampup.per_device_increment)) * devices
-    elif isinstance(rampup, MegatronRampup):
-        start, increment = Fraction(rampup.start), Fraction(rampup.increment)
+    notes: list[str] = []
+    setting = explored_setting(explore) if explore is not None else None
+    explored = setting.micro_batch_size if setting else None
+    if override is not None:
+        if override <= 0:
+            raise BatchpilotError("--micro-batch-size", f"must be positive, got {override}")
+        micro, source = override, "override"
+    elif config.batch.micro_batch_size != "explore":
+        micro, source = config.batch.micro_batch_size, "config"
+    elif explored is not None:
+        micro, source = explored, "explore"
+        notes += [setting.note] if setting and setting.note else []
     else:
-        return None
-
-    def accept(start: int, increment: int) -> bool:
-        if devices and not (_decimal(Fraction(start, devices)) and _decimal(Fraction(increment, devices))):
-            return False
-        return _placeable(config, range(start, target + 1, increment))
-
-    found = nearest_ramp(
-        start=start, increment=increment, target=target, max_levels=MAX_STAGES, step=step, accept=accept
-    )
-    if found is None:
-        return None
-    samples = _count_text(rampup.samples)
-    if devices:
-        first, each = (_decimal(Fraction(value, devices)) for value in found)
-        return f"rampup: {{per_device_start: {first}, per_device_increment: {each}, samples: {samples}}}"
-    return f"rampup: [{found[0]}, {found[1]}, {samples}]"
-
-
-def _corrected_schedule(config: Config, *, unplaceable: set[int]) -> str | None:
-    """The schedule with each unplaceable batch replaced by the nearest placeable one (repeats dropped),
-    thinned to `MAX_STAGES` entries when longer."""
-    assert config.batch.schedule is not None
-    fixed: list[tuple[str, int]] = []
-    for raw, _, batch in parse_schedule(config.batch.schedule, seq_len=config.data.seq_len):
-        if batch in unplaceable:
-            nearby = [b for b in _nearest_placeable(config, batch) if b is not None]
-            batch = min(nearby, key=lambda b: (abs(b - batch), -b), default=batch)
-        if not fixed or batch > fixed[-1][1]:
-            fixed.append((raw, batch))
-    if len(fixed) > MAX_STAGES:
-        keep = sorted({round(i * (len(fixed) - 1) / (MAX_STAGES - 1)) for i in range(MAX_STAGES)})
-        fixed = [fixed[i] for i in keep]
-    if fixed[-1][1] != config.batch.target_bound or not _placeable(config, [b for _, b in fixed]):
-        return None
-    return f'schedule: "{format_schedule(fixed)}"'
-
-
-def _without_2_and_5(value: int) -> int:
-    for prime in (2, 5):
-        while value % prime == 0:
-            value //= prime
-    return value
-
-
-def _decimal(value: Fraction) -> str | None:
-    """`value` as an exact decimal (0.75), or None when it has none (1/3)."""
-    if _without_2_and_5(value.denominator) != 1:
-        return None
-    text = f"{float(value):.12f}".rstrip("0").rstrip(".")
-    return text if Fraction(text) == value else None
-
-
-def _count_text(value: int) -> str:
-    """A sample count as a config writes it: `10M`, else the plain integer."""
-    text = format_count(value)
-    return str(value) if "," in text else text
+        raise BatchpilotError(
+            "batch.micro_batch_size",
+            "is 'explore', so the plan needs a measured micro batch",
+            "pass --micro-batch-size N or --explore explore.json, or set an integer in the config",
+        )
+    if explored is not None and source != "explore" and explored != micro:
+        notes.append(f"explore recommends micro_batch_size={explored}; the {source}'s {micro} stands")
+    return micro, source, notes  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -729,176 +174,6 @@ def with_explored_setting(config: Config, setting: ExploredSetting) -> tuple[Con
                 f"with it; the config said {str(getattr(train, key)).lower()})"
             )
     return config.model_copy(update={"train": train.model_copy(update=update)}), notes
-
-
-def explored_throughput(explore: dict[str, Any], *, micro_batch_size: int) -> float | None:
-    """Samples/s of one device at `micro_batch_size`: the best fitting probe of that size, else the
-    recommendation's own figure when it is that size; None when explore did not measure it."""
-    measured = [
-        float(p["samples_per_s"])
-        for p in explore.get("probes", [])
-        if p.get("fits") and p.get("micro_batch_size") == micro_batch_size and p.get("samples_per_s")
-    ]
-    if measured:
-        return max(measured)
-    recommendation = explore.get("recommendation") or {}
-    if recommendation.get("micro_batch_size") == micro_batch_size and recommendation.get("samples_per_s"):
-        return float(recommendation["samples_per_s"])
-    return None
-
-
-def choose_micro_batch(
-    config: Config, *, override: int | None, explore: dict[str, Any] | None
-) -> tuple[int, MicroBatchSource, list[str]]:
-    """The plan's micro batch, where it came from, and notes: the one rule the CLI and the pipeline share.
-
-    An explicit override (`--micro-batch-size`, the pipeline's `micro_batch_size` parameter) comes first,
-    then an integer in the config, then the exploration (when the config says `explore`).
-    """
-    notes: list[str] = []
-    setting = explored_setting(explore) if explore is not None else None
-    explored = setting.micro_batch_size if setting else None
-    if override is not None:
-        if override <= 0:
-            raise BatchpilotError("--micro-batch-size", f"must be positive, got {override}")
-        micro, source = override, "override"
-    elif config.batch.micro_batch_size != "explore":
-        micro, source = config.batch.micro_batch_size, "config"
-    elif explored is not None:
-        micro, source = explored, "explore"
-        notes += [setting.note] if setting and setting.note else []
-    else:
-        raise BatchpilotError(
-            "batch.micro_batch_size",
-            "is 'explore', so the plan needs a measured micro batch",
-            "pass --micro-batch-size N or --explore explore.json, or set an integer in the config",
-        )
-    if explored is not None and source != "explore" and explored != micro:
-        notes.append(f"explore recommends micro_batch_size={explored}; the {source}'s {micro} stands")
-    return micro, source, notes  # type: ignore[return-value]
-
-
-def explore_summary(explore: dict[str, Any]) -> dict[str, Any]:
-    """What a run document keeps of explore.json: its recommendation and noise-scale estimate."""
-    return {
-        "recommendation": explore.get("recommendation"),
-        "noise_scale": explore.get("noise_scale"),
-        "num_probes": len(explore.get("probes", [])),
-        "device": explore.get("device"),
-    }
-
-
-def mixed_precision(config: Config) -> bool:
-    """Whether the trainers will compute in bf16: `train.precision: bf16`, or `auto` on a GPU pool (local
-    runs are planned as CPU runs)."""
-    precision = config.train.precision
-    on_accelerator = config.cluster.backend == "gke" and config.cluster.accelerator_type is not None
-    return precision == "bf16" or (precision == "auto" and on_accelerator)
-
-
-def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) -> float | None:
-    """Activation memory per sample from explore's fitting probes of the trained setting (the slope of the
-    per-device peak over the micro batch), or None when explore did not measure two sizes of it."""
-    if explore is None:
-        return None
-    points = [
-        (int(p["micro_batch_size"]), int(p["peak_memory_bytes"]))
-        for p in explore.get("probes", [])
-        if p.get("fits")
-        and p.get("peak_memory_bytes")
-        and bool(p.get("activation_checkpointing")) == config.train.activation_checkpointing
-        and not p.get("compile")
-    ]
-    return activation_bytes_per_sample(points)
-
-
-def memory_plan(
-    config: Config, plan: Plan, *, shape: ModelShape, explore: dict[str, Any] | None
-) -> MemoryPlan:
-    """Per-device memory of every stage and the strategy (`train.parallelism`, auto resolved); refuses a
-    strategy that does not fit the device. Local runs check against explore's CPU memory budget."""
-    cluster = config.cluster
-    local = cluster.backend == "local"
-    device_memory = cluster.device_memory_bytes or (
-        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
-    )
-    return plan_memory(
-        # SPMD under xla shards over every device of the slice: the memory of fsdp.
-        requested="fsdp" if resolved_runtime(config) == "xla" else config.train.parallelism,
-        shape=shape,
-        stages=plan.stages,
-        devices_per_node=cluster.devices_per_node,
-        seq_len=config.data.seq_len,
-        mixed_precision=mixed_precision(config),
-        activation_checkpointing=config.train.activation_checkpointing,
-        activation_bytes_per_sample=explored_activation_bytes(config, explore),
-        device_memory_bytes=device_memory,
-        reserve_fixed_bytes=0 if local or cluster.accelerator_type is None else RESERVE_FIXED_BYTES,
-    )
-
-
-def memory_on_fewer_nodes(
-    config: Config, memory: MemoryPlan, *, stages: Sequence[Stage], shape: ModelShape
-) -> tuple[StageMemory, ...]:
-    """The per-device memory of `stages` (a launch moved to fewer nodes) under the plan's strategy, with
-    the activations the plan estimated (the micro batch is unchanged; only the shard degree moves).
-
-    Raises:
-        BatchpilotError: a stage that no longer fits the device (fsdp's share grows as the world shrinks).
-    """
-    planned = {item.stage: item.estimate for item in memory.stages}
-    cluster = config.cluster
-    checked = []
-    for stage in stages:
-        before = planned[stage.name]
-        measured = before.activations_source == "explore"
-        estimate = estimate_memory(
-            shape=shape, strategy=memory.strategy, world_size=stage.world_size,
-            devices_per_node=cluster.devices_per_node, micro_batch_size=stage.micro_batch_size,
-            seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
-            activation_checkpointing=config.train.activation_checkpointing,
-            activation_bytes_per_sample=before.activations / stage.micro_batch_size if measured else None,
-            reserve_fixed_bytes=0 if cluster.backend == "local" or cluster.accelerator_type is None
-            else RESERVE_FIXED_BYTES,
-        )  # fmt: skip
-        limit = memory.device_memory_bytes
-        if limit is not None and estimate.total > limit:
-            raise BatchpilotError(
-                "cluster.fewer_nodes",
-                f"{stage.name} on {stage.num_nodes} node(s) needs {estimate.describe()} per device under "
-                f"{memory.strategy} (shard degree {estimate.shard_degree}), more than the device's "
-                f"{limit / 2**30:.1f} GiB",
-                "wait for the planned nodes (raise cluster.capacity_timeout_s) or set cluster.fewer_nodes: fail",
-            )
-        checked.append(StageMemory(stage.name, estimate))
-    return tuple(checked)
-
-
-def probe_parallelism(config: Config, shape: ModelShape) -> str:
-    """The strategy explore's probes run under, so that they measure what the stages will run: the
-    config's, or for `auto` the one the memory model picks at micro batch 1 (fsdp when even that does
-    not fit: explore then finds out what does)."""
-    if config.train.parallelism != "auto":
-        return config.train.parallelism
-    plan = build_plan(config, micro_batch_size=1)
-    try:
-        return memory_plan(config, plan, shape=shape, explore=None).strategy
-    except BatchpilotError:
-        return "fsdp"
-
-
-def study_advice(config: Config, explore: dict[str, Any] | None) -> list[str]:
-    """The effective-batch study's advice beside the config's own numbers (which stand), as a note."""
-    study = (explore or {}).get("noise_scale") or {}
-    target = study.get("recommended_global_batch_size")
-    if not target or not study.get("critical_batch_size"):
-        return []
-    return [
-        f"explore's gradient-noise study: critical batch ~{study['critical_batch_size']:,.0f} samples, advises a "
-        f"target global batch of {target} with train.lr_scaling: {study.get('lr_scaling')}; this plan keeps "
-        f"batch.global_batch_size {config.batch.global_batch_size} and lr_scaling {config.train.lr_scaling} "
-        "(global_batch_size: auto with a max_global_batch_size takes the advice)"
-    ]
 
 
 AUTO_TARGET_ATTEMPTS = 200
@@ -967,54 +242,372 @@ def resolve_auto_target(
     )
 
 
-def make_run_document(
+def study_advice(config: Config, explore: dict[str, Any] | None) -> list[str]:
+    """The effective-batch study's advice beside the config's own numbers (which stand), as a note."""
+    study = (explore or {}).get("noise_scale") or {}
+    target = study.get("recommended_global_batch_size")
+    if not target or not study.get("critical_batch_size"):
+        return []
+    return [
+        f"explore's gradient-noise study: critical batch ~{study['critical_batch_size']:,.0f} samples, advises a "
+        f"target global batch of {target} with train.lr_scaling: {study.get('lr_scaling')}; this plan keeps "
+        f"batch.global_batch_size {config.batch.global_batch_size} and lr_scaling {config.train.lr_scaling} "
+        "(global_batch_size: auto with a max_global_batch_size takes the advice)"
+    ]
+
+
+def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision] = ()) -> Plan:
+    """Validates every stage of the config's ramp-up and schedules its nodes (an adaptive ramp-up: the
+    stages its `decisions` fix, the open stage and the final one).
+
+    Raises:
+        BatchpilotError: every micro-batch-independent problem (`check_plan_config`), one line each; else
+            the stages this micro batch cannot place.
+    """
+    check_plan_config(config)
+    plan = plan_stages(
+        schedule=batch_schedule(config, decisions),
+        total_samples=config.total_samples,
+        micro_batch_size=micro_batch_size,
+        devices_per_node=config.cluster.devices_per_node,
+        max_nodes=config.cluster.max_nodes,
+        min_nodes=config.cluster.min_nodes,
+        lr_schedule=lr_schedule(config),
+        expansion_factor=Fraction(str(config.data.expansion_factor_real_data)),
+        pipeline_parallel_size=config.batch.pipeline_parallel_size,
+        tensor_parallel_size=config.batch.tensor_parallel_size,
+        num_pipeline_microbatches=config.batch.num_pipeline_microbatches,
+        tpu=tpu_plan_slices(config),
+        each_stage_alone=isinstance(config.batch.rampup, AdaptiveRampup),
+    )
+    unmeasured = noise_note(config, plan)
+    if unmeasured is not None:
+        plan = replace(plan, notes=(*plan.notes, unmeasured))
+    if not isinstance(config.batch.rampup, AdaptiveRampup):
+        return plan
+    settings = config.batch.rampup.adaptive
+    open_stage = plan.stages[len(decisions)] if len(decisions) < len(plan.stages) - 1 else None
+    note = (
+        f"adaptive ramp-up: {len(decisions)} stage(s) decided so far; "
+        + (
+            f"{open_stage.name} (batch {open_stage.global_batch_size}) ends when the smoothed noise scale stays "
+            f"at or above the next accepted batch for {settings.patience_samples:,} samples, at sample "
+            f"{open_stage.end_sample:,} at the latest; "
+            if open_stage
+            else "the target is reached; "
+        )
+        + f"at most {settings.max_stages} stages in all"
+    )
+    return replace(plan, notes=(note, *plan.notes), stage_per_launch=True)
+
+
+def lr_schedule(config: Config) -> LRSchedule:
+    train = config.train
+    total = config.total_samples
+    return LRSchedule(
+        lr=train.lr,
+        scaling=train.lr_scaling,
+        reference_batch=train.lr_reference_batch or config.batch.target_bound,
+        warmup_samples=train.warmup_samples,
+        decay=train.lr_decay,
+        decay_end_samples=train.lr_decay_samples or total,
+        min_lr_ratio=train.min_lr_ratio,
+    )
+
+
+def noise_note(config: Config, plan: Plan) -> str | None:
+    """One line naming the stages whose steps cannot measure the noise scale (planning/noise.py), and why;
+    under an adaptive ramp-up such a stage cannot end on the rule. None when every stage measures."""
+    if not config.train.measure_noise_scale:
+        return None
+    every = config.train.measure_noise_every_steps
+    strategy = "xla" if resolved_runtime(config) == "xla" else plan.parallelism
+    blind = [
+        stage
+        for stage in plan.stages
+        if noise_measurement(
+            strategy=strategy, world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
+            accumulation=stage.gradient_accumulation_steps, split_every_steps=every,
+        )
+        is NoiseMeasurement.NONE
+    ]  # fmt: skip
+    if not blind:
+        return None
+    names = ", ".join(stage.name for stage in blind[:SHOWN_STAGES])
+    more = f" and {len(blind) - SHOWN_STAGES} more" if len(blind) > SHOWN_STAGES else ""
+    why = why_unmeasured(micro_batch_size=blind[0].micro_batch_size, split_every_steps=every)
+    adaptive = (
+        "; the adaptive rule cannot end such a stage (it trains to its last sample)"
+        if isinstance(config.batch.rampup, AdaptiveRampup)
+        else ""
+    )
+    fix = "an even micro batch >= 2" if every else "train.measure_noise_every_steps >= 1"
+    return (
+        f"noise scale not measured in {names}{more}: accumulation 1 under {strategy} and {why}{adaptive} "
+        f"(fix: {fix})"
+    )
+
+
+def memory_plan(
+    config: Config, plan: Plan, *, shape: ModelShape, explore: dict[str, Any] | None
+) -> MemoryPlan:
+    """Per-device memory of every stage and the strategy (`train.parallelism`, auto resolved); refuses a
+    strategy that does not fit the device. Local runs check against explore's CPU memory budget."""
+    cluster = config.cluster
+    local = cluster.backend == "local"
+    device_memory = cluster.device_memory_bytes or (
+        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
+    )
+    return plan_memory(
+        # SPMD under xla shards over every device of the slice: the memory of fsdp.
+        requested="fsdp" if resolved_runtime(config) == "xla" else config.train.parallelism,
+        shape=shape,
+        stages=plan.stages,
+        devices_per_node=cluster.devices_per_node,
+        seq_len=config.data.seq_len,
+        mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=explored_activation_bytes(config, explore),
+        device_memory_bytes=device_memory,
+        reserve_fixed_bytes=_reserve_fixed_bytes(config),
+    )
+
+
+def mixed_precision(config: Config) -> bool:
+    """Whether the trainers will compute in bf16: `train.precision: bf16`, or `auto` on a GPU pool (local
+    runs are planned as CPU runs)."""
+    precision = config.train.precision
+    on_accelerator = config.cluster.backend == "gke" and config.cluster.accelerator_type is not None
+    return precision == "bf16" or (precision == "auto" and on_accelerator)
+
+
+def _reserve_fixed_bytes(config: Config) -> int:
+    """The runtime's fixed reserve per device: none on the CPU (local runs, or no accelerator)."""
+    cluster = config.cluster
+    return 0 if cluster.backend == "local" or cluster.accelerator_type is None else RESERVE_FIXED_BYTES
+
+
+def _estimate_like(
+    config: Config,
+    planned: MemoryEstimate,
+    *,
+    shape: ModelShape,
+    strategy: Any,
+    world_size: int,
+    micro_batch_size: int,
+) -> MemoryEstimate:
+    """A stage's per-device memory on `world_size` devices under `strategy`, with the activations of the
+    `planned` estimate (measured ones per sample; the micro batch is the plan's)."""
+    measured = planned.activations_source == "explore"
+    return estimate_memory(
+        shape=shape, strategy=strategy, world_size=world_size, devices_per_node=config.cluster.devices_per_node,
+        micro_batch_size=micro_batch_size, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=planned.activations / micro_batch_size if measured else None,
+        reserve_fixed_bytes=_reserve_fixed_bytes(config),
+    )  # fmt: skip
+
+
+def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) -> float | None:
+    """Activation memory per sample from explore's fitting probes of the trained setting (the slope of the
+    per-device peak over the micro batch), or None when explore did not measure two sizes of it."""
+    if explore is None:
+        return None
+    points = [
+        (int(p["micro_batch_size"]), int(p["peak_memory_bytes"]))
+        for p in explore.get("probes", [])
+        if p.get("fits")
+        and p.get("peak_memory_bytes")
+        and bool(p.get("activation_checkpointing")) == config.train.activation_checkpointing
+        and not p.get("compile")
+    ]
+    return activation_bytes_per_sample(points)
+
+
+def explored_throughput(explore: dict[str, Any], *, micro_batch_size: int) -> float | None:
+    """Samples/s of one device at `micro_batch_size`: the best fitting probe of that size, else the
+    recommendation's own figure when it is that size; None when explore did not measure it."""
+    measured = [
+        float(p["samples_per_s"])
+        for p in explore.get("probes", [])
+        if p.get("fits") and p.get("micro_batch_size") == micro_batch_size and p.get("samples_per_s")
+    ]
+    if measured:
+        return max(measured)
+    recommendation = explore.get("recommendation") or {}
+    if recommendation.get("micro_batch_size") == micro_batch_size and recommendation.get("samples_per_s"):
+        return float(recommendation["samples_per_s"])
+    return None
+
+
+def explore_summary(explore: dict[str, Any]) -> dict[str, Any]:
+    """What a run document keeps of explore.json: its recommendation and noise-scale estimate."""
+    return {
+        "recommendation": explore.get("recommendation"),
+        "noise_scale": explore.get("noise_scale"),
+        "num_probes": len(explore.get("probes", [])),
+        "device": explore.get("device"),
+    }
+
+
+# --- other entry points -------------------------------------------------------------------------------------
+
+
+def num_stages(config: Config) -> int:
+    """How many stages the config's ramp-up has (it does not depend on the micro batch); refuses a config
+    that `check_plan_config` refuses."""
+    check_plan_config(config)
+    if isinstance(config.batch.rampup, AdaptiveRampup):
+        return config.batch.rampup.adaptive.max_stages  # decided at run time: at most this many
+    return len(sample_ranges(batch_schedule(config), total_samples=config.total_samples))
+
+
+def probe_parallelism(config: Config, shape: ModelShape) -> str:
+    """The strategy explore's probes run under, so that they measure what the stages will run: the
+    config's, or for `auto` the one the memory model picks at micro batch 1 (fsdp when even that does
+    not fit: explore then finds out what does)."""
+    if config.train.parallelism != "auto":
+        return config.train.parallelism
+    plan = build_plan(config, micro_batch_size=1)
+    try:
+        return memory_plan(config, plan, shape=shape, explore=None).strategy
+    except BatchpilotError:
+        return "fsdp"
+
+
+def memory_on_fewer_nodes(
+    config: Config, memory: MemoryPlan, *, stages: Sequence[Stage], shape: ModelShape
+) -> tuple[StageMemory, ...]:
+    """The per-device memory of `stages` (a launch moved to fewer nodes) under the plan's strategy, with
+    the activations the plan estimated (the micro batch is unchanged; only the shard degree moves).
+
+    Raises:
+        BatchpilotError: a stage that no longer fits the device (fsdp's share grows as the world shrinks).
+    """
+    planned = {item.stage: item.estimate for item in memory.stages}
+    checked = []
+    for stage in stages:
+        estimate = _estimate_like(
+            config, planned[stage.name], shape=shape, strategy=memory.strategy,
+            world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
+        )  # fmt: skip
+        limit = memory.device_memory_bytes
+        if limit is not None and estimate.total > limit:
+            raise BatchpilotError(
+                "cluster.fewer_nodes",
+                f"{stage.name} on {stage.num_nodes} node(s) needs {estimate.describe()} per device under "
+                f"{memory.strategy} (shard degree {estimate.shard_degree}), more than the device's "
+                f"{limit / 2**30:.1f} GiB",
+                "wait for the planned nodes (raise cluster.capacity_timeout_s) or set cluster.fewer_nodes: fail",
+            )
+        checked.append(StageMemory(stage.name, estimate))
+    return tuple(checked)
+
+
+# --- the adaptive ramp-up -----------------------------------------------------------------------------------
+
+
+def is_adaptive(config: Config) -> bool:
+    """Whether the ramp-up's stages are decided at run time (`rampup: {adaptive: ...}`)."""
+    return isinstance(config.batch.rampup, AdaptiveRampup)
+
+
+def adaptive_rule(config: Config) -> AdaptiveRule:
+    """The adaptive ramp-up's rule with the target resolved."""
+    assert isinstance(config.batch.rampup, AdaptiveRampup)
+    settings = config.batch.rampup.adaptive
+    return AdaptiveRule(
+        start=settings.start,
+        target=config.batch.target_bound,
+        smoothing=settings.smoothing,
+        patience_samples=settings.patience_samples,
+        max_growth=settings.max_growth,
+        min_stage_samples=settings.min_stage_samples,
+        ramp_samples=settings.samples,
+        confidence=settings.confidence,
+        scale=settings.scale,
+    )
+
+
+def accepted_batch_sizes(
     config: Config,
     *,
-    micro_batch_size: int | None = None,
-    explore: dict[str, Any] | None = None,
-    samples_per_s_per_device: float | None = None,
+    micro_batch_size: int,
+    memory: MemoryPlan | None = None,
     shape: ModelShape | None = None,
-) -> RunDocument:
-    """Config (+ explore.json, + an override) -> the validated run document with every stage.
+) -> tuple[list[int], dict[int, str]]:
+    """The global batch sizes from the adaptive start to the target that the node schedule can place at
+    `micro_batch_size` (on some allowed node count up to the target's), ascending; and, given the plan's
+    `memory` and the model's `shape`, the placeable sizes left out because their stage would not fit the
+    device (fsdp's share of the model grows on fewer nodes), each with the reason in one line."""
+    rule = adaptive_rule(config)
+    target_nodes = build_plan(config, micro_batch_size=micro_batch_size).stages[-1].num_nodes
+    where = placement(config) | {"max_nodes": target_nodes}
+    accepted: list[int] = []
+    too_big: dict[int, str] = {}
+    doubling = config.batch.rampup.adaptive.doubling  # type: ignore[union-attr]
+    for size in range(rule.start, rule.target + 1):
+        if size % micro_batch_size:
+            continue
+        if doubling and size != rule.target and not _is_doubling(size, rule.start):
+            continue
+        nodes = walk_nodes(batch_sizes=[size], micro_batch_size=micro_batch_size, **where)[0]
+        if nodes is None:
+            continue
+        why = _does_not_fit(config, memory, shape, num_nodes=nodes, micro_batch_size=micro_batch_size)
+        if why is None or size == rule.target:  # the target's stage was checked with the plan
+            accepted.append(size)
+        else:
+            too_big[size] = why
+    return accepted, too_big
 
-    Args:
-        config: the resolved config.
-        micro_batch_size: an explicit override of the micro batch (None: the config's, else explore's).
-        explore: the parsed explore.json, when an exploration ran.
-        samples_per_s_per_device: throughput for the cost estimate (default: explore's measurement).
-        shape: the model's shape (a meta-device build, `train.shape`): gives the per-device memory of every
-            stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
-    """
-    check_plan_config(config)  # what no micro batch can fix is reported before asking for one
-    micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
-    auto = config.batch.global_batch_size == "auto"
-    if auto:
-        config, auto_notes = resolve_auto_target(config, explore, micro_batch_size=micro)
-        notes += auto_notes
-    if source == "explore":
-        assert explore is not None
-        config, setting_notes = with_explored_setting(config, explored_setting(explore))
-        notes += setting_notes
-    notes += [] if auto else study_advice(config, explore)  # taken with auto, else shown beside
-    if samples_per_s_per_device is not None and samples_per_s_per_device <= 0:
-        raise BatchpilotError(
-            "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"
-        )
-    plan = build_plan(config, micro_batch_size=micro)
-    memory = memory_plan(config, plan, shape=shape, explore=explore) if shape is not None else None
-    requested = config.train.parallelism
-    plan = replace(
-        plan, parallelism=memory.strategy if memory else "ddp" if requested == "auto" else requested
+
+def _is_doubling(size: int, start: int) -> bool:
+    """Whether `size` is start x 2^k."""
+    ratio, remainder = divmod(size, start)
+    return remainder == 0 and ratio & (ratio - 1) == 0
+
+
+def _does_not_fit(
+    config: Config,
+    memory: MemoryPlan | None,
+    shape: ModelShape | None,
+    *,
+    num_nodes: int,
+    micro_batch_size: int,
+) -> str | None:
+    """Why a stage on `num_nodes` would not fit the device under the plan's strategy (None: it fits, or
+    memory is unknown), with the activations the plan estimated for its first stage."""
+    if memory is None or shape is None or memory.device_memory_bytes is None or not memory.stages:
+        return None
+    estimate = _estimate_like(
+        config, memory.stages[0].estimate, shape=shape, strategy=memory.strategy,
+        world_size=num_nodes * config.cluster.devices_per_node, micro_batch_size=micro_batch_size,
+    )  # fmt: skip
+    if estimate.total <= memory.device_memory_bytes:
+        return None
+    return (
+        f"on {num_nodes} node(s) it needs {estimate.describe()} per device under {memory.strategy} (shard "
+        f"degree {estimate.shard_degree}), more than the device's {memory.device_memory_bytes / 2**30:.1f} GiB"
     )
-    throughput = samples_per_s_per_device
-    if throughput is None and explore is not None:
-        throughput = explored_throughput(explore, micro_batch_size=micro)
-    return RunDocument(
-        config=config,
-        plan=plan,
-        micro_batch_source=source,
-        explore=explore_summary(explore) if explore is not None else None,
-        cost=estimate_cost(plan, samples_per_s_per_device=throughput) if throughput else None,
-        notes=tuple(notes),
-        memory=memory,
+
+
+def adaptive_run(
+    config: Config,
+    *,
+    micro_batch_size: int,
+    decisions: Sequence[StageDecision],
+    accepted: Sequence[int] | None = None,
+) -> AdaptiveRun:
+    """The adaptive ramp-up's rule, the accepted sizes (`accepted_batch_sizes` at `micro_batch_size`
+    unless given: the trainer passes them without the sizes that would not fit), stage limit and
+    `decisions`."""
+    assert isinstance(config.batch.rampup, AdaptiveRampup)
+    if accepted is None:
+        accepted, _ = accepted_batch_sizes(config, micro_batch_size=micro_batch_size)
+    return AdaptiveRun(
+        rule=adaptive_rule(config),
+        accepted=tuple(accepted),
+        max_stages=config.batch.rampup.adaptive.max_stages,
+        decisions=tuple(decisions),
     )

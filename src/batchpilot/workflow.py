@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from batchpilot.checks import check_plan_config
 from batchpilot.config import Config, parse_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
-from batchpilot.planner import check_plan_config, make_run_document, num_stages
+from batchpilot.planner import make_run_document, num_stages
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.rundoc import RunDocument
@@ -179,7 +180,7 @@ def plan(
 def preflight(config: Config) -> RunDocument | None:
     """What `config check` and `compile` verify before any accelerator is asked for.
 
-    First everything that does not depend on the micro batch (`planner.check_plan_config`: ramp shape,
+    First everything that does not depend on the micro batch (`checks.check_plan_config`: ramp shape,
     schedule entries, stages no micro batch can place, the stage limit, the loading factor), every problem
     on its own line; then with an integer micro batch the whole plan (stages, node schedule, memory); with
     `explore`, the plan at micro batch 1, so a strategy that cannot even hold the model is refused now.
@@ -550,8 +551,9 @@ def _fewer_nodes(
 ) -> LaunchCapacity:
     """Moves `launch` to the nodes that came (see `prepare_launch_pool`); returns the record it keeps."""
     from batchpilot.cluster.nodepool import node_pool_for
-    from batchpilot.planner import loading_factor, memory_on_fewer_nodes
+    from batchpilot.planner import memory_on_fewer_nodes
     from batchpilot.planning.capacity import fewer_nodes
+    from batchpilot.schedule import loading_factor
     from batchpilot.train.shape import model_shape
 
     config = document.config

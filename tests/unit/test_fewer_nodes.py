@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from batchpilot import workflow
+from batchpilot.checks import check_plan_config
 from batchpilot.cluster.capacity import CapacityShortfall
 from batchpilot.cluster.nodepool import LocalNodePool
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan, check_plan_config
+from batchpilot.planner import build_plan
 from batchpilot.planning.capacity import LaunchCapacity, apply_capacity, fewer_nodes, stage_on_nodes
 from batchpilot.planning.launches import launches
 from batchpilot.rundoc import parse_run_document

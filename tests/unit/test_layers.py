@@ -40,7 +40,11 @@ ALLOWED: dict[str, frozenset[str]] = {
         {"explore", "train", "data", "models", "planning", "planner", "config", "errors", "files", "logs"}
     ),
     "cluster": frozenset({"cluster", "config", "planning", "errors", "exitcodes", "files", "logs"}),
-    "planner": frozenset({"planner", "rundoc", "config", "planning", "errors", "files"}),
+    "schedule": frozenset({"schedule", "config", "planning", "errors"}),
+    "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data"}),
+    "planner": frozenset(
+        {"planner", "checks", "schedule", "rundoc", "config", "planning", "errors", "files"}
+    ),
     "rundoc": frozenset({"rundoc", "planner", "config", "planning", "errors", "files"}),
     "report": frozenset({"report", "planning", "rundoc", "files", "logs", "errors"}),
     # `batchpilot doctor`: reads the cluster, storage and KFP the way a run does, so it uses their code.

@@ -9,6 +9,7 @@ import copy
 import pytest
 from test_cluster_launch import dryrun, gke_config, validate_k8s
 
+from batchpilot.checks import plan_problems
 from batchpilot.cluster.provisioning import (
     CLASS_ANNOTATION,
     CONSUME_ANNOTATION,
@@ -19,7 +20,6 @@ from batchpilot.cluster.provisioning import (
     provisioning_request_manifest,
 )
 from batchpilot.config import parse_config
-from batchpilot.planner import plan_problems
 from helpers import validate_crd
 
 CRD = "autoscaling.x-k8s.io_provisioningrequests.yaml"

@@ -6,7 +6,7 @@ a letter first, so the JobSet webhook accepts it whatever the run's name. The na
 retried launch finds its JobSet by labels, deletes a stale one and waits until it is gone before it
 creates the new one: `lifecycle.adoptable_or_cleared`), so no random suffix is needed.
 
-`cluster_problems(...)` is what `planner.plan_problems` asks of a gke config, one error per problem:
+`cluster_problems(...)` is what `checks.plan_problems` asks of a gke config, one error per problem:
 every name the run creates (JobSet, Job and pod names at `cluster.max_nodes`, the subdomain, label values,
 the namespace, the node pool and the TPU slice pools' names) and storage the trainer pods can reach.
 
@@ -175,7 +175,7 @@ def cluster_problems(
     """Every name a gke run would create that GKE, Kubernetes or the JobSet webhook would refuse, and
     storage its trainer pods cannot reach, one error each naming the field and the fix ([] off gke).
 
-    `planner.plan_problems` calls it, so `config check`, `plan` and `compile` refuse such a config before
+    `checks.plan_problems` calls it, so `config check`, `plan` and `compile` refuse such a config before
     any node is paid for; it needs no cluster (a gke config still plans on a laptop). The arguments are the
     config's fields of the same names (`name` is `run_name`, `data.uri` is `data_uri`).
     """
@@ -264,7 +264,7 @@ def node_pool_problems(
             accelerator_type=accelerator_type, machine_type=machine_type, devices_per_node=devices_per_node
         )
     except BatchpilotError:
-        return []  # planner.check_tpu reports an unknown type or machine
+        return []  # checks.check_tpu reports an unknown type or machine
     topologies = [shape.topology for shape in slices.slices if min_nodes <= shape.hosts <= max_nodes]
     refused = [
         slice_pool_name(node_pool, topology)

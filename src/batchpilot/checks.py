@@ -1,0 +1,361 @@
+"""Every check of a config's plan that does not depend on the micro batch, each problem one error line.
+
+`config check`, `plan` and `compile` run these first (`check_plan_config`), so a config with
+`micro_batch_size: explore` is refused as early as one with an integer; the planner (`batchpilot.planner`)
+then assembles the plan from a checked config. Fixes are written in the user's form: a corrected
+`rampup: [start, increment, samples]` or `schedule: "..."` (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+from batchpilot.config import Config, MaxTextRampup, MegatronRampup, resolved_runtime
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning import MAX_STAGES, nearest_ramp, unschedulable_stages
+from batchpilot.planning.batch import raise_problems, split_problems
+from batchpilot.planning.capacity import capacity_problems
+from batchpilot.planning.gpudirect import gpudirect_problems
+from batchpilot.planning.names import cluster_problems
+from batchpilot.planning.nodes import check_loading_factor, data_parallel_size, nearest_valid_batch_sizes
+from batchpilot.planning.provisioning import provisioning_problems
+from batchpilot.planning.rampup import format_schedule, parse_schedule
+from batchpilot.planning.stages import sample_ranges
+from batchpilot.planning.tpu import check_host_range, is_zone
+from batchpilot.planning.units import format_count
+from batchpilot.schedule import (
+    allowed_node_counts,
+    batch_schedule,
+    loading_factor,
+    placement,
+    tpu_plan_slices,
+)
+
+SHOWN_STAGES = 8
+"""How many unplaceable stages one error line names; it counts the rest (a ramp may have hundreds)."""
+
+
+def check_plan_config(config: Config) -> None:
+    """Refuses a config whose plan no micro batch could make: one line per problem (`plan_problems`)."""
+    raise_problems(plan_problems(config))
+
+
+def plan_problems(config: Config) -> list[BatchpilotError]:
+    """Every problem of the config's plan that does not depend on the micro batch, one error each.
+
+    Model parallelism, what the cluster would refuse (names, storage, provisioning, capacity, GPUDirect,
+    TPU slices), the loading factor against the node range, the ramp-up's shape (or the schedule's
+    entries), training shorter than the ramp, stages that no micro batch can place (micro batch 1 cannot:
+    every micro batch is a multiple of it) and more than `MAX_STAGES` stages.
+    """
+    problems: list[BatchpilotError] = []
+    try:
+        check_parallelism(config)
+    except BatchpilotError as error:
+        problems.append(error)
+    problems += cluster_config_problems(config)
+    tpu_problems = check_tpu(config)
+    if tpu_problems:
+        return problems + tpu_problems  # no slice to judge the stages on
+    cluster = config.cluster
+    try:
+        check_loading_factor(
+            loading_factor=loading_factor(config), min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes
+        )
+    except BatchpilotError as error:
+        return [*problems, error]  # no node count to judge the stages on
+    return problems + ramp_problems(config)
+
+
+def cluster_config_problems(config: Config) -> list[BatchpilotError]:
+    """gke: names the cluster would refuse, storage the trainer pods cannot reach, provisioning, capacity
+    and GPUDirect settings that contradict each other or the machine."""
+    cluster = config.cluster
+    problems = cluster_problems(
+        backend=cluster.backend, run_name=config.name, namespace=cluster.namespace,
+        kueue_queue=cluster.kueue_queue, node_pool=cluster.node_pool, accelerator_type=cluster.accelerator_type,
+        machine_type=cluster.machine_type, devices_per_node=cluster.devices_per_node,
+        min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, data_uri=config.data.uri,
+        checkpoint_uri=config.train.checkpoint_uri,
+    )  # fmt: skip
+    problems += provisioning_problems(
+        provisioning=cluster.provisioning, backend=cluster.backend, launcher=cluster.launcher,
+        accelerator_type=cluster.accelerator_type, pool_mode=cluster.pool_mode, fewer_nodes=cluster.fewer_nodes,
+    )  # fmt: skip
+    problems += capacity_problems(
+        backend=cluster.backend, pool_mode=cluster.pool_mode, accelerator_type=cluster.accelerator_type,
+        fewer_nodes=cluster.fewer_nodes, local_capacity_nodes=cluster.local_capacity_nodes,
+    )  # fmt: skip
+    problems += gpudirect_problems(
+        backend=cluster.backend, gpudirect=cluster.gpudirect, machine_type=cluster.machine_type,
+        gpudirect_networks=cluster.gpudirect_networks,
+    )  # fmt: skip
+    return problems
+
+
+def ramp_problems(config: Config) -> list[BatchpilotError]:
+    """The ramp-up's shape or the schedule's entries, stages no micro batch can place, too many stages."""
+    try:
+        ranges = sample_ranges(batch_schedule(config), total_samples=config.total_samples)
+    except BatchpilotError as error:
+        return [_with_corrected_ramp(config, line) for line in split_problems(error)]
+    problems: list[BatchpilotError] = []
+    batches = [batch for batch, _, _ in ranges]
+    unplaceable = unschedulable_stages(batch_sizes=batches, **placement(config))
+    if unplaceable:
+        problems.append(_unplaceable_stages(config, batches, unplaceable))
+    if len(ranges) > MAX_STAGES:
+        problems.append(
+            BatchpilotError(
+                _ramp_field(config),
+                f"makes {len(ranges)} stages, more than {MAX_STAGES} (each stage resizes the node pool, "
+                "launches the job and writes a checkpoint)",
+                _corrected(config, unplaceable=set()) or "use fewer, larger steps",
+            )
+        )
+    return problems
+
+
+def check_parallelism(config: Config) -> None:
+    """Refuses model parallelism the trainer does not implement (it would be planned, then ignored)."""
+    for key in ("pipeline_parallel_size", "tensor_parallel_size"):
+        value = getattr(config.batch, key)
+        if value > 1:
+            raise BatchpilotError(
+                f"batch.{key}",
+                f"is {value}, but the trainer implements data parallelism only (ddp, fsdp, hsdp: "
+                "train.parallelism), not pipeline or tensor parallelism",
+                f"set batch.{key}: 1 and shard the model with train.parallelism: fsdp or hsdp",
+            )
+
+
+def check_tpu(config: Config) -> list[BatchpilotError]:
+    """The TPU rules, one error each: a known type and machine type, devices_per_node = its chips per host,
+    max_nodes a whole slice, runtime xla on a TPU pool, and what the xla runtime does not implement."""
+    problems: list[BatchpilotError] = []
+    cluster, train = config.cluster, config.train
+    try:
+        slices = tpu_plan_slices(config)
+    except BatchpilotError as error:
+        return [error]
+    if slices is not None:
+        try:
+            check_host_range(slices, min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes)
+        except BatchpilotError as error:
+            problems.append(error)
+        zoned = cluster.tpu_zone or is_zone(cluster.location)
+        if cluster.backend == "gke" and cluster.pool_mode == "resize" and cluster.location and not zoned:
+            problems.append(
+                BatchpilotError(
+                    "cluster.tpu_zone",
+                    f"is not set and cluster.location {cluster.location!r} is a region, but batchpilot creates "
+                    "each stage's slice node pool in one zone",
+                    f"set cluster.tpu_zone to a zone of {cluster.location} that offers {cluster.accelerator_type}",
+                )
+            )
+        if train.runtime == "eager":
+            problems.append(
+                BatchpilotError(
+                    "train.runtime",
+                    f"is eager, but {cluster.accelerator_type} nodes have TPUs, which PyTorch reaches only "
+                    "through torch_xla",
+                    "set train.runtime: xla (or auto)",
+                )
+            )
+    if resolved_runtime(config) == "xla":
+        if train.parallelism in ("ddp", "hsdp"):
+            problems.append(
+                BatchpilotError(
+                    "train.parallelism",
+                    f"{train.parallelism} is not implemented for runtime xla, which shards parameters, "
+                    "gradients and optimizer state over every device of the slice (SPMD)",
+                    "set train.parallelism: fsdp (or auto)",
+                )
+            )
+        problems += _explore_on_xla(config)
+        if config.data.expansion_factor_real_data != 1:
+            problems.append(
+                BatchpilotError(
+                    "data.expansion_factor_real_data",
+                    f"is {config.data.expansion_factor_real_data}, but loading hosts are not implemented "
+                    "for runtime xla (every host reads its own samples)",
+                    "set data.expansion_factor_real_data: 1",
+                )
+            )
+    return problems
+
+
+def _explore_on_xla(config: Config) -> list[BatchpilotError]:
+    """Explore's probes and study run eager PyTorch: under runtime xla they would measure another device
+    than the trainers', so what needs them is refused (docs/cluster.md, TPU)."""
+    why = "explore's probes and noise-scale study do not run on XLA (TPU) yet"
+    problems = []
+    if config.batch.micro_batch_size == "explore":
+        problems.append(
+            BatchpilotError(
+                "batch.micro_batch_size", f"is 'explore', but {why}", "set an integer micro batch"
+            )
+        )
+    if config.batch.global_batch_size == "auto":
+        problems.append(
+            BatchpilotError("batch.global_batch_size", f"is 'auto', but {why}", "set an integer target batch")
+        )
+    if config.explore.study:
+        problems.append(
+            BatchpilotError(
+                "explore.study",
+                f"is true, but {why}",
+                "set explore.study: false (the trainers still measure the noise scale every step)",
+            )
+        )
+    return problems
+
+
+def _placeable(config: Config, batch_sizes: Sequence[int]) -> bool:
+    return not unschedulable_stages(batch_sizes=batch_sizes, **placement(config))
+
+
+def _nearest_placeable(config: Config, batch: int) -> tuple[int | None, int | None]:
+    return nearest_valid_batch_sizes(
+        batch,
+        node_range=allowed_node_counts(config),
+        micro_batch_size=1,
+        devices_per_node=config.cluster.devices_per_node,
+        pp=config.batch.pipeline_parallel_size,
+        tp=config.batch.tensor_parallel_size,
+    )
+
+
+def _ramp_field(config: Config) -> str:
+    return "batch.schedule" if config.batch.schedule is not None else "batch.rampup"
+
+
+def _unplaceable_stages(config: Config, batches: list[int], unplaceable: list[int]) -> BatchpilotError:
+    cluster = config.cluster
+    factor = loading_factor(config)
+    where = f"{cluster.min_nodes}-{cluster.max_nodes} nodes of {cluster.devices_per_node} device(s)"
+    where += f" (node counts divisible by data.expansion_factor_real_data {factor})" if factor > 1 else ""
+    if unplaceable[-1] == len(batches) - 1:  # the target itself: fix it first, the ramp follows from it
+        nearby = " or ".join(str(b) for b in _nearest_placeable(config, batches[-1]) if b is not None)
+        return BatchpilotError(
+            "batch.global_batch_size",
+            f"{batches[-1]} splits over no node count at any micro batch on {where} (even "
+            "micro_batch_size 1 leaves a remainder)",
+            f"use {nearby}" if nearby else "change cluster.devices_per_node or the node range",
+        )
+    named = ", ".join(f"stage {i} ({batches[i]})" for i in unplaceable[:SHOWN_STAGES])
+    more = len(unplaceable) - SHOWN_STAGES
+    return BatchpilotError(
+        _ramp_field(config),
+        f"{len(unplaceable)} of its {len(batches)} stages fit no micro batch on {where}, not even "
+        f"micro_batch_size 1: {named}" + (f" and {more} more" if more > 0 else ""),
+        _corrected(config, unplaceable={batches[i] for i in unplaceable})
+        or "use global batch sizes that split over whole nodes",
+    )
+
+
+def _with_corrected_ramp(config: Config, error: BatchpilotError) -> BatchpilotError:
+    """A ramp-up shape error (start not below the target, increment not dividing the span, a per-device
+    value that is no whole number of samples) with the nearest valid ramp as its fix."""
+    if not error.field.startswith("batch.rampup") or error.field == "batch.rampup.samples":
+        return error
+    corrected = _corrected(config, unplaceable=set())
+    if corrected is None:
+        return error
+    return BatchpilotError(error.field, error.problem, f"{corrected}, or remove the ramp-up")
+
+
+def _corrected(config: Config, *, unplaceable: set[int]) -> str | None:
+    """The config's ramp-up in its own form, corrected to pass every micro-batch-independent check."""
+    if config.batch.schedule is not None:
+        return _corrected_schedule(config, unplaceable=unplaceable)
+    return _corrected_rampup(config)
+
+
+def _smallest_unit(config: Config) -> int:
+    """The smallest global batch that one pass of micro batch 1 takes on an allowed node count."""
+    sizes = [
+        data_parallel_size(
+            num_nodes=n,
+            devices_per_node=config.cluster.devices_per_node,
+            pipeline_parallel_size=config.batch.pipeline_parallel_size,
+            tensor_parallel_size=config.batch.tensor_parallel_size,
+        )
+        for n in allowed_node_counts(config)
+    ]
+    return min((size for size in sizes if size is not None), default=1)
+
+
+def _corrected_rampup(config: Config) -> str | None:
+    rampup, target = config.batch.rampup, config.batch.target_bound
+    unit = _smallest_unit(config)
+    step = unit if target % unit == 0 else 1
+    devices = 0  # the MaxText form's device count; 0 for the NeMo/Megatron form
+    if isinstance(rampup, MaxTextRampup):
+        devices = config.cluster.max_nodes * config.cluster.devices_per_node
+        # per-device values must be exact decimals: an increment that is a multiple of the devices' odd part
+        step = math.lcm(step, _without_2_and_5(devices))
+        start = Fraction(str(rampup.per_device_start)) * devices
+        increment = Fraction(str(rampup.per_device_increment)) * devices
+    elif isinstance(rampup, MegatronRampup):
+        start, increment = Fraction(rampup.start), Fraction(rampup.increment)
+    else:
+        return None
+
+    def accept(start: int, increment: int) -> bool:
+        if devices and not (_decimal(Fraction(start, devices)) and _decimal(Fraction(increment, devices))):
+            return False
+        return _placeable(config, range(start, target + 1, increment))
+
+    found = nearest_ramp(
+        start=start, increment=increment, target=target, max_levels=MAX_STAGES, step=step, accept=accept
+    )
+    if found is None:
+        return None
+    samples = _count_text(rampup.samples)
+    if devices:
+        first, each = (_decimal(Fraction(value, devices)) for value in found)
+        return f"rampup: {{per_device_start: {first}, per_device_increment: {each}, samples: {samples}}}"
+    return f"rampup: [{found[0]}, {found[1]}, {samples}]"
+
+
+def _corrected_schedule(config: Config, *, unplaceable: set[int]) -> str | None:
+    """The schedule with each unplaceable batch replaced by the nearest placeable one (repeats dropped),
+    thinned to `MAX_STAGES` entries when longer."""
+    assert config.batch.schedule is not None
+    fixed: list[tuple[str, int]] = []
+    for raw, _, batch in parse_schedule(config.batch.schedule, seq_len=config.data.seq_len):
+        if batch in unplaceable:
+            nearby = [b for b in _nearest_placeable(config, batch) if b is not None]
+            batch = min(nearby, key=lambda b: (abs(b - batch), -b), default=batch)
+        if not fixed or batch > fixed[-1][1]:
+            fixed.append((raw, batch))
+    if len(fixed) > MAX_STAGES:
+        keep = sorted({round(i * (len(fixed) - 1) / (MAX_STAGES - 1)) for i in range(MAX_STAGES)})
+        fixed = [fixed[i] for i in keep]
+    if fixed[-1][1] != config.batch.target_bound or not _placeable(config, [b for _, b in fixed]):
+        return None
+    return f'schedule: "{format_schedule(fixed)}"'
+
+
+def _without_2_and_5(value: int) -> int:
+    for prime in (2, 5):
+        while value % prime == 0:
+            value //= prime
+    return value
+
+
+def _decimal(value: Fraction) -> str | None:
+    """`value` as an exact decimal (0.75), or None when it has none (1/3)."""
+    if _without_2_and_5(value.denominator) != 1:
+        return None
+    text = f"{float(value):.12f}".rstrip("0").rstrip(".")
+    return text if Fraction(text) == value else None
+
+
+def _count_text(value: int) -> str:
+    """A sample count as a config writes it: `10M`, else the plain integer."""
+    text = format_count(value)
+    return str(value) if "," in text else text
