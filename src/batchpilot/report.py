@@ -1,122 +1,356 @@
-"""The run report: the plan table, the batch-size ramp, the loss curve and the exploration summary.
-
-`write_report` makes one self-contained HTML file (plots embedded as PNG) and a Markdown plan table;
-both are what the KFP UI shows for the pipeline's report step, and what `batchpilot run` leaves behind.
+"""The run report (report.html): what a practitioner asks of a finished run, in that order. A headline
+(losses, steps, samples, tokens, time and node-hours against the plan's estimate, the micro batch trained and
+why, parallelism, MFU, nodes), each launch and stage with its actuals beside the plan, the plots over consumed
+samples, the plan, and the exploration as explore.html presents it. Numbers are formatted for people
+(`batchpilot.planning.units`); the page is one self-contained file (plots embedded as PNG) that the KFP UI
+shows for the pipeline's report step and that `batchpilot run` leaves behind, beside the Markdown plan table.
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import re
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchpilot.explore.report import probe_table, recommendation_sentence, study_section
 from batchpilot.files import write_atomically
+from batchpilot.htmlpage import Html, bullets, figure, page, table
 from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.launches import launches
 from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.table import plan_table
+from batchpilot.planning.units import (
+    format_bytes,
+    format_duration,
+    format_int,
+    format_node_hours,
+    format_number,
+    format_ratio,
+)
+from batchpilot.report_figures import loss_figure, run_figures, validation_points
 from batchpilot.rundoc import RunDocument
+
+__all__ = ["loss_figure", "plan_html", "plan_markdown", "write_report"]
 
 
 def plan_markdown(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> str:
     """The stage table as Markdown (the KFP UI renders it), with its footer lines."""
-    table = plan_table(plan, cost, memory)
+    model = plan_table(plan, cost, memory)
     lines = [
-        "| " + " | ".join(c.name for c in table.columns) + " |",
-        "| " + " | ".join("---" if c.align == "left" else "---:" for c in table.columns) + " |",
+        "| " + " | ".join(c.name for c in model.columns) + " |",
+        "| " + " | ".join("---" if c.align == "left" else "---:" for c in model.columns) + " |",
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines) + "\n\n" + "\n\n".join(table.footer) + "\n"
+    lines += ["| " + " | ".join(row) + " |" for row in model.rows]
+    return "\n".join(lines) + "\n\n" + "\n\n".join(model.footer) + "\n"
 
 
 def plan_html(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> str:
     """The stage table as an HTML table, with its footer lines."""
-    table = plan_table(plan, cost, memory)
-    head = "".join(f"<th>{html.escape(c.name)}</th>" for c in table.columns)
-    rows = "".join(
-        "<tr>"
-        + "".join(
-            f"<td style='text-align:{c.align}'>{html.escape(cell)}</td>"
-            for c, cell in zip(table.columns, row, strict=True)
-        )
-        + "</tr>"
-        for row in table.rows
-    )
-    footer = "".join(f"<li>{html.escape(line)}</li>" for line in table.footer)
-    return f"<table border='1' cellpadding='4'><tr>{head}</tr>{rows}</table><ul>{footer}</ul>"
+    model = plan_table(plan, cost, memory)
+    align = "".join("l" if c.align == "left" else "r" for c in model.columns)
+    return table([c.name for c in model.columns], model.rows, align=align) + bullets(model.footer)
 
 
-def _png(figure: Any) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    return base64.b64encode(buffer.getvalue()).decode()
+@dataclass(frozen=True)
+class StageActuals:
+    """What one stage did, from its metrics records."""
+
+    index: int
+    num_steps: int
+    num_samples: int
+    trained_s: float
+    """The sum of the stage's step times: training alone, without the launch's start or a resize."""
+    num_nodes: int
+    last_loss: float
+    val_loss: float | None
+    mfu: float | None
 
 
-def _pyplot() -> Any:
-    """matplotlib's pyplot drawing off-screen (reports are files, often made where there is no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    return pyplot
-
-
-def ramp_and_loss_figures(plan: Plan, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(title, base64 PNG) of the batch-size ramp with node counts, and of the loss curves (training and
-    validation; none without records)."""
-    plt = _pyplot()
-    figures = []
-    fig, axis = plt.subplots(figsize=(7, 3.2))
-    xs = [x for s in plan.stages for x in (s.start_sample, s.end_sample)]
-    axis.step(
-        xs, [s.global_batch_size for s in plan.stages for _ in (0, 1)], where="post", label="global batch"
-    )
-    axis.set_xlabel("consumed samples")
-    axis.set_ylabel("global batch size")
-    nodes = axis.twinx()
-    nodes.step(
-        xs, [s.num_nodes for s in plan.stages for _ in (0, 1)], where="post", color="tab:orange",
-        linestyle="--", label="nodes",
-    )  # fmt: skip
-    nodes.set_ylabel("nodes", color="tab:orange")
-    nodes.set_ylim(0, max(s.num_nodes for s in plan.stages) + 1)
-    axis.set_ylim(0, plan.stages[-1].global_batch_size * 1.1)
-    axis.legend(handles=axis.get_lines() + nodes.get_lines(), loc="lower right", fontsize=8)
-    figures.append(("Batch-size ramp and nodes per stage", _png(fig)))
-    plt.close(fig)
-    if records:
-        fig = loss_figure(plan, records)
-        figures.append(("Loss", _png(fig)))
-        plt.close(fig)
-    return figures
-
-
-def validation_points(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
-    """(consumed samples, validation loss) of the steps that ended with an evaluation (`val_loss` not null;
-    records of runs before validation have no such key)."""
-    return [(r["consumed_samples"], float(r["val_loss"])) for r in records if r.get("val_loss") is not None]
-
-
-def loss_figure(plan: Plan, records: list[dict[str, Any]]) -> Any:
-    """The training loss of each stage as lines and the validation loss as markers, over consumed samples."""
-    fig, axis = _pyplot().subplots(figsize=(7, 3.2))
+def stage_actuals(document: RunDocument, records: list[dict[str, Any]]) -> dict[int, StageActuals]:
+    """Per stage that trained: steps, samples, training time, nodes, the last losses and the mean MFU."""
+    plan = document.plan
+    actuals = {}
     for stage in plan.stages:
-        points = [(r["consumed_samples"], r["loss"]) for r in records if r["stage"] == stage.index]
-        if points:
-            axis.plot(*zip(*points, strict=True), label=f"{stage.name} (batch {stage.global_batch_size})")
-    validation = validation_points(records)
-    if validation:
-        axis.plot(
-            *zip(*validation, strict=True), linestyle="none", marker="o", markersize=4, color="black",
-            label="validation",
-        )  # fmt: skip
-    axis.set_xlabel("consumed samples")
-    axis.set_ylabel("loss")
-    axis.legend(fontsize=7)
-    return fig
+        rows = [r for r in records if r["stage"] == stage.index]
+        if not rows:
+            continue
+        validation = validation_points(rows)
+        mfu = [float(r["mfu"]) for r in rows if r.get("mfu") is not None]
+        actuals[stage.index] = StageActuals(
+            index=stage.index,
+            num_steps=len(rows),
+            num_samples=rows[-1]["consumed_samples"] - stage.start_sample,
+            trained_s=sum(float(r.get("step_time_s") or 0.0) for r in rows),
+            num_nodes=max(int(r.get("world_size") or stage.world_size) for r in rows)
+            // max(1, stage.world_size // stage.num_nodes),
+            last_loss=float(rows[-1]["loss"]),
+            val_loss=validation[-1][1] if validation else None,
+            mfu=statistics.mean(mfu) if mfu else None,
+        )
+    return actuals
+
+
+def _summary(
+    document: RunDocument, records: list[dict[str, Any]], actuals: dict[int, StageActuals]
+) -> dict[str, float]:
+    """The headline numbers for KFP Metrics (what was not measured is left out)."""
+    plan, cost = document.plan, document.cost
+    summary: dict[str, float] = {"num_stages": len(plan.stages), "micro_batch_size": plan.micro_batch_size}
+    if document.memory is not None:
+        summary["estimated_peak_memory_gib_per_device"] = document.memory.peak.estimate.total / 2**30
+    if cost is not None:
+        summary.update(estimated_hours=cost.duration_s / 3600, estimated_node_hours=cost.node_hours)
+    if records:
+        summary.update(
+            final_loss=float(records[-1]["loss"]),
+            first_loss=float(records[0]["loss"]),
+            trained_samples=float(records[-1]["consumed_samples"]),
+            mean_tokens_per_s=sum(r["tokens_per_s"] for r in records) / len(records),
+            trained_hours=sum(a.trained_s for a in actuals.values()) / 3600,
+            trained_node_hours=sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600,
+        )
+        mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
+        if mfu:
+            summary["mean_mfu"] = sum(mfu) / len(mfu)
+        validation = validation_points(records)
+        if validation:
+            summary["final_val_loss"] = validation[-1][1]
+        noise = [r["noise_scale"] for r in records if r.get("noise_scale")]
+        if noise:
+            summary["noise_scale_last"] = float(noise[-1])
+    return summary
+
+
+def _card(label: str, value: str, detail: str = "") -> str:
+    return (
+        f"<div class='card'><div class='label'>{html.escape(label)}</div><div class='value'>{html.escape(value)}"
+        f"</div><div class='detail'>{html.escape(detail)}</div></div>"
+    )
+
+
+def _median_ratio(probes: list[dict[str, Any]], micro: int, base: int | None) -> float | None:
+    ratios = [
+        1.0
+        if p["micro_batch_size"] == base and not p.get("relative_throughput")
+        else p.get("relative_throughput")
+        for p in probes
+        if p["fits"] and p["micro_batch_size"] == micro
+    ]
+    values = [r for r in ratios if r]
+    return statistics.median(values) if values else None
+
+
+def micro_batch_reason(document: RunDocument, explore: dict[str, Any] | None) -> str:
+    """Why the run trained at its micro batch, and how that compares with explore's pick."""
+    trained = document.plan.micro_batch_size
+    rec = (explore or document.explore or {}).get("recommendation")
+    if document.micro_batch_source == "config":
+        reason = "set by batch.micro_batch_size in the config"
+    elif document.micro_batch_source == "override":
+        reason = "set on the command line or as a pipeline parameter"
+    elif rec and rec["micro_batch_size"] == trained:
+        return f"explore's pick: the fastest measured size, {format_ratio(rec['estimated_speedup'])} the base"
+    else:
+        reason = (
+            "the fastest measured size that splits every stage's global batch over its data-parallel size"
+        )
+    if not rec or rec["micro_batch_size"] == trained:
+        return reason
+    comparison = ""
+    probes = (explore or {}).get("probes") or []
+    ours = _median_ratio(probes, trained, rec.get("base_micro_batch_size"))
+    theirs = _median_ratio(probes, rec["micro_batch_size"], rec.get("base_micro_batch_size"))
+    if ours and theirs:
+        comparison = f", {format_ratio(ours / theirs)} its throughput"
+    return f"{reason}; explore's fastest was {rec['micro_batch_size']}{comparison}"
+
+
+def _headline(
+    document: RunDocument,
+    records: list[dict[str, Any]],
+    actuals: dict[int, StageActuals],
+    explore: dict[str, Any] | None,
+) -> str:
+    plan, cost = document.plan, document.cost
+    cards = []
+    if records:
+        validation = validation_points(records)
+        cards.append(
+            _card(
+                "final training loss",
+                format_number(records[-1]["loss"]),
+                f"from {format_number(records[0]['loss'])} at the first step",
+            )
+        )
+        if validation:
+            cards.append(
+                _card(
+                    "validation loss",
+                    format_number(validation[-1][1]),
+                    f"last evaluated at sample {format_int(validation[-1][0])}",
+                )
+            )
+        samples = records[-1]["consumed_samples"]
+        cards.append(
+            _card("optimizer steps", format_int(len(records)), f"planned {format_int(plan.num_steps)}")
+        )
+        cards.append(_card("samples", format_int(samples), f"planned {format_int(plan.trained_samples)}"))
+        cards.append(
+            _card(
+                "tokens",
+                format_int(samples * document.config.data.seq_len),
+                f"{format_int(document.config.data.seq_len)} per sample",
+            )
+        )
+        trained_s = sum(a.trained_s for a in actuals.values())
+        node_hours = sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600
+        estimate = f"estimated {format_duration(cost.duration_s)}; " if cost else ""
+        cards.append(
+            _card(
+                "training time",
+                format_duration(trained_s),
+                f"{estimate}the sum of step times, without starts and resizes",
+            )
+        )
+        if cost is not None:
+            held = (
+                f"; a pool held at {plan.max_nodes} nodes: {format_node_hours(cost.static_pool_node_hours)}"
+            )
+            cards.append(
+                _card(
+                    "node-hours",
+                    format_node_hours(node_hours),
+                    f"estimated {format_node_hours(cost.node_hours)}{held}",
+                )
+            )
+        else:
+            cards.append(
+                _card("node-hours", format_node_hours(node_hours), "no estimate: no measured throughput")
+            )
+    cards.append(
+        _card("micro batch trained", format_int(plan.micro_batch_size), micro_batch_reason(document, explore))
+    )
+    memory = (
+        f"; {format_bytes(document.memory.peak.estimate.total)} per device estimated"
+        if document.memory
+        else ""
+    )
+    cards.append(
+        _card("parallelism", plan.parallelism, f"{plan.devices_per_node} device(s) per node{memory}")
+    )
+    mfu = [a.mfu for a in actuals.values() if a.mfu is not None]
+    cards.append(
+        _card(
+            "MFU",
+            f"{statistics.mean(mfu):.1%}" if mfu else "not measured",
+            "model FLOPs utilisation, mean over steps" if mfu else "the trainer reports it on GPUs and TPUs",
+        )
+    )
+    planned = max((s.planned_nodes or s.num_nodes) for s in plan.stages)
+    used = max((a.num_nodes for a in actuals.values()), default=0)
+    short = [
+        a
+        for a in actuals.values()
+        if a.num_nodes < (plan.stages[a.index].planned_nodes or plan.stages[a.index].num_nodes)
+    ]
+    cards.append(
+        _card(
+            "nodes",
+            f"{used} of {planned} planned" if used and used != planned else str(planned),
+            f"{len(short)} stage(s) on fewer nodes than planned"
+            if short
+            else "every stage on its planned nodes"
+            if actuals
+            else "nothing trained yet",
+        )
+    )
+    return "<div class='cards'>" + "".join(cards) + "</div>"
+
+
+def _stage_rows(document: RunDocument, actuals: dict[int, StageActuals]) -> Html:
+    """Per launch and stage: the plan's nodes and estimate beside what the stage did."""
+    plan, cost = document.plan, document.cost
+    seq_len = document.config.data.seq_len
+    rows = []
+    for launch in launches(plan):
+        for index in range(launch.first_stage, launch.last_stage + 1):
+            stage = plan.stages[index]
+            actual = actuals.get(index)
+            planned = stage.planned_nodes or stage.num_nodes
+            est = format_duration(cost.stages[index].duration_s) if cost else ""
+            if actual is None:
+                rows.append(
+                    [
+                        launch.name,
+                        stage.name,
+                        format_int(stage.global_batch_size),
+                        format_int(stage.num_samples),
+                        str(planned),
+                        "not trained",
+                        est,
+                        "",
+                        "",
+                        "",
+                        "",
+                    ]
+                )
+                continue
+            rate = actual.num_samples * seq_len / actual.trained_s if actual.trained_s else None
+            rows.append(
+                [
+                    launch.name,
+                    stage.name,
+                    format_int(stage.global_batch_size),
+                    format_int(actual.num_samples),
+                    str(planned),
+                    str(actual.num_nodes),
+                    est,
+                    format_duration(actual.trained_s),
+                    format_int(rate) if rate else "",
+                    format_number(actual.last_loss),
+                    format_number(actual.val_loss) if actual.val_loss is not None else "",
+                ]
+            )
+    header = [
+        "launch",
+        "stage",
+        "global batch",
+        "samples",
+        "nodes planned",
+        "nodes used",
+        "est. time",
+        "time",
+        "tokens/s",
+        "last loss",
+        "validation loss",
+    ]
+    return table(header, rows, align="llrrrrrrrrr")
+
+
+def _explore_plots(explore_html: Path | None) -> str:
+    """The plots of explore.html (self-contained <figure> or <img> elements), when that file is at hand."""
+    if explore_html is None or not explore_html.is_file():
+        return ""
+    text = explore_html.read_text()
+    return "".join(re.findall(r"<figure>.*?</figure>", text) or re.findall(r"<img [^>]*>", text))
+
+
+def _explore_section(document: RunDocument, explore: dict[str, Any], explore_html: Path | None) -> str:
+    """The exploration as explore.html presents it, with the trained size marked beside the recommended."""
+    rec = explore["recommendation"]
+    trained = (document.plan.micro_batch_size, document.config.train.activation_checkpointing)
+    return (
+        f"<h2>Exploration</h2><p><b>Recommendation:</b> {html.escape(recommendation_sentence(rec))}</p>"
+        f"<p><b>Trained:</b> micro_batch_size={document.plan.micro_batch_size}: "
+        f"{html.escape(micro_batch_reason(document, explore))}.</p>"
+        f"{bullets(rec['reasoning'] + rec.get('plan_notes', []))}"
+        f"<div class='figures'>{_explore_plots(explore_html)}</div>"
+        f"<h3>Probes</h3>{probe_table(explore, trained=trained)}"
+        f"{study_section(explore.get('noise_scale'), explore.get('study_error'), heading='h3')}"
+    )
 
 
 def write_report(
@@ -132,55 +366,35 @@ def write_report(
     """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics.
     `canary`: the run's canary.json, when its canary ran."""
     plan, cost = document.plan, document.cost
-    summary: dict[str, float] = {"num_stages": len(plan.stages), "micro_batch_size": plan.micro_batch_size}
-    if document.memory is not None:
-        summary["estimated_peak_memory_gib_per_device"] = document.memory.peak.estimate.total / 2**30
-    if cost is not None:
-        summary.update(estimated_hours=cost.duration_s / 3600, estimated_node_hours=cost.node_hours)
-    if records:
-        summary.update(
-            final_loss=float(records[-1]["loss"]),
-            first_loss=float(records[0]["loss"]),
-            trained_samples=float(records[-1]["consumed_samples"]),
-            mean_tokens_per_s=sum(r["tokens_per_s"] for r in records) / len(records),
-        )
-        mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
-        if mfu:
-            summary["mean_mfu"] = sum(mfu) / len(mfu)
-        validation = validation_points(records)
-        if validation:
-            summary["final_val_loss"] = validation[-1][1]
-        noise = [r["noise_scale"] for r in records if r.get("noise_scale")]
-        if noise:
-            summary["noise_scale_last"] = float(noise[-1])
-    parts = [f"<h1>batchpilot run: {html.escape(document.config.name)}</h1>"]
-    if explore is not None:
-        parts.append(_explore_section(explore, explore_html))
-    if canary is not None:
-        parts.append(canary_section(canary))
-    parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
-    if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
-        parts.append("<ul>" + "".join(f"<li>{html.escape(note)}</li>" for note in document.notes) + "</ul>")
+    actuals = stage_actuals(document, records)
+    summary = _summary(document, records, actuals)
+    name = document.config.name
+    parts = [f"<h1>batchpilot run: {html.escape(name)}</h1>", _headline(document, records, actuals, explore)]
+    parts.append("<h2>Launches and stages: plan and actuals</h2>" + _stage_rows(document, actuals))
+    parts.append(
+        "<p class='muted'>Time is the sum of a stage's step times (training alone); tokens/s is the stage's tokens "
+        "over that time, all devices together.</p>"
+    )
+    study = (explore or document.explore or {}).get("noise_scale") or {}
+    figures = run_figures(plan, records, critical_batch_size=study.get("critical_batch_size"))
+    parts.append(
+        "<h2>Over the run</h2><div class='figures'>" + "".join(figure(t, p) for t, p in figures) + "</div>"
+    )
     if document.capacity:
-        section, figures = capacity_section(document, records)
+        section, capacity_figures = capacity_section(document, records)
         parts.append(section)
-        summary.update(figures)
+        summary.update(capacity_figures)
     if document.decisions:
         parts.append(_decisions_section(document))
         summary["adaptive_decisions"] = len(document.decisions)
-    for title, png in ramp_and_loss_figures(plan, records):
-        parts.append(
-            f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
-        )
-    parts.append(
-        "<h2>Summary</h2><ul>" + "".join(f"<li>{k}: {v:,.4g}</li>" for k, v in summary.items()) + "</ul>"
-    )
-    write_atomically(
-        html_path,
-        "<!doctype html><html><head><meta charset='utf-8'><title>batchpilot</title></head><body>"
-        + "\n".join(parts)
-        + "</body></html>\n",
-    )
+    parts.append("<h2>Plan</h2>" + plan_html(plan, cost, document.memory))
+    if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
+        parts.append("<h3>How the plan was made</h3>" + bullets(document.notes))
+    if explore is not None:
+        parts.append(_explore_section(document, explore, explore_html))
+    if canary is not None:
+        parts.append(canary_section(canary))
+    write_atomically(html_path, page(f"batchpilot run: {name}", "\n".join(parts)))
     if markdown_path is not None:
         write_atomically(markdown_path, plan_markdown(plan, cost, document.memory))
     return summary
@@ -210,7 +424,7 @@ def canary_section(canary: dict[str, Any]) -> str:
         f"{html.escape(canary['backend'])} all-reduce of {canary['all_reduce_bytes'] / 2**20:.0f} MiB: bus bandwidth "
         f"{measured / 1e9:.2f} GB/s{versus}.</p>"
         + (f"<p><strong>Warning: {html.escape(warning)}</strong></p>" if warning else "")
-        + "<table border='1' cellpadding='4'><tr><th>node</th><th>host</th><th>processes</th><th>GPUs seen</th>"
+        + "<table><tr><th>node</th><th>host</th><th>processes</th><th>GPUs seen</th>"
         "<th>shard read MB/s</th><th>checkpoint write ms</th><th>checkpoint read ms</th></tr>"
         + rows
         + "</table>"
@@ -237,8 +451,9 @@ def capacity_section(document: RunDocument, records: list[dict[str, Any]]) -> tu
         later_h += later
         rows.append(
             f"<tr><td>{html.escape(record.launch)}</td><td>{record.planned_nodes}</td><td>{record.ready_nodes}</td>"
-            f"<td>{record.nodes}</td><td>{record.waited_s:,.0f}</td><td>{waiting:,.3g}</td>"
-            f"<td>{trained_s / 3600:,.3g}</td><td>{trained:,.3g}</td><td>{later:,.3g}</td>"
+            f"<td>{record.nodes}</td><td>{format_duration(record.waited_s)}</td><td>{format_node_hours(waiting)}</td>"
+            f"<td>{format_duration(trained_s)}</td><td>{format_node_hours(trained)}</td>"
+            f"<td>{format_duration(later * 3600)}</td>"
             f"<td>{html.escape(record.reason)}</td></tr>"
         )
     section = (
@@ -247,9 +462,9 @@ def capacity_section(document: RunDocument, records: list[dict[str, Any]]) -> tu
         "count their global batches split over: the same batches, samples and learning rate, with more gradient "
         "accumulation. At the same throughput per device the training node-hours are those the plan expected; the "
         "shortfall cost the wait (the ready nodes, idle) and a later finish.</p>"
-        "<table border='1' cellpadding='4'><tr><th>launch</th><th>planned nodes</th><th>ready</th><th>trained on"
-        "</th><th>waited (s)</th><th>waiting node-hours</th><th>training hours</th><th>training node-hours</th>"
-        "<th>hours later than on the planned nodes</th><th>why</th></tr>" + "".join(rows) + "</table>"
+        "<table><tr><th>launch</th><th>planned nodes</th><th>ready</th><th>trained on"
+        "</th><th>waited</th><th>waiting node-hours</th><th>training time</th><th>training node-hours</th>"
+        "<th>later than on the planned nodes by</th><th>why</th></tr>" + "".join(rows) + "</table>"
     )
     figures = {
         "launches_on_fewer_nodes": float(len(document.capacity)),
@@ -268,9 +483,9 @@ def _decisions_section(document: RunDocument) -> str:
     rows = []
     for taken in document.decisions:
         decision = taken.decision
-        estimate = "" if decision.estimate is None else f"{decision.estimate:,.1f}"
-        stderr = "" if decision.stderr is None else f"{decision.stderr:,.1f}"
-        lower = "" if decision.lower_bound is None else f"{decision.lower_bound:,.1f}"
+        estimate = "" if decision.estimate is None else format_number(decision.estimate)
+        stderr = "" if decision.stderr is None else format_number(decision.stderr)
+        lower = "" if decision.lower_bound is None else format_number(decision.lower_bound)
         k = "" if decision.confidence is None else f"{decision.confidence:g}"
         rows.append(
             f"<tr><td>stage-{taken.stage}</td><td>{taken.end_sample:,}</td><td>{decision.stage_samples:,}</td>"
@@ -282,36 +497,7 @@ def _decisions_section(document: RunDocument) -> str:
         "noise scale (the critical batch estimate less k jackknife standard errors, times "
         "<code>adaptive.scale</code>) stayed at or above the next batch size the node schedule accepts for the "
         "configured patience (reason noise_scale), or at the ramp's end (ramp_end).</p>"
-        "<table border='1' cellpadding='4'><tr><th>stage</th><th>ended at sample</th><th>samples in stage</th>"
+        "<table><tr><th>stage</th><th>ended at sample</th><th>samples in stage</th>"
         "<th>estimate</th><th>+- (jackknife)</th><th>lower bound</th><th>k</th><th>threshold</th><th>reason</th>"
         "<th>next batch</th></tr>" + "".join(rows) + "</table>"
     )
-
-
-def _explore_plots(explore_html: Path | None) -> str:
-    """The plots of explore.html (self-contained <img> tags), when that file is at hand."""
-    if explore_html is None or not explore_html.is_file():
-        return ""
-    return "".join(re.findall(r"<img [^>]*>", explore_html.read_text()))
-
-
-def _explore_section(explore: dict[str, Any], explore_html: Path | None) -> str:
-    recommendation = explore.get("recommendation") or {}
-    items = "".join(
-        f"<li>{html.escape(str(k))}: {html.escape(str(v))}</li>"
-        for k, v in recommendation.items()
-        if not isinstance(v, dict | list)
-    )
-    fits = [p for p in explore.get("probes", []) if p.get("fits")]
-    rows = "".join(
-        f"<tr><td>{p['micro_batch_size']}</td><td>{p['activation_checkpointing']}</td>"
-        f"<td>{p.get('tokens_per_s', 0):,.0f}</td><td>{p.get('peak_memory_bytes', 0):,}</td></tr>"
-        for p in sorted(fits, key=lambda p: (p["activation_checkpointing"], p["micro_batch_size"]))
-    )
-    table = (
-        "<table border='1' cellpadding='4'><tr><th>micro batch</th><th>activation checkpointing</th>"
-        f"<th>tokens/s</th><th>peak memory bytes</th></tr>{rows}</table>"
-    )
-    notes = "".join(f"<li>{html.escape(str(note))}</li>" for note in recommendation.get("plan_notes") or [])
-    notes_html = f"<p>For the plan:</p><ul>{notes}</ul>" if notes else ""
-    return f"<h2>Exploration</h2><ul>{items}</ul>{notes_html}{_explore_plots(explore_html)}{table}"

@@ -1,51 +1,165 @@
-"""The run report: the loss figure (training lines, validation markers) and the summary KFP shows."""
+"""The run report: the headline a practitioner reads first, each stage's actuals beside the plan, the plots over
+consumed samples, the exploration as explore.html shows it, and numbers written for people throughout."""
 
 from __future__ import annotations
 
+import html
 import math
+import re
 from typing import Any
 
 import pytest
 
-from batchpilot import workflow
+from batchpilot.explore.report import explore_html
 from batchpilot.report import loss_figure, write_report
 from batchpilot.rundoc import RunDocument
-from helpers import REPO
-
-DEMO = (REPO / "configs" / "demo.yaml").read_text()
+from report_samples import sample_document, sample_explore, sample_records
 
 
 @pytest.fixture(scope="module")
 def document() -> RunDocument:
-    return workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=8)
+    return sample_document()
 
 
-def records(document: RunDocument, *, validation_every: int | None) -> list[dict[str, Any]]:
-    """One record per optimizer step, the training loss falling; `val_loss` every `validation_every` steps
-    (null on the others), or no such key at all (a run from before validation)."""
-    steps = [
-        (stage.index, consumed)
-        for stage in document.plan.stages
-        for consumed in range(
-            stage.start_sample + stage.global_batch_size, stage.end_sample + 1, stage.global_batch_size
-        )
+@pytest.fixture(scope="module")
+def rendered(document, tmp_path_factory) -> tuple[str, dict[str, float]]:
+    path = tmp_path_factory.mktemp("report") / "report.html"
+    summary = write_report(
+        document=document, records=sample_records(document), explore=sample_explore(), html_path=path
+    )
+    return path.read_text(), summary
+
+
+def text_of(page: str) -> str:
+    """What a reader sees: the page without its stylesheet, embedded images and tags."""
+    page = re.sub(r"<style>.*?</style>|src='data:image/png;base64,[^']*'", "", page, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
+
+
+def card(page: str, label: str) -> tuple[str, str]:
+    """(value, detail) of the headline card `label`."""
+    match = re.search(
+        rf"<div class='label'>{re.escape(label)}</div><div class='value'>(.*?)</div><div class='detail'>(.*?)</div>",
+        page,
+    )
+    assert match, f"no headline card {label!r}"
+    return html.unescape(match.group(1)), html.unescape(match.group(2))
+
+
+def row(page: str, first_cells: list[str]) -> list[str]:
+    """The cells of the first table row that starts with `first_cells`."""
+    for found in re.findall(r"<tr>(.*?)</tr>", page):
+        cells = [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", found)]
+        if cells[: len(first_cells)] == first_cells:
+            return cells
+    raise AssertionError(f"no row starting {first_cells}")
+
+
+def test_the_headline_gives_losses_steps_samples_tokens_time_and_node_hours(rendered):
+    page, _ = rendered
+    # 349 steps of 0.5 s; the loss falls 0.01 a step from 5.0; validation every 40th step.
+    assert card(page, "final training loss") == ("1.52", "from 5 at the first step")
+    assert card(page, "validation loss") == ("2.31", "last evaluated at sample 14,528")
+    assert card(page, "optimizer steps") == ("349", "planned 349")
+    assert card(page, "samples") == ("16,384", "planned 16,384")
+    assert card(page, "tokens") == ("2,097,152", "128 per sample")
+    # Estimate at 64 samples/s per device: 21.5 + 21.5 + 21 s on 1 node, then 96 s on 2 = 160 s, 0.071 node-hours;
+    # trained: 157 steps on 1 node and 192 on 2, 0.5 s each = 174.5 s, (78.5 + 192) / 3600 node-hours.
+    assert card(page, "training time") == (
+        "2.9 min",
+        "estimated 2.7 min; the sum of step times, without starts and resizes",
+    )
+    assert card(page, "node-hours") == ("0.075", "estimated 0.071; a pool held at 2 nodes: 0.089")
+    assert card(page, "nodes") == ("2", "every stage on its planned nodes")
+    assert card(page, "MFU") == ("not measured", "the trainer reports it on GPUs and TPUs")
+
+
+def test_the_headline_says_why_the_trained_micro_batch_is_not_explores_pick(rendered):
+    page, summary = rendered
+    # explore's fastest, 48, at 2.0x the base; 16 at 1.5x: 0.75x its throughput.
+    assert card(page, "micro batch trained") == (
+        "16",
+        "the fastest measured size that splits every stage's global batch over its data-parallel size; "
+        "explore's fastest was 48, 0.75x its throughput",
+    )
+    assert summary["micro_batch_size"] == 16
+
+
+def test_each_stage_shows_its_actuals_beside_the_plan(rendered):
+    page, _ = rendered
+    header = [
+        "launch",
+        "stage",
+        "global batch",
+        "samples",
+        "nodes planned",
+        "nodes used",
+        "est. time",
+        "time",
     ]
-    rows: list[dict[str, Any]] = []
-    for index, (stage, consumed) in enumerate(steps):
-        row: dict[str, Any] = {
-            "consumed_samples": consumed,
-            "stage": stage,
-            "loss": 5.0 - index / 100,
-            "tokens_per_s": 1000.0,
-        }
-        if validation_every is not None:
-            row["val_loss"] = 5.5 - index / 100 if (index + 1) % validation_every == 0 else None
-        rows.append(row)
-    return rows
+    assert header[0] in text_of(page) and "validation loss" in text_of(page)
+    # 12,288 samples in 192 steps of 0.5 s (est. 12,288 / 128 samples/s = 96 s): 16,384 tokens/s.
+    assert row(page, ["final", "final"]) == [
+        "final", "final", "64", "12,288", "2", "2", "1.6 min", "1.6 min", "16,384", "1.52", "2.31",
+    ]  # fmt: skip
+    # stage-0: 86 steps of 16 samples on 1 node; validation first at the 40th step, last at the 80th.
+    assert row(page, ["stages-0-2", "stage-0"]) == [
+        "stages-0-2", "stage-0", "16", "1,376", "1", "1", "22 s", "43 s", "4,096", "4.15", "4.71",
+    ]  # fmt: skip
+
+
+def test_the_plots_cover_loss_noise_scale_throughput_and_learning_rate(rendered):
+    page, _ = rendered
+    captions = re.findall(r"<figure><figcaption>(.*?)</figcaption><img ", page)
+    assert captions[:4] == [
+        "Training and validation loss",
+        "Batch-size ramp, measured noise scale and nodes",
+        "Throughput",
+        "Learning rate",
+    ]
+
+
+def test_the_page_has_no_python_reprs_or_long_floats(rendered):
+    visible = text_of(rendered[0])
+    for word in ("True", "False", "None", "{'", "':"):
+        assert word not in visible, word
+    assert not re.findall(r"\d\.\d{5,}", visible)  # e.g. 2.173165154900067
+    assert "est. hours" not in visible and " 0.00 " not in visible
+
+
+def test_the_exploration_marks_the_recommended_trained_and_repeated_probes(rendered):
+    page, _ = rendered
+    assert "<b>Recommendation:</b> micro_batch_size=48 (activation checkpointing off): 2.00x the base" in page
+    # The paired column is the plots' scale (the base's 30,000 tokens/s) times each probe's ratio.
+    assert row(page, ["5", "16"])[7:] == ["1.50x", "45,000", "4", "trained"]
+    assert row(page, ["9", "48"])[7:] == ["2.00x", "60,000", "3", "recommended"]
+    assert row(page, ["10", "48"])[-1] == "recommendedrepeat of #9"
+    assert row(page, ["1", "1"])[-1] == "base"
+
+
+def test_the_studys_advice_is_flagged_when_it_is_not_trustworthy(tmp_path, document):
+    untrusted = write_report(
+        document=document, records=[], explore=sample_explore(), html_path=tmp_path / "a.html"
+    )
+    page = (tmp_path / "a.html").read_text()
+    assert untrusted["num_stages"] == 4
+    assert "Not trustworthy as it stands" in page
+    assert "measured after only 50 training step(s) (fewer than 100)" in page
+    assert "a critical batch of 0.32 samples, below one sample" in page
+    trusted = sample_explore(study_train_steps=200, critical_batch_size=40.0)
+    write_report(document=document, records=[], explore=trusted, html_path=tmp_path / "b.html")
+    assert "Not trustworthy" not in (tmp_path / "b.html").read_text()
+
+
+def test_explore_html_presents_the_probes_with_the_same_table(tmp_path):
+    page = explore_html(sample_explore(), [])
+    assert row(page, ["9", "48"])[7:] == ["2.00x", "60,000", "3", "recommended"]
+    assert "trained" not in text_of(page)  # explore alone trains nothing
+    assert "Not trustworthy as it stands" in page
 
 
 def test_the_loss_figure_marks_validation_loss_over_consumed_samples(document):
-    rows = records(document, validation_every=40)
+    rows = sample_records(document, validation_every=40)
     axis = loss_figure(document.plan, rows).axes[0]
     lines = {line.get_label(): line for line in axis.get_lines()}
     validation = lines["validation"]
@@ -57,24 +171,18 @@ def test_the_loss_figure_marks_validation_loss_over_consumed_samples(document):
     assert axis.get_ylabel() == "loss"
 
 
-def test_the_summary_holds_the_last_validation_loss_and_the_report_shows_it(tmp_path, document):
-    rows = records(document, validation_every=40)
-    rows[-1]["val_loss"] = None  # the last step did not evaluate: the last evaluation counts
-    html_path = tmp_path / "report.html"
-    summary = write_report(document=document, records=rows, explore=None, html_path=html_path)
-    last = [r["val_loss"] for r in rows if r["val_loss"] is not None][-1]
-    assert summary["final_val_loss"] == last
-    assert summary["final_loss"] == rows[-1]["loss"]
-    page = html_path.read_text()
-    assert f"final_val_loss: {last:,.4g}" in page
-    assert page.count("<img ") == 2  # the ramp and the loss figure
+def test_the_summary_holds_the_last_validation_loss(rendered, document):
+    rows = sample_records(document)
+    assert rendered[1]["final_val_loss"] == [r["val_loss"] for r in rows if r["val_loss"] is not None][-1]
+    assert rendered[1]["final_loss"] == rows[-1]["loss"]
 
 
 @pytest.mark.parametrize("validation_every", [None, 10_000])  # no key (older runs), or never evaluated
 def test_records_without_validation_loss_still_make_a_report(tmp_path, document, validation_every):
-    rows = records(document, validation_every=validation_every)
+    rows: list[dict[str, Any]] = sample_records(document, validation_every=validation_every)
     summary = write_report(document=document, records=rows, explore=None, html_path=tmp_path / "r.html")
     assert "final_val_loss" not in summary
     assert math.isclose(summary["final_loss"], rows[-1]["loss"])
     labels = [line.get_label() for line in loss_figure(document.plan, rows).axes[0].get_lines()]
     assert "validation" not in labels
+    assert "validation loss</div>" not in (tmp_path / "r.html").read_text()

@@ -7,13 +7,22 @@ import base64
 import html
 import io
 import json
+import statistics
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from batchpilot.config import Config
+from batchpilot.config import Config, explore_fingerprint
 from batchpilot.explore.records import Setting
 from batchpilot.explore.search import SearchState
 from batchpilot.files import write_atomically
+from batchpilot.htmlpage import Html, bullets, figure, page, table
+from batchpilot.planning.units import (
+    format_bytes,
+    format_duration,
+    format_int,
+    format_number,
+    format_ratio,
+)
 
 if TYPE_CHECKING:
     from batchpilot.explore.runner import ExploreResult
@@ -48,6 +57,7 @@ def explore_document(
         "probe_parallelism": result.layout.parallelism,
         "processes_per_probe": result.layout.processes,
         "seq_len": config.data.seq_len,
+        "fingerprint": explore_fingerprint(config),
         "memory_budget_bytes": config.explore.memory_budget_bytes,
         "stopped_because": result.stopped_because,
         "elapsed_s": round(result.elapsed_s, 3),
@@ -101,7 +111,8 @@ def plots(state: SearchState, *, budget_bytes: int, device: str | None) -> list[
         if key == "peak_memory_bytes" and device == "cpu":
             axes.axhline(budget_bytes / 2**20, color="red", linestyle=":", label="memory budget")
         axes.set_xscale("log", base=2)
-        axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axes.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: format_int(x)))
+        axes.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: format_int(y)))
         axes.set_xlabel("micro batch size")
         axes.set_ylabel(title)
         axes.grid(True, alpha=0.3)
@@ -140,97 +151,199 @@ def _plot_setting(axes: Any, state: SearchState, setting: Setting, *, key: str) 
         )
 
 
-def _list(lines: list[str]) -> str:
-    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+MIN_TRUSTED_STUDY_STEPS = 100
+"""Fewer training steps before the study than this and its advice is flagged: the noise scale grows as the loss
+falls, and a barely trained model's is a lower estimate (explore.study_train_steps)."""
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+def recommendation_sentence(rec: dict[str, Any]) -> str:
+    """`micro_batch_size=48 (activation checkpointing off): 1.88x the base (micro_batch_size=1), confidence
+    57/100, 67,239 tokens/s`."""
+    return (
+        f"micro_batch_size={rec['micro_batch_size']} (activation checkpointing "
+        f"{'on' if rec['activation_checkpointing'] else 'off'}): {format_ratio(rec['estimated_speedup'])} the base "
+        f"(micro_batch_size={rec['base_micro_batch_size']}), confidence {rec['confidence']}/100, "
+        f"{format_int(rec['tokens_per_s'])} tokens/s"
+    )
 
 
-def _probe_rows(document: dict[str, Any]) -> list[list[Any]]:
+def _base_index(probes: list[dict[str, Any]], base_micro_batch_size: int | None) -> int | None:
+    """The base probe: the first fitting probe of the base size measured without a reference."""
+    for index, probe in enumerate(probes):
+        if (
+            probe["fits"]
+            and probe["micro_batch_size"] == base_micro_batch_size
+            and not probe.get("relative_throughput")
+        ):
+            return index
+    return None
+
+
+def paired_tokens_per_s(
+    probes: list[dict[str, Any]], base_micro_batch_size: int | None
+) -> list[float | None]:
+    """Each probe's throughput as the plots show it: the base's typical tokens/s (the median of the base
+    probe's and the base speed each paired probe implies, as `SearchState.base_tokens_per_s`) times the
+    probe's ratio to the base, timed pass by pass; None for a probe without a ratio or a base."""
+    base = _base_index(probes, base_micro_batch_size)
+    if base is None or not probes[base]["tokens_per_s"]:
+        return [None] * len(probes)
+    implied = [
+        p["tokens_per_s"] / p["relative_throughput"]
+        for p in probes
+        if p["fits"] and p.get("relative_throughput") and p["tokens_per_s"]
+    ]
+    scale = statistics.median([probes[base]["tokens_per_s"], *implied])
+    return [
+        scale if i == base else scale * p["relative_throughput"] if p.get("relative_throughput") else None
+        for i, p in enumerate(probes)
+    ]
+
+
+def _marks(
+    probes: list[dict[str, Any]],
+    index: int,
+    *,
+    recommended: tuple[int, bool],
+    trained: tuple[int, bool] | None,
+    base: int | None,
+) -> Html:
+    probe = probes[index]
+    key = (probe["micro_batch_size"], bool(probe["activation_checkpointing"]))
+    marks = []
+    if index == base:
+        marks.append("<span class='mark'>base</span>")
+    if probe["fits"] and key == recommended:
+        marks.append("<span class='mark rec'>recommended</span>")
+    if probe["fits"] and key == trained:
+        marks.append("<span class='mark trained'>trained</span>")
+    earlier = [
+        p for p in probes[:index] if (p["micro_batch_size"], bool(p["activation_checkpointing"])) == key
+    ]
+    if earlier:
+        marks.append(f"<span class='mark repeat'>repeat of #{probes.index(earlier[0]) + 1}</span>")
+    if probe.get("error"):
+        marks.append(html.escape(str(probe["error"])))
+    return Html("".join(marks))
+
+
+def probe_table(document: dict[str, Any], *, trained: tuple[int, bool] | None = None) -> Html:
+    """Every probe in order: memory, pass time, its own tokens/s and the paired figures the plots use
+    ("x base"), with the recommended size, the trained one (`trained`: micro batch, activation
+    checkpointing) and repeated measurements marked."""
+    probes = document["probes"]
+    rec = document["recommendation"]
+    base = _base_index(probes, rec.get("base_micro_batch_size"))
+    paired = paired_tokens_per_s(probes, rec.get("base_micro_batch_size"))
+    recommended = (rec["micro_batch_size"], bool(rec["activation_checkpointing"]))
     rows = []
-    for index, probe in enumerate(document["probes"], start=1):
-        peak = probe["peak_memory_bytes"]
+    for index, probe in enumerate(probes):
+        ratio = 1.0 if index == base else probe.get("relative_throughput")
+        paired_here = paired[index]
         rows.append(
             [
-                index,
-                probe["micro_batch_size"],
+                str(index + 1),
+                format_int(probe["micro_batch_size"]),
                 "on" if probe["activation_checkpointing"] else "off",
                 "yes" if probe["fits"] else "no",
-                f"{peak / 2**20:,.0f}" if peak else "",
-                f"{probe['step_time_s'] * 1000:,.1f}" if probe["step_time_s"] else "",
-                f"{probe['tokens_per_s']:,.0f}" if probe["tokens_per_s"] else "",
-                f"{probe['relative_throughput']:.3f}" if probe.get("relative_throughput") else "",
-                probe["repeats"],
-                probe["error"] or "",
+                format_bytes(probe["peak_memory_bytes"]) if probe["peak_memory_bytes"] else "",
+                f"{format_number(probe['step_time_s'] * 1000)} ms" if probe["step_time_s"] else "",
+                format_int(probe["tokens_per_s"]) if probe["tokens_per_s"] else "",
+                format_ratio(ratio) if ratio else "",
+                format_int(paired_here) if paired_here else "",
+                format_int(probe["repeats"]),
+                _marks(probes, index, recommended=recommended, trained=trained, base=base),
             ]
         )
-    return rows
+    header = [
+        "#",
+        "micro batch",
+        "act. ckpt",
+        "fits",
+        "peak memory",
+        "time/pass",
+        "own tokens/s",
+        "x base, pass by pass",
+        "paired tokens/s",
+        "timed passes",
+        "",
+    ]
+    return table(header, rows, align="rrllrrrrrrl")
 
 
-def _study_section(noise: dict[str, Any] | None, study_error: str | None) -> str:
+def study_warnings(noise: dict[str, Any]) -> list[str]:
+    """Why the study's advice should not be followed as it is (empty when nothing stands out)."""
+    warnings = []
+    steps = noise.get("train_steps")
+    if steps is not None and steps < MIN_TRUSTED_STUDY_STEPS:
+        warnings.append(
+            f"measured after only {steps} training step(s) (fewer than {MIN_TRUSTED_STUDY_STEPS}): the noise scale "
+            "grows as the loss falls, so this is a lower estimate; raise explore.study_train_steps"
+        )
+    critical = noise.get("critical_batch_size")
+    if critical is not None and critical < 1:
+        warnings.append(
+            f"a critical batch of {format_number(critical)} samples, below one sample, is not a batch size to "
+            "train at: the gradients barely differ from batch to batch this early, or the measurement is noise"
+        )
+    return warnings
+
+
+def study_section(noise: dict[str, Any] | None, study_error: str | None, *, heading: str = "h2") -> Html:
+    """The effective-batch study: per multiplier, its advice, and a flag when that advice is not trustworthy."""
     if noise is None:
-        return f"<h2>Effective-batch study</h2><p>{html.escape(study_error or 'not run (--no-study)')}</p>"
+        return Html(
+            f"<{heading}>Effective-batch study</{heading}><p>{html.escape(study_error or 'not run (--no-study)')}</p>"
+        )
     rows = [
         [
             f"{r['multiplier']}x",
-            r["global_batch_size"],
-            f"{r['noise_scale']:,.1f}" if r["noise_scale"] else "not measurable",
-            f"{r['grad_norm']:.4f}",
-            f"{r['coherence']:.3f}",
+            format_int(r["global_batch_size"]),
+            format_number(r["noise_scale"]) if r["noise_scale"] else "not measurable",
+            format_number(r["grad_norm"]),
+            format_number(r["coherence"]),
         ]
         for r in noise["per_multiplier"]
     ]
-    table = _table(["accumulation", "global batch", "noise scale", "gradient norm", "coherence"], rows)
-    return f"<h2>Effective-batch study</h2>{table}{_list(noise['reasoning'])}"
+    critical = noise.get("critical_batch_size")
+    advice = (
+        f"Critical batch ~{format_number(critical)} samples; advised target global batch "
+        f"{format_int(noise['recommended_global_batch_size'])}, LR scaling {noise['lr_scaling']}."
+        if critical is not None and noise.get("recommended_global_batch_size")
+        else "No critical batch could be measured."
+    )
+    warnings = study_warnings(noise)
+    flag = (
+        "<div class='warn'><b>Not trustworthy as it stands:</b>" + bullets(warnings) + "</div>"
+        if warnings
+        else ""
+    )
+    header = ["accumulation", "global batch", "noise scale (samples)", "gradient norm", "coherence"]
+    return Html(
+        f"<{heading}>Effective-batch study</{heading}><p>{html.escape(advice)}</p>{flag}"
+        f"{table(header, rows, align='rrrrr')}{bullets(noise['reasoning'])}"
+    )
 
 
 def explore_html(document: dict[str, Any], figures: list[tuple[str, str]]) -> str:
     """A self-contained page: recommendation, plots, every probe, the study."""
     rec = document["recommendation"]
-    images = "".join(
-        f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>"
-        for title, png in figures
-    )
-    probes = _table(
-        [
-            "#",
-            "micro batch",
-            "act. ckpt",
-            "fits",
-            "peak MiB",
-            "ms/pass",
-            "tokens/s",
-            "x base, pass by pass",
-            "timed passes",
-            "error",
-        ],
-        _probe_rows(document),
-    )
-    summary = (
-        f"micro_batch_size={rec['micro_batch_size']} (activation checkpointing "
-        f"{'on' if rec['activation_checkpointing'] else 'off'}), {rec['estimated_speedup']:.2f}x the base "
-        f"(micro_batch_size={rec['base_micro_batch_size']}), confidence {rec['confidence']}/100, "
-        f"{rec['tokens_per_s']:,.0f} tokens/s"
-    )
-    style = "body{font-family:sans-serif;max-width:960px;margin:2em auto}td,th{border:1px solid #ccc;padding:3px 6px}"
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>batchpilot explore: "
-        f"{html.escape(document['name'])}</title><style>{style}</style></head><body>"
-        f"<h1>batchpilot explore: {html.escape(document['name'])}</h1>"
-        f"<p><b>Recommendation:</b> {html.escape(summary)}</p>{_list(rec['reasoning'] + rec['plan_notes'])}"
-        f"<p>{len(document['probes'])} probes on {html.escape(str(document['device']))}, each "
+    name = html.escape(document["name"])
+    images = "".join(figure(title, png) for title, png in figures)
+    return page(
+        f"batchpilot explore: {document['name']}",
+        f"<h1>batchpilot explore: {name}</h1>"
+        f"<p><b>Recommendation:</b> {html.escape(recommendation_sentence(rec))}</p>"
+        f"{bullets(rec['reasoning'] + rec['plan_notes'])}"
+        f"<p class='muted'>{len(document['probes'])} probes on {html.escape(str(document['device']))}, each "
         f"{document['processes_per_probe']} process(es) under {html.escape(document['probe_parallelism'])}, stopped: "
-        f"{html.escape(document['stopped_because'])}, {document['elapsed_s']:.0f} s</p>"
-        f"<h2>Throughput and memory</h2>{images}"
+        f"{html.escape(document['stopped_because'])}, {format_duration(document['elapsed_s'])}</p>"
+        f"<h2>Throughput and memory</h2><div class='figures'>{images}</div>"
         "<p>The plotted throughput of a size is the base probe's tokens/s times the size's median ratio "
         "to the base, timed pass by pass in the same process (a shared machine's changing speed cancels "
-        "out of the ratio); a probe's own tokens/s is in the table.</p>"
-        f"<h2>Probes</h2>{probes}"
-        f"{_study_section(document['noise_scale'], document['study_error'])}</body></html>\n"
+        "out of the ratio): the table's paired column; a probe's own tokens/s is beside it.</p>"
+        f"<h2>Probes</h2>{probe_table(document)}"
+        f"{study_section(document['noise_scale'], document['study_error'])}",
     )
 
 

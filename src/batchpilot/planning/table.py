@@ -9,7 +9,13 @@ from batchpilot.planning.cost import CostEstimate
 from batchpilot.planning.launches import launch_summary
 from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.stages import Plan
-from batchpilot.planning.units import format_bytes, short_count
+from batchpilot.planning.units import (
+    format_bytes,
+    format_duration,
+    format_node_hours,
+    format_number,
+    short_count,
+)
 
 
 @dataclass(frozen=True)
@@ -27,10 +33,6 @@ class PlanTable:
     footer: tuple[str, ...]
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:,.2f}"
-
-
 def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> PlanTable:
     """The stage table of `plan`, with duration and node-hour columns when `cost` is given and the
     per-device memory estimate when `memory` is."""
@@ -40,7 +42,7 @@ def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan 
     if memory is not None:
         names += ["mem/device"]
     if cost is not None:
-        names += ["est. hours", "node-hours"]
+        names += ["est. time", "node-hours"]
     columns = tuple(Column(name, "left" if name == "stage" else "right") for name in names)
     rows = []
     for stage in plan.stages:
@@ -60,7 +62,7 @@ def plan_table(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan 
             row += [format_bytes(memory.stages[stage.index].estimate.total)]
         if cost is not None:
             stage_cost = cost.stages[stage.index]
-            row += [_hours(stage_cost.duration_s), f"{stage_cost.node_hours:,.2f}"]
+            row += [format_duration(stage_cost.duration_s), format_node_hours(stage_cost.node_hours)]
         rows.append(tuple(row))
     return PlanTable(columns=columns, rows=tuple(rows), footer=plan_footer(plan, cost, memory))
 
@@ -102,9 +104,9 @@ def plan_footer(plan: Plan, cost: CostEstimate | None, memory: MemoryPlan | None
     lines += [f"note: {note}" for note in plan.notes]
     if cost is not None:
         lines.append(
-            f"estimate at {cost.samples_per_s_per_device:,.1f} samples/s per device: "
-            f"{_hours(cost.duration_s)} h, {cost.node_hours:,.2f} node-hours; a pool held at max_nodes="
-            f"{plan.max_nodes} would cost {cost.static_pool_node_hours:,.2f} node-hours "
+            f"estimate at {format_number(cost.samples_per_s_per_device)} samples/s per device: "
+            f"{format_duration(cost.duration_s)}, {format_node_hours(cost.node_hours)} node-hours; a pool held at "
+            f"max_nodes={plan.max_nodes} would cost {format_node_hours(cost.static_pool_node_hours)} node-hours "
             f"({cost.saving_ratio:.0%} saved by resizing per stage)"
         )
     return tuple(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -103,3 +104,43 @@ def format_bytes(value: float) -> str:
     if value >= 2**30:
         return f"{value / 2**30:,.1f} GiB"
     return f"{value / 2**20:,.1f} MiB"
+
+
+# --- numbers for people: reports, plan.md and the CLI's tables ------------------------------------
+
+
+def format_int(value: float) -> str:
+    """A whole number with thousands separators: 16384 -> `16,384`."""
+    return f"{round(value):,}"
+
+
+def format_number(value: float, *, digits: int = 3) -> str:
+    """A measured quantity to `digits` significant digits, never in exponent form and never `0` for a
+    small positive value, without trailing zeros: 2.173165 -> `2.17`, 0.3206 -> `0.321`, 0.000733 -> `0.000733`,
+    0.030 -> `0.03`, 95560.7 -> `95,561`."""
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    magnitude = math.floor(math.log10(abs(value)))
+    text = f"{value:,.{max(0, digits - 1 - magnitude)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def format_ratio(value: float) -> str:
+    """A speed-up or a throughput ratio: 2.173165 -> `2.17x`."""
+    return f"{value:.2f}x"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration in the unit a person reads it in: `0.4 s`, `45 s`, `1.2 min`, `3.4 h`, `2.5 days`."""
+    if round(seconds) < 60:
+        return f"{format_number(seconds, digits=2)} s"
+    if round(seconds / 60, 1) < 60:
+        return f"{seconds / 60:.1f} min"
+    if round(seconds / 3600, 1) < 48:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def format_node_hours(node_hours: float) -> str:
+    """Node-hours to two significant digits, so that a short run reads `0.0087`, not `0.00`."""
+    return format_number(node_hours, digits=2)
