@@ -78,7 +78,7 @@ def test_the_decisions_are_in_the_metrics_the_report_and_replay_from_the_trace(a
     logged = [r["adaptive_decision"] for r in records if r.get("adaptive_decision")]
     assert logged == document["adaptive_decisions"]
     report = (output / "report.html").read_text()
-    assert "Adaptive ramp-up decisions" in report and "<li>adaptive_decisions: " in report
+    assert "Adaptive ramp-up decisions" in report and "<th>next batch</th>" in report
     # The rule is a pure function of the trace: replayed step by step, it fires where the run did.
     config = load_config(output.parent / "run.yaml")
     run = adaptive_run(config, micro_batch_size=document["micro_batch_size"], decisions=[])

@@ -133,9 +133,13 @@ def test_demo_console_is_short_and_the_full_log_is_in_the_run_folder(demo_run):
 def test_demo_leaves_report_checkpoints_and_a_scaled_down_pool(demo_run):
     output, _ = demo_run
     report = (output / "report.html").read_text()
-    assert "Loss" in report and "Batch-size ramp" in report and "data:image/png;base64," in report
+    assert (
+        "Training and validation loss" in report
+        and "Batch-size ramp" in report
+        and "data:image/png;base64," in report
+    )
     # The validation loss and the cost estimate (#13): in the summary (also the KFP metrics) and the plan.
-    assert "<li>final_val_loss: " in report and "<li>estimated_node_hours: " in report
+    assert "<div class='label'>validation loss</div>" in report and "estimated 0." in report
     assert "node-hours" in report and "parallelism ddp" in report
     # The canary's figures (canary.json beside the checkpoints): 2 local nodes, a gloo all-reduce.
     assert "<h2>Canary</h2><p>2 node(s) x 1 process(es), gloo all-reduce of 4 MiB: bus bandwidth " in report
@@ -241,5 +245,5 @@ def test_a_launch_short_of_nodes_trains_on_the_nodes_it_got(demo_data_uri, tmp_p
     assert records[-1]["consumed_samples"] == document["trained_samples"] == 6144
     report = (output / "report.html").read_text()
     assert "Capacity: launches on fewer nodes than planned" in report
-    assert "<li>launches_on_fewer_nodes: 1</li>" in report
+    assert "1 stage(s) on fewer nodes than planned" in report
     assert "final (64@1n of 2 planned)" in result.stdout
