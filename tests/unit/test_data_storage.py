@@ -125,7 +125,8 @@ def test_uris(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_delete_removes_the_folders_it_empties_and_the_lock_file(store: LocalStorage, tmp_path: Path) -> None:
     root = tmp_path / "root"
     store.write("000000010/model.pt", b"m")
-    store.write("000000010/meta.json", b"{}", if_generation_match=0)  # leaves a hidden lock file
+    store.write("000000010/meta.json", b"{}", if_generation_match=0)
+    assert sorted(p.name for p in (root / "000000010").iterdir()) == ["meta.json", "model.pt"]  # no lock file
     store.write("000000020/deep/x.bin", b"x")
     store.write("latest", b"000000020", if_generation_match=0)
     store.delete("000000010/model.pt")
@@ -133,7 +134,7 @@ def test_delete_removes_the_folders_it_empties_and_the_lock_file(store: LocalSto
     store.delete("000000010/meta.json")
     assert not (root / "000000010").exists()  # no empty step folder, no lock file keeping it alive
     store.delete("000000020/deep/x.bin")
-    assert sorted(p.name for p in root.iterdir()) == [".bp-latest.lock", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest"]
     store.delete("latest")
     assert root.is_dir() and list(root.iterdir()) == []  # the root itself stays
     store.write("000000010/meta.json", b"again", if_generation_match=0)  # and folders come back

@@ -8,6 +8,7 @@ not fully written.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,13 @@ from batchpilot.data.shards import (
     encode_shard,
     token_dtype,
 )
-from batchpilot.data.storage import Storage, open_storage
+from batchpilot.data.storage import (
+    LocalStorage,
+    ObjectNotFound,
+    PreconditionFailed,
+    Storage,
+    open_storage,
+)
 from batchpilot.data.tokenizers import Tokenizer
 from batchpilot.errors import BatchpilotError
 
@@ -97,6 +104,7 @@ class _SplitWriter:
     shard_size_tokens: int
     precondition: int | None
     pending: list[np.ndarray]
+    written: list[str]
     num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -119,7 +127,7 @@ class _SplitWriter:
         self.num_pending_tokens = stream.size - num_tokens
         data = encode_shard(stream[:num_tokens])
         name = f"{self.split}-{len(self.shards):05d}.bin"
-        self.storage.write(name, data, if_generation_match=self.precondition)
+        write_noted(self.storage, name, data, precondition=self.precondition, noted=self.written)
         self.shards.append(
             ShardEntry(name=name, num_tokens=num_tokens, num_bytes=len(data), crc32c=crc32c(data))
         )
@@ -169,6 +177,10 @@ def prepare(
 ) -> Manifest:
     """Tokenizes `inputs` into shards at `out_uri` and writes the manifest last.
 
+    A run that fails or is interrupted (Ctrl-C) part-way deletes what it wrote (and a local folder it
+    created), so the same command can simply be run again. With `force` it deletes what was there too:
+    that stopped being a shard set when its manifest was deleted, before the first shard was written.
+
     Args:
         inputs: text files; each is one document.
         out_uri: `file://path` or `gs://bucket/prefix`; must be empty unless `force`.
@@ -187,15 +199,45 @@ def prepare(
         raise BatchpilotError(
             "--validation-fraction", f"must be between 0 and 0.5, got {validation_fraction}"
         )
+    _check_documents(inputs, validation_fraction=validation_fraction)
     storage = open_storage(out_uri)
+    created = _missing_folders(storage)
     existing = _claim_destination(storage, force=force)
     dtype = token_dtype(tokenizer.vocab_size)
+    written: list[str] = []  # every object this run wrote, or may have: removed again if it fails
     writers = {
         split: _SplitWriter(
-            storage, split, dtype, shard_size_tokens, precondition=None if force else 0, pending=[]
+            storage, split, dtype, shard_size_tokens, precondition=None if force else 0, pending=[],
+            written=written,
         )
         for split in SPLITS
-    }
+    }  # fmt: skip
+    try:
+        manifest = _write_shard_set(
+            inputs, storage=storage, writers=writers, written=written, tokenizer=tokenizer, dtype=dtype,
+            validation_fraction=validation_fraction, force=force, show_progress=show_progress,
+        )  # fmt: skip
+    except BaseException:
+        _remove_partial(storage, written=[*written, *existing], created=created)
+        raise
+    for name in sorted(set(existing) - set(written)):  # leftovers of the replaced shard set
+        storage.delete(name)
+    return manifest
+
+
+def _write_shard_set(
+    inputs: Sequence[Path],
+    *,
+    storage: Storage,
+    writers: dict[str, _SplitWriter],
+    written: list[str],
+    tokenizer: Tokenizer,
+    dtype: str,
+    validation_fraction: float,
+    force: bool,
+    show_progress: bool,
+) -> Manifest:
+    """Every split's shards, then the manifest; notes each object in `written` before writing it."""
     total_bytes = sum(path.stat().st_size for path in inputs)
     columns = (
         TextColumn("prepare"),
@@ -225,11 +267,58 @@ def prepare(
         tokenizer=tokenizer.describe(),
         splits={split: shards for split, shards in splits.items() if shards},
     )
-    storage.write(MANIFEST_NAME, manifest.to_json().encode(), if_generation_match=None if force else 0)
-    written = {shard.name for shards in splits.values() for shard in shards} | {MANIFEST_NAME}
-    for name in sorted(set(existing) - written):  # leftovers of the replaced shard set
-        storage.delete(name)
+    manifest_bytes = manifest.to_json().encode()
+    write_noted(storage, MANIFEST_NAME, manifest_bytes, precondition=None if force else 0, noted=written)
     return manifest
+
+
+def _check_documents(inputs: Sequence[Path], *, validation_fraction: float) -> None:
+    """Refuses, before anything is written, inputs whose every document would go to validation."""
+    num_documents = sum(1 for path in inputs if path.stat().st_size > 0)  # empty files are skipped
+    if num_documents and all(is_validation(i, validation_fraction) for i in range(num_documents)):
+        raise BatchpilotError(
+            "INPUT",
+            f"{num_documents} non-empty document(s) all go to the validation split "
+            f"(--validation-fraction {validation_fraction} holds out at least one), leaving no training data",
+            "add input files, or pass --validation-fraction 0 to train on them all",
+        )
+
+
+def _missing_folders(storage: Storage) -> list[Path]:
+    """The local destination folder and those of its parents that do not exist yet, deepest first."""
+    if not isinstance(storage, LocalStorage):
+        return []
+    folder = Path(storage.uri.removeprefix("file://"))
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def write_noted(
+    storage: Storage, name: str, data: bytes, *, precondition: int | None, noted: list[str]
+) -> None:
+    """`storage.write`, with `name` noted first: a Ctrl-C between the object landing and the write
+    returning still leaves it noted for removal. An object that was already there (`precondition` 0
+    failed) is someone else's, and is not."""
+    noted.append(name)
+    try:
+        storage.write(name, data, if_generation_match=precondition)
+    except PreconditionFailed:
+        noted.pop()
+        raise
+
+
+def _remove_partial(storage: Storage, *, written: list[str], created: list[Path]) -> None:
+    """Deletes the objects a failed or interrupted run wrote or replaced (the manifest first), then the local
+    folders it created."""
+    for name in sorted(set(written), key=lambda name: (name != MANIFEST_NAME, name)):
+        with contextlib.suppress(ObjectNotFound):
+            storage.delete(name)
+    for folder in created:
+        with contextlib.suppress(OSError):  # not empty: something else is in there, leave it
+            folder.rmdir()
 
 
 def _check_splits(

@@ -208,9 +208,11 @@ class LocalStorage:
     def _name_lock(self, path: Path, *, make_folder: bool = True) -> Iterator[bool]:
         """Serialises conditional writes and deletes of one name across processes on this machine.
 
-        `delete` removes the lock file while holding it. A process that was waiting on the removed file
-        then holds a lock nobody else can see, so after every `flock` the holder checks that the lock
-        path still names the file it locked, and starts over otherwise: only the file at the path counts.
+        The holder removes the lock file before it releases it, so no lock file outlives the write or
+        delete that made it (also one interrupted by Ctrl-C). A process that was waiting on the removed
+        file then holds a lock nobody else can see, so after every `flock` the holder checks that the
+        lock path still names the file it locked, and starts over otherwise: only the file at the path
+        counts.
 
         Yields:
             True while holding the lock; False (without locking) when the folder is gone and
@@ -229,7 +231,10 @@ class LocalStorage:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if _names_same_file(lock_path, fd):
-                    yield True
+                    try:
+                        yield True
+                    finally:
+                        lock_path.unlink(missing_ok=True)  # still ours: unlinked before the flock is released
                     return
             finally:
                 os.close(fd)  # closing releases the flock
@@ -273,22 +278,19 @@ class LocalStorage:
     def delete(self, name: str) -> None:
         """Deletes the object, its lock file, and the folders this leaves empty.
 
-        The delete holds the name's lock, so it is ordered with conditional writes, and removes the lock
-        file before releasing it (see `_name_lock` for why that is safe). Folders are removed up to, not
+        The delete holds the name's lock, so it is ordered with conditional writes (`_name_lock` removes
+        the lock file before releasing it, and says why that is safe). Folders are removed up to, not
         including, the root; a folder still holding anything (another object, the temporary file of a
         write in progress) stays.
         """
         path = self._path(name)
         if not path.is_file():  # also keeps a delete of a missing name from creating folders
             raise ObjectNotFound(join_uri(self.uri, name))
-        with self._name_lock(path, make_folder=False) as locked:
+        with self._name_lock(path, make_folder=False):
             try:
                 path.unlink()
             except FileNotFoundError:
                 raise ObjectNotFound(join_uri(self.uri, name)) from None
-            finally:
-                if locked:
-                    self._lock_path(path).unlink(missing_ok=True)
         folder = path.parent
         while folder != self._root and self._root in folder.parents:
             try:
