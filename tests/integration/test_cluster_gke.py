@@ -236,7 +236,10 @@ def test_an_http_endpoint_in_the_config_reaches_that_emulator_without_google_cre
     writes = [(r.method, r.path, r.body) for r in container.state.requests if r.method == "POST"]
     assert writes == [("POST", f"/v1/{REF.name}:setSize", {"nodeCount": 1})]
     # ...while an https:// endpoint (private or regional) is Google's API and asks for them.
-    with pytest.raises(BatchpilotError, match=r"^cluster.project: no Google credentials .*absent\.json"):
+    with pytest.raises(
+        BatchpilotError,
+        match=r"^cluster.project: GOOGLE_APPLICATION_CREDENTIALS \(.*absent\.json\) holds no usable",
+    ):
         container_client(api_endpoint="https://container.us-central1.rep.googleapis.com")
     for bad in ("127.0.0.1:8080", "grpc://127.0.0.1:8080", "http://127.0.0.1:8080/v1"):
         with pytest.raises(ValidationError, match="container_api_endpoint"):

@@ -22,11 +22,14 @@ from typing import Any
 
 from batchpilot.cluster.readiness import PoolNodes, kube_api_client
 from batchpilot.config import ClusterConfig
+from batchpilot.data.credentials import google_credentials
 from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)
 
 GKE_REQUIRED = ("project", "location", "cluster_name", "node_pool", "image")
+CONTAINER_SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+"""The Container API client's own default scope."""
 
 
 def require_gke_settings(cluster: ClusterConfig) -> None:
@@ -71,8 +74,6 @@ def container_client(*, api_endpoint: str | None = None) -> Any:
     `https://` (a private or regional endpoint) keeps Application Default Credentials; `http://` is an
     emulator, which has no use for a Google token, and anonymous credentials need none on the machine.
     """
-    from google.auth.exceptions import DefaultCredentialsError
-
     container_v1 = _container_v1()
     if api_endpoint and api_endpoint.startswith("http://"):
         from google.auth.credentials import AnonymousCredentials
@@ -82,18 +83,14 @@ def container_client(*, api_endpoint: str | None = None) -> Any:
             client_options={"api_endpoint": api_endpoint},
             credentials=AnonymousCredentials(),
         )
-    try:
-        if not api_endpoint:
-            return container_v1.ClusterManagerClient()
-        return container_v1.ClusterManagerClient(
-            transport="rest", client_options={"api_endpoint": api_endpoint}
-        )
-    except DefaultCredentialsError as error:
-        raise BatchpilotError(
-            "cluster.project",
-            f"no Google credentials to call the GKE Container API ({str(error).splitlines()[0]})",
-            "run `gcloud auth application-default login`, or run inside the cluster with Workload Identity",
-        ) from None
+    # Checked here, token included: a client left to find them fails only in its first call, after minutes of
+    # retries when the token endpoint is unreachable (a key file of another machine, no network).
+    credentials = google_credentials(field="cluster.project", scopes=CONTAINER_SCOPES)
+    if not api_endpoint:
+        return container_v1.ClusterManagerClient(credentials=credentials)
+    return container_v1.ClusterManagerClient(
+        transport="rest", client_options={"api_endpoint": api_endpoint}, credentials=credentials
+    )
 
 
 def _container_v1() -> Any:

@@ -6,7 +6,8 @@ retry is off): some transport errors, such as a truncated error body, surface ou
 client; ranged reads cannot be (GCS has no per-range checksum), which is why a shard set compares every
 shard's CRC32C with its manifest when it is opened and pins the generation it checked.
 
-With `STORAGE_EMULATOR_HOST` set (tests, fake-gcs-server) the client uses anonymous credentials.
+With `STORAGE_EMULATOR_HOST` set (tests, fake-gcs-server) the client uses anonymous credentials; otherwise
+Application Default Credentials, checked once with a bounded first token request (`data.credentials`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
+from batchpilot.data.credentials import google_credentials
 from batchpilot.data.storage import (
     GenerationChanged,
     ObjectInfo,
@@ -123,9 +125,18 @@ class GCSStorage:
         # requests sessions are not documented as thread-safe; a client per thread avoids the question.
         bucket = getattr(self._local, "bucket", None)
         if bucket is None:
-            client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT"))
+            client = storage.Client(
+                project=os.environ.get("GOOGLE_CLOUD_PROJECT"), credentials=self._credentials()
+            )
             bucket = self._local.bucket = client.bucket(self._bucket_name)
         return bucket
+
+    def _credentials(self) -> Any:
+        """None with an emulator (the client goes anonymous), else credentials already holding a token:
+        missing or unusable ones are one error line here instead of minutes of retries in the first call."""
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            return None
+        return google_credentials(field=self.uri, scopes=storage.Client.SCOPE)
 
     def _blob_name(self, name: str) -> str:
         return self._prefix + name

@@ -1,0 +1,121 @@
+"""Google credentials for storage and the Container API, found and checked once, in seconds.
+
+`google.auth.default` looks, in order, at the key file `GOOGLE_APPLICATION_CREDENTIALS` names, gcloud's
+application-default credentials and the metadata server (Compute Engine, GKE Workload Identity). Finding
+credentials proves nothing about them: a key file is read without a request, and its first access token is
+fetched only by the first API call, which a client's own retries then repeat for minutes when the token
+endpoint cannot be reached. So `google_credentials` fetches the first token itself, with one deadline over
+every request that takes, and turns both failures (none found, no token) into one line that says which
+credentials were tried and how to provide them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from batchpilot.errors import BatchpilotError
+
+TOKEN_DEADLINE_S = 10.0
+"""How long fetching the first access token may take, all requests and google-auth's own retries included."""
+HOW_TO_FIX = (
+    "run `gcloud auth application-default login`, use Workload Identity on GKE, or set "
+    "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file"
+)
+
+_found: dict[tuple[str, ...], Any] = {}
+_found_lock = threading.Lock()
+
+
+def google_credentials(*, field: str, scopes: Sequence[str], deadline_s: float = TOKEN_DEADLINE_S) -> Any:
+    """Application Default Credentials holding a fresh access token (found once per process and scopes).
+
+    Args:
+        field: what needs them (a URI, a setting), to start the error line.
+        scopes: OAuth scopes the token must carry.
+        deadline_s: bound on fetching the first token.
+
+    Raises:
+        BatchpilotError: no credentials were found, or they got no token within `deadline_s`.
+    """
+    import google.auth
+    from google.auth import exceptions
+
+    key = tuple(sorted(scopes))
+    with _found_lock:
+        if key in _found:
+            return _found[key]
+        try:
+            credentials, _project = google.auth.default(scopes=list(scopes))
+        except exceptions.DefaultCredentialsError as error:
+            raise BatchpilotError(field, _not_found_problem(error), HOW_TO_FIX) from None
+        try:
+            credentials.refresh(DeadlineRequest(deadline_s))
+        except (exceptions.RefreshError, exceptions.TransportError) as error:
+            raise BatchpilotError(
+                field,
+                f"the Google credentials from {credentials_source()} got no access token "
+                f"({_first_line(error)})",
+                f"check the network and those credentials, or {HOW_TO_FIX}",
+            ) from None
+        _found[key] = credentials
+        return credentials
+
+
+class DeadlineRequest:
+    """A `google.auth.transport.Request` whose requests together end by one deadline: each gets the time left
+    (google-auth's token requests otherwise wait up to 120 s each)."""
+
+    def __init__(self, deadline_s: float) -> None:
+        from google.auth.transport.requests import Request
+
+        self._request = Request()
+        self._deadline_s = deadline_s
+        self._end_s = time.monotonic() + deadline_s
+
+    def __call__(self, url: str, method: str = "GET", **kwargs: Any) -> Any:
+        from google.auth import exceptions
+
+        left_s = self._end_s - time.monotonic()
+        if left_s <= 0:
+            raise exceptions.TransportError(f"no answer from {url} within {self._deadline_s:g} s")
+        timeout = kwargs.pop("timeout", None)
+        timeout_s = left_s if timeout is None or isinstance(timeout, tuple) else min(float(timeout), left_s)
+        return self._request(url, method=method, timeout=timeout_s, **kwargs)
+
+
+def credentials_source() -> str:
+    """Where `google.auth.default` finds credentials here, in words (its own order)."""
+    explicit = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")
+    if explicit:
+        return f"GOOGLE_APPLICATION_CREDENTIALS ({explicit})"
+    if gcloud_credentials_path().is_file():
+        return f"gcloud application-default credentials ({gcloud_credentials_path()})"
+    return "the metadata server (Compute Engine, GKE Workload Identity)"
+
+
+def gcloud_credentials_path() -> Path:
+    """The file `gcloud auth application-default login` writes (under CLOUDSDK_CONFIG when set)."""
+    config = os.environ.get("CLOUDSDK_CONFIG") or str(Path.home() / ".config" / "gcloud")
+    return Path(config) / "application_default_credentials.json"
+
+
+def _not_found_problem(error: BaseException) -> str:
+    explicit = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")
+    if explicit:  # google-auth stops at a set variable: its file is the problem
+        return (
+            f"GOOGLE_APPLICATION_CREDENTIALS ({explicit}) holds no usable credentials: {_first_line(error)}"
+        )
+    return (
+        "found no Google credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, "
+        f"{gcloud_credentials_path()} does not exist and no metadata server answered"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,221 @@
+"""`data prepare`, `data inspect` and `pool status`: inputs that cannot make a shard set, credentials that do
+not work, and interrupted runs. Each is one line and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import Outcome, no_debris, run_cli, run_process
+
+import batchpilot
+import batchpilot.data.prepare as prepare_module
+from batchpilot.data.credentials import google_credentials
+from batchpilot.errors import BatchpilotError
+
+GKE_CONFIG = Path(batchpilot.__file__).parent / "configs" / "llama_5b.yaml"
+
+
+def test_a_single_document_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    (tmp_path / "one.txt").write_text("the only document\n")
+    with no_debris(tmp_path):
+        outcome = run_cli("data", "prepare", str(tmp_path / "one.txt"), "--out", f"file://{tmp_path}/out")
+    outcome.assert_refused("validation split", "--validation-fraction 0")
+
+
+def test_a_failure_part_way_deletes_the_shards_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(50)]
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    model.save(str(tmp_path / "tokenizer.json"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    # The first file fills a whole tokenizing batch (made 4 KiB here, from 4 MiB), so its shards are written
+    # before the second file, which is not UTF-8, fails.
+    monkeypatch.setattr(prepare_module, "_BATCH_BYTES", 4096)
+    (corpus / "a.txt").write_text(" ".join(words) * 40)
+    (corpus / "b.txt").write_bytes(b"caf\xe9 w1 w2\n")
+    argv = ["--tokenizer", str(tmp_path / "tokenizer.json"), "--shard-size-tokens", "256", "--no-progress"]
+    with no_debris(tmp_path):
+        outcome = run_cli("data", "prepare", str(corpus), "--out", f"file://{tmp_path}/out/set", *argv)
+    outcome.assert_refused("b.txt", "UTF-8")
+    # Replacing a shard set: its manifest goes first, so what is left of it after a failure goes too.
+    good, old = tmp_path / "good", tmp_path / "old"
+    good.mkdir()
+    for index in range(3):
+        (good / f"{index}.txt").write_text("w1 w2 w3\n")
+    assert run_cli("data", "prepare", str(good), "--out", f"file://{old}", *argv).code == 0
+    assert listing(old)
+    run_cli("data", "prepare", str(corpus), "--out", f"file://{old}", "--force", *argv).assert_refused(
+        "b.txt"
+    )
+    assert listing(old) == []
+
+
+def test_a_successful_prepare_leaves_no_lock_file(tmp_path: Path) -> None:
+    for index in range(4):
+        (tmp_path / f"doc{index}.txt").write_text(f"document {index}\n" * 50)
+    argv = ["data", "prepare", str(tmp_path), "--out", f"file://{tmp_path}/out", "--shard-size-tokens", "256"]
+    assert run_cli(*argv, "--no-progress").code == 0
+    assert listing(tmp_path / "out") == shard_set_objects(tmp_path / "out")  # no lock file beside them
+    assert run_cli(*argv, "--no-progress", "--force").code == 0  # nor when a set is replaced
+    assert listing(tmp_path / "out") == shard_set_objects(tmp_path / "out")
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*"))
+
+
+def shard_set_objects(folder: Path) -> list[str]:
+    """manifest.json and the shards it names."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    shards = [shard["name"] for split in manifest["splits"].values() for shard in split["shards"]]
+    assert len(shards) > 1
+    return sorted(["manifest.json", *shards])
+
+
+def test_ctrl_c_in_the_middle_leaves_nothing(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(8):  # 80 MB: about a second of work, most of it after the first shard
+        (corpus / f"{index}.txt").write_bytes(bytes([97 + index]) * 10_000_000)
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "batchpilot", "data", "prepare", str(corpus), "--out", f"file://{out}",
+         "--shard-size-tokens", "1M", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (out.is_dir() and any(out.glob("train-*.bin"))):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.001)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    outcome = Outcome(process.returncode, stdout, stderr)
+    assert "Traceback" not in stderr, stderr
+    assert (outcome.code, outcome.error_lines()) == (130, ["batchpilot: interrupted"])
+    assert not out.exists(), sorted(p.name for p in out.iterdir())  # so the same command simply runs again
+    assert run_cli("data", "prepare", str(corpus), "--out", f"file://{out}", "--no-progress").code == 0
+
+
+@pytest.fixture
+def no_google_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """No Application Default Credentials anywhere: no key file, an empty gcloud folder, no metadata server
+    (google-auth's check skipped, and its address a closed loopback port)."""
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "gcloud").mkdir()
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NO_GCE_CHECK", "true")  # google-auth reads exactly "true"
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed_port()}")
+    (tmp_path / "doc.txt").write_text("a document\n" * 20)
+    yield tmp_path
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dummy_service_account(path: Path, *, token_uri: str) -> Path:
+    """A well-formed service-account key file whose key no server knows."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    info = {
+        "type": "service_account",
+        "project_id": "nobody",
+        "private_key_id": "0",
+        "private_key": pem.decode(),
+        "client_email": "nobody@nobody.iam.gserviceaccount.com",
+        "client_id": "0",
+        "token_uri": token_uri,
+    }
+    path.write_text(json.dumps(info))
+    return path
+
+
+def gs_commands(folder: Path) -> dict[str, list[str]]:
+    return {
+        "data prepare": [
+            "data",
+            "prepare",
+            str(folder / "doc.txt"),
+            "--out",
+            "gs://bp-bucket/set",
+            "--validation-fraction",
+            "0",
+        ],
+        "data inspect": ["data", "inspect", "gs://bp-bucket/set"],
+        "pool status": ["pool", "status", "--config", str(GKE_CONFIG)],
+    }
+
+
+@pytest.mark.parametrize("command", ["data prepare", "data inspect", "pool status"])
+def test_no_google_credentials_is_one_line_naming_where_it_looked(no_google_credentials: Path, command: str):
+    folder = no_google_credentials
+    started = time.monotonic()
+    with no_debris(folder):
+        outcome = run_process(*gs_commands(folder)[command], timeout=60)
+    elapsed_s = time.monotonic() - started
+    line = outcome.assert_refused(
+        "found no Google credentials", "GOOGLE_APPLICATION_CREDENTIALS is not set", str(folder / "gcloud"),
+        "gcloud auth application-default login", "Workload Identity",
+    )  # fmt: skip
+    assert ("cluster.project" if command == "pool status" else "gs://bp-bucket/set") in line
+    assert elapsed_s < 10, elapsed_s
+
+
+@pytest.mark.parametrize("command", ["data inspect", "pool status"])
+def test_a_key_file_without_a_reachable_token_endpoint_answers_in_seconds(
+    no_google_credentials: Path, monkeypatch: pytest.MonkeyPatch, command: str
+):
+    folder = no_google_credentials
+    key = dummy_service_account(folder / "key.json", token_uri=f"http://127.0.0.1:{closed_port()}/token")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    started = time.monotonic()
+    with no_debris(folder):
+        outcome = run_process(*gs_commands(folder)[command], timeout=60)
+    elapsed_s = time.monotonic() - started
+    outcome.assert_refused(
+        f"GOOGLE_APPLICATION_CREDENTIALS ({key})", "got no access token", "Connection refused"
+    )
+    assert elapsed_s < 10, elapsed_s  # before: the storage client's retries went on for 120 s
+
+
+def test_a_token_endpoint_that_never_answers_is_given_up_at_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        key = dummy_service_account(tmp_path / "key.json", token_uri=f"http://127.0.0.1:{port}/token")
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+        started = time.monotonic()
+        with pytest.raises(BatchpilotError, match=r"^gs://b: .*got no access token .*timed out"):
+            google_credentials(field="gs://b", scopes=("silent-endpoint-test",), deadline_s=1.0)
+        assert time.monotonic() - started < 3
+
+
+def test_a_missing_key_file_is_named(no_google_credentials: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(no_google_credentials / "absent.json"))
+    outcome = run_cli("data", "inspect", "gs://bp-bucket/set")
+    outcome.assert_refused("GOOGLE_APPLICATION_CREDENTIALS", "absent.json", "was not found")
