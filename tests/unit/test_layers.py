@@ -37,7 +37,19 @@ ALLOWED: dict[str, frozenset[str]] = {
         {"train", "data", "models", "planning", "config", "errors", "exitcodes", "files", "logs"}
     ),
     "explore": frozenset(
-        {"explore", "train", "data", "models", "planning", "planner", "config", "errors", "files", "logs"}
+        {
+            "explore",
+            "train",
+            "data",
+            "models",
+            "planning",
+            "planner",
+            "config",
+            "errors",
+            "files",
+            "logs",
+            "htmlpage",
+        }
     ),
     "cluster": frozenset({"cluster", "config", "planning", "errors", "exitcodes", "files", "logs"}),
     "schedule": frozenset({"schedule", "config", "planning", "errors"}),
@@ -46,7 +58,11 @@ ALLOWED: dict[str, frozenset[str]] = {
         {"planner", "checks", "schedule", "rundoc", "config", "planning", "errors", "files"}
     ),
     "rundoc": frozenset({"rundoc", "planner", "config", "planning", "errors", "files"}),
-    "report": frozenset({"report", "planning", "rundoc", "files", "logs", "errors"}),
+    "report": frozenset(
+        {"report", "report_figures", "htmlpage", "explore", "planning", "rundoc", "files", "logs", "errors"}
+    ),
+    "report_figures": frozenset({"report_figures", "planning", "errors"}),
+    "htmlpage": frozenset(),  # the look of report.html and explore.html: standard library only
     # `batchpilot doctor`: reads the cluster, storage and KFP the way a run does, so it uses their code.
     "doctor": frozenset(
         {"doctor", "cluster", "data", "train", "kfp", "planner", "config", "planning", "errors"}
@@ -74,11 +90,14 @@ IMPORTED_ONLY_BY: dict[str, frozenset[str]] = {
 """Package -> the only packages that may import it (nothing below it does)."""
 
 STANDARD_LIBRARY_ONLY = frozenset(
-    {ROOT, "errors", "files", "logs", "exitcodes", "threads", "ports", "images", "planning"}
+    {ROOT, "errors", "files", "logs", "exitcodes", "threads", "ports", "images", "planning", "htmlpage"}
 )
 """Packages whose third-party imports must all be standard library."""
 
-THIRD_PARTY_FORBIDDEN: dict[str, frozenset[str]] = {"report": frozenset({"torch"})}
+THIRD_PARTY_FORBIDDEN: dict[str, frozenset[str]] = {
+    "report": frozenset({"torch"}),
+    "report_figures": frozenset({"torch"}),
+}
 
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 """(module, imported batchpilot module) pairs allowed despite the table, each with its reason. An entry
