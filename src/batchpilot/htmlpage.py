@@ -20,7 +20,8 @@ th,td{border:1px solid var(--line);padding:4px 10px;vertical-align:top}
 th{background:var(--soft);font-weight:600;text-align:left}
 tr:nth-child(even) td{background:#fbfcfd}
 td.r,th.r{text-align:right}
-.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(250px,1fr));gap:10px;margin:16px 0}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(200px,1fr));gap:10px;margin:16px 0}
+.card.wide{grid-column:span 2}
 .card{border:1px solid var(--line);border-radius:8px;padding:10px 14px;background:#fff}
 .card .label{color:var(--muted);font-size:13px}.card .value{font-size:22px;font-weight:600}
 .card .detail{color:var(--muted);font-size:13px}

@@ -26,6 +26,7 @@ from batchpilot.planning.units import (
     format_bytes,
     format_duration,
     format_int,
+    format_loss,
     format_node_hours,
     format_number,
     format_ratio,
@@ -124,9 +125,9 @@ def _summary(
     return summary
 
 
-def _card(label: str, value: str, detail: str = "") -> str:
+def _card(label: str, value: str, detail: str = "", *, wide: bool = False) -> str:
     return (
-        f"<div class='card'><div class='label'>{html.escape(label)}</div><div class='value'>{html.escape(value)}"
+        f"<div class='{'card wide' if wide else 'card'}'><div class='label'>{html.escape(label)}</div><div class='value'>{html.escape(value)}"
         f"</div><div class='detail'>{html.escape(detail)}</div></div>"
     )
 
@@ -181,15 +182,15 @@ def _headline(
         cards.append(
             _card(
                 "final training loss",
-                format_number(records[-1]["loss"]),
-                f"from {format_number(records[0]['loss'])} at the first step",
+                format_loss(records[-1]["loss"]),
+                f"from {format_loss(records[0]['loss'])} at the first step",
             )
         )
         if validation:
             cards.append(
                 _card(
                     "validation loss",
-                    format_number(validation[-1][1]),
+                    format_loss(validation[-1][1]),
                     f"last evaluated at sample {format_int(validation[-1][0])}",
                 )
             )
@@ -231,7 +232,12 @@ def _headline(
                 _card("node-hours", format_node_hours(node_hours), "no estimate: no measured throughput")
             )
     cards.append(
-        _card("micro batch trained", format_int(plan.micro_batch_size), micro_batch_reason(document, explore))
+        _card(
+            "micro batch trained",
+            format_int(plan.micro_batch_size),
+            micro_batch_reason(document, explore),
+            wide=True,
+        )
     )
     memory = (
         f"; {format_bytes(document.memory.peak.estimate.total)} per device estimated"
@@ -310,8 +316,8 @@ def _stage_rows(document: RunDocument, actuals: dict[int, StageActuals]) -> Html
                     est,
                     format_duration(actual.trained_s),
                     format_int(rate) if rate else "",
-                    format_number(actual.last_loss),
-                    format_number(actual.val_loss) if actual.val_loss is not None else "",
+                    format_loss(actual.last_loss),
+                    format_loss(actual.val_loss) if actual.val_loss is not None else "",
                 ]
             )
     header = [

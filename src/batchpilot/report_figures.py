@@ -88,7 +88,10 @@ def ramp_figure(plan: Plan, records: list[dict[str, Any]], *, critical_batch_siz
         axes.axhline(critical_batch_size, color="tab:green", linestyle=":", label="explore's critical batch")
         values.append(critical_batch_size)
     if max(values) / max(min(values), 1e-9) > 30:  # a noise scale far from the batch: both stay readable
+        from matplotlib.ticker import FuncFormatter
+
         axes.set_yscale("log")
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_number(value)))
     else:
         axes.set_ylim(0, max(values) * 1.1)
         _whole_ticks(axes.yaxis)
@@ -112,7 +115,9 @@ def series_figure(records: list[dict[str, Any]], *, key: str, label: str, scient
     points = [(r["consumed_samples"], r[key]) for r in records if r.get(key) is not None]
     axes.plot(*zip(*points, strict=True), linewidth=1)
     axes.set_ylabel(label)
-    if not scientific:
+    if scientific:  # a learning rate: 3e-4, not 0.00030
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.1e}".replace("e-0", "e-")))
+    else:
         axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_number(value)))
     _samples_axis(axes)
     return fig

@@ -7,6 +7,7 @@ import pytest
 from batchpilot.planning.units import (
     format_duration,
     format_int,
+    format_loss,
     format_node_hours,
     format_number,
     format_ratio,
@@ -38,6 +39,7 @@ def test_counts_ratios_and_node_hours():
     assert format_ratio(2.173165154900067) == "2.17x"
     assert format_node_hours(0.0087251) == "0.0087"  # a short run is not "0.00"
     assert format_node_hours(12.345) == "12"
+    assert format_loss(2.807967782020569) == "2.808" and format_loss(3.4) == "3.400"  # as the training log
 
 
 def test_a_tiny_runs_plan_md_shows_its_time_and_node_hours():

@@ -58,8 +58,8 @@ def row(page: str, first_cells: list[str]) -> list[str]:
 def test_the_headline_gives_losses_steps_samples_tokens_time_and_node_hours(rendered):
     page, _ = rendered
     # 349 steps of 0.5 s; the loss falls 0.01 a step from 5.0; validation every 40th step.
-    assert card(page, "final training loss") == ("1.52", "from 5 at the first step")
-    assert card(page, "validation loss") == ("2.31", "last evaluated at sample 14,528")
+    assert card(page, "final training loss") == ("1.520", "from 5.000 at the first step")
+    assert card(page, "validation loss") == ("2.310", "last evaluated at sample 14,528")
     assert card(page, "optimizer steps") == ("349", "planned 349")
     assert card(page, "samples") == ("16,384", "planned 16,384")
     assert card(page, "tokens") == ("2,097,152", "128 per sample")
@@ -100,11 +100,11 @@ def test_each_stage_shows_its_actuals_beside_the_plan(rendered):
     assert header[0] in text_of(page) and "validation loss" in text_of(page)
     # 12,288 samples in 192 steps of 0.5 s (est. 12,288 / 128 samples/s = 96 s): 16,384 tokens/s.
     assert row(page, ["final", "final"]) == [
-        "final", "final", "64", "12,288", "2", "2", "1.6 min", "1.6 min", "16,384", "1.52", "2.31",
+        "final", "final", "64", "12,288", "2", "2", "1.6 min", "1.6 min", "16,384", "1.520", "2.310",
     ]  # fmt: skip
     # stage-0: 86 steps of 16 samples on 1 node; validation first at the 40th step, last at the 80th.
     assert row(page, ["stages-0-2", "stage-0"]) == [
-        "stages-0-2", "stage-0", "16", "1,376", "1", "1", "22 s", "43 s", "4,096", "4.15", "4.71",
+        "stages-0-2", "stage-0", "16", "1,376", "1", "1", "22 s", "43 s", "4,096", "4.150", "4.710",
     ]  # fmt: skip
 
 

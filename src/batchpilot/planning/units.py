@@ -144,3 +144,8 @@ def format_duration(seconds: float) -> str:
 def format_node_hours(node_hours: float) -> str:
     """Node-hours to two significant digits, so that a short run reads `0.0087`, not `0.00`."""
     return format_number(node_hours, digits=2)
+
+
+def format_loss(loss: float) -> str:
+    """A loss to three decimals, as the training log prints it (losses are compared across stages by eye)."""
+    return f"{loss:.3f}"
