@@ -28,6 +28,23 @@ def run_batchpilot(
     )
 
 
+def write_manifest(folder: Path, *, vocab_size: int = 257, tokenizer: dict | None = None) -> str:
+    """A shard set's manifest.json without shards in `folder` (what `config check` and `plan` read of local
+    data); returns the folder's file:// URI."""
+    from batchpilot.data.shards import Manifest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(
+        dtype="uint16",
+        vocab_size=vocab_size,
+        eos_token_id=vocab_size - 1,
+        tokenizer=tokenizer or {"kind": "bytes"},
+        splits={"train": ()},
+    )
+    (folder / "manifest.json").write_text(manifest.to_json())
+    return f"file://{folder}"
+
+
 def tiny_config(*, data_uri: str, checkpoint_uri: str, **overrides: object) -> dict:
     """A tiny GPT config whose plan has three stages: 16 (1 node) -> 32 (2 nodes) -> 64 (2 nodes)."""
     config = {

@@ -4,15 +4,21 @@
 `micro_batch_size: explore` is refused as early as one with an integer; the planner (`batchpilot.planner`)
 then assembles the plan from a checked config. Fixes are written in the user's form: a corrected
 `rampup: [start, increment, samples]` or `schedule: "..."` (docs/planning.md).
+
+Below them, the config against the files a plan is made with: a local shard set (`data_problems`) and
+explore.json (`explore_problems`).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
+from pathlib import Path
+from typing import Any
 
-from batchpilot.config import Config, MaxTextRampup, MegatronRampup, resolved_runtime
+from batchpilot.config import Config, MaxTextRampup, MegatronRampup, explore_fingerprint, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import MAX_STAGES, nearest_ramp, unschedulable_stages
 from batchpilot.planning.batch import raise_problems, split_problems
@@ -359,3 +365,73 @@ def _count_text(value: int) -> str:
     """A sample count as a config writes it: `10M`, else the plain integer."""
     text = format_count(value)
     return str(value) if "," in text else text
+
+
+# --- the config against its inputs ------------------------------------------------------------------
+
+
+def data_problems(*, data_uri: str, model_vocab_size: Callable[[], int]) -> list[BatchpilotError]:
+    """A local shard set (file://) against the config: it exists, holds a readable manifest, and the model
+    embeds every token id of its vocabulary (`model_vocab_size` is asked only then: it builds the model's
+    shape). A gs:// set is left to `batchpilot doctor`, which has the credentials to read it.
+    """
+    if not data_uri.startswith("file://"):
+        return []
+    from batchpilot.data.shards import read_manifest
+    from batchpilot.data.storage import open_storage
+
+    fix = f"prepare it with `batchpilot data prepare ... --out {data_uri}` (--demo for the demo set) or point data.uri at a shard set"
+    folder = Path(data_uri.removeprefix("file://"))
+    if not folder.is_dir():
+        return [
+            BatchpilotError("data.uri", f"{data_uri} does not exist (no folder {folder.absolute()})", fix)
+        ]
+    try:
+        manifest = read_manifest(open_storage(data_uri))
+    except BatchpilotError as error:
+        return [
+            BatchpilotError("data.uri", f"{data_uri} holds no shard set: {error.field} {error.problem}", fix)
+        ]
+    vocab = model_vocab_size()
+    if vocab >= manifest.vocab_size:
+        return []
+    tokenizer = ", ".join(f"{key} {value}" for key, value in manifest.tokenizer.items())
+    return [
+        BatchpilotError(
+            "model.args.vocab_size",
+            f"the model embeds {vocab} token ids, but {data_uri} was tokenized ({tokenizer}) into a vocabulary "
+            f"of {manifest.vocab_size}",
+            f"set model.args.vocab_size to at least {manifest.vocab_size}, or prepare the data with the model's "
+            "tokenizer",
+        )
+    ]
+
+
+def explore_problems(config: Config, explore: dict[str, Any] | None) -> list[BatchpilotError]:
+    """An explore.json measured for another model or setting than the config's: one error naming every
+    field that differs. An explore.json without a fingerprint (written before explore recorded one) names
+    nothing to compare and is taken as it is."""
+    recorded = (explore or {}).get("fingerprint")
+    if not isinstance(recorded, dict):
+        return []
+    expected = json.loads(json.dumps(explore_fingerprint(config)))  # as explore.json reads back
+    differences = []
+    for key, value in expected.items():
+        there = recorded.get(key)
+        if key == "model.args" and isinstance(there, dict) and isinstance(value, dict):
+            differences += [
+                f"model.args.{arg} {there.get(arg)!r} there, {value.get(arg)!r} here"
+                for arg in sorted(set(there) | set(value))
+                if there.get(arg) != value.get(arg)
+            ]
+        elif there != value:
+            differences.append(f"{key} {there!r} there, {value!r} here")
+    if not differences:
+        return []
+    return [
+        BatchpilotError(
+            "--explore",
+            f"was measured for another model or setting than this config's: {'; '.join(differences)}",
+            "run `batchpilot explore` with this config, or plan with the config explore measured",
+        )
+    ]

@@ -651,6 +651,20 @@ def resolved_runtime(config: Config) -> Literal["eager", "xla"]:
     return "xla" if is_tpu(config.cluster.accelerator_type) else "eager"
 
 
+def explore_fingerprint(config: Config) -> dict[str, Any]:
+    """What explore's measurements depend on, keyed by config field: the model, the sequence length, the
+    devices of a node and the parallelism. explore.json records it, and a plan refuses an explore.json
+    whose fingerprint differs from its config's (`checks.explore_problems`)."""
+    return {
+        "model.factory": config.model.factory,
+        "model.args": config.model.model_dump(mode="json")["args"],
+        "data.seq_len": config.data.seq_len,
+        "cluster.devices_per_node": config.cluster.devices_per_node,
+        "cluster.accelerator_type": config.cluster.accelerator_type,
+        "train.parallelism": config.train.parallelism,
+    }
+
+
 class ConfigError(BatchpilotError):
     """A config that does not validate; `lines` holds one message per problem."""
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-from batchpilot.checks import SHOWN_STAGES, check_plan_config, plan_problems
+from batchpilot.checks import SHOWN_STAGES, check_plan_config, explore_problems, plan_problems
 from batchpilot.config import AdaptiveRampup, Config, MegatronRampup, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import LRSchedule, Plan, estimate_cost, plan_stages
 from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision
+from batchpilot.planning.batch import raise_problems
 from batchpilot.planning.devices import device_memory_bytes
 from batchpilot.planning.memory import (
     RESERVE_FIXED_BYTES,
@@ -55,7 +56,8 @@ def make_run_document(
         shape: the model's shape (a meta-device build, `train.shape`): gives the per-device memory of every
             stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
     """
-    check_plan_config(config)  # what no micro batch can fix is reported before asking for one
+    # What no micro batch can fix, and an exploration of another model, before asking for a micro batch.
+    raise_problems(plan_problems(config) + explore_problems(config, explore))
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
     auto = config.batch.global_batch_size == "auto"
     if auto:

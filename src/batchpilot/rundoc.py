@@ -1,6 +1,7 @@
 """The run document, `plan.json`: everything a later step needs, in one file that every step reads.
 
-It holds the resolved config (with a hash that makes edits visible), the part of the exploration the
+It holds the resolved config and a hash of it, a hash of the whole document (both make hand edits
+visible: `plan` and the steps that rewrite the document recompute them), the part of the exploration the
 plan used, how the micro batch was chosen, the stages with every derived setting (node counts,
 accumulation, LR schedule) and, when a throughput was measured, the duration and node-hour estimate.
 `launch`, `train`, the pipeline's tasks and the report all take this document; none rebuilds the plan.
@@ -22,7 +23,8 @@ from batchpilot.planning.adaptive import StageDecision
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.memory import MemoryPlan
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+"""4: `document_hash` covers the whole document (3 hashed the config alone)."""
 MicroBatchSource = Literal["config", "explore", "override"]
 
 
@@ -30,6 +32,13 @@ def config_hash(config: dict[str, Any]) -> str:
     """sha256 of the config's canonical JSON (sorted keys, no spaces)."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def document_hash(document: dict[str, Any]) -> str:
+    """sha256 of the document's canonical JSON without its own `document_hash` key, as it reads back
+    (round-tripped through JSON, so a dict key that is no string hashes as the reader sees it)."""
+    body = {key: value for key, value in document.items() if key != "document_hash"}
+    return config_hash(json.loads(json.dumps(body)))
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class RunDocument:
                 "node_hours": self.cost.node_hours,
                 "saving_ratio": self.cost.saving_ratio,
             }
-        return {
+        document = {
             "format_version": FORMAT_VERSION,
             "batchpilot_version": __version__,
             "config_hash": config_hash(config),
@@ -84,6 +93,7 @@ class RunDocument:
             **self._adaptive(),
             **({"capacity": [record.to_dict() for record in self.capacity]} if self.capacity else {}),
         }
+        return {**document, "document_hash": document_hash(document)}
 
     def _adaptive(self) -> dict[str, Any]:
         """The decision log of an adaptive ramp-up (no key for any other ramp-up)."""
@@ -97,7 +107,8 @@ class RunDocument:
 
 
 def parse_run_document(text: str, *, source: str = "plan.json") -> RunDocument:
-    """Reads a plan.json text; refuses another format version or a config edited after planning."""
+    """Reads a plan.json text; refuses another format version, or a config or any other part edited after
+    batchpilot wrote it."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
@@ -109,13 +120,25 @@ def parse_run_document(text: str, *, source: str = "plan.json") -> RunDocument:
             f"is {found!r}, this batchpilot {__version__} reads {FORMAT_VERSION}",
             "make the plan again with `batchpilot plan --config ... --out plan.json`",
         )
-    if data.get("config_hash") != config_hash(data["config"]):
+    if not isinstance(data.get("config"), dict) or data.get("config_hash") != config_hash(data["config"]):
         raise BatchpilotError(
             f"{source}: config",
             "does not match the plan's config_hash: the config was edited after the plan was made, so its "
             "stages may no longer follow from it",
             "make the plan again from the edited config with `batchpilot plan --config ... --out plan.json`",
         )
+    if data.get("document_hash") != document_hash(data):
+        raise BatchpilotError(
+            source,
+            "its stages or other parts were edited after batchpilot wrote it (document_hash mismatch), so they "
+            "may no longer follow from its config",
+            "make the plan again with `batchpilot plan --config ... --out plan.json` (edit the config, not the plan)",
+        )
+    return _run_document(data)
+
+
+def _run_document(data: dict[str, Any]) -> RunDocument:
+    """The document of a parsed plan.json whose hashes matched."""
     cost = data.get("cost")
     return RunDocument(
         config=parse_config(data["config"]),

@@ -199,6 +199,20 @@ def preflight(config: Config) -> RunDocument | None:
     return None
 
 
+def check_data(config: Config) -> None:
+    """What `config check` and `plan` verify of a local shard set (`checks.data_problems`): it exists, has a
+    manifest, and its vocabulary fits the model. Not `compile`: a pipeline may be compiled before the data
+    is prepared."""
+    from batchpilot.checks import data_problems
+    from batchpilot.planning.batch import raise_problems
+    from batchpilot.train.shape import model_shape  # torch: only when a local manifest was read
+
+    def model_vocab_size() -> int:
+        return model_shape(factory=config.model.factory, args=config.model.args).vocab_size
+
+    raise_problems(data_problems(data_uri=config.data.uri, model_vocab_size=model_vocab_size))
+
+
 def expected_stage_count(config: Config) -> int:
     """The stage count a pipeline compiled from `config` has (independent of the micro batch)."""
     return num_stages(config)

@@ -17,6 +17,7 @@ from batchpilot.planning.adaptive import Decision, StageDecision
 from batchpilot.planning.launches import launch_summary
 from batchpilot.train.decisions import read_decisions, write_decisions
 from batchpilot.workflow import current_document, pipeline_launch, pipeline_launch_names
+from helpers import write_manifest
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_adaptive.yaml"
 
@@ -118,6 +119,7 @@ def test_bad_adaptive_settings_are_one_line(tmp_path, capsys, adaptive, expected
 def test_the_adaptive_form_plans_under_the_xla_runtime(tmp_path, capsys):
     """The XLA trainer runs the decision rule (train/loop.py), so TPU plans may be adaptive."""
     data = yaml.safe_load(DEMO.read_text())
+    data["data"]["uri"] = write_manifest(tmp_path / "data")
     data["train"]["runtime"] = "xla"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))

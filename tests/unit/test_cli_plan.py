@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from batchpilot.cli import main
+from helpers import write_manifest
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NEMO = str(CONFIGS / "nemo_gpt3_5b.yaml")
@@ -74,7 +75,9 @@ def test_plan_output_is_deterministic_and_not_overwritten(tmp_path, capsys):
     assert out.read_bytes() == first
 
 
-def test_explore_micro_batch_needs_a_value(capsys):
+def test_explore_micro_batch_needs_a_value(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the demo's data.uri, file://runs/demo/data, is relative
+    write_manifest(tmp_path / "runs" / "demo" / "data")
     demo = str(CONFIGS / "demo.yaml")
     assert main(["plan", "--config", demo]) == 2
     err = capsys.readouterr().err
@@ -82,7 +85,9 @@ def test_explore_micro_batch_needs_a_value(capsys):
     assert main(["plan", "--config", demo, "--micro-batch-size", "8"]) == 0
 
 
-def test_plan_takes_micro_batch_and_throughput_from_explore_json(tmp_path, capsys):
+def test_plan_takes_micro_batch_and_throughput_from_explore_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    write_manifest(tmp_path / "runs" / "demo" / "data")
     explore = tmp_path / "explore.json"
     explore.write_text(json.dumps({"recommendation": {"micro_batch_size": 4, "samples_per_s": 10.0}}))
     assert main(["plan", "--config", str(CONFIGS / "demo.yaml"), "--explore", str(explore)]) == 0

@@ -18,6 +18,7 @@ from batchpilot.planning.launches import launch_summary
 from batchpilot.planning.nodes import walk_nodes
 from batchpilot.planning.table import plan_table
 from batchpilot.planning.tpu import TPU_TYPES, check_host_range, slice_pool_name, topology_chips, tpu_slices
+from helpers import write_manifest
 
 TPU_EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "llama_5b_tpu.yaml"
 
@@ -235,7 +236,7 @@ def test_a_local_launch_of_runtime_xla_says_how_to_train_instead(tmp_path, capsy
     the command that does it, before any process starts."""
     config = {
         "name": "xla-local",
-        "data": {"uri": "file:///nonexistent", "seq_len": 32},
+        "data": {"uri": write_manifest(tmp_path / "data", vocab_size=256), "seq_len": 32},
         "cluster": {"devices_per_node": 2, "max_nodes": 1},
         "batch": {"global_batch_size": 8, "micro_batch_size": 2},
         "train": {

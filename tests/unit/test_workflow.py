@@ -9,7 +9,7 @@ import yaml
 from batchpilot import workflow
 from batchpilot.errors import BatchpilotError
 from batchpilot.rundoc import parse_run_document
-from helpers import REPO, run_batchpilot
+from helpers import REPO, run_batchpilot, write_manifest
 
 DEMO = (REPO / "configs" / "demo.yaml").read_text()
 
@@ -125,8 +125,9 @@ def test_the_run_document_round_trips_and_refuses_an_edited_config():
 
 def test_train_refuses_a_plan_whose_config_was_edited(tmp_path):
     plan = tmp_path / "plan.json"
+    write_manifest(tmp_path / "runs" / "demo" / "data")  # the demo's data.uri is relative to the folder
     assert run_batchpilot("plan", "--config", str(REPO / "configs" / "demo.yaml"), "--micro-batch-size", "16",
-                          "--out", str(plan)).returncode == 0  # fmt: skip
+                          "--out", str(plan), cwd=tmp_path).returncode == 0  # fmt: skip
     data = json.loads(plan.read_text())
     data["config"]["data"]["seq_len"] = 64
     plan.write_text(json.dumps(data))
@@ -151,7 +152,10 @@ def test_the_cli_and_the_pipeline_make_the_same_plan(tmp_path):
     explore = explore_file(explore_dir, micro=64, compatible=16)
     by_cli = tmp_path / "cli.json"
     config = REPO / "configs" / "demo.yaml"
-    result = run_batchpilot("plan", "--config", str(config), "--explore", str(explore), "--out", str(by_cli))
+    write_manifest(tmp_path / "runs" / "demo" / "data")  # the demo's data.uri is relative to the folder
+    result = run_batchpilot(
+        "plan", "--config", str(config), "--explore", str(explore), "--out", str(by_cli), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     by_pipeline = plan_component(
         config_yaml=DEMO, micro_batch_size=0, total_samples=0, expected_num_stages=4, run_dir="",

@@ -30,6 +30,7 @@ def _check(args: argparse.Namespace) -> int:
 
     config = load_config(args.file)
     document = workflow.preflight(config)
+    workflow.check_data(config)
     if config.batch.global_batch_size == "auto":
         detail = (
             f"global_batch_size auto: explore's study sets it, at most {config.batch.target_bound}; the stages "

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         explore=explore,
         samples_per_s_per_device=args.samples_per_s_per_device,
     )
+    workflow.check_data(config)  # before anything is written
     text = document.to_json()
     if args.out:
         write_atomically(args.out, text)

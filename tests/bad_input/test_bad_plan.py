@@ -1,0 +1,175 @@
+"""`batchpilot plan` and `config check` on inputs that do not belong to the config, and a plan.json edited by
+hand: each refused in one line naming the field and the fix, with nothing written. Every case has a valid
+twin that passes, so the check cannot be vacuous."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from harness import no_debris, run_cli
+
+from batchpilot.config import explore_fingerprint, parse_config
+from helpers import gke_a3_config, tiny_config, write_manifest
+
+GPT2_TOKENIZER = {"kind": "huggingface", "path": "gpt2/tokenizer.json"}
+
+
+def local_config(folder: Path, *, data_uri: str, **model_args: int) -> Path:
+    """The tiny local config (vocab_size 257 unless given) with its data at `data_uri`, as a YAML file."""
+    config = tiny_config(data_uri=data_uri, checkpoint_uri=f"file://{folder}/ckpt")
+    config["model"]["args"].update(model_args)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def plan_args(config: Path, folder: Path) -> list[str]:
+    return ["plan", "--config", str(config), "--out", str(folder / "plan.json")]
+
+
+# --- data.uri: a local shard set that is not there ----------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["plan", "config check"])
+def test_a_local_data_uri_that_does_not_exist_is_refused(tmp_path, command):
+    config = local_config(tmp_path, data_uri=f"file://{tmp_path}/no-data")
+    argv = plan_args(config, tmp_path) if command == "plan" else ["config", "check", str(config)]
+    with no_debris(tmp_path):
+        outcome = run_cli(*argv)
+    outcome.assert_refused("data.uri", f"file://{tmp_path}/no-data does not exist", "batchpilot data prepare")
+
+
+@pytest.mark.parametrize("command", ["plan", "config check"])
+def test_a_local_data_folder_without_a_manifest_is_refused(tmp_path, command):
+    (tmp_path / "empty").mkdir()
+    config = local_config(tmp_path, data_uri=f"file://{tmp_path}/empty")
+    argv = plan_args(config, tmp_path) if command == "plan" else ["config", "check", str(config)]
+    with no_debris(tmp_path):
+        outcome = run_cli(*argv)
+    outcome.assert_refused("data.uri", "holds no shard set", "manifest.json")
+
+
+@pytest.mark.parametrize("command", ["plan", "config check"])
+def test_twin_a_prepared_local_shard_set_passes(tmp_path, command):
+    config = local_config(tmp_path, data_uri=write_manifest(tmp_path / "data"))
+    argv = plan_args(config, tmp_path) if command == "plan" else ["config", "check", str(config)]
+    outcome = run_cli(*argv)
+    assert outcome.code == 0, outcome.stderr
+    assert (tmp_path / "plan.json").exists() == (command == "plan")
+
+
+# --- the shard set's vocabulary against the model -----------------------------------------------------
+
+
+def test_a_shard_set_of_a_larger_vocabulary_than_the_model_embeds_is_refused(tmp_path):
+    data = write_manifest(tmp_path / "data", vocab_size=50257, tokenizer=GPT2_TOKENIZER)
+    config = local_config(tmp_path, data_uri=data)  # the model embeds 257 token ids (bytes)
+    with no_debris(tmp_path):
+        outcome = run_cli(*plan_args(config, tmp_path))
+    line = outcome.assert_refused("model.args.vocab_size", "embeds 257 token ids", "vocabulary of 50257")
+    assert "kind huggingface" in line and "at least 50257" in line
+
+
+def test_twin_a_model_that_embeds_the_whole_vocabulary_plans(tmp_path):
+    data = write_manifest(tmp_path / "data", vocab_size=50257, tokenizer=GPT2_TOKENIZER)
+    config = local_config(tmp_path, data_uri=data, vocab_size=50304)
+    outcome = run_cli(*plan_args(config, tmp_path))
+    assert outcome.code == 0, outcome.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["config"]["model"]["args"]["vocab_size"] == 50304
+
+
+# --- explore.json measured for another model ----------------------------------------------------------
+
+
+def explore_json(folder: Path, measured: dict) -> Path:
+    """explore.json as `batchpilot explore` writes it for the config `measured` (recommendation and the
+    fingerprint of what it measured)."""
+    path = folder / "explore.json"
+    fingerprint = explore_fingerprint(parse_config(measured))
+    document = {"fingerprint": fingerprint, "recommendation": {"micro_batch_size": 2, "samples_per_s": 50.0}}
+    path.write_text(json.dumps(document))
+    return path
+
+
+def gke_config_file(folder: Path, **model_args: int) -> tuple[Path, dict]:
+    config = gke_a3_config()  # gs:// data: nothing local to read
+    config["batch"]["micro_batch_size"] = "explore"
+    config["model"]["args"].update(model_args)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, config
+
+
+def test_an_exploration_of_another_model_is_refused_naming_what_differs(tmp_path):
+    path, config = gke_config_file(tmp_path)
+    other = json.loads(json.dumps(config))
+    other["model"]["args"]["n_layer"] = 4
+    other["data"]["seq_len"] = 64
+    explore = explore_json(tmp_path, other)
+    with no_debris(tmp_path):
+        outcome = run_cli(*plan_args(path, tmp_path), "--explore", str(explore))
+    line = outcome.assert_refused(
+        "--explore", "model.args.n_layer 4 there, 1 here", "data.seq_len 64 there, 32 here"
+    )
+    assert "batchpilot explore" in line
+
+
+def test_an_exploration_on_other_devices_is_refused(tmp_path):
+    path, config = gke_config_file(tmp_path)
+    other = json.loads(json.dumps(config))
+    other["cluster"].update(machine_type="a3-highgpu-4g", devices_per_node=4)
+    explore = explore_json(tmp_path, other)
+    with no_debris(tmp_path):
+        outcome = run_cli(*plan_args(path, tmp_path), "--explore", str(explore))
+    outcome.assert_refused("--explore", "cluster.devices_per_node 4 there, 8 here")
+
+
+def test_twin_an_exploration_of_this_config_plans_with_its_micro_batch(tmp_path):
+    path, config = gke_config_file(tmp_path)
+    explore = explore_json(tmp_path, config)
+    outcome = run_cli(*plan_args(path, tmp_path), "--explore", str(explore))
+    assert outcome.code == 0, outcome.stderr
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert (document["micro_batch_source"], document["micro_batch_size"]) == ("explore", 2)
+
+
+# --- plan.json edited by hand -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gke_plan(tmp_path) -> Path:
+    """plan.json of the gke config, written by `batchpilot plan`."""
+    path, _ = gke_config_file(tmp_path)
+    plan = tmp_path / "plan.json"
+    outcome = run_cli("plan", "--config", str(path), "--micro-batch-size", "2", "--out", str(plan))
+    assert outcome.code == 0, outcome.stderr
+    return plan
+
+
+def dry_run(plan: Path):
+    return run_cli("launch", "--plan", str(plan), "--stage", "0", "--dry-run")
+
+
+EDITS = {
+    "a stage's node count": lambda d: d["stages"][0].update(num_nodes=2),
+    "a stage removed": lambda d: d["stages"].pop(1),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
+def test_a_plan_whose_stages_were_edited_is_refused(tmp_path, gke_plan, edit):
+    data = json.loads(gke_plan.read_text())
+    edit(data)
+    gke_plan.write_text(json.dumps(data, indent=2))
+    with no_debris(tmp_path):
+        outcome = dry_run(gke_plan)
+    outcome.assert_refused(str(gke_plan), "were edited after batchpilot wrote it", "batchpilot plan --config")
+
+
+def test_twin_an_untouched_plan_renders_its_jobset(gke_plan):
+    outcome = dry_run(gke_plan)
+    assert outcome.code == 0, outcome.stderr
+    assert yaml.safe_load(outcome.stdout)["kind"] == "JobSet"
