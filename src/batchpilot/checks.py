@@ -383,28 +383,32 @@ def data_problems(*, data_uri: str, model_vocab_size: Callable[[], int]) -> list
     fix = f"prepare it with `batchpilot data prepare ... --out {data_uri}` (--demo for the demo set) or point data.uri at a shard set"
     folder = Path(data_uri.removeprefix("file://"))
     if not folder.is_dir():
-        return [
-            BatchpilotError("data.uri", f"{data_uri} does not exist (no folder {folder.absolute()})", fix)
-        ]
+        where = "" if folder.is_absolute() else f" in {Path.cwd()} (a relative file:// URI starts there)"
+        return [BatchpilotError("data.uri", f"{data_uri} does not exist{where}", fix)]
     try:
         manifest = read_manifest(open_storage(data_uri))
     except BatchpilotError as error:
         return [
             BatchpilotError("data.uri", f"{data_uri} holds no shard set: {error.field} {error.problem}", fix)
         ]
-    vocab = model_vocab_size()
-    if vocab >= manifest.vocab_size:
-        return []
-    tokenizer = ", ".join(f"{key} {value}" for key, value in manifest.tokenizer.items())
-    return [
-        BatchpilotError(
-            "model.args.vocab_size",
-            f"the model embeds {vocab} token ids, but {data_uri} was tokenized ({tokenizer}) into a vocabulary "
-            f"of {manifest.vocab_size}",
-            f"set model.args.vocab_size to at least {manifest.vocab_size}, or prepare the data with the model's "
-            "tokenizer",
-        )
-    ]
+    problem = vocabulary_problem(
+        model_vocab_size=model_vocab_size(), data_vocab_size=manifest.vocab_size, data_uri=data_uri
+    )
+    return [] if problem is None else [problem]
+
+
+def vocabulary_problem(
+    *, model_vocab_size: int, data_vocab_size: int, data_uri: str
+) -> BatchpilotError | None:
+    """The rule between a shard set and the model (`plan` on local data, `doctor` on any): the model embeds
+    every token id of the vocabulary the set was tokenized into (its manifest's `vocab_size`)."""
+    if model_vocab_size >= data_vocab_size:
+        return None
+    return BatchpilotError(
+        "model.args.vocab_size",
+        f"the model embeds {model_vocab_size} token ids but {data_uri}'s vocabulary has {data_vocab_size}",
+        f"set model.args.vocab_size to at least {data_vocab_size}",
+    )
 
 
 def explore_problems(config: Config, explore: dict[str, Any] | None) -> list[BatchpilotError]:

@@ -65,7 +65,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "htmlpage": frozenset(),  # the look of report.html and explore.html: standard library only
     # `batchpilot doctor`: reads the cluster, storage and KFP the way a run does, so it uses their code.
     "doctor": frozenset(
-        {"doctor", "cluster", "data", "train", "kfp", "planner", "config", "planning", "errors"}
+        {"doctor", "cluster", "data", "train", "kfp", "planner", "checks", "config", "planning", "errors"}
     ),
 }
 """Package -> the batchpilot packages it may import (besides EVERYONE)."""

@@ -43,6 +43,7 @@ def _unreachable_storage(context: Context, name: str, uri: str) -> Check | None:
 def check_data(context: Context) -> Check:
     """The shard set's manifest is readable, has the split, at least one sample, and a vocabulary the
     model embeds."""
+    from batchpilot.checks import vocabulary_problem
     from batchpilot.data.sampling import num_samples
     from batchpilot.data.shards import read_manifest
 
@@ -68,12 +69,11 @@ def check_data(context: Context) -> Check:
     from batchpilot.train.shape import model_shape  # torch: only once the data is there
 
     vocab = model_shape(factory=config.model.factory, args=config.model.args).vocab_size
-    if vocab < manifest.vocab_size:
-        return fail(
-            "data",
-            f"the model embeds {vocab} token ids but {data.uri}'s vocabulary has {manifest.vocab_size}",
-            f"set model.args.vocab_size to at least {manifest.vocab_size}",
-        )
+    problem = vocabulary_problem(
+        model_vocab_size=vocab, data_vocab_size=manifest.vocab_size, data_uri=data.uri
+    )
+    if problem is not None:  # the rule `plan` applies to local data
+        return fail("data", problem.problem, problem.fix or "")
     epochs = config.total_samples / samples
     return ok(
         "data",

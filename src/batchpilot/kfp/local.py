@@ -47,13 +47,9 @@ def check_local_run(config: Config, output: Path, *, resume: bool) -> None:
         )
     if output.exists() and any(output.iterdir()) and not resume:
         raise BatchpilotError("--output", f"{output} is not empty", "choose a new folder, or pass --resume")
-    manifest = Path(config.data.uri.removeprefix("file://")) / "manifest.json"
-    if config.data.uri.startswith("file://") and not manifest.exists():
-        raise BatchpilotError(
-            "data.uri",
-            f"{config.data.uri} holds no shard set (no manifest.json)",
-            f"prepare one, e.g. `batchpilot data prepare --demo --out {config.data.uri}`",
-        )
+    from batchpilot.workflow import check_data
+
+    check_data(config)  # the shard set and its vocabulary, as `config check` and `plan` check them
 
 
 def run_pipeline(config: Config, *, output: Path, micro_batch_size: int = 0) -> None:
