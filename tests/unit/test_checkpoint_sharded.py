@@ -143,3 +143,58 @@ def test_a_gpu_checkpoints_fused_adamw_resumes_with_this_processs_implementation
 def test_make_optimizer_is_fused_only_for_parameters_on_cuda():
     model = build(**ARGS)
     assert [group["fused"] for group in make_optimizer(model, weight_decay=0.1).param_groups] == [None, None]
+
+
+def other_model(**changes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh model whose model section differs from the checkpoint's by `changes`."""
+    torch.manual_seed(123)
+    model = build(**{**ARGS, **changes})
+    return model, make_optimizer(model, weight_decay=0.1)
+
+
+def save_both_formats(tmp_path) -> dict[str, Checkpointer]:
+    source = trained()
+    sharded, full = (
+        Checkpointer(uri=f"file://{tmp_path}/sharded"),
+        Checkpointer(uri=f"file://{tmp_path}/full"),
+    )
+    sharded.save_sharded(step=2, consumed_samples=8, state=training_state(*source), rng=capture_rng_state())
+    full.save(
+        step=2, consumed_samples=8, model=source[0].state_dict(), optimizer=source[1].state_dict(),
+        rng=capture_rng_state(),
+    )  # fmt: skip
+    return {"sharded": sharded, "full": full}
+
+
+@pytest.mark.parametrize("form", ["sharded", "full"])
+def test_a_checkpoint_of_a_wider_model_names_the_first_tensor_and_both_shapes(tmp_path, form):
+    checkpoint = save_both_formats(tmp_path)[form].load()
+    target = other_model(n_embd=32)
+    before = {name: value.clone() for name, value in target[0].state_dict().items()}
+    with pytest.raises(BatchpilotError) as refused:
+        restore_training_state(checkpoint, *target)
+    assert str(refused.value) == (
+        f"file://{tmp_path}/{form}/000000002: was written by a different model: wte.weight is [32, 16] there "
+        "and [32, 32] in this model (fix: resume with the model section the checkpoint was written with, or "
+        "point train.checkpoint_uri at a new folder to start over)"
+    )
+    after = target[0].state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # refused before loading anything
+
+
+@pytest.mark.parametrize("form", ["sharded", "full"])
+def test_a_checkpoint_with_more_or_fewer_blocks_is_refused(tmp_path, form):
+    checkpointer = save_both_formats(tmp_path)[form]
+    with pytest.raises(
+        BatchpilotError, match=r"different model: blocks\.2\.ln_1\.weight is absent there and \[16\]"
+    ):
+        restore_training_state(checkpointer.load(), *other_model(n_layer=3))
+    smaller = other_model(n_layer=1)
+    num_extra = sum(name.startswith("blocks.1.") for name in trained()[0].state_dict())
+    # DCP alone would load the first block and drop the second without a word.
+    with pytest.raises(
+        BatchpilotError,
+        match=rf"different model: it holds blocks\.1\.ln_1\.weight \[16\], which this model does not have "
+        rf"\(and {num_extra - 1} more tensors\)",
+    ):
+        restore_training_state(checkpointer.load(), *smaller)

@@ -36,7 +36,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -104,6 +105,49 @@ class Checkpoint:
         expected = {f"{self.folder}/{name}": info for name, info in self.meta["files"].items()}
         return StorageReader(self.storage, self.folder, expected=expected)
 
+    def saved_model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The (global) shape of every model tensor the checkpoint holds, by parameter name: from DCP's
+        `.metadata` for a sharded checkpoint (no tensor is read), from `model.pt` for a full one."""
+        if not self.sharded:
+            assert self.model is not None
+            return tensor_shapes(self.model)
+        saved = self.reader().read_metadata().state_dict_metadata
+        return {
+            key.removeprefix("model."): tuple(item.size)
+            for key, item in saved.items()
+            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+        }
+
+    def check_same_model(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuses a checkpoint of another model before anything is loaded: DCP would stop on the first
+        shape mismatch with a traceback, and load a model with fewer blocks from a larger one silently.
+
+        Args:
+            shapes: the model's tensor shapes by parameter name (`tensor_shapes` of its state dict).
+
+        Raises:
+            BatchpilotError: naming the first tensor, in the model's order, whose shape differs or that the
+                checkpoint lacks, or else the first tensor of the checkpoint the model lacks.
+        """
+        saved = self.saved_model_shapes()
+        mismatch = next((name for name in shapes if saved.get(name) != tuple(shapes[name])), None)
+        if mismatch is not None:
+            there = list(saved[mismatch]) if mismatch in saved else "absent"
+            difference = f"{mismatch} is {there} there and {list(shapes[mismatch])} in this model"
+        else:
+            extra = [name for name in saved if name not in shapes]
+            if not extra:
+                return
+            difference = f"it holds {extra[0]} {list(saved[extra[0]])}, which this model does not have"
+            if len(extra) > 1:
+                difference += f" (and {len(extra) - 1} more tensors)"
+        raise BatchpilotError(
+            join_uri(self.storage.uri, self.folder),
+            f"was written by a different model: {difference}",
+            "resume with the model section the checkpoint was written with, or point "
+            "train.checkpoint_uri at a new folder to start over",
+        )
+
     def full_state(self) -> dict[str, Any]:
         """The whole `{"model": ..., "optimizer": ...}` state on this one process (no process group), for
         inspection and tests; parameter-name keyed for sharded checkpoints."""
@@ -114,6 +158,11 @@ class Checkpoint:
             state, storage_reader=self.reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True
         )
         return state
+
+
+def tensor_shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of a (flat) state dict by name; a DTensor's is its global shape."""
+    return {name: tuple(value.shape) for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -15,9 +15,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
-from batchpilot.train.checkpoint import Checkpoint, dcp_quietly, user_errors_of_dcp
+from batchpilot.train.checkpoint import Checkpoint, dcp_quietly, tensor_shapes, user_errors_of_dcp
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -52,11 +57,13 @@ def restore_training_state(
 def _restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if checkpoint.sharded:
         state = training_state(model, optimizer)  # the layout to read into: this rank's shards
+        checkpoint.check_same_model(tensor_shapes(state["model"]))
         with user_errors_of_dcp(), dcp_quietly():
             dcp.load(state, storage_reader=checkpoint.reader(), no_dist=not dist.is_initialized())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return
     assert checkpoint.model is not None and checkpoint.optimizer is not None
+    checkpoint.check_same_model(tensor_shapes(get_model_state_dict(model)))
     set_state_dict(
         model,
         optimizer,
