@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from batchpilot.checks import SHOWN_STAGES, check_plan_config, explore_problems, plan_problems
-from batchpilot.config import AdaptiveRampup, Config, MegatronRampup, resolved_runtime
+from batchpilot.config import AdaptiveRampup, Config, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import LRSchedule, Plan, estimate_cost, plan_stages
 from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision
@@ -219,11 +219,8 @@ def resolve_auto_target(
                 "train": config.train.model_copy(update={"lr_scaling": lr_scaling}),
             }
         )
-        if isinstance(batch.rampup, MegatronRampup) and (
-            target <= batch.rampup.start or (target - batch.rampup.start) % batch.rampup.increment
-        ):
-            continue
         try:
+            batch_schedule(resolved)  # the ramp's shape first: cheap, where plan_problems also seeks a fix
             if plan_problems(resolved):
                 continue
             build_plan(resolved, micro_batch_size=micro_batch_size)
