@@ -3,14 +3,17 @@ consumed samples, the exploration as explore.html shows it, and numbers written 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import re
+from fractions import Fraction
 from typing import Any
 
 import pytest
 
 from batchpilot.explore.report import explore_html
+from batchpilot.planning.capacity import LaunchCapacity, apply_capacity
 from batchpilot.report import loss_figure, write_report
 from batchpilot.rundoc import RunDocument
 from report_samples import sample_document, sample_explore, sample_records
@@ -186,3 +189,24 @@ def test_records_without_validation_loss_still_make_a_report(tmp_path, document,
     labels = [line.get_label() for line in loss_figure(document.plan, rows).axes[0].get_lines()]
     assert "validation" not in labels
     assert "validation loss</div>" not in (tmp_path / "r.html").read_text()
+
+
+def test_a_launch_on_fewer_nodes_shows_in_the_headline_the_stage_table_and_the_capacity_section(tmp_path):
+    planned = sample_document()
+    # The final launch (planned on 2 nodes) got 1 after waiting 10 minutes for the second.
+    record = LaunchCapacity(
+        launch="final", first_stage=3, last_stage=3, planned_nodes=2, ready_nodes=1, nodes=1, waited_s=600.0,
+        reason="stockout",
+    )  # fmt: skip
+    plan = apply_capacity(planned.plan, [record], expansion_factor=Fraction(1))
+    document = dataclasses.replace(planned, plan=plan, capacity=(record,))
+    path = tmp_path / "report.html"
+    summary = write_report(document=document, records=sample_records(document), explore=None, html_path=path)
+    page = path.read_text()
+    assert card(page, "nodes") == ("1 of 2 planned", "1 stage(s) on fewer nodes than planned")
+    assert row(page, ["final", "final"])[4:6] == ["2", "1"]
+    # 192 steps of 0.5 s on 1 node: 96 s, 0.027 node-hours, 48 s later than on 2; the wait: 1 node for 600 s.
+    assert row(page, ["final", "2", "1", "1"]) == [
+        "final", "2", "1", "1", "10.0 min", "0.17", "1.6 min", "0.027", "48 s", "stockout",
+    ]  # fmt: skip
+    assert summary["launches_on_fewer_nodes"] == 1
