@@ -34,6 +34,7 @@ from batchpilot.planning.memory import (
 from batchpilot.planning.nodes import walk_nodes
 from batchpilot.planning.noise import NoiseMeasurement, noise_measurement, why_unmeasured
 from batchpilot.planning.stages import Stage, sample_ranges
+from batchpilot.planning.units import format_number
 from batchpilot.rundoc import MicroBatchSource, RunDocument
 from batchpilot.schedule import batch_schedule, placement, tpu_plan_slices
 
@@ -228,7 +229,7 @@ def resolve_auto_target(
             continue
         clamped = f", at most max_global_batch_size {bound}" if recommended > bound else ""
         return resolved, [
-            f"batch.global_batch_size: auto -> {target} (explore's study: critical batch ~{critical:,.0f} "
+            f"batch.global_batch_size: auto -> {target} (explore's study: critical batch ~{format_number(critical)} "
             f"samples, recommended {recommended}; the nearest size the ramp-up and the node schedule accept at "
             f"micro_batch_size={micro_batch_size}{clamped}); train.lr_scaling: {lr_scaling} (the study's rule: "
             "sqrt up to twice the critical batch, none above)"
@@ -248,7 +249,7 @@ def study_advice(config: Config, explore: dict[str, Any] | None) -> list[str]:
     if not target or not study.get("critical_batch_size"):
         return []
     return [
-        f"explore's gradient-noise study: critical batch ~{study['critical_batch_size']:,.0f} samples, advises a "
+        f"explore's gradient-noise study: critical batch ~{format_number(study['critical_batch_size'])} samples, advises a "
         f"target global batch of {target} with train.lr_scaling: {study.get('lr_scaling')}; this plan keeps "
         f"batch.global_batch_size {config.batch.global_batch_size} and lr_scaling {config.train.lr_scaling} "
         "(global_batch_size: auto with a max_global_batch_size takes the advice)"
