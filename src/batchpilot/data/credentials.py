@@ -22,6 +22,9 @@ from batchpilot.errors import BatchpilotError
 
 TOKEN_DEADLINE_S = 10.0
 """How long fetching the first access token may take, all requests and google-auth's own retries included."""
+METADATA_TOKEN_DEADLINE_S = 60.0
+"""The same from the metadata server, which exists only where it serves tokens (Compute Engine, GKE) but may
+answer late while a new pod's Workload Identity is set up: a trainer should wait for it, not fail."""
 HOW_TO_FIX = (
     "run `gcloud auth application-default login`, use Workload Identity on GKE, or set "
     "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file"
@@ -31,13 +34,14 @@ _found: dict[tuple[str, ...], Any] = {}
 _found_lock = threading.Lock()
 
 
-def google_credentials(*, field: str, scopes: Sequence[str], deadline_s: float = TOKEN_DEADLINE_S) -> Any:
+def google_credentials(*, field: str, scopes: Sequence[str], deadline_s: float | None = None) -> Any:
     """Application Default Credentials holding a fresh access token (found once per process and scopes).
 
     Args:
         field: what needs them (a URI, a setting), to start the error line.
         scopes: OAuth scopes the token must carry.
-        deadline_s: bound on fetching the first token.
+        deadline_s: bound on fetching the first token (default: `TOKEN_DEADLINE_S`, or
+            `METADATA_TOKEN_DEADLINE_S` from the metadata server).
 
     Raises:
         BatchpilotError: no credentials were found, or they got no token within `deadline_s`.
@@ -53,6 +57,11 @@ def google_credentials(*, field: str, scopes: Sequence[str], deadline_s: float =
             credentials, _project = google.auth.default(scopes=list(scopes))
         except exceptions.DefaultCredentialsError as error:
             raise BatchpilotError(field, _not_found_problem(error), HOW_TO_FIX) from None
+        if deadline_s is None:
+            from google.auth import compute_engine
+
+            on_metadata = isinstance(credentials, compute_engine.Credentials)
+            deadline_s = METADATA_TOKEN_DEADLINE_S if on_metadata else TOKEN_DEADLINE_S
         try:
             credentials.refresh(DeadlineRequest(deadline_s))
         except (exceptions.RefreshError, exceptions.TransportError) as error:
