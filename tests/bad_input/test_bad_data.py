@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from harness import Outcome, no_debris, run_cli, run_process
+from tests.integration.gcs_server import gcs_server_running
 
 import batchpilot
 import batchpilot.data.prepare as prepare_module
@@ -30,9 +31,9 @@ def test_a_single_document_is_refused_before_anything_is_written(tmp_path: Path)
     outcome.assert_refused("validation split", "--validation-fraction 0")
 
 
-def test_a_failure_part_way_deletes_the_shards_it_wrote(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def failing_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A corpus whose second file fails part-way, after shards were written; returns the prepare arguments."""
     tokenizers = pytest.importorskip("tokenizers")
     words = [f"w{i}" for i in range(50)]
     vocab = {"<unk>": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(words)}}
@@ -46,7 +47,11 @@ def test_a_failure_part_way_deletes_the_shards_it_wrote(
     monkeypatch.setattr(prepare_module, "_BATCH_BYTES", 4096)
     (corpus / "a.txt").write_text(" ".join(words) * 40)
     (corpus / "b.txt").write_bytes(b"caf\xe9 w1 w2\n")
-    argv = ["--tokenizer", str(tmp_path / "tokenizer.json"), "--shard-size-tokens", "256", "--no-progress"]
+    return ["--tokenizer", str(tmp_path / "tokenizer.json"), "--shard-size-tokens", "256", "--no-progress"]
+
+
+def test_a_failure_part_way_deletes_the_shards_it_wrote(tmp_path: Path, failing_corpus: list[str]) -> None:
+    corpus, argv = tmp_path / "corpus", failing_corpus
     with no_debris(tmp_path):
         outcome = run_cli("data", "prepare", str(corpus), "--out", f"file://{tmp_path}/out/set", *argv)
     outcome.assert_refused("b.txt", "UTF-8")
@@ -61,6 +66,22 @@ def test_a_failure_part_way_deletes_the_shards_it_wrote(
         "b.txt"
     )
     assert listing(old) == []
+
+
+def test_a_failure_part_way_on_gcs_deletes_the_objects_it_wrote(
+    tmp_path: Path, failing_corpus: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from google.cloud import storage
+
+    with gcs_server_running(log_path=tmp_path / "gcs.log") as server:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
+        client = storage.Client(project="batchpilot-test")
+        client.create_bucket("bad-data")
+        outcome = run_cli(
+            "data", "prepare", str(tmp_path / "corpus"), "--out", "gs://bad-data/set", *failing_corpus
+        )
+        outcome.assert_refused("b.txt", "UTF-8")
+        assert [blob.name for blob in client.list_blobs("bad-data")] == []
 
 
 def test_a_successful_prepare_leaves_no_lock_file(tmp_path: Path) -> None:
