@@ -169,92 +169,63 @@ def micro_batch_reason(document: RunDocument, explore: dict[str, Any] | None) ->
     return f"{reason}; explore's fastest was {rec['micro_batch_size']}{comparison}"
 
 
-def _headline(
-    document: RunDocument,
-    records: list[dict[str, Any]],
-    actuals: dict[int, StageActuals],
-    explore: dict[str, Any] | None,
-) -> str:
+Card = tuple[str, str, str]
+"""A headline card: (label, value, detail)."""
+
+
+def _training_cards(document: RunDocument, records: list[dict[str, Any]]) -> list[Card]:
+    """Losses, steps, samples and tokens, against the plan."""
+    plan, seq_len = document.plan, document.config.data.seq_len
+    first, last = records[0]["loss"], records[-1]["loss"]
+    cards = [("final training loss", format_loss(last), f"from {format_loss(first)} at the first step")]
+    validation = validation_points(records)
+    if validation:
+        at, loss = validation[-1]
+        cards.append(("validation loss", format_loss(loss), f"last evaluated at sample {format_int(at)}"))
+    samples = records[-1]["consumed_samples"]
+    return [
+        *cards,
+        ("optimizer steps", format_int(len(records)), f"planned {format_int(plan.num_steps)}"),
+        ("samples", format_int(samples), f"planned {format_int(plan.trained_samples)}"),
+        ("tokens", format_int(samples * seq_len), f"{format_int(seq_len)} per sample"),
+    ]
+
+
+def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list[Card]:
+    """Training time and node-hours against the plan's estimate and a pool held at max nodes."""
     plan, cost = document.plan, document.cost
-    cards = []
-    if records:
-        validation = validation_points(records)
-        cards.append(
-            _card(
-                "final training loss",
-                format_loss(records[-1]["loss"]),
-                f"from {format_loss(records[0]['loss'])} at the first step",
-            )
-        )
-        if validation:
-            cards.append(
-                _card(
-                    "validation loss",
-                    format_loss(validation[-1][1]),
-                    f"last evaluated at sample {format_int(validation[-1][0])}",
-                )
-            )
-        samples = records[-1]["consumed_samples"]
-        cards.append(
-            _card("optimizer steps", format_int(len(records)), f"planned {format_int(plan.num_steps)}")
-        )
-        cards.append(_card("samples", format_int(samples), f"planned {format_int(plan.trained_samples)}"))
-        cards.append(
-            _card(
-                "tokens",
-                format_int(samples * document.config.data.seq_len),
-                f"{format_int(document.config.data.seq_len)} per sample",
-            )
-        )
-        trained_s = sum(a.trained_s for a in actuals.values())
-        node_hours = sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600
-        estimate = f"estimated {format_duration(cost.duration_s)}; " if cost else ""
-        cards.append(
-            _card(
+    trained_s = sum(a.trained_s for a in actuals.values())
+    node_hours = sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600
+    if cost is None:
+        return [
+            (
                 "training time",
                 format_duration(trained_s),
-                f"{estimate}the sum of step times, without starts and resizes",
-            )
-        )
-        if cost is not None:
-            held = (
-                f"; a pool held at {plan.max_nodes} nodes: {format_node_hours(cost.static_pool_node_hours)}"
-            )
-            cards.append(
-                _card(
-                    "node-hours",
-                    format_node_hours(node_hours),
-                    f"estimated {format_node_hours(cost.node_hours)}{held}",
-                )
-            )
-        else:
-            cards.append(
-                _card("node-hours", format_node_hours(node_hours), "no estimate: no measured throughput")
-            )
-    cards.append(
-        _card(
-            "micro batch trained",
-            format_int(plan.micro_batch_size),
-            micro_batch_reason(document, explore),
-            wide=True,
-        )
-    )
-    memory = (
-        f"; {format_bytes(document.memory.peak.estimate.total)} per device estimated"
-        if document.memory
-        else ""
-    )
-    cards.append(
-        _card("parallelism", plan.parallelism, f"{plan.devices_per_node} device(s) per node{memory}")
-    )
+                "the sum of step times, without starts and resizes",
+            ),
+            ("node-hours", format_node_hours(node_hours), "no estimate: no measured throughput"),
+        ]
+    held = format_node_hours(cost.static_pool_node_hours)
+    return [
+        (
+            "training time",
+            format_duration(trained_s),
+            f"estimated {format_duration(cost.duration_s)}; the sum of step times, without starts and resizes",
+        ),
+        (
+            "node-hours",
+            format_node_hours(node_hours),
+            f"estimated {format_node_hours(cost.node_hours)}; a pool held at {plan.max_nodes} nodes: {held}",
+        ),
+    ]
+
+
+def _setup_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list[Card]:
+    """Parallelism, MFU and the nodes planned and used (the micro batch has its own, wider card)."""
+    plan = document.plan
+    memory = document.memory
+    per_device = f"; {format_bytes(memory.peak.estimate.total)} per device estimated" if memory else ""
     mfu = [a.mfu for a in actuals.values() if a.mfu is not None]
-    cards.append(
-        _card(
-            "MFU",
-            f"{statistics.mean(mfu):.1%}" if mfu else "not measured",
-            "model FLOPs utilisation, mean over steps" if mfu else "the trainer reports it on GPUs and TPUs",
-        )
-    )
     planned = max((s.planned_nodes or s.num_nodes) for s in plan.stages)
     used = max((a.num_nodes for a in actuals.values()), default=0)
     short = [
@@ -262,18 +233,37 @@ def _headline(
         for a in actuals.values()
         if a.num_nodes < (plan.stages[a.index].planned_nodes or plan.stages[a.index].num_nodes)
     ]
-    cards.append(
-        _card(
-            "nodes",
-            f"{used} of {planned} planned" if used and used != planned else str(planned),
-            f"{len(short)} stage(s) on fewer nodes than planned"
-            if short
-            else "every stage on its planned nodes"
-            if actuals
-            else "nothing trained yet",
-        )
+    if short:
+        nodes_detail = f"{len(short)} stage(s) on fewer nodes than planned"
+    else:
+        nodes_detail = "every stage on its planned nodes" if actuals else "nothing trained yet"
+    return [
+        ("parallelism", plan.parallelism, f"{plan.devices_per_node} device(s) per node{per_device}"),
+        (
+            "MFU",
+            f"{statistics.mean(mfu):.1%}" if mfu else "not measured",
+            "model FLOPs utilisation, mean over steps" if mfu else "the trainer reports it on GPUs and TPUs",
+        ),
+        ("nodes", f"{used} of {planned} planned" if used and used != planned else str(planned), nodes_detail),
+    ]
+
+
+def _headline(
+    document: RunDocument,
+    records: list[dict[str, Any]],
+    actuals: dict[int, StageActuals],
+    explore: dict[str, Any] | None,
+) -> str:
+    """The cards a practitioner reads first: what was trained, what it cost, and how."""
+    cards = [*_training_cards(document, records), *_cost_cards(document, actuals)] if records else []
+    micro = _card(
+        "micro batch trained",
+        format_int(document.plan.micro_batch_size),
+        micro_batch_reason(document, explore),
+        wide=True,
     )
-    return "<div class='cards'>" + "".join(cards) + "</div>"
+    rest = "".join(_card(*card) for card in _setup_cards(document, actuals))
+    return "<div class='cards'>" + "".join(_card(*card) for card in cards) + micro + rest + "</div>"
 
 
 def _stage_rows(document: RunDocument, actuals: dict[int, StageActuals]) -> Html:
