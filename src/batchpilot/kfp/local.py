@@ -4,22 +4,30 @@ kfp.local's SubprocessRunner runs every task in this Python environment: storage
 node pool is local (a node = a group of processes) and each launch (consecutive stages on one node
 count) runs as one torchx `local_cwd` job.
 Everything the tasks and kfp.local print goes to a log file in the run folder (`captured_output`); the
-caller picks the lines worth showing as they are written.
+caller picks the lines worth showing as they are written. The log is kept readable: kfp.local repeats a
+warning for every task and prints each task's executor input (the whole config and run document, one JSON
+string per line), so each warning is written once and a line longer than `MAX_LOG_LINE_CHARS` is cut, which
+leaves the `[batchpilot]` lines findable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
 
 LOG_NAME = "pipeline.log"
+MAX_LOG_LINE_CHARS = 500
+"""A longer line of pipeline.log (an executor payload, a task's output value) keeps this many characters."""
 
 
 def _absolute_file_uri(uri: str) -> str:
@@ -46,7 +54,11 @@ def check_local_run(config: Config, output: Path, *, resume: bool) -> None:
             "compile it with `batchpilot compile` and submit it with `batchpilot submit`",
         )
     if output.exists() and any(output.iterdir()) and not resume:
-        raise BatchpilotError("--output", f"{output} is not empty", "choose a new folder, or pass --resume")
+        raise BatchpilotError(
+            "--out",
+            f"{output} is not empty (a run in it stopped or failed?)",
+            "pass --resume to continue the run in it, or choose a new folder",
+        )
     from batchpilot.workflow import check_data
 
     check_data(config)  # the shard set and its vocabulary, as `config check` and `plan` check them
@@ -81,7 +93,8 @@ def captured_output(log_path: Path, on_line: Callable[[str], None]) -> Iterator[
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         reader.start()
-        yield
+        with _tidy_streams():
+            yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -91,6 +104,86 @@ def captured_output(log_path: Path, on_line: Callable[[str], None]) -> Iterator[
             os.close(fd)
         done.set()
         reader.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _tidy_streams() -> Iterator[None]:
+    """While it lasts, this process's `sys.stdout` and `sys.stderr` cut long lines, and each warning is
+    shown once per place it comes from (kfp.local warns once per task, naming the task)."""
+    saved = sys.stdout, sys.stderr
+    out, err = ShortLines(sys.stdout), ShortLines(sys.stderr)
+    seen: set[tuple[type[Warning], str, int]] = set()
+
+    def show_once(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if (category, filename, lineno) in seen:
+            return
+        seen.add((category, filename, lineno))
+        text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+        sys.stderr.write(
+            f"{text}\n  (shown once: later warnings from {Path(filename).name}:{lineno} are left out)\n"
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show_once
+        sys.stdout, sys.stderr = out, err
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+            out.end()
+            err.end()
+
+
+class ShortLines(io.TextIOBase):
+    """A text stream that passes whole lines on to `stream`, each cut to `MAX_LOG_LINE_CHARS`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            self._stream.write(shorten(line) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def end(self) -> None:
+        """Writes a last line that had no newline, and flushes."""
+        if self._pending:
+            self._stream.write(shorten(self._pending))
+            self._pending = ""
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def shorten(line: str) -> str:
+    """`line`, or its first `MAX_LOG_LINE_CHARS` characters and how many were left out."""
+    if len(line) <= MAX_LOG_LINE_CHARS:
+        return line
+    return f"{line[:MAX_LOG_LINE_CHARS]} ... [{len(line) - MAX_LOG_LINE_CHARS:,} more characters not logged]"
 
 
 def _follow(path: Path, on_line: Callable[[str], None], done: threading.Event) -> None:
