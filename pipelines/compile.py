@@ -1,8 +1,8 @@
-"""Compile the batchpilot pipeline: `python pipelines/compile.py [--config FILE] [--output FILE] [--image IMAGE]`.
+"""Compile the batchpilot pipeline: `python pipelines/compile.py [--config FILE --out FILE [--force]] [--image IMAGE]`.
 
 A thin entry point over `batchpilot compile` (the pipeline lives in the package, `batchpilot.kfp`).
 Without --config it recompiles every example config into pipelines/compiled/ (checked in; a test fails
-when they drift from the source).
+when they drift from the source), replacing the files there.
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ def main(argv: list[str]) -> int:
         return batchpilot_main(["compile", *argv])
     for name in EXAMPLES:
         code = batchpilot_main(
-            ["compile", "--config", str(EXAMPLE_CONFIGS / name), "--output", str(COMPILED / name), *argv]
+            [
+                "compile",
+                "--config",
+                str(EXAMPLE_CONFIGS / name),
+                "--out",
+                str(COMPILED / name),
+                "--force",
+                *argv,
+            ]
         )
         if code:
             return code

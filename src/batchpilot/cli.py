@@ -2,16 +2,23 @@
 
 User errors (`BatchpilotError`) print one line per problem to stderr and exit 2, with no traceback.
 Library progress arrives through `logging` (see `batchpilot.logs`); the CLI shows it on stdout.
+Options share one vocabulary (`batchpilot.commands.options`, docs/cli.md). When the reader of stdout goes
+away (`batchpilot config schema | head`), the command stops quietly with 141, as a Unix tool killed by
+SIGPIPE does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from batchpilot import __version__
+from batchpilot.commands.options import Parser
 from batchpilot.errors import BatchpilotError
 from batchpilot.logs import configure_console
 
@@ -33,7 +40,7 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="batchpilot",
         description="The right batch size for language-model training on Kubernetes: explore the fastest "
         "micro batch, plan a staged ramp-up with node scheduling, and train it as one Kubeflow Pipeline.",
@@ -47,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the process exit code."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # Whatever is still buffered for the closed pipe would fail again when Python flushes stdout at
+        # exit: point stdout at /dev/null first.
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout without a file descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_console()

@@ -8,7 +8,7 @@ PREEMPTED_LOG_MARKER = f"preempted: exit {EXIT_PREEMPTED}"
 """Rank 0 logs this line when it stops for preemption; launchers look for it (torchrun itself exits 1)."""
 
 PREEMPTED_FILE = "preempted"
-"""Every rank that stops for preemption writes this file into its `--output-dir`: a pod's command turns
+"""Every rank that stops for preemption writes this file into its `--out` folder: a pod's command turns
 torchrun's exit 1 into EXIT_PREEMPTED when it finds it, so Kubernetes can tell a preemption by exit code."""
 
 CANARY_FAILED_MARKER = "batchpilot canary failed:"

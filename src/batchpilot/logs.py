@@ -30,6 +30,13 @@ class _ConsoleHandler(logging.StreamHandler):
             self.stream = getattr(sys, self._follow)
         super().emit(record)
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        # The reader went away (`batchpilot ... | head`): drop the line without logging's traceback; the
+        # command's next print meets the same closed pipe and `batchpilot.cli` ends it quietly.
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            return
+        super().handleError(record)
+
 
 def configure_console(*, level: int = logging.INFO, stream: TextIO | None = None) -> None:
     """Prints the `batchpilot` loggers' records at `level` and above: INFO as `[batchpilot] message` on

@@ -416,7 +416,7 @@ def run_stage(
     if config.cluster.backend == "gke":
         if work_dir is not None or log_dir is not None:
             raise BatchpilotError(
-                "--output-dir" if work_dir is not None else "--log-dir",
+                "--out" if work_dir is not None else "--log-dir",
                 "applies to local launches; gke trainers write checkpoints to train.checkpoint_uri",
                 "remove the option",
             )
@@ -448,7 +448,7 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
     config = document.config
     if config.cluster.backend != "gke":
         raise BatchpilotError(
-            "--dryrun", "renders the JobSet or Volcano Job of a gke config", "this config's backend is local"
+            "--dry-run", "renders the JobSet or Volcano Job of a gke config", "this config's backend is local"
         )
     require_gke_settings(config.cluster)
     document = current_document(document, capacity=False)

@@ -25,6 +25,7 @@ from batchpilot.kfp.compile import compile_pipeline
 from helpers import REPO, run_batchpilot
 
 DEMO = str(REPO / "configs" / "demo.yaml")
+NEMO = str(REPO / "configs" / "nemo_gpt3_5b.yaml")  # a gke config: a dry run of a local one is refused
 
 
 @pytest.fixture
@@ -148,13 +149,15 @@ def test_existing_version_is_reused_if_identical_and_refused_if_not(
 
 
 def test_dry_run_prints_the_request_and_sends_nothing(
-    kfp_server: KfpServer, demo_yaml: str, capsys: pytest.CaptureFixture[str]
+    kfp_server: KfpServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = submit(
-        kfp_server, "--experiment", "ramp-ups", "--run-name", "r1", "--service-account", "sa",
+    nemo_yaml = compile_pipeline(load_config(NEMO))
+    code = main([
+        "submit", "--config", NEMO, "--host", kfp_server.endpoint,
+        "--experiment", "ramp-ups", "--run-name", "r1", "--service-account", "sa",
         "--namespace", "team-a", "--pipeline-name", "batchpilot", "--pipeline-version", "v3",
         "--param", "total_samples=4096", "--token", "s3cret-t0ken", "--dry-run",
-    )  # fmt: skip
+    ])  # fmt: skip
 
     out = capsys.readouterr().out
     assert code == 0
@@ -167,7 +170,7 @@ def test_dry_run_prints_the_request_and_sends_nothing(
         "namespace: team-a",
         "version 'v3' of pipeline 'batchpilot'",
         "parameters: total_samples=4096",
-        f"pipeline: batchpilot-demo, 4 stage(s), spec {len(demo_yaml.encode()):,} bytes",
+        f"pipeline: batchpilot-gpt3-5b, 8 stage(s), spec {len(nemo_yaml.encode()):,} bytes",
         "auth: bearer token (not shown)",
     ):
         assert expected in out, out
@@ -336,7 +339,8 @@ def test_upload_only_authenticates_with_the_projected_service_account_token(
 def test_upload_only_dry_run_says_no_run_is_created(
     kfp_server: KfpServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert upload_only(kfp_server, "0.1.0-r3", "--dry-run") == 0
+    # The last --config wins: the gke config replaces the demo's.
+    assert upload_only(kfp_server, "0.1.0-r3", "--dry-run", "--config", NEMO) == 0
     out = capsys.readouterr().out
     assert (
         "pipeline version: upload as version '0.1.0-r3' of pipeline 'batchpilot', no run (--upload-only)"

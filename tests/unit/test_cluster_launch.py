@@ -207,7 +207,7 @@ def test_dryrun_of_a_local_config_and_missing_gke_settings_are_one_line_errors(t
     local["cluster"] = {"backend": "local", "max_nodes": 2}
     plan = write_plan(tmp_path / "local", local)
     code, _, err = launch_in_process("--plan", plan, "--stage", "0", "--dryrun")
-    assert code == 2 and err.startswith("batchpilot: error: --dryrun:")
+    assert code == 2 and err.startswith("batchpilot: error: --dry-run:")
     plan = write_plan(tmp_path / "gke", gke_config(image=None))
     code, _, err = launch_in_process("--plan", plan, "--stage", "0", "--dryrun")
     assert code == 2
@@ -313,7 +313,7 @@ def test_the_pod_command_exits_75_only_when_the_trainers_stopped_for_preemption(
     (container,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
     command = container["command"][-1]
     assert command.startswith("rm -f /tmp/batchpilot/out/preempted; torchrun() {")
-    assert "--output-dir /tmp/batchpilot/out" in command
+    assert "--out /tmp/batchpilot/out" in command
     env = {item["name"]: item.get("value") for item in container["env"]}
     grace_s = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"

@@ -71,7 +71,7 @@ def stage_launch_spec(
             plan_path,
             "--stage",
             launch.stage_arg,
-            "--output-dir",
+            "--out",
             output_dir,
             *(("--audit",) if audit else ()),
         ),

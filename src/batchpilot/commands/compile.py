@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from batchpilot.commands.options import add_config, add_out
+from batchpilot.files import check_output_file
 from batchpilot.kfp.compile import TARGETS
 
 
@@ -15,8 +17,14 @@ def register(subparsers: Any) -> None:
         description="Writes the pipeline (explore, plan, one task group per stage, report, scale-down exit "
         "handler) as KFP YAML for the KFP UI or `batchpilot submit`. Same config, same bytes.",
     )
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--output", required=True, help="the YAML file to write")
+    add_config(parser)
+    add_out(
+        parser,
+        required=True,
+        metavar="FILE",
+        help="the YAML file to write (refuses to overwrite unless --force)",
+    )
+    parser.add_argument("--force", action="store_true", help="allow --out to overwrite an existing file")
     parser.add_argument(
         "--image",
         help="the batchpilot image every task runs, REGISTRY/PATH:TAG or @sha256:DIGEST (default: "
@@ -35,5 +43,6 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from batchpilot.kfp.compile import compile_file
 
-    compile_file(args.config, args.output, image=args.image, target=args.target)
+    check_output_file(args.out, field="--out", force=args.force)
+    compile_file(args.config, args.out, image=args.image, target=args.target)
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from batchpilot.commands.options import add_out
 from batchpilot.data.prepare import collect_inputs, demo_inputs, prepare
 from batchpilot.data.shards import Manifest, read_manifest
 from batchpilot.data.storage import open_storage
@@ -33,19 +34,27 @@ def register(subparsers: Any) -> None:
     prep.add_argument(
         "inputs", nargs="*", metavar="INPUT", help="text files or folders (searched with --glob)"
     )
-    prep.add_argument("--out", required=True, help="file://path or gs://bucket/prefix")
+    add_out(
+        prep, required=True, metavar="URI", help="the shard set to write: file://path or gs://bucket/prefix"
+    )
     prep.add_argument(
         "--demo", action="store_true", help="use the Python standard library's .py files as input"
     )
     prep.add_argument("--glob", default="*.txt", help="file pattern inside INPUT folders (default: *.txt)")
     prep.add_argument("--shard-size-tokens", default="16M", help="tokens per shard, e.g. 1M (default: 16M)")
-    prep.add_argument("--validation-fraction", type=float, default=0.01, help="share of documents held out")
+    prep.add_argument(
+        "--validation-fraction", type=float, default=0.01, help="share of documents held out for validation"
+    )
     prep.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json")
     prep.add_argument("--eos-token", help="end-of-document token of --tokenizer (default: found by name)")
     prep.add_argument("--force", action="store_true", help="replace an existing shard set at --out")
     prep.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     prep.set_defaults(handler=run_prepare)
-    inspect = actions.add_parser("inspect", help="print the manifest summary of a shard set")
+    inspect = actions.add_parser(
+        "inspect",
+        help="print the manifest summary of a shard set",
+        description="Reads manifest.json of a shard set and prints its splits, shards, tokens, bytes and tokenizer.",
+    )
     inspect.add_argument("uri", help="file://path or gs://bucket/prefix")
     inspect.set_defaults(handler=run_inspect)
 

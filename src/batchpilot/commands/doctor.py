@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from batchpilot.commands.options import add_config
 from batchpilot.config import load_config
 from batchpilot.logs import configure_console
 
@@ -23,7 +24,7 @@ def register(subparsers: Any) -> None:
         "prefix and (with --host) the KFP API. One line per check: passed, FAILED with the fix, or skipped "
         "with why. Exit 0 only when nothing failed.",
     )
-    parser.add_argument("--config", required=True, help="YAML config file")
+    add_config(parser)
     parser.add_argument(
         "--host", help="KFP API endpoint with scheme, as for `batchpilot submit` (none: not checked)"
     )

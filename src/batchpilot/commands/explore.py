@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
+from batchpilot.commands.options import add_config, add_out
 from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.files import check_output_dir
 
 
 def register(subparsers: Any) -> None:
@@ -19,8 +20,8 @@ def register(subparsers: Any) -> None:
         "a recommendation after every probe, then studies the effective batch at the recommended size. "
         "Writes explore.json, explore.html and explore_metrics.json.",
     )
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--output-dir", help="where the outputs go (default: runs/<name>/explore)")
+    add_config(parser)
+    add_out(parser, metavar="DIR", help="the folder the outputs go to (default: runs/<name>/explore)")
     parser.add_argument("--max-probes", type=int, help="overrides explore.max_probes")
     parser.add_argument("--max-minutes", type=float, help="overrides explore.max_minutes")
     parser.add_argument(
@@ -56,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
     from batchpilot.planning.units import parse_bytes
 
     config = load_config(args.config)
+    output_dir = check_output_dir(args.out or f"runs/{config.name}/explore", field="--out")
     if args.memory_budget_bytes is not None:
         budget = parse_bytes(args.memory_budget_bytes, field="--memory-budget-bytes")
         config = config.model_copy(
             update={"explore": config.explore.model_copy(update={"memory_budget_bytes": budget})}
         )
-    output_dir = Path(args.output_dir or f"runs/{config.name}/explore")
     result = workflow.explore(
         config,
         output_dir=output_dir,

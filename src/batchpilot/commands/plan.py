@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from batchpilot.commands.options import add_config, add_out
 from batchpilot.config import load_config
-from batchpilot.errors import BatchpilotError
-from batchpilot.files import write_atomically
+from batchpilot.files import check_output_file, write_atomically
 from batchpilot.planning import CostEstimate, Plan
 from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.table import plan_table
@@ -25,7 +24,7 @@ def register(subparsers: Any) -> None:
         description="Checks every stage for divisibility and prints the stage table (or plan.json). "
         "Nothing is launched and no accelerator is requested.",
     )
-    parser.add_argument("--config", required=True, help="YAML config file")
+    add_config(parser)
     parser.add_argument("--micro-batch-size", type=int, help="overrides batch.micro_batch_size")
     parser.add_argument(
         "--explore", metavar="EXPLORE_JSON", help="take the micro batch and throughput from explore.json"
@@ -33,8 +32,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the plan.json document instead of the table"
     )
-    parser.add_argument(
-        "--out", help="also write plan.json to this path (refuses to overwrite unless --force)"
+    add_out(
+        parser, metavar="FILE", help="also write plan.json to this file (refuses to overwrite unless --force)"
     )
     parser.add_argument("--force", action="store_true", help="allow --out to overwrite an existing file")
     parser.add_argument(
@@ -53,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
         configure_console(stream=sys.stderr)
     config = load_config(args.config)
     explore = workflow.read_explore(args.explore) if args.explore else None
-    if args.out and Path(args.out).exists() and not args.force:
-        raise BatchpilotError("--out", f"{args.out} exists", "choose another path or pass --force")
+    if args.out:
+        check_output_file(args.out, field="--out", force=args.force)
     document = workflow.plan(
         config,
         micro_batch_size=args.micro_batch_size,

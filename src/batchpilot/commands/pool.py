@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from batchpilot.commands.options import add_config
 from batchpilot.config import load_config
 
 
@@ -17,7 +18,10 @@ def register(subparsers: Any) -> None:
     )
     actions = parser.add_subparsers(dest="pool_command", metavar="ACTION", required=True)
     resize = actions.add_parser(
-        "resize", help="resize the pool to --nodes and wait until that many nodes are ready"
+        "resize",
+        help="resize the pool to --nodes and wait until that many nodes are ready",
+        description="Resizes the config's node pool to --nodes and waits until that many nodes are ready "
+        "(local: records the size; gke: the Container API, readiness from the Kubernetes API).",
     )
     _common(resize)
     resize.add_argument("--nodes", required=True, type=int, help="node count to resize to")
@@ -25,7 +29,12 @@ def register(subparsers: Any) -> None:
         "--timeout-s", type=float, help="readiness wait in seconds (default: cluster.ready_timeout_s)"
     )
     resize.set_defaults(handler=run_resize)
-    down = actions.add_parser("scale-down", help="resize the pool to cluster.idle_nodes")
+    down = actions.add_parser(
+        "scale-down",
+        help="resize the pool to cluster.idle_nodes",
+        description="Resizes the config's node pool to cluster.idle_nodes, what the pipeline's exit handler "
+        "does; with --orphaned, the pools whose run is gone.",
+    )
     _common(down)
     down.add_argument(
         "--orphaned",
@@ -34,13 +43,17 @@ def register(subparsers: Any) -> None:
         "(its Lease expired, no running JobSet) to the idle size recorded on the pool; one line per pool",
     )
     down.set_defaults(handler=run_scale_down)
-    status = actions.add_parser("status", help="print the pool's size and mode")
+    status = actions.add_parser(
+        "status",
+        help="print the pool's size and mode",
+        description="Prints how the config's node pool describes itself (its size and mode) in one line.",
+    )
     _common(status)
     status.set_defaults(handler=run_status)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config file")
+    add_config(parser)
     parser.add_argument(
         "--pool-state",
         help="local backend: the pool state file (default: cluster.pool_state_path or runs/<name>/pool.json)",

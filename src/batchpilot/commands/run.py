@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -18,8 +20,10 @@ from typing import Any
 
 from rich.console import Console
 
+from batchpilot.commands.options import add_out
 from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.files import check_output_dir
 from batchpilot.logs import PREFIX
 
 EMBEDDED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -41,20 +45,34 @@ def register(subparsers: Any) -> None:
         "run",
         help="compile the pipeline and run all of it locally (explore, plan, every stage, report)",
         description="Runs the whole batchpilot pipeline with kfp.local on this machine and leaves the "
-        "report, metrics, plan, checkpoints and the full log (pipeline.log) in --output.",
+        "report, metrics, plan, checkpoints and the full log (pipeline.log) in --out. A config for a "
+        "cluster is compiled with `batchpilot compile` and submitted with `batchpilot submit` instead.",
     )
     parser.add_argument(
-        "--local", action="store_true", help="run with kfp.local here (the only mode of `run`)"
+        "--local",
+        action="store_true",
+        help="run with kfp.local on this machine: what `run` always does, so it may be left out",
     )
     parser.add_argument(
-        "--config", default=str(EMBEDDED_CONFIG), help="config file (default: the embedded demo)"
+        "--config",
+        metavar="FILE",
+        default=str(EMBEDDED_CONFIG),
+        help="YAML config file (default: the embedded demo)",
+    )
+    add_out(
+        parser,
+        required=True,
+        metavar="DIR",
+        help="the folder for the run's report, metrics, plan, checkpoints and log (new or empty, or --resume)",
     )
     parser.add_argument(
-        "--output", required=True, help="folder for the run's report, metrics, plan, checkpoints and log"
+        "--resume", action="store_true", help="continue a stopped or failed run in its --out folder"
     )
-    parser.add_argument("--resume", action="store_true", help="continue a run in an existing --output folder")
     parser.add_argument(
-        "--micro-batch-size", type=int, default=0, help="skip the explored value (0: explore)"
+        "--micro-batch-size",
+        type=int,
+        default=0,
+        help="use this micro batch instead of exploring (0: explore)",
     )
     parser.set_defaults(handler=run)
 
@@ -135,13 +153,12 @@ def run(args: argparse.Namespace) -> int:
     )
     from batchpilot.workflow import expected_stage_count, pipeline_launch_names
 
-    if not args.local:
-        raise BatchpilotError("--local", "is required: `batchpilot run` only runs pipelines on this machine")
-    output = Path(args.output)
+    output = check_output_dir(args.out, field="--out")
     config = local_run_config(load_config(args.config), output=output)
     check_local_run(config, output, resume=args.resume)
     num_stages = expected_stage_count(config)
     names = list(pipeline_launch_names(config))
+    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     log_path = output / LOG_NAME
     console = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False, soft_wrap=True)
@@ -155,16 +172,27 @@ def run(args: argparse.Namespace) -> int:
     try:
         with captured_output(log_path, tasks):
             run_pipeline(config, output=output, micro_batch_size=args.micro_batch_size)
+    except BatchpilotError:
+        if created:  # refused before any task ran: the same command works again once the input is fixed
+            shutil.rmtree(output, ignore_errors=True)
+        raise
     except RuntimeError as error:
-        errors = Console(file=os.fdopen(os.dup(2), "w", buffering=1), highlight=False, soft_wrap=True)
-        errors.print(f"batchpilot: error: the pipeline failed: {error}", markup=False)
-        errors.print(
-            f"batchpilot: error: the exit handler scaled the pool down; the full log is {log_path}",
-            markup=False,
-        )
+        print(failure_line(str(error), log_path=log_path, config=args.config, output=output), file=sys.stderr)
         return 1
     _summary(console, output, elapsed_s=time.monotonic() - started)
     return 0
+
+
+def failure_line(message: str, *, log_path: Path, config: str, output: Path) -> str:
+    """The last line of a failed run: which task failed (kfp.local's words, colour codes removed), where the
+    full log is, and the command that continues the run."""
+    text = " ".join(COLOUR.sub("", message).split())
+    marker = "Inner task failed:"
+    where = f"in task {text.split(marker, 1)[1].strip().rstrip('.')}" if marker in text else f"({text})"
+    return (
+        f"batchpilot: error: the pipeline failed {where}; the exit handler scaled the pool down; "
+        f"full log: {log_path}; to continue: batchpilot run --config {config} --out {output} --resume"
+    )
 
 
 def _launch_groups(names: list[str]) -> str:

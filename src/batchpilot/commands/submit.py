@@ -10,6 +10,8 @@ import argparse
 import os
 from typing import Any
 
+from batchpilot.commands.options import add_config, add_dry_run
+from batchpilot.errors import BatchpilotError
 from batchpilot.kfp.submit import SA_TOKEN_PATH_ENV
 
 TOKEN_ENV = "KFP_TOKEN"
@@ -24,7 +26,7 @@ def register(subparsers: Any) -> None:
         "uploaded as --pipeline-name/--pipeline-version. Prints the run id and its UI link. With "
         "--upload-only, only uploads the version (the pipeline is created if missing) and prints its link.",
     )
-    parser.add_argument("--config", required=True, help="YAML config file")
+    add_config(parser)
     parser.add_argument(
         "--host", required=True, help="KFP API endpoint with scheme, e.g. http://localhost:8080"
     )
@@ -62,15 +64,15 @@ def register(subparsers: Any) -> None:
         help=f"bearer token for the API (default: ${TOKEN_ENV}, else the file ${SA_TOKEN_PATH_ENV} names, "
         "e.g. a projected service-account token for multi-user KFP); never printed",
     )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print the request and send nothing (no connection at all)"
-    )
+    add_dry_run(parser, help="print the request and send nothing (no connection at all)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from batchpilot.kfp.submit import prepare_request, read_token_file, submit, upload
 
+    if args.dry_run:
+        _refuse_local_backend(args.config)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     token_path = os.environ.get(SA_TOKEN_PATH_ENV)
     if token is None and token_path:
@@ -105,3 +107,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"run id: {result.run_id}")
     print(f"run url: {result.run_url}")
     return 0
+
+
+def _refuse_local_backend(config_path: str) -> None:
+    """A dry run previews a cluster submission; a config for this machine has none to preview."""
+    from batchpilot.config import load_config
+
+    if load_config(config_path).cluster.backend == "local":
+        raise BatchpilotError(
+            "cluster.backend",
+            "is 'local': a local backend runs on this machine with `batchpilot run --local`, not through KFP",
+            f"batchpilot run --local --config {config_path} --out DIR, or set cluster.backend: gke to submit",
+        )

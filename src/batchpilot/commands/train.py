@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from batchpilot.commands.options import add_dry_run, add_out
 from batchpilot.errors import BatchpilotError
+from batchpilot.files import check_output_dir
 from batchpilot.rundoc import read_run_document
 
 logger = logging.getLogger(__name__)
@@ -34,31 +36,29 @@ def register(subparsers: Any) -> None:
         "launch",
         help="run a stage, or a launch (consecutive stages on one node count), on its planned node count "
         "through torchx (local_cwd: a node = local processes; gke: a JobSet or Volcano Job)",
+        description="Starts `batchpilot train` for the chosen stages on their planned node count (the pool "
+        "is resized by `batchpilot pool resize`, not here). Local backend: one torchx local_cwd job, a node "
+        "being devices_per_node processes on this machine; gke: a JobSet or Volcano Job carrying the plan. "
+        "Exits 0 when the stages are trained, 75 when preempted, 1 on failure.",
     )
     _common(
         launch,
         stage_help="stage index, `final`, a range A-B of stages on one node count, or a launch's name "
         "(e.g. stages-0-3; `batchpilot plan` lists them)",
     )
-    launch.add_argument("--log-dir", help="torchx log folder (default: OUTPUT_DIR/torchx)")
-    launch.add_argument(
-        "--dryrun",
-        action="store_true",
-        help="gke: print the JobSet or Volcano Job as YAML and exit, without any API call",
-    )
+    launch.add_argument("--log-dir", metavar="DIR", help="torchx log folder (default: OUT/torchx)")
+    add_dry_run(launch, help="gke: print the JobSet or Volcano Job as YAML and exit, without any API call")
     launch.set_defaults(handler=run_launch)
 
 
 def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
     parser.add_argument(
-        "--plan", required=True, help="the run document, plan.json of `batchpilot plan --out`"
+        "--plan", required=True, metavar="FILE", help="the run document, plan.json of `batchpilot plan --out`"
     )
     parser.add_argument("--stage", required=True, help=stage_help)
-    parser.add_argument("--output-dir", help="metrics.jsonl and logs go here (default: runs/<name>)")
+    add_out(parser, metavar="DIR", help="the folder metrics.jsonl and logs go to (default: runs/<name>)")
     parser.add_argument(
-        "--audit",
-        action="store_true",
-        help="record the sample positions each rank trained (OUTPUT_DIR/audit)",
+        "--audit", action="store_true", help="record the sample positions each rank trained (OUT/audit)"
     )
 
 
@@ -79,7 +79,7 @@ def run_train(args: argparse.Namespace) -> int:
         accelerator_type=cluster.accelerator_type,
         runtime=resolved_runtime(document.config),
     )
-    output_dir = Path(args.output_dir or f"runs/{document.config.name}")
+    output_dir = check_output_dir(args.out or f"runs/{document.config.name}", field="--out")
     adaptive = None
     if is_adaptive(document.config):
         # The stages as the decisions so far make them (adaptive.json beside the checkpoints), and the rule.
@@ -123,14 +123,14 @@ def run_launch(args: argparse.Namespace) -> int:
     from batchpilot.logs import configure_console
 
     document = read_run_document(args.plan)
-    if args.dryrun:
+    if args.dry_run:
         configure_console(stream=sys.stderr)  # stdout carries the YAML alone
         print(workflow.render_stage_job(document, stage=args.stage, audit=args.audit), end="")
         return 0
     return workflow.run_stage(
         document,
         stage=args.stage,
-        work_dir=Path(args.output_dir) if args.output_dir else None,
+        work_dir=check_output_dir(args.out, field="--out") if args.out else None,
         audit=args.audit,
         log_dir=Path(args.log_dir) if args.log_dir else None,
     )

@@ -1,0 +1,187 @@
+"""Issue #24, the command line's own mistakes: output paths that cannot be written, a reader that goes away,
+silent acceptances, a failed local run's last line and the folder it leaves."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from harness import no_debris, run_cli
+
+import batchpilot.kfp.local
+from batchpilot.errors import BatchpilotError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEMO = str(CONFIGS / "demo.yaml")
+NEMO = str(CONFIGS / "nemo_gpt3_5b.yaml")
+
+
+@pytest.fixture
+def plan_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert run_cli("plan", "--config", DEMO, "--micro-batch-size", "16", "--out", str(path)).code == 0
+    return str(path)
+
+
+@pytest.fixture
+def local_config(tmp_path) -> str:
+    """The demo config on a shard set that `run`'s checks accept (its manifest is all they read)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    config = yaml.safe_load(Path(DEMO).read_text())
+    config["data"]["uri"] = f"file://{data}"
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+# --- output paths that cannot be written: one line before any work ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["plan", "--config", NEMO], ["compile", "--config", NEMO]],
+    ids=["plan", "compile"],
+)
+def test_an_output_file_that_is_a_folder(command, tmp_path):
+    with no_debris(tmp_path):
+        outcome = run_cli(*command, "--out", str(tmp_path))
+    outcome.assert_refused("--out", f"{tmp_path} is a folder")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["plan", "--config", NEMO], ["compile", "--config", NEMO]],
+    ids=["plan", "compile"],
+)
+def test_an_output_file_below_a_file(command, tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    with no_debris(tmp_path):
+        outcome = run_cli(*command, "--out", str(blocker / "plan.json"))
+    outcome.assert_refused("--out", f"{blocker} is a file")
+
+
+def test_compile_does_not_overwrite_without_force(tmp_path):
+    existing = tmp_path / "pipeline.yaml"
+    existing.write_text("mine\n")
+    with no_debris(tmp_path):
+        outcome = run_cli("compile", "--config", DEMO, "--out", str(existing))
+    outcome.assert_refused("--out", "exists", "--force")
+    assert run_cli("compile", "--config", DEMO, "--out", str(existing), "--force").code == 0
+    assert existing.read_text().startswith("# PIPELINE DEFINITION")
+
+
+@pytest.mark.parametrize("command", ["explore", "run"])
+def test_an_output_folder_that_is_a_file(command, tmp_path, local_config):
+    blocker = tmp_path / "out"
+    blocker.write_text("x")
+    with no_debris(tmp_path):
+        outcome = run_cli(command, "--config", local_config, "--out", str(blocker))
+    outcome.assert_refused("--out", f"{blocker} is a file, not a folder")
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_a_trainer_output_folder_that_is_a_file(command, tmp_path, plan_file):
+    blocker = tmp_path / "out"
+    blocker.write_text("x")
+    with no_debris(tmp_path):
+        outcome = run_cli(command, "--plan", plan_file, "--stage", "0", "--out", str(blocker))
+    outcome.assert_refused("--out", f"{blocker} is a file, not a folder")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder")
+@pytest.mark.parametrize(
+    "command",
+    [["plan", "--config", NEMO, "--out"], ["explore", "--config", NEMO, "--out"]],
+    ids=["plan", "explore"],
+)
+def test_an_output_in_a_folder_without_write_permission(command, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with no_debris(tmp_path):
+            outcome = run_cli(*command, str(locked / "new"))
+    finally:
+        locked.chmod(0o700)
+    outcome.assert_refused("--out", f"{locked} is not writable")
+
+
+# --- a reader that goes away -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        (["config", "schema"], 141),  # 128 + SIGPIPE, what a shell reports for `yes | head -1`'s yes
+        # The table is drawn by rich, which ends a broken pipe with exit 1 itself; the log line before it
+        # meets the closed pipe first.
+        (["plan", "--config", NEMO], 1),
+    ],
+    ids=["config schema", "plan table"],
+)
+def test_a_closed_pipe_ends_quietly(command, code):
+    """`batchpilot config schema | head -1`: the reader is gone before the command writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run(
+            [sys.executable, "-m", "batchpilot", *command],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in process.stderr
+    assert "error" not in process.stderr.lower()
+    assert process.returncode == code
+
+
+# --- silent acceptances ----------------------------------------------------------------------------------
+
+
+def test_a_dry_run_submit_of_a_local_config_is_refused(tmp_path):
+    with no_debris(tmp_path):
+        outcome = run_cli("submit", "--config", DEMO, "--host", "http://127.0.0.1:9", "--dry-run")
+    outcome.assert_refused("cluster.backend", "is 'local'", "batchpilot run --local")
+
+
+# --- a failed `run --local`: its last line, and the folder it leaves --------------------------------------
+
+
+def test_a_failed_run_ends_with_one_clean_line(tmp_path, local_config, monkeypatch):
+    def failing_pipeline(config, *, output, micro_batch_size=0):
+        raise RuntimeError(
+            "Pipeline \x1b[95m'batchpilot-demo'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m. Inner task "
+            "failed: \x1b[96m'train-stage-2'\x1b[0m inside \x1b[96m'exit-handler-1'\x1b[0m."
+        )
+
+    monkeypatch.setattr(batchpilot.kfp.local, "run_pipeline", failing_pipeline)
+    out = tmp_path / "run"
+    outcome = run_cli("run", "--config", local_config, "--out", str(out))
+    line = outcome.assert_refused(code=1)
+    assert line == (
+        "batchpilot: error: the pipeline failed in task 'train-stage-2' inside 'exit-handler-1'; the exit "
+        f"handler scaled the pool down; full log: {out}/pipeline.log; to continue: batchpilot run --config "
+        f"{local_config} --out {out} --resume"
+    )
+    with no_debris(tmp_path):
+        again = run_cli("run", "--config", local_config, "--out", str(out))
+    again.assert_refused("--out", "is not empty", "pass --resume")
+
+
+def test_a_run_refused_before_any_task_leaves_no_folder(tmp_path, local_config, monkeypatch):
+    def refusing_pipeline(config, *, output, micro_batch_size=0):
+        raise BatchpilotError("train.lr", "is wrong", "fix it")
+
+    monkeypatch.setattr(batchpilot.kfp.local, "run_pipeline", refusing_pipeline)
+    out = tmp_path / "run"
+    run_cli("run", "--config", local_config, "--out", str(out)).assert_refused("train.lr: is wrong")
+    assert not out.exists()  # the same command works again once the config is fixed
