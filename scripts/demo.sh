@@ -10,4 +10,4 @@ fi
 # DEMO_CONFIG=configs/demo_adaptive.yaml runs the adaptive ramp-up demo instead (stages decided at run time).
 config=${DEMO_CONFIG:-configs/demo.yaml}
 name=$(basename "$config" .yaml)
-exec .venv/bin/batchpilot run --local --config "$config" --output "runs/$name/run-$(date +%Y%m%d-%H%M%S)" "$@"
+exec .venv/bin/batchpilot run --local --config "$config" --out "runs/$name/run-$(date +%Y%m%d-%H%M%S)" "$@"

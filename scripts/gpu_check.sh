@@ -31,7 +31,7 @@ EOF
 }
 train() {  # name stage
   "$py" -m torch.distributed.run --standalone --nproc_per_node 1 -m batchpilot train \
-    --plan "$work/$1-plan.json" --stage "$2" --output-dir "$work/$1"
+    --plan "$work/$1-plan.json" --stage "$2" --out "$work/$1"
 }
 
 echo "== 1. bf16 training, two stages with a resume between them"
@@ -43,4 +43,4 @@ write_config oom 1024 512 1024 3072
 train oom all 2>&1 | tee "$work/oom.log"
 grep -q "out of memory at micro_batch_size=512" "$work/oom.log"
 echo "== 3. explore on the GPU"
-"$py" -m batchpilot explore --config "$work/bf16.yaml" --output-dir "$work/explore" --max-probes 7
+"$py" -m batchpilot explore --config "$work/bf16.yaml" --out "$work/explore" --max-probes 7
