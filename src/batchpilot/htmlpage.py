@@ -15,8 +15,9 @@ max-width:1360px;margin:0 auto;padding:24px 28px 48px}
 h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:36px 0 10px;padding-bottom:4px;border-bottom:1px solid var(--line)}
 h3{font-size:16px;margin:20px 0 8px}
 p,li{max-width:1100px}.muted{color:var(--muted)}
-table{border-collapse:collapse;margin:8px 0 12px;font-variant-numeric:tabular-nums}
-th,td{border:1px solid var(--line);padding:4px 10px;vertical-align:top}
+table{border-collapse:collapse;margin:8px 0 12px;font-variant-numeric:tabular-nums;display:block;max-width:100%;
+overflow-x:auto}
+th,td{border:1px solid var(--line);padding:4px 10px;vertical-align:top;white-space:nowrap}
 th{background:var(--soft);font-weight:600;text-align:left}
 tr:nth-child(even) td{background:#fbfcfd}
 td.r,th.r{text-align:right}
