@@ -113,7 +113,45 @@ def test_a_config_with_another_stage_count_asks_for_a_recompile():
 def test_the_run_document_round_trips_and_refuses_an_edited_config():
     document = workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=16)
     text = document.to_json()
-    assert parse_run_document(text).to_json() == text
+    data = json.loads(text)
+    # What the document says, against the demo's ramp [16, 16, 4096] to 64 over 16,384 samples on 1-2 nodes
+    # at micro batch 16, with the LR scaled by sqrt(batch / 64):
+    assert (data["format_version"], data["micro_batch_source"], data["micro_batch_size"]) == (
+        4,
+        "override",
+        16,
+    )
+    assert (data["total_samples"], data["trained_samples"], data["num_steps"]) == (
+        16384,
+        16384,
+        86 + 43 + 28 + 192,
+    )
+    assert [
+        (
+            s["global_batch_size"],
+            s["num_nodes"],
+            s["start_sample"],
+            s["end_sample"],
+            s["gradient_accumulation_steps"],
+        )
+        for s in data["stages"]
+    ] == [(16, 1, 0, 1376, 1), (32, 1, 1376, 2752, 2), (48, 1, 2752, 4096, 3), (64, 2, 4096, 16384, 2)]
+    assert [s["lr"] for s in data["stages"]] == pytest.approx(
+        [3e-4 * 0.5, 3e-4 * 0.5**0.5, 3e-4 * 0.75**0.5, 3e-4]
+    )
+    assert data["lr_schedule"] == {
+        "lr": 3e-4,
+        "scaling": "sqrt",
+        "reference_batch": 64,
+        "warmup_samples": 1024,
+        "decay": "cosine",
+        "decay_end_samples": 16384,
+        "min_lr_ratio": 0.1,
+    }
+    # ... and reads back as the document that was written, part by part.
+    parsed = parse_run_document(text)
+    assert parsed.config == document.config and parsed.plan == document.plan
+    assert parsed.memory == document.memory and parsed.micro_batch_source == "override"
     edited = json.loads(text)
     edited["config"]["train"]["lr"] = 1.0
     with pytest.raises(BatchpilotError, match="config was edited after the plan was made"):
