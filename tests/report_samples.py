@@ -14,6 +14,9 @@ from helpers import REPO
 
 STEP_TIME_S = 0.5
 SAMPLES_PER_S_PER_DEVICE = 64.0
+WALL_START = 1_790_000_000.0
+STAGE_GAP_S = 30.0
+"""Wall-clock seconds between one stage's last step and the next one's first (a launch, a resize)."""
 
 
 def sample_document() -> RunDocument:
@@ -29,7 +32,8 @@ def sample_document() -> RunDocument:
 
 
 def sample_records(document: RunDocument, *, validation_every: int | None = 40) -> list[dict[str, Any]]:
-    """One record per optimizer step: the loss falls by 0.01 a step from 5.0, each step takes 0.5 s, the noise
+    """One record per optimizer step: the loss falls by 0.01 a step from 5.0, each step takes 0.5 s and 30 s pass between
+    stages (`time`, the wall clock at each step's end), the noise
     scale grows with the samples; `val_loss` every `validation_every` steps (null on the others), or no such
     key at all (a run from before validation)."""
     steps = [
@@ -40,7 +44,11 @@ def sample_records(document: RunDocument, *, validation_every: int | None = 40) 
         )
     ]
     rows: list[dict[str, Any]] = []
+    clock = WALL_START
     for index, (stage, consumed) in enumerate(steps):
+        if index and stage.index != steps[index - 1][0].index:
+            clock += STAGE_GAP_S
+        clock += STEP_TIME_S
         row: dict[str, Any] = {
             "step": index + 1,
             "consumed_samples": consumed,
@@ -57,6 +65,7 @@ def sample_records(document: RunDocument, *, validation_every: int | None = 40) 
             "step_time_s": STEP_TIME_S,
             "peak_memory_bytes": 400 * 2**20,
             "noise_scale": 4.0 + consumed / 1000 if index % 5 == 4 else None,
+            "time": clock,
         }
         if validation_every is not None:
             row["val_loss"] = 5.5 - index / 100 if (index + 1) % validation_every == 0 else None

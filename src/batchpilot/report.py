@@ -64,6 +64,10 @@ class StageActuals:
     num_samples: int
     trained_s: float
     """The sum of the stage's step times: training alone, without the launch's start or a resize."""
+    wall_start: float | None
+    """Wall clock (unix seconds) when the stage's first step began; None for records without `time`."""
+    wall_end: float | None
+    """Wall clock when the stage's last step ended."""
     num_nodes: int
     last_loss: float
     val_loss: float | None
@@ -85,6 +89,8 @@ def stage_actuals(document: RunDocument, records: list[dict[str, Any]]) -> dict[
             num_steps=len(rows),
             num_samples=rows[-1]["consumed_samples"] - stage.start_sample,
             trained_s=sum(float(r.get("step_time_s") or 0.0) for r in rows),
+            wall_start=_wall_start(rows),
+            wall_end=float(rows[-1]["time"]) if rows[-1].get("time") is not None else None,
             num_nodes=max(int(r.get("world_size") or stage.world_size) for r in rows)
             // max(1, stage.world_size // stage.num_nodes),
             last_loss=float(rows[-1]["loss"]),
@@ -92,6 +98,24 @@ def stage_actuals(document: RunDocument, records: list[dict[str, Any]]) -> dict[
             mfu=statistics.mean(mfu) if mfu else None,
         )
     return actuals
+
+
+def _wall_start(rows: list[dict[str, Any]]) -> float | None:
+    """When the first of `rows` began: its end (`time`, recorded since metrics had it) less its step time."""
+    first = rows[0]
+    if first.get("time") is None:
+        return None
+    return float(first["time"]) - float(first.get("step_time_s") or 0.0)
+
+
+def wall_time_s(actuals: dict[int, StageActuals]) -> float | None:
+    """From the first trained step's start to the last one's end: the stages' training, their launches'
+    starts, resizes and checkpoints in between. None when the records carry no wall clock."""
+    starts = [a.wall_start for a in actuals.values()]
+    ends = [a.wall_end for a in actuals.values()]
+    if not actuals or None in starts or None in ends:
+        return None
+    return max(e for e in ends if e is not None) - min(s for s in starts if s is not None)
 
 
 def _summary(
@@ -113,6 +137,9 @@ def _summary(
             trained_hours=sum(a.trained_s for a in actuals.values()) / 3600,
             trained_node_hours=sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600,
         )
+        wall = wall_time_s(actuals)
+        if wall is not None:
+            summary["wall_hours"] = wall / 3600
         mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
         if mfu:
             summary["mean_mfu"] = sum(mfu) / len(mfu)
@@ -198,6 +225,7 @@ def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list
     node_hours = sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600
     if cost is None:
         return [
+            *_wall_card(actuals),
             (
                 "training time",
                 format_duration(trained_s),
@@ -207,6 +235,7 @@ def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list
         ]
     held = format_node_hours(cost.static_pool_node_hours)
     return [
+        *_wall_card(actuals),
         (
             "training time",
             format_duration(trained_s),
@@ -217,6 +246,21 @@ def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list
             format_node_hours(node_hours),
             f"estimated {format_node_hours(cost.node_hours)}; a pool held at {plan.max_nodes} nodes: {held}",
         ),
+    ]
+
+
+def _wall_card(actuals: dict[int, StageActuals]) -> list[Card]:
+    """The wall time from the first step to the last, and how much of it was not training steps."""
+    wall = wall_time_s(actuals)
+    if wall is None:
+        return []
+    between = max(0.0, wall - sum(a.trained_s for a in actuals.values()))
+    return [
+        (
+            "wall time",
+            format_duration(wall),
+            f"first step to last; {format_duration(between)} of it launches, resizes, checkpoints and evaluation",
+        )
     ]
 
 

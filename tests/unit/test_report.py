@@ -72,6 +72,11 @@ def test_the_headline_gives_losses_steps_samples_tokens_time_and_node_hours(rend
         "2.9 min",
         "estimated 2.7 min; the sum of step times, without starts and resizes",
     )
+    # The wall clock: 174.5 s of steps and 30 s between each of the 4 stages.
+    assert card(page, "wall time") == (
+        "4.4 min",
+        "first step to last; 1.5 min of it launches, resizes, checkpoints and evaluation",
+    )
     assert card(page, "node-hours") == ("0.075", "estimated 0.071; a pool held at 2 nodes: 0.089")
     assert card(page, "nodes") == ("2", "every stage on its planned nodes")
     assert card(page, "MFU") == ("not measured", "the trainer reports it on GPUs and TPUs")
@@ -178,6 +183,14 @@ def test_the_summary_holds_the_last_validation_loss(rendered, document):
     rows = sample_records(document)
     assert rendered[1]["final_val_loss"] == [r["val_loss"] for r in rows if r["val_loss"] is not None][-1]
     assert rendered[1]["final_loss"] == rows[-1]["loss"]
+    assert rendered[1]["wall_hours"] == pytest.approx(264.5 / 3600)
+
+
+def test_records_without_a_wall_clock_show_no_wall_time(tmp_path, document):
+    records = [{k: v for k, v in r.items() if k != "time"} for r in sample_records(document)]
+    summary = write_report(document=document, records=records, explore=None, html_path=tmp_path / "r.html")
+    assert "wall_hours" not in summary
+    assert "wall time" not in (tmp_path / "r.html").read_text()
 
 
 @pytest.mark.parametrize("validation_every", [None, 10_000])  # no key (older runs), or never evaluated

@@ -280,25 +280,29 @@ class LoopBase:
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The step's metrics record, appended to metrics.jsonl (main process) and shown as progress."""
-        record = step_record(
-            step=self.step,
-            consumed=self.consumed,
-            stage=stage,
-            micro=micro,
-            accumulation=accumulation,
-            world_size=self.world_size,
-            loss=loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            step_time_s=step_time_s,
-            seq_len=self.config.data.seq_len,
-            flops_per_token=self.flops_per_token,
-            peak_flops=self.peak_flops,
-            peak_memory_bytes=self.peak_memory_bytes(),
-            noise_scale=noise_scale,
-            coherence=coherence,
-            val_loss=val_loss,
-        ) | (extra or {})
+        record = (
+            step_record(
+                step=self.step,
+                consumed=self.consumed,
+                stage=stage,
+                micro=micro,
+                accumulation=accumulation,
+                world_size=self.world_size,
+                loss=loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                step_time_s=step_time_s,
+                seq_len=self.config.data.seq_len,
+                flops_per_token=self.flops_per_token,
+                peak_flops=self.peak_flops,
+                peak_memory_bytes=self.peak_memory_bytes(),
+                noise_scale=noise_scale,
+                coherence=coherence,
+                val_loss=val_loss,
+            )
+            | {"time": time.time()}
+            | (extra or {})
+        )
         if self.metrics is not None:
             self.metrics.append(record)
         now = time.monotonic()
