@@ -27,10 +27,14 @@ def plan_file(tmp_path_factory) -> str:
 
 @pytest.fixture
 def local_config(tmp_path) -> str:
-    """The demo config on a shard set that `run`'s checks accept (its manifest is all they read)."""
+    """The demo config on a small real shard set (byte-level, as the demo model's vocabulary)."""
     data = tmp_path / "data"
-    data.mkdir()
-    (data / "manifest.json").write_text("{}")
+    text = tmp_path / "text.txt"
+    text.write_text("a few words to tokenize\n" * 200)
+    prepared = run_cli(
+        "data", "prepare", str(text), "--out", f"file://{data}", "--validation-fraction", "0", "--no-progress"
+    )
+    assert prepared.code == 0, prepared.stderr
     config = yaml.safe_load(Path(DEMO).read_text())
     config["data"]["uri"] = f"file://{data}"
     path = tmp_path / "demo.yaml"
@@ -169,7 +173,7 @@ def test_a_failed_run_ends_with_one_clean_line(tmp_path, local_config, monkeypat
     line = outcome.assert_refused(code=1)
     assert line == (
         "batchpilot: error: the pipeline failed in task 'train-stage-2' inside 'exit-handler-1'; the exit "
-        f"handler scaled the pool down; full log: {out}/pipeline.log; to continue: batchpilot run --config "
+        f"handler scaled the pool down; the full log is {out}/pipeline.log; to continue: batchpilot run --config "
         f"{local_config} --out {out} --resume"
     )
     with no_debris(tmp_path):

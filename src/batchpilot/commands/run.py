@@ -191,7 +191,7 @@ def failure_line(message: str, *, log_path: Path, config: str, output: Path) -> 
     where = f"in task {text.split(marker, 1)[1].strip().rstrip('.')}" if marker in text else f"({text})"
     return (
         f"batchpilot: error: the pipeline failed {where}; the exit handler scaled the pool down; "
-        f"full log: {log_path}; to continue: batchpilot run --config {config} --out {output} --resume"
+        f"the full log is {log_path}; to continue: batchpilot run --config {config} --out {output} --resume"
     )
 
 
