@@ -108,7 +108,28 @@ def test_staged_run_matches_the_run_without_stage_boundaries(staged_and_single):
     assert staged[-1]["loss"] < staged[0]["loss"] - 0.5
 
 
-def test_rerunning_a_finished_stage_does_nothing(staged_and_single):
+def test_relaunching_the_finished_final_stage_has_nothing_to_do(staged_and_single):
+    """A finished launch started again (a pipeline retry after its task lost the exit status): at its
+    planned size it finds the checkpoint at the stage's end and exits 0 without training a step."""
+    root, _ = staged_and_single
+    out, ckpt = root / "staged" / "out", root / "staged" / "ckpt"
+    metrics, checkpoints = (out / "metrics.jsonl").read_bytes(), files_and_mtimes(ckpt)
+    result = run_batchpilot(
+        "launch", "--plan", str(root / "staged" / "plan.json"),
+        "--stage", "final", "--output-dir", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "final is already complete (2,048 samples): nothing to do" in result.stdout
+    assert "final done" not in result.stdout and "| loss " not in result.stdout
+    assert (out / "metrics.jsonl").read_bytes() == metrics  # no step ran
+    assert files_and_mtimes(ckpt) == checkpoints  # no checkpoint written, none rewritten
+
+
+def files_and_mtimes(folder: Path) -> dict[str, int]:
+    return {str(path.relative_to(folder)): path.stat().st_mtime_ns for path in folder.rglob("*")}
+
+
+def test_a_stage_started_on_another_world_size_is_refused(staged_and_single):
     root, _ = staged_and_single
     result = run_batchpilot(
         "train", "--plan", str(root / "staged" / "plan.json"),
@@ -116,9 +137,3 @@ def test_rerunning_a_finished_stage_does_nothing(staged_and_single):
     )  # fmt: skip
     assert result.returncode == 2  # final is planned for 2 processes; this one is alone
     assert "final is planned for 2 node(s) x 1 = 2 processes, this job has 1" in result.stderr
-    result = run_batchpilot(
-        "train", "--plan", str(root / "staged" / "plan.json"),
-        "--stage", "0", "--output-dir", str(root / "staged" / "out"),
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "is past the end of stage-0" in result.stderr
