@@ -5,10 +5,21 @@ the XLA and the eager trainer in both directions."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from xla_helpers import metrics, plan_stages, run_eager, run_xla, write_plan, xla_config
+from xla_helpers import (
+    errors,
+    metrics,
+    plan_stages,
+    run_eager,
+    run_xla,
+    train_args,
+    write_plan,
+    xla_config,
+    xla_env,
+)
 
 from batchpilot.train.checkpoint import Checkpointer
 
@@ -111,3 +122,25 @@ def test_the_eager_trainer_resumes_an_xla_checkpoint_and_back(staged, demo_data_
         assert eager["loss"] == pytest.approx(ours["loss"], rel=1e-4)
         assert xla["loss"] == pytest.approx(ours["loss"], rel=1e-4)
         assert eager["grad_norm"] == pytest.approx(ours["grad_norm"], rel=1e-2)
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(staged, demo_data_uri, tmp_path):
+    """The final stage of a config whose model is wider than the one that wrote stage 0's checkpoint."""
+    config = two_stage_config(demo_data_uri, tmp_path, runtime="xla")
+    config["model"]["args"]["n_embd"] = 64
+    plan = write_plan(tmp_path, config)
+    shutil.copytree(staged / "ckpt-after-stage-0", tmp_path / "ckpt")
+    result = subprocess.run(
+        train_args(plan, "final", tmp_path / "out"),
+        env=xla_env(4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 2, errors(result.stderr)
+    assert "Traceback" not in result.stderr
+    assert (
+        "was written by a different model: wte.weight is [257, 32] there and [257, 64] in this model"
+        in result.stderr
+    )

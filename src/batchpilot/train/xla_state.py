@@ -21,7 +21,13 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.train.checkpoint import Checkpoint, Checkpointer, dcp_quietly, user_errors_of_dcp
+from batchpilot.train.checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    dcp_quietly,
+    tensor_shapes,
+    user_errors_of_dcp,
+)
 from batchpilot.train.state import own_implementation, training_state
 from batchpilot.train.xla import Layout, init_optimizer_state, shard_optimizer_state
 
@@ -116,6 +122,7 @@ def restore_xla_state(
             "does not load",
             "resume it once with train.runtime: eager, whose next checkpoint is sharded",
         )
+    checkpoint.check_same_model(tensor_shapes(model.state_dict()))  # global shapes, before any read
     init_optimizer_state(model, optimizer, layout)  # the tensors DCP loads into, already sharded
     torch_xla.sync()
     flat, mappings = _flat_state(model, optimizer)  # the layout to read into: this host's shards
