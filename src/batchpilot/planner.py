@@ -60,6 +60,11 @@ def make_run_document(
     # What no micro batch can fix, and an exploration of another model, before asking for a micro batch.
     raise_problems(plan_problems(config) + explore_problems(config, explore))
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
+    if explore is not None and "fingerprint" not in explore:  # never a silent pass: say what was not checked
+        notes.append(
+            "explore.json records no fingerprint (written before explore recorded one), so it was not compared "
+            "with this config's model, data.seq_len, devices and parallelism"
+        )
     auto = config.batch.global_batch_size == "auto"
     if auto:
         config, auto_notes = resolve_auto_target(config, explore, micro_batch_size=micro)
