@@ -22,6 +22,7 @@ from batchpilot.planning import (
     node_counts,
 )
 from batchpilot.planning.adaptive import StageDecision, adaptive_schedule
+from batchpilot.planning.nodes import whole_loading_factor
 from batchpilot.planning.tpu import TpuSlices, is_tpu, tpu_slices
 
 
@@ -81,8 +82,7 @@ def tpu_plan_slices(config: Config) -> TpuSlices | None:
 
 def loading_factor(config: Config) -> int:
     """The whole `data.expansion_factor_real_data` that node counts must be multiples of (1: no rule)."""
-    factor = Fraction(str(config.data.expansion_factor_real_data))
-    return int(factor) if factor > 1 and factor.denominator == 1 else 1
+    return whole_loading_factor(Fraction(str(config.data.expansion_factor_real_data)))
 
 
 def placement(config: Config) -> dict[str, Any]:

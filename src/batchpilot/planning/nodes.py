@@ -10,6 +10,7 @@ every f-th host a loading host and refuses a node count that f does not divide.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from fractions import Fraction
 
 from batchpilot.errors import BatchpilotError
 
@@ -61,6 +62,13 @@ def node_counts(
         for n in range(min_nodes, max_nodes + 1)
         if n % loading_factor == 0 and (allowed_nodes is None or n in allowed_nodes)
     ]
+
+
+def whole_loading_factor(expansion_factor: Fraction) -> int:
+    """The loading factor node counts must be multiples of: a whole `expansion_factor` f > 1 (the trainer
+    makes every f-th host a loading host), else 1, no rule (f <= 1 every host reads; a fractional f > 1 is
+    refused by `num_loading_hosts`, as the trainer refuses it)."""
+    return int(expansion_factor) if expansion_factor > 1 and expansion_factor.denominator == 1 else 1
 
 
 def check_loading_factor(*, loading_factor: int, min_nodes: int, max_nodes: int) -> None:

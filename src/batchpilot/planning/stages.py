@@ -15,7 +15,7 @@ from batchpilot.planning.batch import (
     num_loading_hosts,
 )
 from batchpilot.planning.lr import LRSchedule
-from batchpilot.planning.nodes import data_parallel_size, schedule_nodes
+from batchpilot.planning.nodes import data_parallel_size, schedule_nodes, whole_loading_factor
 from batchpilot.planning.rampup import BatchSchedule
 from batchpilot.planning.tpu import TpuSlices
 from batchpilot.planning.units import format_count
@@ -207,9 +207,7 @@ def plan_stages(
     if micro_batch_size <= 0:
         raise BatchpilotError("batch.micro_batch_size", f"must be positive, got {micro_batch_size}")
     ranges = sample_ranges(schedule, total_samples=total_samples)
-    # The trainer makes every f-th host a loading host: with a whole factor f > 1, only node counts that f
-    # divides can run (a fractional f > 1 is refused below, by num_loading_hosts, as the trainer does).
-    whole = expansion_factor > 1 and expansion_factor.denominator == 1
+    loading_factor = whole_loading_factor(expansion_factor)  # node counts must be multiples of it
 
     def nodes_for(batch_sizes: list[int], cap: int) -> list[int]:
         return schedule_nodes(
@@ -220,7 +218,7 @@ def plan_stages(
             min_nodes=min_nodes,
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
-            loading_factor=int(expansion_factor) if whole else 1,
+            loading_factor=loading_factor,
             allowed_nodes=tpu.host_counts() if tpu else None,
         )
 
