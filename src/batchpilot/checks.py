@@ -219,6 +219,9 @@ def _explore_on_xla(config: Config) -> list[BatchpilotError]:
     return problems
 
 
+# --- unplaceable stages, and the fix in the user's form (a corrected ramp-up or schedule) -------------
+
+
 def _placeable(config: Config, batch_sizes: Sequence[int]) -> bool:
     return not unschedulable_stages(batch_sizes=batch_sizes, **placement(config))
 
