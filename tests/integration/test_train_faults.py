@@ -74,18 +74,20 @@ def assert_identical_to(reference: Path, root: Path) -> None:
 def test_kill_9_of_a_rank_then_resume_is_identical(reference, demo_data_uri, tmp_path, fault_rng):
     plan = write_plan(tmp_path, one_stage_config(demo_data_uri, tmp_path))
     out = tmp_path / "out"
-    victim_step, victim_rank = fault_rng.randint(3, 100), fault_rng.choice([0, 1])
+    # From step 10 on, the step-8 save has started, and a save starts only once the one before it (step 4)
+    # is committed: the kill always leaves a checkpoint to resume from.
+    victim_step, victim_rank = fault_rng.randint(10, 100), fault_rng.choice([0, 1])
     proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", victim_step, proc)
     os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
     latest = Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step()
-    assert latest is None or latest < 128  # killed before the end
+    # a checkpoint every 4 steps, and the kill came before the end
+    assert latest is not None and 4 <= latest < 128 and latest % 4 == 0, latest
     result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
-    if latest:
-        assert f"resumed from step {latest}" in result.stdout
+    assert f"resumed from step {latest}" in result.stdout
     assert_identical_to(reference, tmp_path)
 
 
