@@ -18,7 +18,7 @@ from tests.integration.gcs_server import gcs_server_running
 
 import batchpilot
 import batchpilot.data.prepare as prepare_module
-from batchpilot.data.credentials import google_credentials
+from batchpilot.credentials import google_credentials
 from batchpilot.errors import BatchpilotError
 
 GKE_CONFIG = Path(batchpilot.__file__).parent / "configs" / "llama_5b.yaml"

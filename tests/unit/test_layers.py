@@ -27,12 +27,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "logs": frozenset({"errors"}),
     "exitcodes": frozenset({"errors"}),
     "threads": frozenset({"errors"}),
+    "credentials": frozenset(
+        {"errors"}
+    ),  # Google credentials, for storage (data) and the Container API (cluster)
     "ports": frozenset(),
     "images": frozenset({"errors"}),
     "planning": frozenset({"planning", "errors"}),
     "config": frozenset({"config", "planning", "errors"}),
     "models": frozenset({"models", "errors"}),
-    "data": frozenset({"data", "planning", "errors", "files", "logs"}),
+    "data": frozenset({"data", "planning", "errors", "files", "logs", "credentials"}),
     "train": frozenset(
         {"train", "data", "models", "planning", "config", "errors", "exitcodes", "files", "logs"}
     ),
@@ -51,7 +54,9 @@ ALLOWED: dict[str, frozenset[str]] = {
             "htmlpage",
         }
     ),
-    "cluster": frozenset({"cluster", "config", "planning", "errors", "exitcodes", "files", "logs"}),
+    "cluster": frozenset(
+        {"cluster", "config", "planning", "errors", "exitcodes", "files", "logs", "credentials"}
+    ),
     "schedule": frozenset({"schedule", "config", "planning", "errors"}),
     "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data"}),
     "planner": frozenset(
@@ -65,7 +70,19 @@ ALLOWED: dict[str, frozenset[str]] = {
     "htmlpage": frozenset(),  # the look of report.html and explore.html: standard library only
     # `batchpilot doctor`: reads the cluster, storage and KFP the way a run does, so it uses their code.
     "doctor": frozenset(
-        {"doctor", "cluster", "data", "train", "kfp", "planner", "checks", "config", "planning", "errors"}
+        {
+            "doctor",
+            "cluster",
+            "data",
+            "train",
+            "kfp",
+            "planner",
+            "checks",
+            "config",
+            "planning",
+            "errors",
+            "credentials",
+        }
     ),
 }
 """Package -> the batchpilot packages it may import (besides EVERYONE)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from batchpilot.cluster.readiness import PoolNodes, kube_api_client
 from batchpilot.config import ClusterConfig
-from batchpilot.data.credentials import google_credentials
+from batchpilot.credentials import google_credentials
 from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ client; ranged reads cannot be (GCS has no per-range checksum), which is why a s
 shard's CRC32C with its manifest when it is opened and pins the generation it checked.
 
 With `STORAGE_EMULATOR_HOST` set (tests, fake-gcs-server) the client uses anonymous credentials; otherwise
-Application Default Credentials, checked once with a bounded first token request (`data.credentials`).
+Application Default Credentials, checked once with a bounded first token request (`batchpilot.credentials`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from batchpilot.data.credentials import google_credentials
+from batchpilot.credentials import google_credentials
 from batchpilot.data.storage import (
     GenerationChanged,
     ObjectInfo,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchpilot.config import Config
+from batchpilot.credentials import HOW_TO_FIX, google_credentials
 from batchpilot.doctor.core import (
     CALL_TIMEOUT_S,
     Check,
@@ -55,48 +56,21 @@ class Google:
     emulator: str | None = None
 
 
-def _bounded_request() -> Any:
-    """A google-auth request whose every call waits at most CALL_TIMEOUT_S (the metadata-server probe asks
-    for 3 s and retries; a token refresh asks for 120 s)."""
-    import google.auth.transport.requests
-
-    class Bounded(google.auth.transport.requests.Request):
-        def __call__(self, url: str, method: str = "GET", body: Any = None, headers: Any = None,
-                     timeout: float | None = None, **kwargs: Any) -> Any:  # fmt: skip
-            return super().__call__(
-                url, method, body, headers, timeout=min(timeout or 1e9, CALL_TIMEOUT_S), **kwargs
-            )
-
-    return Bounded()
-
-
 def check_credentials(context: Context) -> Check:
-    """Application Default Credentials and whose they are; none with an http:// emulator endpoint."""
-    import google.auth
-    from google.auth import exceptions
-
+    """Application Default Credentials and whose they are, found and given a first token the way a run's
+    storage and Container API clients get them (`batchpilot.credentials`); none with an http:// emulator."""
     endpoint = context.config.cluster.container_api_endpoint
     if endpoint and endpoint.startswith("http://"):
         message = (
             f"none needed: cluster.container_api_endpoint {endpoint} is an emulator (anonymous credentials)"
         )
         return ok("credentials", message, found=Google(None, emulator=endpoint))
-    request = _bounded_request()
-    fix = "run `gcloud auth application-default login`, or run inside the cluster with Workload Identity"
     try:
-        credentials, _ = google.auth.default(
-            scopes=["https://www.googleapis.com/auth/cloud-platform"], request=request
+        credentials = google_credentials(
+            field="credentials", scopes=["https://www.googleapis.com/auth/cloud-platform"]
         )
-    except exceptions.DefaultCredentialsError as error:
-        return fail(
-            "credentials", f"no Application Default Credentials ({one_line(str(error).splitlines()[0])})", fix
-        )
-    try:
-        credentials.refresh(request)
-    except exceptions.GoogleAuthError as error:
-        return fail(
-            "credentials", f"found credentials but could not get a token: {one_line(str(error))}", fix
-        )
+    except BatchpilotError as error:
+        return fail("credentials", error.problem, error.fix or HOW_TO_FIX)
     return ok(
         "credentials", f"Application Default Credentials: {_identity(credentials)}", found=Google(credentials)
     )
