@@ -151,9 +151,11 @@ def test_a_closed_pipe_ends_quietly(command, code):
 # --- silent acceptances ----------------------------------------------------------------------------------
 
 
-def test_a_dry_run_submit_of_a_local_config_is_refused(tmp_path):
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "submit"])
+def test_a_submit_of_a_local_config_is_refused(tmp_path, dry_run):
+    # Port 9 (discard) on loopback: nothing answers there, and nothing may be sent anyway.
     with no_debris(tmp_path):
-        outcome = run_cli("submit", "--config", DEMO, "--host", "http://127.0.0.1:9", "--dry-run")
+        outcome = run_cli("submit", "--config", DEMO, "--host", "http://127.0.0.1:9", *dry_run)
     outcome.assert_refused("cluster.backend", "is 'local'", "batchpilot run --local")
 
 

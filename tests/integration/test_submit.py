@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,9 +23,38 @@ from kfp_api_server import KfpServer, kfp_server_running
 from batchpilot.cli import main
 from batchpilot.config import load_config
 from batchpilot.kfp.compile import compile_pipeline
+from batchpilot.kfp.submit import split_pipeline_yaml
 from helpers import REPO, run_batchpilot
 
-DEMO = str(REPO / "configs" / "demo.yaml")
+
+def _gke_demo() -> str:
+    """The demo config on a GKE pool of a3-highgpu-8g nodes, data and checkpoints in GCS: what `submit`
+    sends to a cluster's KFP (a local backend is refused: its pool, data and checkpoints are this machine's)."""
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["cluster"].update(
+        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
+        image="us-docker.pkg.dev/proj/repo/batchpilot:0.1.0", machine_type="a3-highgpu-8g", accelerator_type="nvidia-h100-80gb",
+        devices_per_node=8,
+    )  # fmt: skip
+    config["data"]["uri"] = "gs://bucket/data"
+    config["train"]["checkpoint_uri"] = "gs://bucket/ckpt"
+    path = Path(tempfile.mkdtemp(prefix="submit-")) / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+DEMO = _gke_demo()
+
+
+def sent_spec(text: str) -> dict[str, Any]:
+    """The spec of compiled YAML as the API takes it: the pipeline spec and the GKE config's platform spec
+    (its Kubernetes settings) under `pipeline_spec` and `platform_spec`."""
+    spec, platform = split_pipeline_yaml(text)
+    assert platform, "a GKE pipeline has a platform spec"
+    return {"pipeline_spec": spec, "platform_spec": platform}
+
+
+LOCAL_DEMO = str(REPO / "configs" / "demo.yaml")
 NEMO = str(REPO / "configs" / "nemo_gpt3_5b.yaml")  # a gke config: a dry run of a local one is refused
 
 
@@ -77,8 +107,8 @@ def test_submit_creates_an_experiment_and_a_run_of_the_compiled_spec(
     assert run["display_name"] == "demo-first"
     assert run["service_account"] == "batchpilot-runner"
     assert run["runtime_config"]["parameters"] == {"micro_batch_size": 16, "run_dir": "/tmp/r"}
-    assert run["pipeline_spec"] == yaml.safe_load(demo_yaml)
-    assert run["pipeline_spec"]["pipelineInfo"]["name"] == "batchpilot-demo"
+    assert run["pipeline_spec"] == sent_spec(demo_yaml)
+    assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "batchpilot-demo"
     # The body went out in the REST API's field names, with the token as a bearer header.
     (create,) = kfp_server.requests_to("POST", "/runs")
     assert set(create.body) >= {"display_name", "experiment_id", "pipeline_spec", "runtime_config"}
@@ -113,7 +143,7 @@ def test_pipeline_version_is_uploaded_and_run(
     (version,) = kfp_server.state.versions.values()
     assert pipeline["display_name"] == "batchpilot"
     assert (version["name"], version["pipeline_id"]) == ("v1", pipeline["pipeline_id"])
-    assert version["pipeline_spec"] == yaml.safe_load(demo_yaml)
+    assert version["pipeline_spec"] == sent_spec(demo_yaml)
     assert "pipeline_spec" not in run
     assert run["pipeline_version_reference"] == {
         "pipeline_id": pipeline["pipeline_id"],
@@ -139,7 +169,13 @@ def test_existing_version_is_reused_if_identical_and_refused_if_not(
 
     # Another image compiles another spec: same version name refused, nothing run.
     code = submit(
-        kfp_server, "--pipeline-name", "batchpilot", "--pipeline-version", "v1", "--image", "other:2"
+        kfp_server,
+        "--pipeline-name",
+        "batchpilot",
+        "--pipeline-version",
+        "v1",
+        "--image",
+        "us-docker.pkg.dev/proj/repo/other:2",
     )
     err = capsys.readouterr().err
     assert code == 2
@@ -227,7 +263,7 @@ def test_upload_only_adds_a_version_per_upgrade_to_one_pipeline_and_creates_no_r
         f"version url: {kfp_server.endpoint}/#/pipelines/details/{pipeline['pipeline_id']}"
         f"/version/{first['pipeline_version_id']}",
     ]
-    assert first["pipeline_spec"] == yaml.safe_load(demo_yaml)
+    assert first["pipeline_spec"] == sent_spec(demo_yaml)
     assert upload_only(kfp_server, "0.1.0-r2", "--image", "registry.example/batchpilot:0.1.1") == 0
     assert "0.1.0-r2 of batchpilot uploaded" in capsys.readouterr().out
 
@@ -445,7 +481,7 @@ def test_stand_in_creates_a_valid_run(kfp_server: KfpServer, demo_yaml: str, exp
     body = {
         "display_name": "r",
         "experiment_id": experiment_id,
-        "pipeline_spec": yaml.safe_load(demo_yaml),
+        "pipeline_spec": sent_spec(demo_yaml),
         "runtime_config": {"parameters": {"micro_batch_size": 8}},
     }
     status, run = call(kfp_server, "POST", "/runs", body)
@@ -468,7 +504,7 @@ def test_stand_in_creates_a_valid_run(kfp_server: KfpServer, demo_yaml: str, exp
 def test_stand_in_rejects_runs_the_real_server_rejects(
     kfp_server: KfpServer, demo_yaml: str, experiment_id: str, change: dict[str, Any], status: int, text: str
 ) -> None:
-    body = {"display_name": "r", "experiment_id": experiment_id, "pipeline_spec": yaml.safe_load(demo_yaml)}
+    body = {"display_name": "r", "experiment_id": experiment_id, "pipeline_spec": sent_spec(demo_yaml)}
     body.update(change)
     got, error = call(kfp_server, "POST", "/runs", {k: v for k, v in body.items() if v is not None})
     assert got == status

@@ -24,7 +24,8 @@ def register(subparsers: Any) -> None:
         description="Compiles the pipeline for --config and creates a run of it through kfp.Client: in "
         "--experiment (created if missing), either from the compiled spec or from a pipeline version "
         "uploaded as --pipeline-name/--pipeline-version. Prints the run id and its UI link. With "
-        "--upload-only, only uploads the version (the pipeline is created if missing) and prints its link.",
+        "--upload-only, only uploads the version (the pipeline is created if missing) and prints its link. "
+        "A config with cluster.backend: local is refused (it runs with `batchpilot run --local`).",
     )
     add_config(parser)
     parser.add_argument(
@@ -71,8 +72,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from batchpilot.kfp.submit import prepare_request, read_token_file, submit, upload
 
-    if args.dry_run:
-        _refuse_local_backend(args.config)
+    _refuse_local_backend(args.config)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     token_path = os.environ.get(SA_TOKEN_PATH_ENV)
     if token is None and token_path:
@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _refuse_local_backend(config_path: str) -> None:
-    """A dry run previews a cluster submission; a config for this machine has none to preview."""
+    """A local backend's pool, data and checkpoints are this machine's: the pods a cluster's KFP starts would
+    share none of them, so neither a submission nor its dry run makes sense."""
     from batchpilot.config import load_config
 
     if load_config(config_path).cluster.backend == "local":
