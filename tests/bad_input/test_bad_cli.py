@@ -19,13 +19,6 @@ NEMO = str(CONFIGS / "nemo_gpt3_5b.yaml")
 
 
 @pytest.fixture
-def plan_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert run_cli("plan", "--config", DEMO, "--micro-batch-size", "16", "--out", str(path)).code == 0
-    return str(path)
-
-
-@pytest.fixture
 def local_config(tmp_path) -> str:
     """The demo config on a small real shard set (byte-level, as the demo model's vocabulary)."""
     data = tmp_path / "data"
@@ -39,6 +32,15 @@ def local_config(tmp_path) -> str:
     config["data"]["uri"] = f"file://{data}"
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture
+def plan_file(tmp_path_factory, local_config) -> str:
+    """plan.json of the demo config on its real shard set (a plan refuses a data.uri with no shard set)."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    planned = run_cli("plan", "--config", local_config, "--micro-batch-size", "16", "--out", str(path))
+    assert planned.code == 0, planned.stderr
     return str(path)
 
 
