@@ -427,6 +427,11 @@ class BatchConfig(_Section):
     micro_batch_size: PositiveInt | Literal["explore"] = Field(
         "explore", description="samples per device per pass, or `explore` to measure it"
     )
+    auto_from: Literal["study", "trials"] = Field(
+        "study",
+        description="with global_batch_size: auto, where the target and its LR come from: explore's gradient-noise "
+        "study, or the batch trials' measured critical batch (needs trials.enabled)",
+    )
     rampup: Rampup | None = Field(
         None,
         description="NeMo/Megatron `[start, increment, samples]`, MaxText per-device, or `{adaptive: {...}}`: "
@@ -596,6 +601,66 @@ class ExploreConfig(_Section):
     )
 
 
+class TrialsConfig(_Section):
+    """Batch trials: candidate global batches and LR multipliers raced on validation loss, each branch a short
+    training from one warm-up checkpoint (`batchpilot trials`; docs/planning.md)."""
+
+    enabled: bool = Field(False, description="run the trials (off by default)")
+    tokens: PositiveCount | None = Field(
+        None,
+        description="tokens each branch trains after the warm-up, the same for every branch (rounded up to whole "
+        "evaluation intervals); required when enabled",
+    )
+    warmup_samples: Count | None = Field(
+        None,
+        description="samples trained at the ramp's start batch before the branches (default: train.warmup_samples; "
+        "rounded up to a multiple of every branch's batch)",
+    )
+    from_checkpoint: str | None = Field(
+        None,
+        description="branch from this checkpoint prefix (file:// or gs://, its `latest`) instead of a warm-up",
+    )
+    batch_sizes: list[PositiveInt] | None = Field(
+        None,
+        description="candidate global batches (default: 1x, 2x, 4x, 8x, 16x the ramp's start batch, up to the "
+        "target, those the node schedule accepts)",
+    )
+    lr_multipliers: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [0.5, 1.0, 2.0],
+        min_length=1,
+        description="factors on the LR the run's scaling rule gives at each batch; one branch per batch and factor",
+    )
+    evaluations: PositiveInt = Field(
+        4, description="validation losses per branch, at the same sample counts in every branch"
+    )
+    tolerance: float = Field(
+        0.01,
+        ge=0,
+        description="a batch is within the critical batch while its loss at the budget is at most this fraction "
+        "above the best smaller batch's",
+    )
+    parallelism: PositiveInt = Field(
+        4, description="branches trained at once (KFP parallel-for; locally also bounded by the CPUs)"
+    )
+    budget_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="the largest share of all training samples (and node-hours) the trials may take; a plan "
+        "over it is refused",
+    )
+
+    @model_validator(mode="after")
+    def _tokens_when_enabled(self) -> TrialsConfig:
+        if self.enabled and self.tokens is None:
+            raise ValueError("trials.enabled needs trials.tokens (tokens each branch trains)")
+        if self.from_checkpoint is not None and not self.from_checkpoint.startswith(("file://", "gs://")):
+            raise ValueError(
+                f"trials.from_checkpoint {self.from_checkpoint!r} must start with file:// or gs://"
+            )
+        return self
+
+
 class Config(_Section):
     """The whole batchpilot config (see DESIGN.md for the vocabulary)."""
 
@@ -606,6 +671,7 @@ class Config(_Section):
     batch: BatchConfig
     train: TrainConfig
     explore: ExploreConfig = Field(default_factory=ExploreConfig)  # type: ignore[arg-type]
+    trials: TrialsConfig = Field(default_factory=TrialsConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="before")
     @classmethod
@@ -627,6 +693,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _auto_needs_the_study(self) -> Config:
+        if self.batch.auto_from == "trials":
+            if self.batch.global_batch_size != "auto":
+                raise ValueError("batch.auto_from applies to global_batch_size: auto; remove it or set auto")
+            if not self.trials.enabled:
+                raise ValueError(
+                    "batch.auto_from: trials takes the target from the trials; set trials.enabled: true"
+                )
+            return self
         if self.batch.global_batch_size == "auto" and not self.explore.study:
             raise ValueError(
                 "batch.global_batch_size: auto takes its target from explore's gradient-noise study; set "

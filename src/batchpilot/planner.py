@@ -31,12 +31,13 @@ from batchpilot.planning.memory import (
     estimate_memory,
     plan_memory,
 )
-from batchpilot.planning.nodes import walk_nodes
+from batchpilot.planning.nodes import fits, walk_nodes
 from batchpilot.planning.noise import NoiseMeasurement, noise_measurement, why_unmeasured
 from batchpilot.planning.stages import Stage, sample_ranges
-from batchpilot.planning.units import format_number
+from batchpilot.planning.trials import TrialsOutcome, TrialsPlan, candidate_batches, plan_trials
+from batchpilot.planning.units import format_node_hours, format_number
 from batchpilot.rundoc import MicroBatchSource, RunDocument
-from batchpilot.schedule import batch_schedule, placement, tpu_plan_slices
+from batchpilot.schedule import allowed_node_counts, batch_schedule, placement, tpu_plan_slices
 
 
 def make_run_document(
@@ -46,6 +47,8 @@ def make_run_document(
     explore: dict[str, Any] | None = None,
     samples_per_s_per_device: float | None = None,
     shape: ModelShape | None = None,
+    trials: TrialsPlan | None = None,
+    trials_outcome: TrialsOutcome | None = None,
 ) -> RunDocument:
     """Config (+ explore.json, + an override) -> the validated run document with every stage.
 
@@ -56,6 +59,9 @@ def make_run_document(
         samples_per_s_per_device: throughput for the cost estimate (default: explore's measurement).
         shape: the model's shape (a meta-device build, `train.shape`): gives the per-device memory of every
             stage and resolves `train.parallelism: auto`. None: no memory check, and auto means ddp.
+        trials: the batch trials of the document made before them (None: planned here when enabled).
+        trials_outcome: their results and decision, once they ran (`batch.auto_from: trials` takes its
+            target from it).
     """
     # What no micro batch can fix, and an exploration of another model, before asking for a micro batch.
     raise_problems(plan_problems(config) + explore_problems(config, explore))
@@ -66,7 +72,18 @@ def make_run_document(
             "with this config's model, data.seq_len, devices and parallelism"
         )
     auto = config.batch.global_batch_size == "auto"
-    if auto:
+    if auto and config.batch.auto_from == "trials":
+        if trials_outcome is None:  # the trials and the launch slots are sized for the bound
+            bound = config.batch.target_bound
+            config = at_trials_bound(config)
+            notes.append(
+                f"batch.global_batch_size: auto from the trials: planned at max_global_batch_size {bound} until "
+                "the trials decide the target"
+            )
+        else:
+            config, trial_notes = resolve_trials_target(config, trials_outcome, micro_batch_size=micro)
+            notes += trial_notes
+    elif auto:
         config, auto_notes = resolve_auto_target(config, explore, micro_batch_size=micro)
         notes += auto_notes
     if source == "explore":
@@ -87,6 +104,16 @@ def make_run_document(
     throughput = samples_per_s_per_device
     if throughput is None and explore is not None:
         throughput = explored_throughput(explore, micro_batch_size=micro)
+    if trials is None and config.trials.enabled:
+        trials = trials_for(config, plan, memory=memory, shape=shape)
+    if trials is not None:
+        cost = (
+            f"; {format_node_hours(trials.node_hours(throughput, config.cluster.devices_per_node))} node-hours at "
+            f"{format_number(throughput)} samples/s per device"
+            if throughput
+            else ""
+        )
+        notes.append(trials.describe() + cost)
     return RunDocument(
         config=config,
         plan=plan,
@@ -95,6 +122,8 @@ def make_run_document(
         cost=estimate_cost(plan, samples_per_s_per_device=throughput) if throughput else None,
         notes=tuple(notes),
         memory=memory,
+        trials=trials,
+        trials_outcome=trials_outcome,
     )
 
 
@@ -211,18 +240,49 @@ def resolve_auto_target(
             "is auto, but an explicit schedule fixes the target (its last batch)",
             "set the target as an integer, or use the rampup form",
         )
+
+    def lr_scaling(target: int) -> str:
+        return "sqrt" if target <= 2 * critical else "none"
+
+    found = _nearest_target(
+        config, recommended, micro_batch_size=micro_batch_size,
+        train=lambda target: {"lr_scaling": lr_scaling(target)},
+    )  # fmt: skip
+    bound = batch.target_bound
+    if found is None:
+        raise BatchpilotError(
+            "batch.global_batch_size",
+            f"is auto, but no target near the study's {recommended} up to max_global_batch_size {bound} fits the "
+            f"ramp-up and the node schedule at micro_batch_size={micro_batch_size}",
+            "set an integer global_batch_size (explore.json's noise_scale section has the study's advice)",
+        )
+    resolved, target = found
+    clamped = f", at most max_global_batch_size {bound}" if recommended > bound else ""
+    return resolved, [
+        f"batch.global_batch_size: auto -> {target} (explore's study: critical batch ~{format_number(critical)} "
+        f"samples, recommended {recommended}; the nearest size the ramp-up and the node schedule accept at "
+        f"micro_batch_size={micro_batch_size}{clamped}); train.lr_scaling: {lr_scaling(target)} (the study's rule: "
+        "sqrt up to twice the critical batch, none above)"
+    ]
+
+
+def _nearest_target(
+    config: Config, recommended: int, *, micro_batch_size: int, train: Any
+) -> tuple[Config, int] | None:
+    """The config with the target nearest `recommended` (at most the bound) that the ramp-up and the node
+    schedule accept at `micro_batch_size`, and `train(target)`'s train settings; None when none does."""
+    batch = config.batch
     unit = micro_batch_size * config.cluster.devices_per_node  # the final stage splits over whole nodes
     bound = batch.target_bound
     candidates = sorted(range(unit, bound + 1, unit), key=lambda t: (abs(t - recommended), -t))
     for target in candidates[:AUTO_TARGET_ATTEMPTS]:
-        lr_scaling = "sqrt" if target <= 2 * critical else "none"
         resolved = config.model_copy(
             update={
                 # The resolved config is a plain one (what the trainers and later tasks read and validate).
                 "batch": batch.model_copy(
-                    update={"global_batch_size": target, "max_global_batch_size": None}
+                    update={"global_batch_size": target, "max_global_batch_size": None, "auto_from": "study"}
                 ),
-                "train": config.train.model_copy(update={"lr_scaling": lr_scaling}),
+                "train": config.train.model_copy(update=train(target)),
             }
         )
         try:
@@ -232,18 +292,115 @@ def resolve_auto_target(
             build_plan(resolved, micro_batch_size=micro_batch_size)
         except BatchpilotError:
             continue
-        clamped = f", at most max_global_batch_size {bound}" if recommended > bound else ""
-        return resolved, [
-            f"batch.global_batch_size: auto -> {target} (explore's study: critical batch ~{format_number(critical)} "
-            f"samples, recommended {recommended}; the nearest size the ramp-up and the node schedule accept at "
-            f"micro_batch_size={micro_batch_size}{clamped}); train.lr_scaling: {lr_scaling} (the study's rule: "
-            "sqrt up to twice the critical batch, none above)"
-        ]
-    raise BatchpilotError(
-        "batch.global_batch_size",
-        f"is auto, but no target near the study's {recommended} up to max_global_batch_size {bound} fits the "
-        f"ramp-up and the node schedule at micro_batch_size={micro_batch_size}",
-        "set an integer global_batch_size (explore.json's noise_scale section has the study's advice)",
+        return resolved, target
+    return None
+
+
+def resolve_trials_target(
+    config: Config, outcome: TrialsOutcome, *, micro_batch_size: int
+) -> tuple[Config, list[str]]:
+    """`batch.auto_from: trials`: the trials' critical batch as the target (the nearest size the ramp-up and
+    the node schedule accept, at most the bound) and the LR multiplier that did best at it on train.lr."""
+    decision = outcome.decision
+    if decision.critical_batch is None or decision.lr_multiplier is None:
+        raise BatchpilotError(
+            "batch.auto_from",
+            f"is trials, but the trials decided no critical batch: {decision.reason}",
+            "look at the failed branches in the trials' results, or set an integer global_batch_size",
+        )
+    multiplier = decision.lr_multiplier
+    found = _nearest_target(
+        config, decision.critical_batch, micro_batch_size=micro_batch_size,
+        train=lambda _target: {"lr": config.train.lr * multiplier},
+    )  # fmt: skip
+    if found is None:
+        raise BatchpilotError(
+            "batch.global_batch_size",
+            f"is auto from the trials, but no target near their critical batch {decision.critical_batch} up to "
+            f"max_global_batch_size {config.batch.target_bound} fits the ramp-up and the node schedule",
+            "set an integer global_batch_size",
+        )
+    resolved, target = found
+    return resolved, [
+        f"batch.global_batch_size: auto -> {target} from the trials ({decision.reason}); train.lr "
+        f"{format_number(config.train.lr)} x {multiplier:g} = {format_number(resolved.train.lr)} (the multiplier "
+        "that did best at that batch)"
+    ]
+
+
+def at_trials_bound(config: Config) -> Config:
+    """An `auto` target planned at its bound until the trials decide it (what the trials and the launch
+    slots are sized for)."""
+    batch = config.batch.model_copy(
+        update={
+            "global_batch_size": config.batch.target_bound,
+            "max_global_batch_size": None,
+            "auto_from": "study",
+        }
+    )
+    return config.model_copy(update={"batch": batch})
+
+
+def trials_for(
+    config: Config, plan: Plan, *, memory: MemoryPlan | None = None, shape: ModelShape | None = None
+) -> TrialsPlan:
+    """The batch trials of `config` (`trials.enabled`) for `plan`: candidate batches from the ramp's start to
+    its target that split over some allowed node count (on the fewest, fitting the device), their LRs under
+    the run's scaling rule, and the samples each trains; refused over `trials.budget_fraction`."""
+    trials = config.trials
+    assert trials.tokens is not None  # the config requires it when enabled
+    micro = plan.micro_batch_size
+    where = placement(config)
+    counts = allowed_node_counts(config)
+
+    def fewest_nodes(batch: int) -> int | None:
+        for nodes in counts:
+            placed = fits(
+                global_batch_size=batch, num_nodes=nodes, micro_batch_size=micro,
+                devices_per_node=where["devices_per_node"], pipeline_parallel_size=where["pipeline_parallel_size"],
+                tensor_parallel_size=where["tensor_parallel_size"], loading_factor=where["loading_factor"],
+                allowed_nodes=where["allowed_nodes"],
+            )  # fmt: skip
+            if (
+                placed
+                and _does_not_fit(config, memory, shape, num_nodes=nodes, micro_batch_size=micro) is None
+            ):
+                return nodes
+        return None
+
+    def accepts(batch: int) -> str | None:
+        if fewest_nodes(batch) is not None:
+            return None
+        return (
+            f"no allowed node count ({', '.join(map(str, counts))}) splits it into whole micro batches of {micro} "
+            "on a device it fits"
+        )
+
+    schedule = lr_schedule(config)
+    start = plan.stages[0].global_batch_size
+    batches = candidate_batches(
+        start_batch=start,
+        target=plan.stages[-1].global_batch_size,
+        accepts=accepts,
+        configured=trials.batch_sizes,
+    )
+    return plan_trials(
+        start_batch=start,
+        batches=batches,
+        lr_multipliers=trials.lr_multipliers,
+        lr_at=schedule.peak,
+        nodes_for=lambda batch: fewest_nodes(batch) or 0,
+        seq_len=config.data.seq_len,
+        tokens=trials.tokens,
+        evaluations=trials.evaluations,
+        warmup_samples=config.train.warmup_samples
+        if trials.warmup_samples is None
+        else trials.warmup_samples,
+        from_checkpoint=trials.from_checkpoint,
+        tolerance=trials.tolerance,
+        parallelism=trials.parallelism,
+        run_samples=config.total_samples,
+        budget_fraction=trials.budget_fraction,
     )
 
 

@@ -22,6 +22,7 @@ from batchpilot.planning import CostEstimate, Plan
 from batchpilot.planning.adaptive import StageDecision
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.memory import MemoryPlan
+from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
 
 FORMAT_VERSION = 4
 """4: `document_hash` covers the whole document (3 hashed the config alone)."""
@@ -68,6 +69,10 @@ class RunDocument:
     capacity: tuple[LaunchCapacity, ...] = ()
     """Launches that train on fewer nodes than planned (`cluster.fewer_nodes: allow`), as their resizes
     recorded them; the plan's stages of those launches carry the nodes they got and `planned_nodes`."""
+    trials: TrialsPlan | None = None
+    """The batch trials (`trials.enabled`): their branches, samples and share of the training."""
+    trials_outcome: TrialsOutcome | None = None
+    """The trials' results and decision, once they ran (the plan made after them carries them)."""
 
     def to_dict(self) -> dict[str, Any]:
         config = self.config.model_dump(mode="json")
@@ -92,6 +97,8 @@ class RunDocument:
             **self.plan.to_dict(),
             **self._adaptive(),
             **({"capacity": [record.to_dict() for record in self.capacity]} if self.capacity else {}),
+            **({"trials": self.trials.to_dict()} if self.trials else {}),
+            **({"trials_outcome": self.trials_outcome.to_dict()} if self.trials_outcome else {}),
         }
         return {**document, "document_hash": document_hash(document)}
 
@@ -150,6 +157,10 @@ def _run_document(data: dict[str, Any]) -> RunDocument:
         memory=MemoryPlan.from_dict(data["memory"]) if data.get("memory") else None,
         decisions=tuple(StageDecision.from_dict(item) for item in data.get("adaptive_decisions", ())),
         capacity=tuple(LaunchCapacity.from_dict(item) for item in data.get("capacity", ())),
+        trials=TrialsPlan.from_dict(data["trials"]) if data.get("trials") else None,
+        trials_outcome=TrialsOutcome.from_dict(data["trials_outcome"])
+        if data.get("trials_outcome")
+        else None,
     )
 
 

@@ -27,6 +27,7 @@ from batchpilot.files import write_atomically
 from batchpilot.planner import make_run_document, num_stages
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
+from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
 from batchpilot.rundoc import RunDocument
 
 if TYPE_CHECKING:
@@ -145,6 +146,8 @@ def plan(
     samples_per_s_per_device: float | None = None,
     expected_num_stages: int | None = None,
     announce: bool = True,
+    trials: TrialsPlan | None = None,
+    trials_outcome: TrialsOutcome | None = None,
 ) -> RunDocument:
     """The validated run document; with `expected_num_stages` (a compiled pipeline's), refuses another
     stage count before anything is resized (0 or None: any count; the launch slots are checked). `announce` logs its notes and the memory estimate."""
@@ -156,6 +159,8 @@ def plan(
         explore=explore,
         samples_per_s_per_device=samples_per_s_per_device,
         shape=model_shape(factory=config.model.factory, args=config.model.args),
+        trials=trials,
+        trials_outcome=trials_outcome,
     )
     count = len(document.plan.stages)
     if expected_num_stages and count != expected_num_stages:
