@@ -27,7 +27,7 @@ from batchpilot.files import write_atomically
 from batchpilot.planner import make_run_document, num_stages
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
-from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
+from batchpilot.planning.trials import BranchResult, TrialsOutcome, TrialsPlan
 from batchpilot.rundoc import RunDocument
 
 if TYPE_CHECKING:
@@ -714,6 +714,104 @@ def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
             if value is not None:
                 metrics[f"decision_{key}"] = float(value)
     return metrics
+
+
+# --- batch trials ----------------------------------------------------------------------------------
+
+
+def planned_trials(document: RunDocument) -> TrialsPlan:
+    """The trials the run document plans (`trials.enabled`); a document without them is refused."""
+    if document.trials is None:
+        raise BatchpilotError(
+            "trials.enabled", "is false in this run document's config", "set trials.enabled: true"
+        )
+    return document.trials
+
+
+def trial_indices(document: RunDocument) -> list[int]:
+    """The branch indices a pipeline's parallel-for runs, one task each."""
+    return [branch.index for branch in planned_trials(document).branches]
+
+
+def trials_pool_nodes(document: RunDocument) -> int:
+    """The nodes the trials hold at once: the warm-up's (the first stage's, when there is a warm-up) or any
+    `trials.parallelism` branches' together, whichever is more (the largest branches may run side by side).
+
+    Raises:
+        BatchpilotError: that is more than `cluster.max_nodes` (the branches would wait for nodes that never
+            come); the fix names the parallelism that fits.
+    """
+    trials = planned_trials(document)
+    nodes = sorted((branch.num_nodes for branch in trials.branches), reverse=True)
+    at_once = sum(nodes[: trials.parallelism])
+    warmup = document.plan.stages[0].num_nodes if trials.warmup_samples else 0
+    need = max(at_once, warmup)
+    max_nodes = document.config.cluster.max_nodes
+    if need > max_nodes:
+        fits = max([1] + [k for k in range(1, len(nodes) + 1) if sum(nodes[:k]) <= max_nodes])
+        raise BatchpilotError(
+            "trials.parallelism",
+            f"is {trials.parallelism}: that many branches at once need up to {need} node(s) "
+            f"({' + '.join(map(str, nodes[: trials.parallelism]))}), more than cluster.max_nodes {max_nodes}",
+            f"set trials.parallelism to at most {fits}, or raise cluster.max_nodes",
+        )
+    return need
+
+
+def prepare_trials_pool(document: RunDocument) -> int:
+    """Resizes the pool to `trials_pool_nodes` and waits for them (within `cluster.capacity_timeout_s` when
+    set, else `cluster.ready_timeout_s`); returns that node count. Before the warm-up, once for all the
+    trials: each branch's own launch then finds its nodes in the pool."""
+    config = document.config
+    need = trials_pool_nodes(document)
+    logger.info("trials: the pool holds %d node(s) for the warm-up and the parallel branches", need)
+    prepare_pool(config, num_nodes=need, timeout_s=config.cluster.capacity_timeout_s or None)
+    return need
+
+
+def branch_metrics(document: RunDocument, result: BranchResult) -> dict[str, float]:
+    """One branch's figures for the KFP UI: its batch, LR, nodes, whether it failed, and its last
+    validation loss (and the samples after the warm-up it was taken at) when it trained to the end."""
+    branch = planned_trials(document).branches[result.index]
+    metrics = {
+        "global_batch_size": float(branch.global_batch_size),
+        "lr_multiplier": branch.lr_multiplier,
+        "lr": branch.lr,
+        "num_nodes": float(branch.num_nodes),
+        "failed": 0.0 if result.status == "ok" else 1.0,
+    }
+    if result.final_loss is not None:
+        metrics |= {"final_val_loss": result.final_loss, "samples": float(result.curve[-1][0])}
+    return metrics
+
+
+def trials_metrics(document: RunDocument) -> dict[str, float]:
+    """The trials' decision for the KFP UI: the critical batch and LR multiplier (when one was decided),
+    and how many branches failed."""
+    outcome = document.trials_outcome
+    if outcome is None:
+        raise BatchpilotError("trials", "the run document records no trials outcome", "run the trials first")
+    decision = outcome.decision
+    metrics = {
+        "num_branches": float(len(outcome.results)),
+        "failed_branches": float(sum(r.status != "ok" for r in outcome.results)),
+    }
+    if decision.critical_batch is not None and decision.lr_multiplier is not None:
+        metrics |= {"critical_batch": float(decision.critical_batch), "lr_multiplier": decision.lr_multiplier}
+    return metrics
+
+
+TRIALS_FILE = "trials.json"
+"""In a local run folder: the trials' plan and outcome, as the decide step saw them."""
+
+
+def keep_trials_record(run_dir: str | Path, document: RunDocument) -> None:
+    """Writes the run folder's trials.json (the trials and their outcome) and its plan.json as decided."""
+    if document.trials is None or document.trials_outcome is None:
+        raise BatchpilotError("trials", "the run document records no trials outcome", "run the trials first")
+    record = {"trials": document.trials.to_dict(), "outcome": document.trials_outcome.to_dict()}
+    write_atomically(Path(run_dir) / TRIALS_FILE, json.dumps(record, indent=2) + "\n")
+    write_atomically(Path(run_dir) / "plan.json", document.to_json())
 
 
 # --- canary ----------------------------------------------------------------------------------------

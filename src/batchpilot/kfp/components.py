@@ -140,6 +140,90 @@ def train_stage(plan_json: str, launch_index: int, run_dir: str, launch_metrics:
         launch_metrics.log_metric(name, value)
 
 
+def prepare_trials_pool(plan_json: str) -> int:
+    """Brings the node pool to what the trials hold at once (the warm-up, or `trials.parallelism` branches
+    side by side) before the warm-up; returns that node count."""
+    from batchpilot import workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    return workflow.prepare_trials_pool(parse_run_document(plan_json))
+
+
+def trials_warmup(plan_json: str, run_dir: str) -> list[int]:
+    """Trains the trials' warm-up from sample 0 at the ramp's start batch (nothing with
+    `trials.from_checkpoint`); returns the branch indices the parallel-for runs."""
+    from pathlib import Path
+
+    from batchpilot import trials, workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    document = parse_run_document(plan_json)
+    trials.run_warmup(document, work_dir=Path(run_dir) if run_dir else None)
+    return workflow.trial_indices(document)
+
+
+def trial_branch(plan_json: str, branch_index: int, run_dir: str, branch_metrics: Output[Metrics]) -> str:
+    """Trains one branch of the trials from the warm-up checkpoint; returns its result (BranchResult as
+    JSON, status "failed" with the reason when its training failed) and logs its figures as KFP metrics."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from batchpilot import trials, workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    document = parse_run_document(plan_json)
+    result = trials.run_branch(document, index=branch_index, work_dir=Path(run_dir) if run_dir else None)
+    for name, value in workflow.branch_metrics(document, result).items():
+        branch_metrics.log_metric(name, value)
+    return json.dumps(dataclasses.asdict(result))
+
+
+def decide_trials(
+    plan_json: str,
+    results: list[str],
+    run_dir: str,
+    trials_metrics: Output[Metrics],
+    plan_table: Output[Markdown],
+    expected_launches: str = "",
+    num_launch_slots: int = 0,
+) -> str:
+    """Decides the critical batch and LR from the branches' results (failed ones excluded) and returns the
+    decided run document (plan.json), which every later task takes; keeps trials.json and plan.json in
+    `run_dir`. `expected_launches` and `num_launch_slots` as for `plan`."""
+    import json
+    from pathlib import Path
+
+    from batchpilot import trials, workflow
+    from batchpilot.logs import configure_console
+    from batchpilot.planning.trials import BranchResult
+    from batchpilot.report import plan_markdown
+    from batchpilot.rundoc import parse_run_document
+
+    configure_console()
+    parsed = [json.loads(text) for text in results]
+    branch_results = [
+        BranchResult(**{**r, "curve": tuple((int(s), float(v)) for s, v in r["curve"])}) for r in parsed
+    ]
+    document = trials.decide_trials(parse_run_document(plan_json), branch_results)
+    workflow.check_pipeline_launches(
+        document, expected=[n for n in expected_launches.split(",") if n], num_slots=num_launch_slots or None
+    )
+    for name, value in workflow.trials_metrics(document).items():
+        trials_metrics.log_metric(name, value)
+    Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost, document.memory))
+    if run_dir:
+        workflow.keep_trials_record(run_dir, document)
+        workflow.keep_copies(run_dir, {"plan.md": Path(plan_table.path)})
+    return document.to_json()
+
+
 def scale_down(config_yaml: str):
     """Scales the node pool back down (exit handler). It reads the config, not the plan, so it still runs
     when planning failed."""
@@ -181,7 +265,8 @@ def report(
 
 
 COMPONENT_FUNCTIONS = (
-    prepare_explore_pool, canary, explore, plan, resize_pool, train_stage, scale_down, report,
+    prepare_explore_pool, canary, explore, plan, resize_pool, train_stage, prepare_trials_pool, trials_warmup,
+    trial_branch, decide_trials, scale_down, report,
 )  # fmt: skip
 
 

@@ -185,6 +185,47 @@ def _launch_pipeline(
     return launch
 
 
+TRIALS_GROUP = "trials"
+
+
+def _trials_pipeline(
+    ops: SimpleNamespace, *, config: Config, expected_launches: str, num_launch_slots: int, limits: TaskTimeouts,
+    cluster: bool,
+) -> Any:  # fmt: skip
+    """The batch trials as one task group: bring the pool to what they hold at once, train the warm-up, then
+    one branch task per (batch, LR multiplier) under a parallel-for bounded by `trials.parallelism`, and
+    decide; the group's output is the decided run document, which every later task takes.
+
+    The branch indices come from the warm-up task (the plan's branch count, known only once an explored micro
+    batch is), and the loop sits in its own sub-pipeline that takes the plan as an input: kfp.local 2.17 hands
+    a parallel-for iteration its loop item in place of every other task output it reads
+    (`create_parameter_loop_iteration_task_spec`), so the plan must reach the loop as a pipeline input."""
+
+    @dsl.pipeline(
+        name=TRIALS_GROUP,
+        description="batch trials: warm-up, branches in parallel from its checkpoint, decide the batch and LR",
+    )
+    def trials(plan_json: str, run_dir: str) -> str:
+        pool = ops.prepare_trials_pool(plan_json=plan_json)
+        _settings(pool, name="trials: resize pool", kind="pool", limits=limits, cluster=cluster,
+                  retries=RESIZE_RETRIES)  # fmt: skip
+        warmup = ops.trials_warmup(plan_json=plan_json, run_dir=run_dir).after(pool)
+        _settings(warmup, name="trials: warm-up", kind="train", limits=limits, cluster=cluster,
+                  retries=STAGE_RETRIES, backoff_s=60)  # fmt: skip
+        with dsl.ParallelFor(items=warmup.output, parallelism=config.trials.parallelism) as index:
+            branch = ops.trial_branch(plan_json=plan_json, branch_index=index, run_dir=run_dir)
+            _settings(branch, name="trials: branch", kind="train", limits=limits, cluster=cluster,
+                      retries=STAGE_RETRIES, backoff_s=60)  # fmt: skip
+        decide = ops.decide_trials(
+            plan_json=plan_json, results=dsl.Collected(branch.outputs["Output"]), run_dir=run_dir,
+            expected_launches=expected_launches, num_launch_slots=num_launch_slots,
+        )  # fmt: skip
+        _settings(decide, name="trials: decide batch and LR", kind="plan", limits=limits, cluster=cluster)
+        return decide.outputs["Output"]
+
+    return trials
+
+
 CANARY_DISPLAY_NAME = "canary: devices, all-reduce, data, checkpoint"
 
 
@@ -239,11 +280,20 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
         and config.batch.global_batch_size != "auto"
         and not adaptive
     )
+    expected_launches = ",".join(names) if named else ""
+    trials = None
+    if config.trials.enabled:
+        trials = _trials_pipeline(
+            ops, config=config, expected_launches=expected_launches, num_launch_slots=len(names), limits=limits,
+            cluster=cluster,
+        )  # fmt: skip
     explores = explore_in_pipeline(config)
     first = "explore the micro batch, plan" if explores else "plan"
     ramp = (
         f"an adaptive ramp-up of at most {num_stages} stages" if adaptive else f"a {num_stages}-stage ramp-up"
     )
+    if trials is not None:
+        ramp += ", race candidate batches and LRs in parallel trials"
 
     @dsl.pipeline(
         name=f"batchpilot-{config.name}",
@@ -290,7 +340,7 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
                 # auto: the study sets the target, so the stage count is known only then (0: any).
                 # adaptive: the stages are decided as the run goes (at most one per launch slot).
                 expected_num_stages=0 if config.batch.global_batch_size == "auto" or adaptive else num_stages,
-                expected_launches=",".join(names) if named else "",
+                expected_launches=expected_launches,
                 num_launch_slots=len(names),
                 run_dir=run_dir,
                 **explored,
@@ -300,12 +350,18 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
             if not explores:  # the canary runs on the first launch's nodes, before it trains
                 previous = _canary(ops, config_yaml=config_yaml, plan_json=plan.outputs["Output"],
                                    run_dir=run_dir, after=plan, limits=limits, cluster=cluster)  # fmt: skip
+            planned = plan.outputs["Output"]  # the run document every later task takes
+            if trials is not None:  # the trials decide; the launches and the report take the decided plan
+                decided = trials(plan_json=planned, run_dir=run_dir).after(previous)
+                decided.set_display_name(TRIALS_GROUP)
+                decided.set_caching_options(False)  # resizes a pool and trains: side effects
+                planned, previous = decided.output, decided
             for name, group in zip(names, groups, strict=True):
-                task = group(plan_json=plan.outputs["Output"], run_dir=run_dir).after(previous)
+                task = group(plan_json=planned, run_dir=run_dir).after(previous)
                 task.set_display_name(name)
                 task.set_caching_options(False)  # resizes a pool and trains: side effects
                 previous = task
-            report = ops.report(plan_json=plan.outputs["Output"], run_dir=run_dir, **explored).after(previous)
+            report = ops.report(plan_json=planned, run_dir=run_dir, **explored).after(previous)
             _settings(report, name="report", kind="report", limits=limits, cluster=cluster)
 
     return batchpilot

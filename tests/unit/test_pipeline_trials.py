@@ -1,0 +1,134 @@
+"""Batch trials in the compiled pipeline (#25): a `trials` task group between the plan and the first launch
+(pool, warm-up, a parallel-for of branch tasks, decide), whose decided plan every later task reads; and the
+pool the trials hold at once."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.workflow import config_from_text, plan, trials_pool_nodes
+from helpers import REPO, run_batchpilot, write_manifest
+
+
+def demo_with_trials(**trials) -> dict:
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["trials"] = {"enabled": True, "tokens": 32_768, **trials}
+    return config
+
+
+def compile_spec(config: dict, tmp_path) -> list[dict]:
+    """`batchpilot compile` of `config` in a real process; the compiled file's documents."""
+    path, output = tmp_path / "config.yaml", tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_batchpilot("compile", "--config", str(path), "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    return list(yaml.safe_load_all(output.read_text()))
+
+
+@pytest.fixture(scope="module")
+def demo_spec(tmp_path_factory) -> dict:
+    return compile_spec(demo_with_trials(parallelism=3), tmp_path_factory.mktemp("demo"))[0]
+
+
+def reads_the_trials_output(parameter: dict) -> bool:
+    return parameter == {"taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "trials"}}
+
+
+def test_the_trials_run_between_the_plan_and_the_first_launch_which_reads_the_decided_plan(demo_spec):
+    tasks = demo_spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    trials = tasks["trials"]
+    assert trials["taskInfo"]["name"] == "trials"
+    assert trials["dependentTasks"] == ["plan"]  # the demo explores: its canary ran before explore
+    assert trials["inputs"]["parameters"]["plan_json"]["taskOutputParameter"]["producerTask"] == "plan"
+    assert tasks["launch-0"]["dependentTasks"] == ["trials"]
+    for name in ("launch-0", "launch-1", "launch-2", "launch-3", "report"):
+        assert reads_the_trials_output(tasks[name]["inputs"]["parameters"]["plan_json"]), name
+
+
+def test_the_branches_are_a_parallel_for_bounded_by_trials_parallelism_then_decide(demo_spec):
+    group = demo_spec["components"]["comp-trials"]["dag"]
+    tasks = group["tasks"]
+    assert tasks["trials-warmup"]["dependentTasks"] == ["prepare-trials-pool"]
+    loop = tasks["for-loop-1"]
+    assert loop["dependentTasks"] == ["trials-warmup"]
+    assert loop["iteratorPolicy"] == {"parallelismLimit": 3}
+    # The branch indices come from the warm-up task (the branch count is known once explore has run).
+    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--trials-warmup-Output"}
+    # The plan reaches the loop as the group's input, not as a task output (see _trials_pipeline).
+    assert loop["inputs"]["parameters"]["pipelinechannel--plan_json"] == {
+        "componentInputParameter": "plan_json"
+    }
+    branch = demo_spec["components"]["comp-for-loop-1"]["dag"]["tasks"]["trial-branch"]
+    assert branch["inputs"]["parameters"]["branch_index"] == {
+        "componentInputParameter": "pipelinechannel--trials-warmup-Output-loop-item"
+    }
+    assert branch["retryPolicy"]["maxRetryCount"] == 2
+    decide = tasks["decide-trials"]
+    assert decide["dependentTasks"] == ["for-loop-1"]
+    assert decide["inputs"]["parameters"]["results"]["taskOutputParameter"] == {
+        "outputParameterKey": "pipelinechannel--trial-branch-Output",
+        "producerTask": "for-loop-1",
+    }
+    assert (
+        group["outputs"]["parameters"]["Output"]["valueFromParameter"]["producerSubtask"] == "decide-trials"
+    )
+    for name in ("prepare-trials-pool", "trials-warmup", "decide-trials"):
+        assert tasks[name]["cachingOptions"] == {}, name
+
+
+def test_a_pipeline_without_trials_has_no_trials_group():
+    spec = yaml.safe_load((REPO / "pipelines" / "compiled" / "demo.yaml").read_text())
+    assert "trials" not in spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert "comp-trials" not in spec["components"]
+
+
+def test_on_gke_each_branch_task_is_set_like_a_train_task(tmp_path):
+    config = yaml.safe_load((REPO / "configs" / "nemo_gpt3_5b.yaml").read_text())
+    config["trials"] = {"enabled": True, "tokens": 2**30, "parallelism": 2}
+    spec, platform = compile_spec(config, tmp_path)
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    resources = spec["deploymentSpec"]["executors"]["exec-trial-branch"]["container"]["resources"]
+    assert (resources["resourceCpuRequest"], resources["resourceMemoryRequest"]) == ("250m", "1Gi")
+    for name in ("exec-trial-branch", "exec-trials-warmup"):
+        assert int(executors[name]["activeDeadlineSeconds"]) == 30 * 24 * 3600  # cluster.stage_timeout_s
+        assert executors[name]["fieldPathAsEnv"][0] == {
+            "fieldPath": "metadata.name",
+            "name": "BATCHPILOT_POD_NAME",
+        }
+    tasks = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert tasks["trials"]["dependentTasks"] == ["plan"]
+    assert tasks["stages-0-3"]["dependentTasks"] == ["trials"]
+    decide = spec["components"]["comp-trials"]["dag"]["tasks"]["decide-trials"]["inputs"]["parameters"]
+    # A fixed micro batch: the decided plan must keep the compiled launches.
+    assert (
+        decide["expected_launches"]["runtimeValue"]["constant"] == "stages-0-3,stage-4,stage-5,stage-6,final"
+    )
+
+
+@pytest.fixture
+def demo_document(tmp_path):
+    def make(**trials):
+        config = demo_with_trials(**trials)
+        config["data"]["uri"] = write_manifest(tmp_path / "data")
+        return plan(config_from_text(yaml.safe_dump(config)), micro_batch_size=16, announce=False)
+
+    return make
+
+
+def test_the_trials_pool_holds_the_branches_that_run_at_once(demo_document):
+    # The demo's branches (batches 16, 32, 64 x 3 LR multipliers) each train on the fewest nodes: one.
+    document = demo_document(parallelism=2)
+    assert [b.num_nodes for b in document.trials.branches] == [1] * 9
+    assert trials_pool_nodes(document) == 2
+    assert trials_pool_nodes(demo_document(parallelism=1)) == 1
+
+
+def test_more_parallel_branches_than_the_pool_can_hold_are_refused(demo_document):
+    with pytest.raises(BatchpilotError) as refused:
+        trials_pool_nodes(demo_document(parallelism=3))
+    assert str(refused.value) == (
+        "trials.parallelism: is 3: that many branches at once need up to 3 node(s) (1 + 1 + 1), more than "
+        "cluster.max_nodes 2 (fix: set trials.parallelism to at most 2, or raise cluster.max_nodes)"
+    )
