@@ -31,6 +31,46 @@ def sample_document() -> RunDocument:
     )
 
 
+TRIAL_LOSSES = {
+    # (batch, LR multiplier): validation loss at 64, 128, 192 and 256 samples after the warm-up.
+    (16, 0.5): [4.2, 3.9, 3.7, 3.60],
+    (16, 1.0): [4.1, 3.8, 3.6, 3.50],  # the best at 16
+    (16, 2.0): [4.1, 3.85, 3.65, 3.55],
+    (32, 0.5): [4.3, 4.0, 3.8, 3.70],
+    (32, 1.0): [4.2, 3.9, 3.7, 3.58],
+    (32, 2.0): [4.15, 3.85, 3.6, 3.52],  # the best at 32: within 1% of 3.50
+    (64, 0.5): [4.5, 4.2, 4.0, 3.90],
+    (64, 1.0): [4.4, 4.1, 3.9, 3.75],  # the best at 64: 7% above 3.50, the scan ends
+}
+"""The trials' branches that trained; batch 64 at LR x 2 ran out of memory."""
+
+
+def sample_trials_document() -> RunDocument:
+    """The sample run with batch trials decided: the demo's 9 branches (batches 16, 32, 64 x LR 0.5, 1, 2)
+    after a 1,024-sample warm-up, 256 samples each; the critical batch is 32 at LR x 2."""
+    from batchpilot.planning.trials import BranchResult, TrialsOutcome, decide
+
+    config = (REPO / "configs" / "demo.yaml").read_text() + "trials: {enabled: true, tokens: 32768}\n"
+    trials = workflow.plan(workflow.config_from_text(config), micro_batch_size=16, announce=False).trials
+    assert trials is not None
+    results = tuple(
+        BranchResult(
+            b.index,
+            b.global_batch_size,
+            b.lr_multiplier,
+            "ok",
+            tuple(zip(trials.eval_points, losses, strict=True)),
+        )
+        if (losses := TRIAL_LOSSES.get((b.global_batch_size, b.lr_multiplier)))
+        else BranchResult(
+            b.index, b.global_batch_size, b.lr_multiplier, "failed", reason="CUDA out of memory"
+        )
+        for b in trials.branches
+    )
+    outcome = TrialsOutcome(results, decide(results, tolerance=trials.tolerance))
+    return dataclasses.replace(sample_document(), trials=trials, trials_outcome=outcome)
+
+
 def sample_records(document: RunDocument, *, validation_every: int | None = 40) -> list[dict[str, Any]]:
     """One record per optimizer step: the loss falls by 0.01 a step from 5.0, each step takes 0.5 s and 30 s pass between
     stages (`time`, the wall clock at each step's end), the noise

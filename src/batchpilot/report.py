@@ -31,7 +31,7 @@ from batchpilot.planning.units import (
     format_number,
     format_ratio,
 )
-from batchpilot.report_figures import loss_figure, run_figures, validation_points
+from batchpilot.report_figures import loss_figure, png, run_figures, trials_figure, validation_points
 from batchpilot.rundoc import RunDocument
 
 __all__ = ["loss_figure", "plan_html", "plan_markdown", "write_report"]
@@ -410,12 +410,15 @@ def write_report(
     summary = _summary(document, records, actuals)
     name = document.config.name
     parts = [f"<h1>batchpilot run: {html.escape(name)}</h1>", _headline(document, records, actuals, explore)]
+    study = (explore or document.explore or {}).get("noise_scale") or {}
+    if document.trials_outcome is not None:
+        parts.append(trials_section(document, study_critical_batch=study.get("critical_batch_size")))
+        summary.update(trials_summary(document))
     parts.append("<h2>Launches and stages: plan and actuals</h2>" + _stage_rows(document, actuals))
     parts.append(
         "<p class='muted'>Time is the sum of a stage's step times (training alone); tokens/s is the stage's tokens "
         "over that time, all devices together.</p>"
     )
-    study = (explore or document.explore or {}).get("noise_scale") or {}
     figures = run_figures(plan, records, critical_batch_size=study.get("critical_batch_size"))
     parts.append(
         "<h2>Over the run</h2><div class='figures'>" + "".join(figure(t, p) for t, p in figures) + "</div>"
@@ -541,3 +544,84 @@ def _decisions_section(document: RunDocument) -> str:
         "<th>estimate</th><th>+- (jackknife)</th><th>lower bound</th><th>k</th><th>threshold</th><th>reason</th>"
         "<th>next batch</th></tr>" + "".join(rows) + "</table>"
     )
+
+
+def trials_section(document: RunDocument, *, study_critical_batch: float | None) -> str:
+    """The batch trials (#25): the decision, one row per branch (the best LR per batch and the chosen branch
+    marked, a failed branch with its reason), the validation loss of each branch over its tokens, and the
+    chosen batch and LR beside the study's critical batch when explore measured one."""
+    outcome, trials = document.trials_outcome, document.trials
+    assert outcome is not None and trials is not None  # a decided document carries both
+    decision = outcome.decision
+    branches = {branch.index: branch for branch in trials.branches}
+    rows = []
+    for result in outcome.results:
+        branch = branches[result.index]
+        best = decision.best.get(result.global_batch_size)
+        is_best = result.status == "ok" and best is not None and best[0] == result.lr_multiplier
+        chosen = is_best and result.global_batch_size == decision.critical_batch
+        rows.append(
+            [
+                branch.name, format_int(branch.global_batch_size), f"{branch.lr_multiplier:g}",
+                format_number(branch.lr), str(branch.num_nodes), result.status,
+                format_loss(result.final_loss) if result.final_loss is not None else "",
+                "best, chosen" if chosen else "best" if is_best else "", result.reason,
+            ]
+        )  # fmt: skip
+    header = [
+        "branch", "global batch", "LR multiplier", "LR", "nodes", "status", "final validation loss",
+        "best at its batch", "why it failed",
+    ]  # fmt: skip
+    if decision.critical_batch is None or decision.lr_multiplier is None:
+        chosen_text = "<p><b>Chosen:</b> nothing: the trials decided no critical batch.</p>"
+    else:
+        chosen_branch = next(
+            branches[r.index]
+            for r in outcome.results
+            if (r.global_batch_size, r.lr_multiplier) == (decision.critical_batch, decision.lr_multiplier)
+        )
+        study = (
+            f"; explore's noise-scale study measured a critical batch of {format_number(study_critical_batch)}"
+            if study_critical_batch
+            else ""
+        )
+        chosen_text = (
+            f"<p><b>Chosen:</b> global batch {format_int(decision.critical_batch)} with LR x "
+            f"{decision.lr_multiplier:g} ({format_number(chosen_branch.lr)}){html.escape(study)}. The run's target "
+            f"global batch: {format_int(document.plan.stages[-1].global_batch_size)}.</p>"
+        )
+    start = (
+        f"from {trials.from_checkpoint}"
+        if trials.from_checkpoint
+        else f"after a warm-up of {format_int(trials.warmup_samples)} samples at batch {format_int(trials.start_batch)}"
+    )
+    plot = figure(
+        "Validation loss of each branch over its tokens",
+        png(trials_figure(outcome.results, seq_len=trials.seq_len)),
+    )
+    return (
+        f"<h2>Batch trials</h2><p><b>Decision:</b> {html.escape(decision.reason)}.</p>{chosen_text}"
+        f"<p>{len(trials.branches)} branches {html.escape(start)}, each {format_int(trials.branch_samples)} samples "
+        f"({format_int(trials.branch_samples * trials.seq_len)} tokens) on the same samples, evaluated every "
+        f"{format_int(trials.eval_every_samples)} samples; tolerance {trials.tolerance:.1%}.</p>"
+        + (bullets([f"excluded: {line}" for line in decision.excluded]) if decision.excluded else "")
+        + table(header, rows, align="lrrrrlrll")
+        + f"<div class='figures'>{plot}</div>"
+    )
+
+
+def trials_summary(document: RunDocument) -> dict[str, float]:
+    """The trials' decision for KFP metrics: branches, failed ones, and the critical batch and LR multiplier
+    when one was decided."""
+    outcome = document.trials_outcome
+    assert outcome is not None
+    summary = {
+        "trials_branches": float(len(outcome.results)),
+        "trials_failed_branches": float(sum(r.status != "ok" for r in outcome.results)),
+    }
+    if outcome.decision.critical_batch is not None and outcome.decision.lr_multiplier is not None:
+        summary |= {
+            "trials_critical_batch": float(outcome.decision.critical_batch),
+            "trials_lr_multiplier": outcome.decision.lr_multiplier,
+        }
+    return summary

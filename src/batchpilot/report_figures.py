@@ -10,6 +10,7 @@ import io
 from typing import Any
 
 from batchpilot.planning import Plan
+from batchpilot.planning.trials import BranchResult
 from batchpilot.planning.units import format_int, format_number
 
 FIGSIZE = (6.6, 3.4)
@@ -139,3 +140,28 @@ def run_figures(
             ("Learning rate", png(series_figure(records, key="lr", label="learning rate", scientific=True)))
         )
     return figures
+
+
+def trials_figure(results: tuple[BranchResult, ...], *, seq_len: int) -> Any:
+    """Each branch's validation loss over the tokens it trained after the warm-up: one colour per batch, one
+    line style per LR multiplier (failed branches have no curve and are left out)."""
+    fig, axes = pyplot().subplots(figsize=FIGSIZE)
+    batches = sorted({r.global_batch_size for r in results})
+    multipliers = sorted({r.lr_multiplier for r in results})
+    styles = ["-", "--", ":", "-."]
+    for result in results:
+        if result.status != "ok" or not result.curve:
+            continue
+        tokens = [samples * seq_len for samples, _ in result.curve]
+        losses = [loss for _, loss in result.curve]
+        axes.plot(
+            tokens, losses, marker="o", markersize=3, color=f"C{batches.index(result.global_batch_size)}",
+            linestyle=styles[multipliers.index(result.lr_multiplier) % len(styles)],
+            label=f"batch {format_int(result.global_batch_size)}, LR x {result.lr_multiplier:g}",
+        )  # fmt: skip
+    axes.set_xlabel("tokens trained after the warm-up")
+    _whole_ticks(axes.xaxis)
+    axes.grid(True, alpha=0.3)
+    axes.set_ylabel("validation loss")
+    axes.legend(fontsize=7)
+    return fig

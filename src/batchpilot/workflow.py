@@ -786,19 +786,12 @@ def branch_metrics(document: RunDocument, result: BranchResult) -> dict[str, flo
 
 
 def trials_metrics(document: RunDocument) -> dict[str, float]:
-    """The trials' decision for the KFP UI: the critical batch and LR multiplier (when one was decided),
-    and how many branches failed."""
-    outcome = document.trials_outcome
-    if outcome is None:
+    """The trials' decision for the KFP UI, as the report gives it (`report.trials_summary`)."""
+    from batchpilot.report import trials_summary  # the report's figures, one source
+
+    if document.trials_outcome is None:
         raise BatchpilotError("trials", "the run document records no trials outcome", "run the trials first")
-    decision = outcome.decision
-    metrics = {
-        "num_branches": float(len(outcome.results)),
-        "failed_branches": float(sum(r.status != "ok" for r in outcome.results)),
-    }
-    if decision.critical_batch is not None and decision.lr_multiplier is not None:
-        metrics |= {"critical_batch": float(decision.critical_batch), "lr_multiplier": decision.lr_multiplier}
-    return metrics
+    return trials_summary(document)
 
 
 TRIALS_FILE = "trials.json"

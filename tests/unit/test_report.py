@@ -15,8 +15,9 @@ import pytest
 from batchpilot.explore.report import explore_html
 from batchpilot.planning.capacity import LaunchCapacity, apply_capacity
 from batchpilot.report import loss_figure, write_report
+from batchpilot.report_figures import trials_figure
 from batchpilot.rundoc import RunDocument
-from report_samples import sample_document, sample_explore, sample_records
+from report_samples import sample_document, sample_explore, sample_records, sample_trials_document
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +224,64 @@ def test_a_launch_on_fewer_nodes_shows_in_the_headline_the_stage_table_and_the_c
         "final", "2", "1", "1", "10.0 min", "0.17", "1.6 min", "0.027", "48 s", "stockout",
     ]  # fmt: skip
     assert summary["launches_on_fewer_nodes"] == 1
+
+
+@pytest.fixture(scope="module")
+def trials_rendered(tmp_path_factory) -> tuple[str, dict[str, float]]:
+    document = sample_trials_document()
+    path = tmp_path_factory.mktemp("trials") / "report.html"
+    summary = write_report(
+        document=document, records=sample_records(document), explore=sample_explore(), html_path=path
+    )
+    return path.read_text(), summary
+
+
+def test_the_batch_trials_follow_the_headline_with_the_decision_and_the_choice(trials_rendered):
+    page, summary = trials_rendered
+    text = " ".join(text_of(page).split())
+    assert text.index("micro batch trained") < text.index("Batch trials") < text.index("Launches and stages")
+    assert (
+        "Decision: critical batch 32: the largest whose validation loss at the budget (3.52, LR x 2) is within "
+        "1.0% of every smaller batch's best; batch 64 reached 3.75, more than 1.0% above the best smaller "
+        "batch's 3.5." in text
+    )
+    # LR x 2 on the sqrt rule's 3e-4 x sqrt(32 / 64); the sample explore's study measured 0.32.
+    assert (
+        "Chosen: global batch 32 with LR x 2 (0.000424); explore's noise-scale study measured a critical batch "
+        "of 0.32. The run's target global batch: 64." in text
+    )
+    assert "excluded: batch 64 x LR 2: CUDA out of memory" in text
+    assert "9 branches after a warm-up of 1,024 samples at batch 16, each 256 samples (32,768 tokens)" in text
+    assert (summary["trials_critical_batch"], summary["trials_lr_multiplier"]) == (32, 2.0)
+    assert (summary["trials_branches"], summary["trials_failed_branches"]) == (9, 1)
+
+
+def test_the_trials_table_marks_the_best_lr_per_batch_the_chosen_branch_and_why_one_failed(trials_rendered):
+    page, _ = trials_rendered
+    assert row(page, ["trial-0-b16-lr0p5"]) == [
+        "trial-0-b16-lr0p5", "16", "0.5", "0.000075", "1", "ok", "3.600", "", "",
+    ]  # fmt: skip
+    assert row(page, ["trial-1-b16-lr1"])[6:8] == ["3.500", "best"]
+    assert row(page, ["trial-5-b32-lr2"]) == [
+        "trial-5-b32-lr2", "32", "2", "0.000424", "1", "ok", "3.520", "best, chosen", "",
+    ]  # fmt: skip
+    assert row(page, ["trial-7-b64-lr1"])[6:8] == ["3.750", "best"]
+    assert row(page, ["trial-8-b64-lr2"]) == [
+        "trial-8-b64-lr2", "64", "2", "0.0006", "1", "failed", "", "", "CUDA out of memory",
+    ]  # fmt: skip
+    assert "<figcaption>Validation loss of each branch over its tokens</figcaption>" in page
+
+
+def test_the_trials_plot_has_a_loss_over_tokens_line_per_branch_that_trained():
+    outcome = sample_trials_document().trials_outcome
+    lines = trials_figure(outcome.results, seq_len=128).axes[0].get_lines()
+    assert len(lines) == 8  # the failed branch has no curve
+    assert lines[0].get_label() == "batch 16, LR x 0.5"
+    assert list(lines[0].get_xdata()) == [8192, 16384, 24576, 32768]  # 64..256 samples x 128 tokens
+    assert list(lines[5].get_ydata()) == [4.15, 3.85, 3.6, 3.52]
+
+
+def test_a_run_without_trials_has_no_trials_section(rendered):
+    page, summary = rendered
+    assert "Batch trials" not in page
+    assert "trials_critical_batch" not in summary
