@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "batchpilot.commands.explore",
     "batchpilot.commands.config",
     "batchpilot.commands.train",
+    "batchpilot.commands.trials",
     "batchpilot.commands.canary",
     "batchpilot.commands.run",
     "batchpilot.commands.compile",

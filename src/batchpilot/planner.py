@@ -72,7 +72,8 @@ def make_run_document(
             "with this config's model, data.seq_len, devices and parallelism"
         )
     auto = config.batch.global_batch_size == "auto"
-    if auto and config.batch.auto_from == "trials":
+    from_trials = auto and config.batch.auto_from == "trials"
+    if from_trials:
         if trials_outcome is None:  # the trials and the launch slots are sized for the bound
             bound = config.batch.target_bound
             config = at_trials_bound(config)
@@ -106,6 +107,8 @@ def make_run_document(
         throughput = explored_throughput(explore, micro_batch_size=micro)
     if trials is None and config.trials.enabled:
         trials = trials_for(config, plan, memory=memory, shape=shape)
+        if from_trials:  # the configured `auto` is planned again with the trials' outcome
+            trials = replace(trials, auto_bound=config.batch.target_bound)
     if trials is not None:
         cost = (
             f"; {format_node_hours(trials.node_hours(throughput, config.cluster.devices_per_node))} node-hours at "

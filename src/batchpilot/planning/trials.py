@@ -67,6 +67,8 @@ class TrialsPlan:
         share: the trials' part of all samples trained (run + trials): at one per-device throughput, their
             part of the node-hours.
         from_checkpoint: the checkpoint the branches start from instead of a warm-up (None: the warm-up's).
+        auto_bound: with `batch.global_batch_size: auto` from the trials, the bound the run was planned at until
+            they decide its target (the configured `auto` is planned again with their outcome); None otherwise.
     """
 
     start_batch: int
@@ -79,6 +81,7 @@ class TrialsPlan:
     seq_len: int
     share: float
     from_checkpoint: str | None = None
+    auto_bound: int | None = None
 
     @property
     def batch_sizes(self) -> list[int]:
