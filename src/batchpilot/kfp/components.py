@@ -153,7 +153,8 @@ def prepare_trials_pool(plan_json: str) -> int:
 
 def trials_warmup(plan_json: str, run_dir: str) -> list[int]:
     """Trains the trials' warm-up from sample 0 at the ramp's start batch (nothing with
-    `trials.from_checkpoint`); returns the branch indices the parallel-for runs."""
+    `trials.from_checkpoint`); returns the branch indices the parallel-for runs. Locally its trainers' files
+    go to `run_dir/trials/warmup`, each branch's to `run_dir/trials/<branch name>`."""
     from pathlib import Path
 
     from batchpilot import trials, workflow
@@ -162,7 +163,7 @@ def trials_warmup(plan_json: str, run_dir: str) -> list[int]:
 
     configure_console()
     document = parse_run_document(plan_json)
-    trials.run_warmup(document, work_dir=Path(run_dir) if run_dir else None)
+    trials.run_warmup(document, work_dir=Path(run_dir) / "trials" if run_dir else None)
     return workflow.trial_indices(document)
 
 
@@ -179,7 +180,8 @@ def trial_branch(plan_json: str, branch_index: int, run_dir: str, branch_metrics
 
     configure_console()
     document = parse_run_document(plan_json)
-    result = trials.run_branch(document, index=branch_index, work_dir=Path(run_dir) if run_dir else None)
+    work_dir = Path(run_dir) / "trials" if run_dir else None
+    result = trials.run_branch(document, index=branch_index, work_dir=work_dir)
     for name, value in workflow.branch_metrics(document, result).items():
         branch_metrics.log_metric(name, value)
     return json.dumps(dataclasses.asdict(result))
