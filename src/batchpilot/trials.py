@@ -29,7 +29,14 @@ from typing import Any
 from batchpilot.config import Config, parse_config
 from batchpilot.data.storage import ObjectNotFound, join_uri, open_storage
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning.trials import BranchResult, TrialBranch, TrialsOutcome, TrialsPlan, decide
+from batchpilot.planning.trials import (
+    DEFAULT_MULTIPLES,
+    BranchResult,
+    TrialBranch,
+    TrialsOutcome,
+    TrialsPlan,
+    decide,
+)
 from batchpilot.rundoc import RunDocument
 
 logger = logging.getLogger(__name__)
@@ -63,6 +70,18 @@ def branch_uri(config: Config, branch: TrialBranch) -> str:
 def _run_name(name: str, suffix: str) -> str:
     """`<name><suffix>`, the name cut so that the whole stays a valid run name."""
     return f"{name[: NAME_LENGTH - len(suffix)].rstrip('-')}{suffix}"
+
+
+def trial_run_names(config: Config) -> list[str]:
+    """The run names the trials of `config` launch under (the warm-up's, then every branch index the config
+    allows), for the exit handler, which deletes their jobs with the run's own."""
+    if not config.trials.enabled:
+        return []
+    num_batches = len(config.trials.batch_sizes or DEFAULT_MULTIPLES)
+    num_branches = num_batches * len(config.trials.lr_multipliers)
+    return [_run_name(config.name, "-trials")] + [
+        _run_name(config.name, f"-trial-{index}") for index in range(num_branches)
+    ]
 
 
 def _derived(

@@ -306,10 +306,12 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
 
     if config.cluster.backend == "gke":
         from batchpilot.cluster.lifecycle import delete_run_jobs
+        from batchpilot.trials import trial_run_names  # it builds on this module
 
-        # A cancelled or failed run may leave its JobSets on the GPUs; they go (and their trainers stop,
-        # checkpointing) before the pool shrinks under them.
-        delete_run_jobs(cluster=config.cluster, run=config.name)
+        # A cancelled or failed run may leave its JobSets (and its trials') on the GPUs; they go (and their
+        # trainers stop, checkpointing) before the pool shrinks under them.
+        for run in (config.name, *trial_run_names(config)):
+            delete_run_jobs(cluster=config.cluster, run=run)
     pool = node_pool_for(config, state_path=state_path)
     started = time.monotonic()
     before = pool.current_size()

@@ -16,6 +16,7 @@ from batchpilot.trials import (
     decide_trials,
     failure_reason,
     latest_checkpoint,
+    trial_run_names,
     warmup_config,
 )
 from batchpilot.workflow import plan
@@ -143,3 +144,14 @@ def test_local_branches_at_once_are_bounded_by_the_cpus_over_a_branchs_processes
     assert default_parallel(parallelism=2, backend="local", processes_per_branch=1, cpus=16) == 2
     assert default_parallel(parallelism=4, backend="local", processes_per_branch=4, cpus=2) == 1
     assert default_parallel(parallelism=4, backend="gke", processes_per_branch=16, cpus=2) == 4
+
+
+def test_the_exit_handler_knows_every_run_name_the_trials_launch_under(tmp_path):
+    document = document_of(tmp_path)
+    names = trial_run_names(document.config)
+    # 3 configured batches x 2 multipliers: the warm-up's run and one per branch index the config allows.
+    assert names == ["tiny-trials"] + [f"tiny-trial-{k}" for k in range(6)]
+    assert warmup_config(document).name == names[0]
+    assert [branch_config(document, b, start_sample=192).name for b in document.trials.branches] == names[1:]
+    assert trial_run_names(document.config.model_copy(update={"trials": document.config.trials.model_copy(
+        update={"enabled": False})})) == []  # fmt: skip
