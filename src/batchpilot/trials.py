@@ -30,12 +30,12 @@ from batchpilot.config import Config, parse_config
 from batchpilot.data.storage import ObjectNotFound, join_uri, open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import (
-    DEFAULT_MULTIPLES,
     BranchResult,
     TrialBranch,
     TrialsOutcome,
     TrialsPlan,
     decide,
+    derived_run_name,
 )
 from batchpilot.rundoc import RunDocument
 
@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 TRIALS_PREFIX = "trials"
 """Below the run's checkpoint_uri: the warm-up's and each branch's own checkpoints."""
 LATEST = "latest"  # the checkpoint layout's pointer (train/checkpoint.py), read here without torch
-NAME_LENGTH = 40  # config.name is a DNS label of at most 40 characters
 ERROR_LINE = re.compile(r"batchpilot: error: |^(\w+\.)*\w*(Error|Exception|Interrupt)\b:? ")
 
 
@@ -65,23 +64,6 @@ def warmup_uri(config: Config) -> str:
 
 def branch_uri(config: Config, branch: TrialBranch) -> str:
     return join_uri(config.train.checkpoint_uri, f"{TRIALS_PREFIX}/{branch.name}")
-
-
-def _run_name(name: str, suffix: str) -> str:
-    """`<name><suffix>`, the name cut so that the whole stays a valid run name."""
-    return f"{name[: NAME_LENGTH - len(suffix)].rstrip('-')}{suffix}"
-
-
-def trial_run_names(config: Config) -> list[str]:
-    """The run names the trials of `config` launch under (the warm-up's, then every branch index the config
-    allows), for the exit handler, which deletes their jobs with the run's own."""
-    if not config.trials.enabled:
-        return []
-    num_batches = len(config.trials.batch_sizes or DEFAULT_MULTIPLES)
-    num_branches = num_batches * len(config.trials.lr_multipliers)
-    return [_run_name(config.name, "-trials")] + [
-        _run_name(config.name, f"-trial-{index}") for index in range(num_branches)
-    ]
 
 
 def _derived(
@@ -113,7 +95,7 @@ def warmup_config(document: RunDocument) -> Config:
     rule = lr_schedule(config)
     nodes = document.plan.stages[0].num_nodes
     derived = _derived(
-        config, name=_run_name(config.name, "-trials"), batch=trials.start_batch,
+        config, name=derived_run_name(config.name, "-trials"), batch=trials.start_batch,
         total_samples=trials.warmup_samples, lr=rule.lr, lr_scaling=rule.scaling,
         lr_reference_batch=rule.reference_batch, warmup_samples=min(rule.warmup_samples, trials.warmup_samples),
         checkpoint_uri=warmup_uri(config),
@@ -128,7 +110,7 @@ def branch_config(document: RunDocument, branch: TrialBranch, *, start_sample: i
     trials = trials_of(document)
     config = document.config
     derived = _derived(
-        config, name=_run_name(config.name, f"-trial-{branch.index}"), batch=branch.global_batch_size,
+        config, name=derived_run_name(config.name, f"-trial-{branch.index}"), batch=branch.global_batch_size,
         total_samples=start_sample + trials.branch_samples, lr=branch.lr, lr_scaling="none",
         warmup_samples=min(config.train.warmup_samples, start_sample),
         eval_every_samples=math.gcd(start_sample, trials.eval_every_samples), checkpoint_uri=branch_uri(config, branch),

@@ -27,7 +27,7 @@ from batchpilot.files import write_atomically
 from batchpilot.planner import make_run_document, num_stages
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
-from batchpilot.planning.trials import BranchResult, TrialsOutcome, TrialsPlan
+from batchpilot.planning.trials import BranchResult, TrialsOutcome, TrialsPlan, trial_run_names
 from batchpilot.rundoc import RunDocument
 
 if TYPE_CHECKING:
@@ -306,11 +306,16 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
 
     if config.cluster.backend == "gke":
         from batchpilot.cluster.lifecycle import delete_run_jobs
-        from batchpilot.trials import trial_run_names  # it builds on this module
 
         # A cancelled or failed run may leave its JobSets (and its trials') on the GPUs; they go (and their
         # trainers stop, checkpointing) before the pool shrinks under them.
-        for run in (config.name, *trial_run_names(config)):
+        trials = config.trials
+        trial_runs = (
+            trial_run_names(config.name, batch_sizes=trials.batch_sizes, lr_multipliers=trials.lr_multipliers)
+            if trials.enabled
+            else []
+        )
+        for run in (config.name, *trial_runs):
             delete_run_jobs(cluster=config.cluster, run=run)
     pool = node_pool_for(config, state_path=state_path)
     started = time.monotonic()

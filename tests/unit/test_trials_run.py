@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 
 from batchpilot.config import parse_config
-from batchpilot.planning.trials import BranchResult
+from batchpilot.planning.trials import BranchResult, trial_run_names
 from batchpilot.trials import (
     branch_config,
     copy_checkpoint,
     decide_trials,
     failure_reason,
     latest_checkpoint,
-    trial_run_names,
     warmup_config,
 )
 from batchpilot.workflow import plan
@@ -148,10 +147,11 @@ def test_local_branches_at_once_are_bounded_by_the_cpus_over_a_branchs_processes
 
 def test_the_exit_handler_knows_every_run_name_the_trials_launch_under(tmp_path):
     document = document_of(tmp_path)
-    names = trial_run_names(document.config)
+    trials = document.config.trials
+    names = trial_run_names("tiny", batch_sizes=trials.batch_sizes, lr_multipliers=trials.lr_multipliers)
     # 3 configured batches x 2 multipliers: the warm-up's run and one per branch index the config allows.
     assert names == ["tiny-trials"] + [f"tiny-trial-{k}" for k in range(6)]
     assert warmup_config(document).name == names[0]
     assert [branch_config(document, b, start_sample=192).name for b in document.trials.branches] == names[1:]
-    assert trial_run_names(document.config.model_copy(update={"trials": document.config.trials.model_copy(
-        update={"enabled": False})})) == []  # fmt: skip
+    # The default candidates: 5 multiples of the start batch.
+    assert len(trial_run_names("tiny", batch_sizes=None, lr_multipliers=[1.0])) == 1 + 5

@@ -22,6 +22,26 @@ from batchpilot.planning.units import format_int, format_number
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 """Candidate batches by default: these multiples of the ramp's start batch (the study's multipliers)."""
+RUN_NAME_LENGTH = 40
+"""A run name is a DNS label of at most this many characters (the config's `name`)."""
+
+
+def derived_run_name(name: str, suffix: str) -> str:
+    """`<name><suffix>`, the name cut so that the whole stays a valid run name (the warm-up's and each
+    branch's own runs: `-trials`, `-trial-<k>`)."""
+    return f"{name[: RUN_NAME_LENGTH - len(suffix)].rstrip('-')}{suffix}"
+
+
+def trial_run_names(
+    name: str, *, batch_sizes: Sequence[int] | None, lr_multipliers: Sequence[float]
+) -> list[str]:
+    """Every run name the trials of run `name` may launch under, known from the config alone (the exit
+    handler deletes their jobs with the run's own): the warm-up's, then one per branch index the configured
+    batches (or the default multiples) and LR multipliers allow."""
+    num_branches = len(batch_sizes or DEFAULT_MULTIPLES) * len(lr_multipliers)
+    return [derived_run_name(name, "-trials")] + [
+        derived_run_name(name, f"-trial-{k}") for k in range(num_branches)
+    ]
 
 
 @dataclass(frozen=True)
