@@ -740,9 +740,24 @@ def trial_indices(document: RunDocument) -> list[int]:
     return [branch.index for branch in planned_trials(document).branches]
 
 
+LOCAL_PARALLEL_BRANCHES = 2
+"""Branches a local pipeline runs at once, whatever `trials.parallelism` says: kfp.local 2.17 runs at most two
+iterations of a parallel-for at once (`ParallelExecutor.conservative_max`, kfp/local/orchestrator/
+enhanced_dag_orchestrator.py), and a local config only runs under kfp.local (submit refuses it)."""
+
+
+def parallel_branches(document: RunDocument) -> int:
+    """Branches that run at once: `trials.parallelism`, at most `LOCAL_PARALLEL_BRANCHES` locally."""
+    parallelism = planned_trials(document).parallelism
+    if document.config.cluster.backend == "local":
+        return min(parallelism, LOCAL_PARALLEL_BRANCHES)
+    return parallelism
+
+
 def trials_pool_nodes(document: RunDocument) -> int:
     """The nodes the trials hold at once: the warm-up's (the first stage's, when there is a warm-up) or any
-    `trials.parallelism` branches' together, whichever is more (the largest branches may run side by side).
+    `parallel_branches` branches' together, whichever is more (the largest branches may run side by side).
+    A local pool also refuses more processes than this machine has CPUs (`LocalNodePool.resize`).
 
     Raises:
         BatchpilotError: that is more than `cluster.max_nodes` (the branches would wait for nodes that never
@@ -750,7 +765,8 @@ def trials_pool_nodes(document: RunDocument) -> int:
     """
     trials = planned_trials(document)
     nodes = sorted((branch.num_nodes for branch in trials.branches), reverse=True)
-    at_once = sum(nodes[: trials.parallelism])
+    parallel = parallel_branches(document)
+    at_once = sum(nodes[:parallel])
     warmup = document.plan.stages[0].num_nodes if trials.warmup_samples else 0
     need = max(at_once, warmup)
     max_nodes = document.config.cluster.max_nodes
@@ -758,8 +774,8 @@ def trials_pool_nodes(document: RunDocument) -> int:
         fits = max([1] + [k for k in range(1, len(nodes) + 1) if sum(nodes[:k]) <= max_nodes])
         raise BatchpilotError(
             "trials.parallelism",
-            f"is {trials.parallelism}: that many branches at once need up to {need} node(s) "
-            f"({' + '.join(map(str, nodes[: trials.parallelism]))}), more than cluster.max_nodes {max_nodes}",
+            f"is {trials.parallelism}: {parallel} branches at once need up to {need} node(s) "
+            f"({' + '.join(map(str, nodes[:parallel]))}), more than cluster.max_nodes {max_nodes}",
             f"set trials.parallelism to at most {fits}, or raise cluster.max_nodes",
         )
     return need
@@ -771,7 +787,13 @@ def prepare_trials_pool(document: RunDocument) -> int:
     trials: each branch's own launch then finds its nodes in the pool."""
     config = document.config
     need = trials_pool_nodes(document)
-    logger.info("trials: the pool holds %d node(s) for the warm-up and the parallel branches", need)
+    parallel, parallelism = parallel_branches(document), planned_trials(document).parallelism
+    if parallel < parallelism:
+        logger.warning(
+            "trials: a local pipeline runs %d branches at once (kfp.local's limit), not trials.parallelism %d",
+            parallel, parallelism,
+        )  # fmt: skip
+    logger.info("trials: the pool holds %d node(s) for the warm-up and %d branch(es) at once", need, parallel)
     prepare_pool(config, num_nodes=need, timeout_s=config.cluster.capacity_timeout_s or None)
     return need
 

@@ -9,7 +9,7 @@ import yaml
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.workflow import config_from_text, plan, trials_pool_nodes
-from helpers import REPO, run_batchpilot, write_manifest
+from helpers import REPO, gke_a3_config, run_batchpilot, tiny_config, write_manifest
 
 
 def demo_with_trials(**trials) -> dict:
@@ -107,28 +107,46 @@ def test_on_gke_each_branch_task_is_set_like_a_train_task(tmp_path):
     )
 
 
-@pytest.fixture
-def demo_document(tmp_path):
-    def make(**trials):
-        config = demo_with_trials(**trials)
-        config["data"]["uri"] = write_manifest(tmp_path / "data")
-        return plan(config_from_text(yaml.safe_dump(config)), micro_batch_size=16, announce=False)
-
-    return make
+def planned(config: dict):
+    return plan(
+        config_from_text(yaml.safe_dump(config)),
+        micro_batch_size=config["batch"]["micro_batch_size"],
+        announce=False,
+    )
 
 
-def test_the_trials_pool_holds_the_branches_that_run_at_once(demo_document):
-    # The demo's branches (batches 16, 32, 64 x 3 LR multipliers) each train on the fewest nodes: one.
-    document = demo_document(parallelism=2)
-    assert [b.num_nodes for b in document.trials.branches] == [1] * 9
+def tiny_with_trials(config: dict, **trials) -> dict:
+    config["trials"] = {
+        "enabled": True,
+        "tokens": 256 * 32,
+        "batch_sizes": [16, 32],
+        "budget_fraction": 0.5,
+        **trials,
+    }
+    return config
+
+
+def test_the_trials_pool_holds_the_branches_that_run_at_once():
+    # Batches 16 and 32 x 3 LR multipliers on 8-GPU nodes at micro batch 2: every branch on one node.
+    document = planned(tiny_with_trials(gke_a3_config(), parallelism=2))
+    assert [b.num_nodes for b in document.trials.branches] == [1] * 6
     assert trials_pool_nodes(document) == 2
-    assert trials_pool_nodes(demo_document(parallelism=1)) == 1
+    assert trials_pool_nodes(planned(tiny_with_trials(gke_a3_config(), parallelism=1))) == 1
 
 
-def test_more_parallel_branches_than_the_pool_can_hold_are_refused(demo_document):
+def test_more_parallel_branches_than_the_pool_can_hold_are_refused():
     with pytest.raises(BatchpilotError) as refused:
-        trials_pool_nodes(demo_document(parallelism=3))
+        trials_pool_nodes(planned(tiny_with_trials(gke_a3_config(), parallelism=3)))
     assert str(refused.value) == (
-        "trials.parallelism: is 3: that many branches at once need up to 3 node(s) (1 + 1 + 1), more than "
+        "trials.parallelism: is 3: 3 branches at once need up to 3 node(s) (1 + 1 + 1), more than "
         "cluster.max_nodes 2 (fix: set trials.parallelism to at most 2, or raise cluster.max_nodes)"
     )
+
+
+def test_a_local_pipeline_runs_two_branches_at_once_as_kfp_local_does(tmp_path):
+    local = tiny_config(data_uri=write_manifest(tmp_path / "data"), checkpoint_uri=f"file://{tmp_path}/ckpt")
+    assert trials_pool_nodes(planned(tiny_with_trials(local, parallelism=4))) == 2
+    local["cluster"].update(max_nodes=1, devices_per_node=2)  # every stage and branch on one 2-process node
+    local["batch"]["micro_batch_size"] = 8
+    with pytest.raises(BatchpilotError, match=r"is 4: 2 branches at once need up to 2 node\(s\) \(1 \+ 1\)"):
+        trials_pool_nodes(planned(tiny_with_trials(local, parallelism=4)))
