@@ -150,3 +150,31 @@ def test_a_local_pipeline_runs_two_branches_at_once_as_kfp_local_does(tmp_path):
     local["batch"]["micro_batch_size"] = 8
     with pytest.raises(BatchpilotError, match=r"is 4: 2 branches at once need up to 2 node\(s\) \(1 \+ 1\)"):
         trials_pool_nodes(planned(tiny_with_trials(local, parallelism=4)))
+
+
+def test_the_console_times_each_parallel_branch_from_its_own_start(monkeypatch):
+    """kfp.local names every iteration of the parallel-for after its task: two branches start (at 0 s and
+    1 s), end at 10 s and 12 s, and each end is timed from a start, not the last one's."""
+    import io
+
+    from rich.console import Console
+
+    from batchpilot.commands import run as run_command
+
+    clock = iter([0.0, 1.0, 10.0, 12.0])
+    monkeypatch.setattr(run_command.time, "monotonic", lambda: next(clock))
+    shown = io.StringIO()
+    console = run_command.TaskConsole(Console(file=shown, width=200), launch_names=[])
+    for line in (
+        "Executing task 'trial-branch'",
+        "Executing task 'trial-branch'",
+        "Task 'trial-branch' finished with status SUCCESS",
+        "Task 'trial-branch' finished with status SUCCESS",
+    ):
+        console(line)
+    assert shown.getvalue().splitlines() == [
+        "> trial-branch",
+        "> trial-branch",
+        "  done trial-branch in 10.0 s",
+        "  done trial-branch in 11.0 s",
+    ]

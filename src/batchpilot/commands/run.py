@@ -84,7 +84,8 @@ class TaskConsole:
     def __init__(self, console: Console, *, launch_names: list[str]) -> None:
         self.console = console
         self.launch_names = launch_names
-        self.started: dict[str, float] = {}
+        # Start times per task name, oldest first: a parallel-for's iterations share their task's name.
+        self.started: dict[str, list[float]] = {}
         self.task_lines: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
         self.last_step_line_s = 0.0
 
@@ -103,7 +104,7 @@ class TaskConsole:
         line = COLOUR.sub("", raw).rstrip()
         if start := TASK_START.search(line):
             self.task_lines.clear()
-            self.started[start.group(1)] = time.monotonic()
+            self.started.setdefault(start.group(1), []).append(time.monotonic())
             self.console.print(f"[bold]>[/bold] {self.label(start.group(1))}")
             return
         self.task_lines.append(line)
@@ -120,7 +121,8 @@ class TaskConsole:
             self._batchpilot_line(line.split(PREFIX, 1)[1])
 
     def _ended(self, task: str, status: str) -> None:
-        took = time.monotonic() - self.started.get(task, time.monotonic())
+        starts = self.started.get(task) or [time.monotonic()]
+        took = time.monotonic() - starts.pop(0)
         if status == "SUCCESS":
             self.console.print(f"  [green]done[/green] {self.label(task)} in {took:.1f} s")
             return
