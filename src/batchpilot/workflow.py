@@ -189,6 +189,7 @@ def preflight(config: Config) -> RunDocument | None:
     schedule entries, stages no micro batch can place, the stage limit, the loading factor), every problem
     on its own line; then with an integer micro batch the whole plan (stages, node schedule, memory); with
     `explore`, the plan at micro batch 1, so a strategy that cannot even hold the model is refused now.
+    With a known micro batch, also the node pool the trials' parallel branches need (`trials_pool_nodes`).
     An `auto` target is checked at its bound (`batch.max_global_batch_size`). Returns the document when
     the micro batch and the target are known."""
     check_plan_config(config)  # each micro-batch-independent problem on its own line, before the model
@@ -199,6 +200,9 @@ def preflight(config: Config) -> RunDocument | None:
         config = config.model_copy(update={"batch": batch})
     if config.batch.micro_batch_size != "explore":
         document = plan(config, announce=False)
+        if document.trials is not None:
+            # Parallel branches the pool cannot hold fail now, not at their resize.
+            trials_pool_nodes(document)
         return None if auto else document
     plan(config, micro_batch_size=1, announce=False)
     return None

@@ -178,3 +178,13 @@ def test_the_console_times_each_parallel_branch_from_its_own_start(monkeypatch):
         "  done trial-branch in 10.0 s",
         "  done trial-branch in 11.0 s",
     ]
+
+
+def test_compile_refuses_parallel_branches_the_pool_cannot_hold(tmp_path):
+    config = tiny_with_trials(gke_a3_config(), parallelism=3)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_batchpilot("compile", "--config", str(path), "--out", str(tmp_path / "pipeline.yaml"))
+    assert result.returncode == 2
+    assert "trials.parallelism: is 3: 3 branches at once need up to 3 node(s)" in result.stderr
+    assert not (tmp_path / "pipeline.yaml").exists()
