@@ -448,6 +448,11 @@ class BatchConfig(_Section):
     def _one_rampup_form(self) -> BatchConfig:
         if self.rampup is not None and self.schedule is not None:
             raise ValueError("set either rampup or schedule, not both")
+        if self.global_batch_size == "auto" and self.schedule is not None:
+            raise ValueError(
+                "global_batch_size: auto takes its target from the study or the trials, but an explicit schedule "
+                "fixes it (its last batch): set the target as an integer, or use the rampup form"
+            )
         if (self.global_batch_size == "auto") != (self.max_global_batch_size is not None):
             raise ValueError(
                 "max_global_batch_size bounds global_batch_size: auto: set both (auto and a bound) or neither"

@@ -237,12 +237,6 @@ def resolve_auto_target(
             "plan with --explore explore.json from an exploration whose study measured the noise scale, or "
             "set an integer global_batch_size",
         )
-    if batch.schedule is not None:
-        raise BatchpilotError(
-            "batch.global_batch_size",
-            "is auto, but an explicit schedule fixes the target (its last batch)",
-            "set the target as an integer, or use the rampup form",
-        )
 
     def lr_scaling(target: int) -> str:
         return "sqrt" if target <= 2 * critical else "none"

@@ -192,3 +192,14 @@ def test_trials_settings_are_checked_with_the_config():
                 },
             }
         )
+    with pytest.raises(ValueError, match=r"an explicit schedule fixes it \(its last batch\)"):
+        parse_config(
+            {
+                **base,
+                "batch": {
+                    "global_batch_size": "auto", "max_global_batch_size": 64, "micro_batch_size": 16,
+                    "schedule": "0:16 1024:64", "auto_from": "trials",
+                },
+                "trials": {"enabled": True, "tokens": 32_768},
+            }
+        )  # fmt: skip
