@@ -16,6 +16,7 @@ and planned like any run, and launched by `workflow.run_stage` (torchx locally, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -160,15 +161,29 @@ def copy_checkpoint(source_uri: str, target_uri: str) -> int:
     return consumed
 
 
-def _launch(document: RunDocument, *, work_dir: Path | None) -> int:
-    """Trains the (one-stage) derived run; returns run_stage's exit code."""
+def _launch(document: RunDocument, *, work_dir: Path | None, owner: str) -> int:
+    """Trains the (one-stage) derived run; returns run_stage's exit code.
+
+    On GKE the derived run renews its own Lease while it trains, under its own name; the pool is labelled
+    with the run that owns it (`owner`), whose Lease must stay alive too, or a trial longer than
+    cluster.orphan_ttl_s would leave the pool looking orphaned to the next run."""
     from batchpilot.workflow import run_stage
 
     log_dir = None
     if work_dir is not None:
         log_dir = work_dir / "torchx"
         shutil.rmtree(log_dir, ignore_errors=True)  # a previous attempt's logs would give its error
-    return run_stage(document, stage=0, work_dir=work_dir, log_dir=log_dir)
+    cluster = document.config.cluster
+    owner_lease: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if cluster.backend == "gke":
+        from batchpilot.cluster.ownership import lease_renewed
+        from batchpilot.cluster.readiness import kube_api_client
+
+        owner_lease = lease_renewed(
+            kube_api_client, namespace=cluster.namespace, run=owner, ttl_s=cluster.orphan_ttl_s
+        )
+    with owner_lease:
+        return run_stage(document, stage=0, work_dir=work_dir, log_dir=log_dir)
 
 
 def run_warmup(document: RunDocument, *, work_dir: Path | None) -> None:
@@ -192,7 +207,7 @@ def run_warmup(document: RunDocument, *, work_dir: Path | None) -> None:
         "trials: warm-up of %d samples at batch %d -> %s",
         trials.warmup_samples, trials.start_batch, config.train.checkpoint_uri,
     )  # fmt: skip
-    code = _launch(_planned(config, document), work_dir=folder)
+    code = _launch(_planned(config, document), work_dir=folder, owner=document.config.name)
     if code != 0:
         why = failure_reason(folder) if folder is not None else f"exit {code}"
         raise BatchpilotError(
@@ -240,7 +255,7 @@ def run_branch(document: RunDocument, *, index: int, work_dir: Path | None) -> B
     copy_checkpoint(source, branch_uri(document.config, branch))
     failed = BranchResult(branch.index, branch.global_batch_size, branch.lr_multiplier, "failed")
     try:
-        code = _launch(branch_document, work_dir=folder)
+        code = _launch(branch_document, work_dir=folder, owner=document.config.name)
     except BatchpilotError as error:  # e.g. its pods could not be placed: this branch failed, not the trials
         return replace(failed, reason=str(error).splitlines()[-1])
     if code != 0:

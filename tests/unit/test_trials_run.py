@@ -3,6 +3,7 @@ a failed launch's reason, and the plan made again with the decision (`batchpilot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -155,3 +156,36 @@ def test_the_exit_handler_knows_every_run_name_the_trials_launch_under(tmp_path)
     assert [branch_config(document, b, start_sample=192).name for b in document.trials.branches] == names[1:]
     # The default candidates: 5 multiples of the start batch.
     assert len(trial_run_names("tiny", batch_sizes=None, lr_multipliers=[1.0])) == 1 + 5
+
+
+def test_a_trial_on_gke_keeps_the_owning_runs_lease_alive_while_it_trains(tmp_path, monkeypatch):
+    """The pool is labelled with the run; a trial launches under its own name, so without the owner's Lease
+    renewed a long trial would leave the pool looking orphaned (cluster.orphan_ttl_s) to the next run."""
+    import contextlib
+
+    import batchpilot.cluster.ownership as ownership
+    import batchpilot.workflow as workflow
+    from batchpilot import trials as trials_module
+
+    renewed: list[str] = []
+    launched: list[tuple[str, list[str]]] = []
+
+    @contextlib.contextmanager
+    def lease_renewed(api_client, *, namespace, run, ttl_s):
+        renewed.append(run)
+        yield
+
+    monkeypatch.setattr(ownership, "lease_renewed", lease_renewed)
+    monkeypatch.setattr(
+        workflow,
+        "run_stage",
+        lambda document, **_: launched.append((document.config.name, list(renewed))) or 0,
+    )
+    document = document_of(tmp_path)
+    gke = document.config.model_copy(
+        update={"cluster": document.config.cluster.model_copy(update={"backend": "gke"}), "name": "tiny"}
+    )
+    trials_module._launch(dataclasses.replace(document, config=gke), work_dir=None, owner="owner-run")
+    assert launched == [("tiny", ["owner-run"])]
+    local = trials_module._launch(document, work_dir=None, owner="owner-run")
+    assert local == 0 and renewed == ["owner-run"]  # a local launch has no Lease
