@@ -67,7 +67,7 @@ def sample_trials_document() -> RunDocument:
         )
         for b in trials.branches
     )
-    outcome = TrialsOutcome(results, decide(results, tolerance=trials.tolerance))
+    outcome = TrialsOutcome(results, decide(results, tolerance=trials.tolerance), noise_scale_at_start=8.0)
     return dataclasses.replace(sample_document(), trials=trials, trials_outcome=outcome)
 
 

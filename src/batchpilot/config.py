@@ -647,6 +647,11 @@ class TrialsConfig(_Section):
     parallelism: PositiveInt = Field(
         4, description="branches trained at once (KFP parallel-for; locally also bounded by the CPUs)"
     )
+    calibrate_adaptive: bool = Field(
+        False,
+        description="with an adaptive ramp-up: set batch.rampup.adaptive.scale to the trials' critical batch over "
+        "B_simple at the branch point (the warm-up's last noise-scale measurement) for the run",
+    )
     budget_fraction: float = Field(
         0.25,
         gt=0,

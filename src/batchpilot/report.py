@@ -590,6 +590,13 @@ def trials_section(document: RunDocument, *, study_critical_batch: float | None)
             f"{decision.lr_multiplier:g} ({format_number(chosen_branch.lr)}){html.escape(study)}. The run's target "
             f"global batch: {format_int(document.plan.stages[-1].global_batch_size)}.</p>"
         )
+    if outcome.scale_calibration is not None and outcome.noise_scale_at_start is not None:
+        chosen_text += (
+            f"<p><b>Calibration:</b> B_simple at the branch point (the warm-up's last measurement) was "
+            f"{format_number(outcome.noise_scale_at_start)} samples; the critical batch over it is "
+            f"{format_number(outcome.scale_calibration)}, the adaptive ramp-up's <code>scale</code> for this model "
+            "and data (trials.calibrate_adaptive applies it).</p>"
+        )
     start = (
         f"from {trials.from_checkpoint}"
         if trials.from_checkpoint

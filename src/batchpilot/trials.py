@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from batchpilot.config import Config, parse_config
+from batchpilot.config import AdaptiveRampup, Config, parse_config
 from batchpilot.data.storage import ObjectNotFound, join_uri, open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import (
@@ -303,14 +303,44 @@ def failure_reason(folder: Path) -> str:
     return found
 
 
+def warmup_noise_scale(document: RunDocument) -> float | None:
+    """The warm-up's last measured B_simple (the metrics kept beside its checkpoints), or None."""
+    from batchpilot.train.metrics import load_metrics
+
+    measured = [
+        float(record["noise_scale"])
+        for record in load_metrics(warmup_uri(document.config))
+        if record.get("noise_scale") is not None
+    ]
+    return measured[-1] if measured else None
+
+
 def decide_trials(document: RunDocument, results: Sequence[BranchResult]) -> RunDocument:
     """The decision (`planning.trials.decide` with the plan's tolerance) and the run's plan made again with
     the outcome (the configured `auto` target when the trials decide it), recorded in the returned document."""
     from batchpilot.workflow import plan
 
     trials = trials_of(document)
-    outcome = TrialsOutcome(results=tuple(results), decision=decide(results, tolerance=trials.tolerance))
+    outcome = TrialsOutcome(
+        results=tuple(results),
+        decision=decide(results, tolerance=trials.tolerance),
+        noise_scale_at_start=None if trials.from_checkpoint else warmup_noise_scale(document),
+    )
     config = document.config
+    calibration = outcome.scale_calibration
+    rampup = config.batch.rampup
+    if config.trials.calibrate_adaptive and isinstance(rampup, AdaptiveRampup):
+        if calibration is None:
+            raise BatchpilotError(
+                "trials.calibrate_adaptive",
+                "needs the trials' critical batch and B_simple at the branch point, but "
+                + ("the trials decided no critical batch" if outcome.decision.critical_batch is None else
+                   "the warm-up measured no noise scale (train.measure_noise_scale, or branches from_checkpoint)"),
+                "set batch.rampup.adaptive.scale yourself, or turn calibrate_adaptive off",
+            )  # fmt: skip
+        adaptive = rampup.adaptive.model_copy(update={"scale": calibration})
+        batch = config.batch.model_copy(update={"rampup": rampup.model_copy(update={"adaptive": adaptive})})
+        config = config.model_copy(update={"batch": batch})
     if trials.auto_bound is not None:  # planned at the bound (planner.at_trials_bound): the configured form
         batch = config.batch.model_copy(
             update={

@@ -250,6 +250,10 @@ def test_the_batch_trials_follow_the_headline_with_the_decision_and_the_choice(t
         "Chosen: global batch 32 with LR x 2 (0.000424); explore's noise-scale study measured a critical batch "
         "of 0.32. The run's target global batch: 64." in text
     )
+    assert (
+        "Calibration: B_simple at the branch point (the warm-up's last measurement) was 8 samples; the critical "
+        "batch over it is 4, the adaptive ramp-up's scale for this model and data" in text
+    )
     assert "excluded: batch 64 x LR 2: CUDA out of memory" in text
     assert "9 branches after a warm-up of 1,024 samples at batch 16, each 256 samples (32,768 tokens)" in text
     assert (summary["trials_critical_batch"], summary["trials_lr_multiplier"]) == (32, 2.0)

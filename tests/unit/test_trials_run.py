@@ -20,7 +20,7 @@ from batchpilot.trials import (
     warmup_config,
 )
 from batchpilot.workflow import plan
-from helpers import tiny_config, write_manifest
+from helpers import REPO, tiny_config, write_manifest
 
 
 def document_of(tmp_path: Path, **batch: object):
@@ -189,3 +189,41 @@ def test_a_trial_on_gke_keeps_the_owning_runs_lease_alive_while_it_trains(tmp_pa
     assert launched == [("tiny", ["owner-run"])]
     local = trials_module._launch(document, work_dir=None, owner="owner-run")
     assert local == 0 and renewed == ["owner-run"]  # a local launch has no Lease
+
+
+def test_an_adaptive_ramp_is_calibrated_from_the_trials_and_the_warm_ups_noise_scale(tmp_path):
+    """adaptive.scale = the trials' critical batch / B_simple at the branch point (the warm-up's last
+    noise-scale measurement, in the metrics kept beside its checkpoints)."""
+    import yaml
+
+    from batchpilot.train.metrics import METRICS_OBJECT
+    from batchpilot.trials import warmup_uri
+
+    config = yaml.safe_load((REPO / "configs" / "demo_adaptive.yaml").read_text())
+    config["data"]["uri"] = write_manifest(tmp_path / "data")
+    config["train"]["checkpoint_uri"] = f"file://{tmp_path}/ckpt"
+    config["trials"] = {
+        "enabled": True, "tokens": 128 * 64, "batch_sizes": [4, 8, 16], "lr_multipliers": [1.0],
+        "calibrate_adaptive": True, "budget_fraction": 0.5,
+    }  # fmt: skip
+    document = plan(parse_config(config), announce=False)
+    assert document.config.batch.rampup.adaptive.scale == 1.0
+    warmup = Path(warmup_uri(document.config).removeprefix("file://"))
+    warmup.mkdir(parents=True)
+    records = [
+        {"consumed_samples": 4 * k, "noise_scale": ns} for k, ns in ((1, None), (2, 1.5), (3, 2.0), (4, None))
+    ]
+    (warmup / METRICS_OBJECT).write_text("".join(json.dumps(r) + "\n" for r in records))
+    decided = decide_trials(
+        document, [result(0, 4, 1.0, 3.40), result(1, 8, 1.0, 3.41), result(2, 16, 1.0, 3.60)]
+    )
+    assert decided.trials_outcome.noise_scale_at_start == 2.0
+    assert decided.trials_outcome.scale_calibration == 4.0  # critical 8 / B_simple 2.0
+    assert decided.config.batch.rampup.adaptive.scale == 4.0
+    # Without calibrate_adaptive the calibration is recorded, and the configured scale stands.
+    config["trials"]["calibrate_adaptive"] = False
+    kept = decide_trials(
+        plan(parse_config(config), announce=False),
+        [result(0, 4, 1.0, 3.40), result(1, 8, 1.0, 3.41), result(2, 16, 1.0, 3.60)],
+    )
+    assert (kept.trials_outcome.scale_calibration, kept.config.batch.rampup.adaptive.scale) == (4.0, 1.0)

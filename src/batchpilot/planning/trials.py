@@ -368,9 +368,24 @@ class TrialsOutcome:
 
     results: tuple[BranchResult, ...]
     decision: TrialsDecision
+    noise_scale_at_start: float | None = None
+    """B_simple (the trainer's smoothed gradient noise scale) at the branch point: the warm-up's last
+    measurement; None when the branches started from `from_checkpoint` or the warm-up measured none."""
+
+    @property
+    def scale_calibration(self) -> float | None:
+        """The trials' critical batch over B_simple at the branch point: `adaptive.scale` calibrated for this
+        model and data (docs/planning.md), or None when either is missing."""
+        if not self.noise_scale_at_start or self.decision.critical_batch is None:
+            return None
+        return self.decision.critical_batch / self.noise_scale_at_start
 
     def to_dict(self) -> dict[str, Any]:
-        return {"results": [asdict(r) for r in self.results], "decision": self.decision.to_dict()}
+        return {
+            "results": [asdict(r) for r in self.results],
+            "decision": self.decision.to_dict(),
+            "noise_scale_at_start": self.noise_scale_at_start,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialsOutcome:
@@ -378,4 +393,8 @@ class TrialsOutcome:
             BranchResult(**{**r, "curve": tuple((int(s), float(v)) for s, v in r["curve"])})
             for r in data["results"]
         )
-        return cls(results=results, decision=TrialsDecision.from_dict(data["decision"]))
+        return cls(
+            results=results,
+            decision=TrialsDecision.from_dict(data["decision"]),
+            noise_scale_at_start=data.get("noise_scale_at_start"),
+        )
