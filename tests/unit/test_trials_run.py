@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from batchpilot.config import parse_config
+from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import BranchResult, trial_run_names
 from batchpilot.trials import (
     branch_config,
@@ -227,3 +229,50 @@ def test_an_adaptive_ramp_is_calibrated_from_the_trials_and_the_warm_ups_noise_s
         [result(0, 4, 1.0, 3.40), result(1, 8, 1.0, 3.41), result(2, 16, 1.0, 3.60)],
     )
     assert (kept.trials_outcome.scale_calibration, kept.config.batch.rampup.adaptive.scale) == (4.0, 1.0)
+
+
+def test_branches_from_an_existing_checkpoint_skip_the_warm_up_and_resume_at_its_sample(
+    tmp_path, monkeypatch
+):
+    """trials.from_checkpoint: no warm-up; each branch starts from a copy of that checkpoint at its sample."""
+    import batchpilot.trials as trials_module
+    from batchpilot.train.metrics import METRICS_OBJECT
+    from batchpilot.trials import branch_uri, run_branch, run_warmup
+
+    existing = tmp_path / "pretrained"
+    write_checkpoint(existing, 20, 320)
+    config = tiny_config(data_uri=write_manifest(tmp_path / "data"), checkpoint_uri=f"file://{tmp_path}/ckpt")
+    config["trials"] = {
+        "enabled": True, "tokens": 256 * 32, "evaluations": 2, "batch_sizes": [16, 32, 64], "lr_multipliers": [1.0],
+        "from_checkpoint": f"file://{existing}", "budget_fraction": 0.75,
+    }  # fmt: skip
+    document = plan(parse_config(config), announce=False)
+    assert document.trials.warmup_samples == 0
+    launched: list[tuple[str, int, list[str]]] = []
+
+    def launch(derived, *, work_dir, owner):
+        uri = Path(derived.config.train.checkpoint_uri.removeprefix("file://"))
+        launched.append(
+            (derived.config.name, derived.plan.stages[0].global_batch_size, sorted(os.listdir(uri)))
+        )
+        points = [320 + point for point in document.trials.eval_points]
+        (uri / METRICS_OBJECT).write_text(
+            "".join(json.dumps({"consumed_samples": p, "val_loss": 3.0}) + "\n" for p in points)
+        )
+        return 0
+
+    monkeypatch.setattr(trials_module, "_launch", launch)
+    run_warmup(document, work_dir=None)
+    assert launched == []  # nothing to warm up
+    outcome = run_branch(document, index=2, work_dir=None)
+    assert launched == [("tiny-trial-2", 64, ["000000020", "latest"])]
+    assert outcome.status == "ok" and outcome.curve == ((128, 3.0), (256, 3.0))
+    assert Path(branch_uri(document.config, document.trials.branches[2]).removeprefix("file://")).is_dir()
+    # A checkpoint at a sample that is not a multiple of every branch's batch cannot be shared by them.
+    write_checkpoint(existing, 21, 336)
+    with pytest.raises(BatchpilotError) as refused:
+        run_branch(document, index=0, work_dir=None)
+    assert str(refused.value) == (
+        "trials.from_checkpoint: its checkpoint is at sample 336, not a multiple of every branch's batch (64) "
+        "(fix: branch from a checkpoint at a multiple of every batch in trials.batch_sizes)"
+    )
