@@ -283,6 +283,27 @@ def test_every_retry_window_fits_all_attempts_at_their_full_timeout():
     assert train["backoffMaxDuration"] == f"{3 * 30 * 24 * 3600 + 60 + 120}s"  # 3 x 30 days + backoffs
 
 
+def test_a_local_pipeline_retries_after_seconds_where_a_cluster_waits_a_minute():
+    """On a cluster a retry waits for capacity, a node or a preempted pod (30 s for a resize, 60 s for a
+    launch, doubling); on this machine nothing comes back by waiting, so a local pipeline retries after 2 s."""
+
+    def policies(name: str) -> dict[str, dict]:
+        spec = next(yaml.safe_load_all((REPO / "pipelines" / "compiled" / name).read_text()))
+        return {
+            task_name: task["retryPolicy"]
+            for component in [spec["root"], *spec["components"].values()]
+            for task_name, task in (component.get("dag") or {}).get("tasks", {}).items()
+            if task.get("retryPolicy")
+        }
+
+    local, cluster = policies("demo.yaml"), policies("nemo_gpt3_5b.yaml")
+    assert {policy["backoffDuration"] for policy in local.values()} == {"2s"}
+    assert (cluster["train-stage"]["backoffDuration"], cluster["resize-pool"]["backoffDuration"]) == (
+        "60s",
+        "30s",
+    )
+
+
 def test_gke_task_pods_have_requests_and_are_not_evicted_by_the_autoscaler():
     """Without requests a task pod is BestEffort, the first evicted under node pressure; the annotation
     keeps the cluster autoscaler from removing the node under the train task (issue #20)."""

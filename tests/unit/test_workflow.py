@@ -204,7 +204,7 @@ def test_the_cli_and_the_pipeline_make_the_same_plan(tmp_path):
     assert json.loads(by_pipeline)["micro_batch_size"] == 16
     # The CLI's table and the pipeline's Markdown come from one table model: the same rows.
     markdown = (tmp_path / "plan.md").read_text()
-    table = run_batchpilot("plan", "--config", str(config), "--explore", str(explore)).stdout
+    table = run_batchpilot("plan", "--config", str(config), "--explore", str(explore), cwd=tmp_path).stdout
     cli_rows = [
         [c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")
     ]

@@ -56,7 +56,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        default=str(EMBEDDED_CONFIG),
         help="YAML config file (default: the embedded demo)",
     )
     add_out(
@@ -156,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from batchpilot.workflow import expected_stage_count, pipeline_launch_names
 
     output = check_output_dir(args.out, field="--out")
-    config = local_run_config(load_config(args.config), output=output)
+    config = local_run_config(load_config(args.config or str(EMBEDDED_CONFIG)), output=output)
     check_local_run(config, output, resume=args.resume)
     num_stages = expected_stage_count(config)
     names = list(pipeline_launch_names(config))
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def failure_line(message: str, *, log_path: Path, config: str, output: Path) -> str:
+def failure_line(message: str, *, log_path: Path, config: str | None, output: Path) -> str:
     """The last line of a failed run: which task failed (kfp.local's words, colour codes removed), where the
     full log is, and the command that continues the run."""
     text = " ".join(COLOUR.sub("", message).split())
@@ -193,7 +192,8 @@ def failure_line(message: str, *, log_path: Path, config: str, output: Path) -> 
     where = f"in task {text.split(marker, 1)[1].strip().rstrip('.')}" if marker in text else f"({text})"
     return (
         f"batchpilot: error: the pipeline failed {where}; the exit handler scaled the pool down; "
-        f"the full log is {log_path}; to continue: batchpilot run --config {config} --out {output} --resume"
+        f"the full log is {log_path}; to continue: batchpilot run{f' --config {config}' if config else ''} "
+        f"--out {output} --resume"
     )
 
 

@@ -119,6 +119,9 @@ def _task_pod(task: Any, *, kind: str) -> None:
 
 
 BACKOFF_FACTOR = 2
+LOCAL_BACKOFF_S = 2
+"""A local pipeline's first retry backoff: a cluster's waits (30 s for a resize, 60 s for a launch) give
+capacity, a node or a preempted pod time to come back; on this machine nothing comes back by waiting."""
 """Each retry waits backoff x BACKOFF_FACTOR^k (Argo's retryStrategy.backoff.factor; KFP's default)."""
 
 
@@ -149,6 +152,8 @@ def _settings(
     task.set_display_name(name)
     task.set_caching_options(False)
     if retries:
+        if not cluster:  # nothing local is preempted or waits for capacity: a retry has nothing to wait for
+            backoff_s = LOCAL_BACKOFF_S
         # A local pipeline has no timeouts; its window comes from the limits the cluster would apply
         # (kfp.local reads backoffMaxDuration only as a cap on each backoff).
         window_s = retry_window_s(timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
