@@ -87,20 +87,11 @@ def test_the_branches_run_side_by_side(trials_run):
     ends, and both launch their trainers before either branch's task ends. (Their few training steps take a
     fraction of a second after seconds of process start, so the steps themselves need not overlap.)"""
     output, _ = trials_run
-    lines = [
-        re.sub(r"\x1b\[[0-9;]*m", "", line) for line in (output / "pipeline.log").read_text().splitlines()
-    ]
-    events = [
-        "start"
-        if "Executing task 'trial-branch'" in line
-        else "launch"
-        if "launched tiny-trial-" in line
-        else "end"
-        for line in lines
-        if "Executing task 'trial-branch'" in line
-        or "launched tiny-trial-" in line
-        or "Task 'trial-branch' finished" in line
-    ]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", (output / "pipeline.log").read_text())
+    # Over the whole text, not per line: two threads' log records can share a line.
+    kinds = {"Executing task 'trial-branch'": "start", "launched tiny-trial-": "launch"}
+    pattern = r"Executing task 'trial-branch'|launched tiny-trial-|Task 'trial-branch' finished"
+    events = [kinds.get(match.group(0), "end") for match in re.finditer(pattern, text)]
     # Both starts and both trainer launches come before the first end.
     assert sorted(events[:4]) == ["launch", "launch", "start", "start"] and events[4:] == ["end", "end"], (
         events

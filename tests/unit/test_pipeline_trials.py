@@ -188,3 +188,28 @@ def test_compile_refuses_parallel_branches_the_pool_cannot_hold(tmp_path):
     assert result.returncode == 2
     assert "trials.parallelism: is 3: 3 branches at once need up to 3 node(s)" in result.stderr
     assert not (tmp_path / "pipeline.yaml").exists()
+
+
+def test_the_console_counts_two_task_records_written_onto_one_line(monkeypatch):
+    """Two parallel iterations' threads can write their records onto one line of kfp.local's stream: both
+    ends are shown."""
+    import io
+
+    from rich.console import Console
+
+    from batchpilot.commands import run as run_command
+
+    clock = iter([0.0, 1.0, 10.0, 12.0])
+    monkeypatch.setattr(run_command.time, "monotonic", lambda: next(clock))
+    shown = io.StringIO()
+    console = run_command.TaskConsole(Console(file=shown, width=200), launch_names=[])
+    console("Executing task 'trial-branch'")
+    console("Executing task 'trial-branch'")
+    console(
+        "13:36:05.632 - INFO - Task 'trial-branch' finished with status SUCCESS13:36:05.640 - INFO - Task "
+        "'trial-branch' finished with status SUCCESS"
+    )
+    assert shown.getvalue().splitlines()[2:] == [
+        "  done trial-branch in 10.0 s",
+        "  done trial-branch in 11.0 s",
+    ]

@@ -29,7 +29,7 @@ from batchpilot.logs import PREFIX
 EMBEDDED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 # kfp.local's own lines for a task (colour codes stripped first).
 TASK_START = re.compile(r"Executing task '([\w-]+)'")
-TASK_END = re.compile(r"Task '([\w-]+)' finished with status (\w+)")
+TASK_END = re.compile(r"Task '([\w-]+)' finished with status ([A-Z]+)")
 TASK_RETRY = re.compile(r"Task ([\w-]+) failed \(attempt (\d+)/(\d+)\)\. Retrying in ([\d.]+)s")
 TRAINING_STEP = re.compile(r"^\S+ step \d+ \| ")
 COLOUR = re.compile(r"\x1b\[[0-9;]*m")
@@ -101,14 +101,19 @@ class TaskConsole:
 
     def __call__(self, raw: str) -> None:
         line = COLOUR.sub("", raw).rstrip()
-        if start := TASK_START.search(line):
+        # kfp.local's threads (a parallel-for's iterations) may write two records onto one line: every
+        # start and end on it counts.
+        starts, ends = TASK_START.findall(line), TASK_END.findall(line)
+        for task in starts:
             self.task_lines.clear()
-            self.started.setdefault(start.group(1), []).append(time.monotonic())
-            self.console.print(f"[bold]>[/bold] {self.label(start.group(1))}")
+            self.started.setdefault(task, []).append(time.monotonic())
+            self.console.print(f"[bold]>[/bold] {self.label(task)}")
+        if starts and not ends:
             return
         self.task_lines.append(line)
-        if end := TASK_END.search(line):
-            self._ended(*end.groups())
+        if ends:
+            for task, status in ends:
+                self._ended(task, status)
         elif retry := TASK_RETRY.search(line):
             task, attempt, attempts, delay = retry.groups()
             self._show_task_lines(task)
