@@ -143,27 +143,35 @@ def _tidy_streams() -> Iterator[None]:
 
 
 class ShortLines(io.TextIOBase):
-    """A text stream that passes whole lines on to `stream`, each cut to `MAX_LOG_LINE_CHARS`."""
+    """A text stream that passes whole lines on to `stream`, each cut to `MAX_LOG_LINE_CHARS`.
+
+    Threads share it (kfp.local runs a parallel-for's iterations in threads that log to one stream): the
+    partial line it holds is read and replaced under a lock, so one thread's text never overwrites
+    another's."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._pending = ""
+        self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        *lines, self._pending = (self._pending + text).split("\n")
-        for line in lines:
-            self._stream.write(shorten(line) + "\n")
+        with self._lock:
+            *lines, self._pending = (self._pending + text).split("\n")
+            for line in lines:
+                self._stream.write(shorten(line) + "\n")
         return len(text)
 
     def flush(self) -> None:
-        self._stream.flush()
+        with self._lock:
+            self._stream.flush()
 
     def end(self) -> None:
         """Writes a last line that had no newline, and flushes."""
-        if self._pending:
-            self._stream.write(shorten(self._pending))
-            self._pending = ""
-        self._stream.flush()
+        with self._lock:
+            if self._pending:
+                self._stream.write(shorten(self._pending))
+                self._pending = ""
+            self._stream.flush()
 
     def fileno(self) -> int:
         return self._stream.fileno()
