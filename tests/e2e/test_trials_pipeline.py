@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from batchpilot.planning.trials import TrialsOutcome
 from batchpilot.planning.units import format_loss
 from batchpilot.rundoc import read_run_document
 from batchpilot.train.metrics import read_metrics
-from helpers import tiny_config
+from helpers import run_batchpilot, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +38,7 @@ def trials_run(demo_data_uri, tmp_path_factory) -> tuple[Path, subprocess.Comple
     }  # fmt: skip
     path, output = root / "config.yaml", root / "run"
     path.write_text(yaml.safe_dump(config))
-    command = [
-        sys.executable,
-        "-m",
-        "batchpilot",
-        "run",
-        "--local",
-        "--config",
-        str(path),
-        "--output",
-        str(output),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    result = run_batchpilot("run", "--local", "--config", str(path), "--out", str(output), timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     return output, result
 
