@@ -39,6 +39,7 @@ from batchpilot.planning.trials import (
     derived_run_name,
 )
 from batchpilot.rundoc import RunDocument
+from batchpilot.workflow import planned_trials
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +47,6 @@ TRIALS_PREFIX = "trials"
 """Below the run's checkpoint_uri: the warm-up's and each branch's own checkpoints."""
 LATEST = "latest"  # the checkpoint layout's pointer (train/checkpoint.py), read here without torch
 ERROR_LINE = re.compile(r"batchpilot: error: |^(\w+\.)*\w*(Error|Exception|Interrupt)\b:? ")
-
-
-def trials_of(document: RunDocument) -> TrialsPlan:
-    """The document's trials, or a one-line error when it has none."""
-    if document.trials is None:
-        raise BatchpilotError(
-            "--plan",
-            f"the run document of {document.config.name} plans no batch trials",
-            "set trials.enabled: true (and trials.tokens) in the config and make the plan again",
-        )
-    return document.trials
 
 
 def warmup_uri(config: Config) -> str:
@@ -91,7 +81,7 @@ def warmup_config(document: RunDocument) -> Config:
     under the run's LR rule (reference batch explicit), warmed up within the warm-up, then constant."""
     from batchpilot.planner import lr_schedule
 
-    trials = trials_of(document)
+    trials = planned_trials(document)
     config = document.config
     rule = lr_schedule(config)
     nodes = document.plan.stages[0].num_nodes
@@ -108,7 +98,7 @@ def branch_config(document: RunDocument, branch: TrialBranch, *, start_sample: i
     """Branch `branch`'s config: one stage at its batch to `start_sample + branch_samples`, resumed at
     `start_sample` from its copy of the start checkpoint, at the constant LR `branch.lr`, evaluating at
     every multiple of gcd(start_sample, eval_every_samples) and at its end, on `branch.num_nodes` nodes."""
-    trials = trials_of(document)
+    trials = planned_trials(document)
     config = document.config
     derived = _derived(
         config, name=derived_run_name(config.name, f"-trial-{branch.index}"), batch=branch.global_batch_size,
@@ -193,7 +183,7 @@ def run_warmup(document: RunDocument, *, work_dir: Path | None) -> None:
     Raises:
         BatchpilotError: the document has no trials, or the warm-up failed (nothing can branch from it).
     """
-    trials = trials_of(document)
+    trials = planned_trials(document)
     if trials.from_checkpoint:
         logger.info("trials: no warm-up, the branches start from %s", trials.from_checkpoint)
         return
@@ -220,7 +210,7 @@ def run_branch(document: RunDocument, *, index: int, work_dir: Path | None) -> B
     curve; a branch that fails (e.g. CUDA out of memory, a crashed rank) returns status "failed" with its
     error's last line, never raises for a training failure (it does raise BatchpilotError for a bad document).
     """
-    trials = trials_of(document)
+    trials = planned_trials(document)
     if not 0 <= index < len(trials.branches):
         raise BatchpilotError(
             "--branch", f"{index} is not a branch of these trials (0..{len(trials.branches) - 1})"
@@ -320,7 +310,7 @@ def decide_trials(document: RunDocument, results: Sequence[BranchResult]) -> Run
     the outcome (the configured `auto` target when the trials decide it), recorded in the returned document."""
     from batchpilot.workflow import plan
 
-    trials = trials_of(document)
+    trials = planned_trials(document)
     outcome = TrialsOutcome(
         results=tuple(results),
         decision=decide(results, tolerance=trials.tolerance),

@@ -734,7 +734,9 @@ def planned_trials(document: RunDocument) -> TrialsPlan:
     """The trials the run document plans (`trials.enabled`); a document without them is refused."""
     if document.trials is None:
         raise BatchpilotError(
-            "trials.enabled", "is false in this run document's config", "set trials.enabled: true"
+            "trials.enabled",
+            f"is false in the config of the run document of {document.config.name}: it plans no batch trials",
+            "set trials.enabled: true (and trials.tokens) in the config and make the plan again",
         )
     return document.trials
 
@@ -818,12 +820,18 @@ def branch_metrics(document: RunDocument, result: BranchResult) -> dict[str, flo
     return metrics
 
 
+def recorded_outcome(document: RunDocument) -> TrialsOutcome:
+    """The trials' outcome the run document records, or a one-line error when they have not run."""
+    if document.trials_outcome is None:
+        raise BatchpilotError("trials", "the run document records no trials outcome", "run the trials first")
+    return document.trials_outcome
+
+
 def trials_metrics(document: RunDocument) -> dict[str, float]:
     """The trials' decision for the KFP UI, as the report gives it (`report.trials_summary`)."""
     from batchpilot.report import trials_summary  # the report's figures, one source
 
-    if document.trials_outcome is None:
-        raise BatchpilotError("trials", "the run document records no trials outcome", "run the trials first")
+    recorded_outcome(document)
     return trials_summary(document)
 
 
@@ -833,9 +841,7 @@ TRIALS_FILE = "trials.json"
 
 def keep_trials_record(run_dir: str | Path, document: RunDocument) -> None:
     """Writes the run folder's trials.json (the trials and their outcome) and its plan.json as decided."""
-    if document.trials is None or document.trials_outcome is None:
-        raise BatchpilotError("trials", "the run document records no trials outcome", "run the trials first")
-    record = {"trials": document.trials.to_dict(), "outcome": document.trials_outcome.to_dict()}
+    record = {"trials": planned_trials(document).to_dict(), "outcome": recorded_outcome(document).to_dict()}
     write_atomically(Path(run_dir) / TRIALS_FILE, json.dumps(record, indent=2) + "\n")
     write_atomically(Path(run_dir) / "plan.json", document.to_json())
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from batchpilot.rundoc import read_run_document
 
     document = read_run_document(args.plan)
-    plan = trials.trials_of(document)
+    plan = workflow.planned_trials(document)
     if args.parallel is not None and args.parallel < 1:
         raise BatchpilotError("--parallel", f"is {args.parallel}", "give at least 1")
     out = check_output_dir(args.out, field="--out")
