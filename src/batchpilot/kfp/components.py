@@ -209,10 +209,7 @@ def decide_trials(
     from batchpilot.rundoc import parse_run_document
 
     configure_console()
-    parsed = [json.loads(text) for text in results]
-    branch_results = [
-        BranchResult(**{**r, "curve": tuple((int(s), float(v)) for s, v in r["curve"])}) for r in parsed
-    ]
+    branch_results = [BranchResult.from_dict(json.loads(text)) for text in results]
     document = trials.decide_trials(parse_run_document(plan_json), branch_results)
     workflow.check_pipeline_launches(
         document, expected=[n for n in expected_launches.split(",") if n], num_slots=num_launch_slots or None

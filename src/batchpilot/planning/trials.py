@@ -287,6 +287,11 @@ class BranchResult:
     def final_loss(self) -> float | None:
         return self.curve[-1][1] if self.status == "ok" and self.curve else None
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BranchResult:
+        """The result as `asdict` wrote it, read back from JSON (the curve's pairs come back as lists)."""
+        return cls(**{**data, "curve": tuple((int(s), float(v)) for s, v in data["curve"])})
+
 
 @dataclass(frozen=True)
 class TrialsDecision:
@@ -389,10 +394,7 @@ class TrialsOutcome:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrialsOutcome:
-        results = tuple(
-            BranchResult(**{**r, "curve": tuple((int(s), float(v)) for s, v in r["curve"])})
-            for r in data["results"]
-        )
+        results = tuple(BranchResult.from_dict(r) for r in data["results"])
         return cls(
             results=results,
             decision=TrialsDecision.from_dict(data["decision"]),
