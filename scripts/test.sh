@@ -9,7 +9,7 @@ bash scripts/setup.sh
 echo "== ruff check"; .venv/bin/ruff check .
 echo "== ruff format --check"; .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/pytest "$@"
+echo "== pytest"; .venv/bin/pytest --durations=25 "$@"
 if [ "${BATCHPILOT_XLA_TESTS:-1}" != "0" ]; then
   echo "== XLA runtime: scripts/setup_xla.sh, then pytest tests/xla in .venv-xla (PJRT_DEVICE=CPU)"
   bash scripts/setup_xla.sh
