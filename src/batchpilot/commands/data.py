@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
     )
     inspect.add_argument("uri", help="file://path or gs://bucket/prefix")
     inspect.set_defaults(handler=run_inspect)
+    from batchpilot.commands.data_megatron import register_import  # its own module: Megatron-LM datasets
+
+    register_import(actions)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
