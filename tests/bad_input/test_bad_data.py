@@ -240,3 +240,107 @@ def test_a_missing_key_file_is_named(no_google_credentials: Path, monkeypatch: p
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(no_google_credentials / "absent.json"))
     outcome = run_cli("data", "inspect", "gs://bp-bucket/set")
     outcome.assert_refused("GOOGLE_APPLICATION_CREDENTIALS", "absent.json", "was not found")
+
+
+# --- data import-megatron: Megatron-LM .bin/.idx pairs that cannot be imported ---------------------------
+
+
+def megatron_pair(folder: Path, **fields: object) -> Path:
+    """A valid 3-document pair at folder/src/d (ids < 50), with `fields` breaking one field of it."""
+    from tests.megatron_files import write_megatron
+
+    documents = [[[1, 2, 3], [4, 49]], [[5, 6]], [[7, 8, 9, 10]]]
+    return write_megatron(folder / "src" / "d", documents, **fields)
+
+
+def import_megatron(folder: Path, prefix: Path, *extra: str) -> Outcome:
+    vocabulary = extra or ("--vocab-size", "50", "--eos-token-id", "0")
+    return run_cli(
+        "data", "import-megatron", str(prefix), "--out", f"file://{folder}/out/set", *vocabulary,
+        "--validation-fraction", "0", "--no-progress",
+    )  # fmt: skip
+
+
+def test_a_truncated_megatron_bin_is_named_with_both_sizes(tmp_path: Path) -> None:
+    prefix = megatron_pair(tmp_path)
+    data = (tmp_path / "src" / "d.bin").read_bytes()
+    (tmp_path / "src" / "d.bin").write_bytes(data[:-4])
+    with no_debris(tmp_path):
+        outcome = import_megatron(tmp_path, prefix)
+    outcome.assert_refused("d.bin", "d.idx", "idx says 22 bytes of tokens, bin holds 18")
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragments"),
+    [
+        ({"pointer_shift": 2}, ["d.idx", "points sequence 1 at byte 8", "put it at 6"]),
+        ({"magic": b"NOTANIDX\x00"}, ["d.idx", "is not a Megatron-LM index", "preprocess_data.py"]),
+        ({"version": 2}, ["d.idx", "index version 2", "reads version 1"]),
+        ({"code": 7}, ["d.idx", "float dtype float32", "must be integers"]),
+        ({"code": 9}, ["d.idx", "unknown dtype code (9)"]),
+    ],
+    ids=["wrong-pointers", "bad-magic", "version", "float-dtype", "unknown-dtype"],
+)
+def test_a_broken_megatron_index_is_refused(tmp_path: Path, fields: dict, fragments: list[str]) -> None:
+    prefix = megatron_pair(tmp_path, **fields)
+    with no_debris(tmp_path):
+        outcome = import_megatron(tmp_path, prefix)
+    outcome.assert_refused(*fragments)
+
+
+def test_a_multimodal_megatron_index_is_refused(tmp_path: Path) -> None:
+    prefix = megatron_pair(tmp_path)
+    with (tmp_path / "src" / "d.idx").open("ab") as idx:
+        idx.write(bytes(4))  # one int8 mode per sequence
+    with no_debris(tmp_path):
+        outcome = import_megatron(tmp_path, prefix)
+    outcome.assert_refused("d.idx", "sequence modes", "multimodal")
+
+
+def test_a_missing_megatron_bin_is_named(tmp_path: Path) -> None:
+    prefix = megatron_pair(tmp_path)
+    (tmp_path / "src" / "d.bin").unlink()
+    with no_debris(tmp_path):
+        outcome = import_megatron(tmp_path, prefix)
+    outcome.assert_refused("d.bin", "does not exist", "d.bin + d.idx")
+
+
+def test_a_token_id_outside_the_vocabulary_names_its_document_and_leaves_nothing(tmp_path: Path) -> None:
+    prefix = megatron_pair(tmp_path)
+    with no_debris(tmp_path):
+        outcome = import_megatron(tmp_path, prefix, "--vocab-size", "9", "--eos-token-id", "0")
+    outcome.assert_refused("d.bin", "document 0 holds token id 49", "--vocab-size 9")
+
+
+def test_a_token_id_found_after_shards_were_written_removes_them(tmp_path: Path) -> None:
+    from tests.megatron_files import write_megatron
+
+    documents = [[list(range(1, 40))] for _ in range(5)] + [[[1, 2, 60]]]
+    prefix = write_megatron(tmp_path / "src" / "d", documents)
+    with no_debris(tmp_path):
+        outcome = run_cli(
+            "data", "import-megatron", str(prefix), "--out", f"file://{tmp_path}/out/set",
+            "--vocab-size", "50", "--eos-token-id", "0", "--shard-size-tokens", "16", "--no-progress",
+        )  # fmt: skip
+    outcome.assert_refused("document 5 holds token id 60")
+
+
+@pytest.mark.parametrize(
+    ("vocabulary", "fragments"),
+    [
+        ((), ["--vocab-size", "is needed", "--tokenizer tokenizer.json"]),
+        (("--vocab-size", "50"), ["--eos-token-id", "is needed"]),
+        (("--tokenizer", "t.json", "--vocab-size", "50"), ["--vocab-size", "conflicts with --tokenizer"]),
+    ],
+    ids=["none", "no-eos", "both"],
+)
+def test_a_megatron_import_needs_one_vocabulary(
+    tmp_path: Path, vocabulary: tuple, fragments: list[str]
+) -> None:
+    prefix = megatron_pair(tmp_path)
+    with no_debris(tmp_path):
+        outcome = run_cli(
+            "data", "import-megatron", str(prefix), "--out", f"file://{tmp_path}/out", *vocabulary,
+            "--no-progress",
+        )  # fmt: skip
+    outcome.assert_refused(*fragments)
