@@ -344,3 +344,10 @@ def test_a_megatron_import_needs_one_vocabulary(
             "--no-progress",
         )  # fmt: skip
     outcome.assert_refused(*fragments)
+
+
+def test_a_megatron_eos_id_outside_the_vocabulary_is_refused(tmp_path: Path) -> None:
+    prefix = megatron_pair(tmp_path)
+    with no_debris(tmp_path):
+        outcome = import_megatron(tmp_path, prefix, "--vocab-size", "50", "--eos-token-id", "50")
+    outcome.assert_refused("--eos-token-id", "50 is not below --vocab-size 50")
