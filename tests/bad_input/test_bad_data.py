@@ -351,3 +351,81 @@ def test_a_megatron_eos_id_outside_the_vocabulary_is_refused(tmp_path: Path) -> 
     with no_debris(tmp_path):
         outcome = import_megatron(tmp_path, prefix, "--vocab-size", "50", "--eos-token-id", "50")
     outcome.assert_refused("--eos-token-id", "50 is not below --vocab-size 50")
+
+
+def _corrupt_corpus(folder: Path, kind: str) -> Path:
+    """One input file of `kind`'s mistake (JSON Lines, Parquet or zstd) in `folder`; returns its path."""
+    good = [json.dumps({"text": f"document {i}", "id": i}) for i in range(4)]
+    if kind == "missing-field":
+        path, lines = folder / "c.jsonl", [*good[:1], json.dumps({"body": "x", "id": 1}), *good[2:]]
+    elif kind == "not-a-string":
+        path, lines = folder / "c.jsonl", [*good[:2], json.dumps({"text": 7}), *good[3:]]
+    elif kind == "invalid-json":
+        path, lines = folder / "c.jsonl", [*good[:2], '{"text": "unterminated', *good[3:]]
+    elif kind == "empty":
+        path, lines = folder / "c.jsonl", [json.dumps({"text": ""}), "", json.dumps({"text": ""})]
+    elif kind == "truncated-zst":
+        import zstandard
+
+        path = folder / "c.jsonl.zst"
+        data = zstandard.ZstdCompressor().compress(("\n".join(good * 500) + "\n").encode())
+        path.write_bytes(data[: len(data) // 2])
+        return path
+    else:
+        assert kind == "corrupt-parquet"
+        path = folder / "c.parquet"
+        path.write_bytes(b"PAR1" + bytes(range(256)) * 8 + b"PAR1")
+        return path
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragments"),
+    [
+        ("missing-field", ["c.jsonl:2", "no field 'text'", "fields: 'body', 'id'", "--text-field"]),
+        ("not-a-string", ["c.jsonl:3", "field 'text' is a JSON int, not a string", "--text-field"]),
+        ("invalid-json", ["c.jsonl:3", "is not valid JSON"]),
+        ("empty", ["INPUT", "holds no documents", "--text-field"]),
+        ("truncated-zst", ["c.jsonl.zst", "truncated"]),
+        ("corrupt-parquet", ["c.parquet", "is not a readable Parquet file"]),
+    ],
+)
+def test_a_corpus_that_cannot_be_read_is_one_line_and_leaves_nothing(
+    tmp_path: Path, kind: str, fragments: list[str]
+) -> None:
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("zstandard")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    path = _corrupt_corpus(corpus, kind)
+    with no_debris(tmp_path):
+        outcome = run_cli(
+            "data", "prepare", str(path), "--out", f"file://{tmp_path}/out/set", "--workers", "2",
+            "--no-progress",
+        )  # fmt: skip
+    outcome.assert_refused(*fragments)
+
+
+def test_a_parquet_column_that_is_missing_or_not_text_is_named(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    parquet.write_table(pa.table({"body": ["a b", "c d"], "id": [1, 2]}), tmp_path / "c.parquet")
+    with no_debris(tmp_path):
+        missing = run_cli("data", "prepare", str(tmp_path / "c.parquet"), "--out", f"file://{tmp_path}/out")
+        not_text = run_cli(
+            "data", "prepare", str(tmp_path / "c.parquet"), "--out", f"file://{tmp_path}/out", "--text-field", "id"
+        )  # fmt: skip
+    missing.assert_refused("c.parquet", "no column 'text'", "columns: 'body', 'id'", "--text-field")
+    not_text.assert_refused("c.parquet", "column 'id' holds int64, not strings")
+
+
+def test_all_documents_held_out_is_refused_after_tokenizing_and_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "the only document"}) + "\n")
+    with no_debris(tmp_path):
+        outcome = run_cli(
+            "data", "prepare", str(tmp_path / "one.jsonl"), "--out", f"file://{tmp_path}/out/set"
+        )
+    outcome.assert_refused(
+        "1 non-empty document(s) all go to the validation split", "--validation-fraction 0"
+    )

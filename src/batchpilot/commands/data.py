@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from batchpilot.commands.options import add_out
-from batchpilot.data.prepare import collect_inputs, demo_inputs, prepare
+from batchpilot.data.corpora import FORMATS, collect_sources, text_sources
+from batchpilot.data.prepare import PrepareStats, demo_inputs, prepare
 from batchpilot.data.shards import Manifest, read_manifest
 from batchpilot.data.storage import open_storage
-from batchpilot.data.tokenizers import load_tokenizer
+from batchpilot.data.tokenizers import load_tokenizer, usable_cores
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.units import parse_count
 
@@ -27,12 +27,17 @@ def register(subparsers: Any) -> None:
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     prep = actions.add_parser(
         "prepare",
-        help="tokenize text files into shards + manifest.json",
-        description="Tokenizes text files (each file is one document) into shards at --out, writing "
-        "manifest.json last. The default tokenizer is byte-level (vocabulary 257).",
+        help="tokenize a corpus into shards + manifest.json",
+        description="Tokenizes a corpus into shards at --out on every core, writing manifest.json last: "
+        "text files (each file is one document), JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst), Parquet, "
+        "or a `datasets` save_to_disk folder, local or gs://. The default tokenizer is byte-level "
+        "(vocabulary 257).",
     )
     prep.add_argument(
-        "inputs", nargs="*", metavar="INPUT", help="text files or folders (searched with --glob)"
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="files, folders (searched recursively) or gs://bucket/prefix; format by suffix",
     )
     add_out(
         prep, required=True, metavar="URI", help="the shard set to write: file://path or gs://bucket/prefix"
@@ -40,7 +45,24 @@ def register(subparsers: Any) -> None:
     prep.add_argument(
         "--demo", action="store_true", help="use the Python standard library's .py files as input"
     )
-    prep.add_argument("--glob", default="*.txt", help="file pattern inside INPUT folders (default: *.txt)")
+    prep.add_argument("--glob", default="*.txt", help="text files inside INPUT folders (default: *.txt)")
+    prep.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="input format (default: auto, by suffix: .jsonl[.gz|.zst], .parquet, a folder with "
+        "state.json; other named files are text)",
+    )
+    prep.add_argument(
+        "--text-field",
+        default="text",
+        help="the JSON field or column holding the text (default: text)",
+    )
+    prep.add_argument(
+        "--workers",
+        type=int,
+        help="tokenizer processes (default: every usable core; the shards are the same for any count)",
+    )
     prep.add_argument("--shard-size-tokens", default="16M", help="tokens per shard, e.g. 1M (default: 16M)")
     prep.add_argument(
         "--validation-fraction", type=float, default=0.01, help="share of documents held out for validation"
@@ -65,20 +87,31 @@ def register(subparsers: Any) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     if args.demo == bool(args.inputs):
         raise BatchpilotError("INPUT", "give input files or folders, or --demo (not both)")
-    files = demo_inputs() if args.demo else collect_inputs(args.inputs, glob=args.glob)
+    sources = (
+        text_sources(demo_inputs())
+        if args.demo
+        else collect_sources(args.inputs, glob=args.glob, fmt=args.format)
+    )
     tokenizer = load_tokenizer(args.tokenizer, eos_token=args.eos_token)
-    started = time.perf_counter()
+    stats: list[PrepareStats] = []
     manifest = prepare(
-        inputs=files,
+        inputs=sources,
         out_uri=args.out,
         tokenizer=tokenizer,
         shard_size_tokens=parse_count(args.shard_size_tokens, field="--shard-size-tokens"),
         validation_fraction=args.validation_fraction,
+        text_field=args.text_field,
+        workers=usable_cores() if args.workers is None else args.workers,
         force=args.force,
         show_progress=not args.no_progress,
+        stats=stats,
     )
     console = Console()
-    console.print(f"prepared {len(files)} file(s) in {time.perf_counter() - started:.1f} s")
+    (done,) = stats
+    console.print(
+        f"prepared {done.num_documents:,} document(s) from {len(sources)} input object(s) in "
+        f"{done.seconds:.1f} s ({done.num_tokens / max(done.seconds, 1e-9):,.0f} tokens/s)"
+    )
     print_manifest(manifest, uri=args.out, console=console)
     return 0
 

@@ -1,9 +1,11 @@
-"""Text files -> token shards + manifest at a `file://` or `gs://` URI.
+"""Corpora -> token shards + manifest at a `file://` or `gs://` URI.
 
-Documents are whole input files, taken in sorted path order so the same inputs give the same shards. A
-deterministic, evenly spread `validation_fraction` of the documents goes to the validation split.
-Shards are written first and the manifest last, so a reader never sees a manifest naming a shard that is
-not fully written.
+Documents come from `batchpilot.data.corpora` (text files, JSON Lines, Parquet, `datasets` folders) in a
+fixed order, so the same inputs give the same shards; they are tokenized in batches on `workers`
+processes and written back in that order. A deterministic, evenly spread `validation_fraction` of the
+documents goes to the validation split. Shards are written first, then the tokenizer file (for a
+tokenizer.json) and the manifest last, so a reader never sees a manifest naming an object that is not
+fully written.
 """
 
 from __future__ import annotations
@@ -11,21 +13,16 @@ from __future__ import annotations
 import contextlib
 import math
 import sysconfig
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from batchpilot.data.corpora import ByteCounter, Document, Source, read_documents, text_sources
 from batchpilot.data.shards import (
     MANIFEST_NAME,
     SPLITS,
@@ -42,11 +39,12 @@ from batchpilot.data.storage import (
     Storage,
     open_storage,
 )
-from batchpilot.data.tokenizers import Tokenizer
+from batchpilot.data.tokenizers import TOKENIZER_OBJECT, DocumentBatch, Tokenizer, encode_in_order
 from batchpilot.errors import BatchpilotError
 
-# Documents are tokenized in batches of about this many bytes (bounds memory, amortises tokenizer calls).
-_BATCH_BYTES = 4 * 2**20
+# Documents are tokenized in batches of about this many bytes (characters for decoded text): bounds memory
+# (2 x workers batches are in flight), amortises tokenizer calls and inter-process messages.
+_BATCH_BYTES = 2**20
 # Folders of the standard library left out of the demo corpus: tests hold deliberately broken files.
 _DEMO_EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__"})
 
@@ -111,7 +109,7 @@ class _SplitWriter:
         self.shards: list[ShardEntry] = []
 
     def add(self, tokens: np.ndarray) -> None:
-        self.pending.append(tokens.astype(self.dtype))
+        self.pending.append(np.asarray(tokens, dtype=self.dtype))  # no copy when the dtype is already right
         self.num_pending_tokens += tokens.size
         while self.num_pending_tokens >= self.shard_size_tokens:
             self._flush(self.shard_size_tokens)
@@ -133,22 +131,30 @@ class _SplitWriter:
         )
 
 
-def _document_batches(files: Sequence[Path]) -> Iterator[list[tuple[Path, bytes]]]:
-    batch: list[tuple[Path, bytes]] = []
+def _document_batches(documents: Iterator[Document], *, batch_bytes: int) -> Iterator[DocumentBatch]:
+    """Consecutive documents in batches of about `batch_bytes` (the last may be smaller)."""
+    texts: list[str | bytes] = []
+    names: list[str] = []
     size = 0
-    for path in files:
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            raise BatchpilotError(str(path), f"cannot be read: {error.strerror}") from None
-        if data:  # an empty file would add a lone end-of-document token
-            batch.append((path, data))
-            size += len(data)
-        if size >= _BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+    for text, name in documents:
+        texts.append(text)
+        names.append(name)
+        size += len(text)
+        if size >= batch_bytes:
+            yield texts, names
+            texts, names, size = [], [], 0
+    if texts:
+        yield texts, names
+
+
+def validation_mask(first_index: int, num_documents: int, validation_fraction: float) -> np.ndarray:
+    """`is_validation` of documents `first_index ...` at once (integer arithmetic on the exact fraction)."""
+    fraction = Fraction(str(validation_fraction))
+    index = np.arange(first_index, first_index + num_documents, dtype=np.int64)
+    # ceil(i x p / q) = -((-i x p) // q)
+    before = -((-index * fraction.numerator) // fraction.denominator)
+    after = -((-(index + 1) * fraction.numerator) // fraction.denominator)
+    return np.asarray(after > before)
 
 
 def _claim_destination(storage: Storage, *, force: bool) -> list[str]:
@@ -165,15 +171,29 @@ def _claim_destination(storage: Storage, *, force: bool) -> list[str]:
     return existing
 
 
+@dataclass(frozen=True)
+class PrepareStats:
+    """What a prepare read and wrote, for the closing line."""
+
+    num_documents: int
+    num_tokens: int
+    input_bytes: int
+    seconds: float
+
+
 def prepare(
     *,
-    inputs: Sequence[Path],
+    inputs: Sequence[Path | Source],
     out_uri: str,
     tokenizer: Tokenizer,
     shard_size_tokens: int,
     validation_fraction: float,
+    text_field: str = "text",
+    workers: int = 1,
+    batch_bytes: int | None = None,
     force: bool = False,
     show_progress: bool = True,
+    stats: list[PrepareStats] | None = None,
 ) -> Manifest:
     """Tokenizes `inputs` into shards at `out_uri` and writes the manifest last.
 
@@ -182,13 +202,18 @@ def prepare(
     that stopped being a shard set when its manifest was deleted, before the first shard was written.
 
     Args:
-        inputs: text files; each is one document.
+        inputs: `Source`s from `batchpilot.data.corpora.collect_sources`, or text files (one document
+            each).
         out_uri: `file://path` or `gs://bucket/prefix`; must be empty unless `force`.
         tokenizer: see `batchpilot.data.tokenizers.load_tokenizer`.
         shard_size_tokens: tokens per shard (the last shard of a split may hold fewer).
         validation_fraction: share of documents for the validation split, in [0, 0.5].
+        text_field: the JSON field or column holding the text (JSON Lines, Parquet, datasets).
+        workers: tokenizer processes; 1 tokenizes in this process. The output is the same for any count.
+        batch_bytes: documents per tokenizer call, in bytes of text (default `_BATCH_BYTES`).
         force: replace whatever is at `out_uri`.
-        show_progress: draw a progress bar over the input bytes.
+        show_progress: draw a progress bar (input bytes, documents, tokens, tokens/s).
+        stats: if given, a `PrepareStats` is appended to it.
 
     Returns:
         The manifest written.
@@ -199,7 +224,10 @@ def prepare(
         raise BatchpilotError(
             "--validation-fraction", f"must be between 0 and 0.5, got {validation_fraction}"
         )
-    _check_documents(inputs, validation_fraction=validation_fraction)
+    if workers < 1:
+        raise BatchpilotError("--workers", f"must be at least 1, got {workers}")
+    sources = [item for item in inputs if isinstance(item, Source)]
+    sources += text_sources([item for item in inputs if not isinstance(item, Source)])
     storage = open_storage(out_uri)
     created = _missing_folders(storage)
     existing = _claim_destination(storage, force=force)
@@ -212,54 +240,106 @@ def prepare(
         )
         for split in SPLITS
     }  # fmt: skip
+    started = time.perf_counter()
+    counter = ByteCounter()
     try:
-        manifest = _write_shard_set(
-            inputs, storage=storage, writers=writers, written=written, tokenizer=tokenizer, dtype=dtype,
-            validation_fraction=validation_fraction, force=force, show_progress=show_progress,
+        num_documents = _write_shards(
+            _document_batches(
+                read_documents(sources, text_field=text_field, counter=counter),
+                batch_bytes=batch_bytes or _BATCH_BYTES,
+            ),
+            writers=writers, tokenizer=tokenizer, dtype=dtype, workers=workers,
+            validation_fraction=validation_fraction, counter=counter,
+            total_bytes=sum(source.size_bytes for source in sources), show_progress=show_progress,
+        )  # fmt: skip
+        manifest = _finish_shard_set(
+            storage=storage, writers=writers, written=written, tokenizer=tokenizer, dtype=dtype,
+            num_documents=num_documents, validation_fraction=validation_fraction, force=force,
         )  # fmt: skip
     except BaseException:
         _remove_partial(storage, written=[*written, *existing], created=created)
         raise
     for name in sorted(set(existing) - set(written)):  # leftovers of the replaced shard set
         storage.delete(name)
+    if stats is not None:
+        stats.append(PrepareStats(num_documents=num_documents, num_tokens=sum(manifest.num_tokens(s) for s in manifest.splits),
+                                  input_bytes=counter.num_bytes, seconds=time.perf_counter() - started))  # fmt: skip
     return manifest
 
 
-def _write_shard_set(
-    inputs: Sequence[Path],
+def _write_shards(
+    batches: Iterator[DocumentBatch],
+    *,
+    writers: dict[str, _SplitWriter],
+    tokenizer: Tokenizer,
+    dtype: str,
+    workers: int,
+    validation_fraction: float,
+    counter: ByteCounter,
+    total_bytes: int,
+    show_progress: bool,
+) -> int:
+    """Tokenizes `batches` and adds each document to its split's writer, in order; returns the number of
+    documents (empty ones were skipped by the readers)."""
+    columns = (
+        TextColumn("prepare"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[documents]:,} docs  {task.fields[tokens]:,} tokens  {task.fields[rate]}"),
+        TimeRemainingColumn(),
+    )
+    num_documents = num_validation = num_tokens = 0
+    started = time.perf_counter()
+    with (
+        Progress(*columns, disable=not show_progress) as progress,
+        contextlib.closing(encode_in_order(batches, tokenizer=tokenizer, dtype=dtype, workers=workers)) as encoded,
+    ):  # fmt: skip
+        task = progress.add_task("prepare", total=total_bytes, documents=0, tokens=0, rate="")
+        for tokens, lengths in encoded:
+            validation = validation_mask(num_documents, lengths.size, validation_fraction)
+            _add_runs(tokens, lengths, validation, writers=writers)
+            num_documents += lengths.size
+            num_validation += int(validation.sum())
+            num_tokens += tokens.size
+            rate = num_tokens / max(time.perf_counter() - started, 1e-9)
+            progress.update(task, completed=min(counter.num_bytes, total_bytes), documents=num_documents,
+                            tokens=num_tokens, rate=f"{rate:,.0f} tokens/s")  # fmt: skip
+    _check_documents(num_documents, num_validation=num_validation, validation_fraction=validation_fraction)
+    return num_documents
+
+
+def _add_runs(
+    tokens: np.ndarray, lengths: np.ndarray, validation: np.ndarray, *, writers: dict[str, _SplitWriter]
+) -> None:
+    """Adds each run of consecutive documents of one split as one slice of `tokens`."""
+    ends = np.cumsum(lengths)
+    changes = np.flatnonzero(validation[1:] != validation[:-1]) + 1
+    run_starts = [0, *changes.tolist()]
+    run_ends = [*changes.tolist(), lengths.size]
+    for first, stop in zip(run_starts, run_ends, strict=True):
+        begin = int(ends[first - 1]) if first else 0
+        split = "validation" if validation[first] else "train"
+        writers[split].add(tokens[begin : int(ends[stop - 1])])
+
+
+def _finish_shard_set(
     *,
     storage: Storage,
     writers: dict[str, _SplitWriter],
     written: list[str],
     tokenizer: Tokenizer,
     dtype: str,
+    num_documents: int,
     validation_fraction: float,
     force: bool,
-    show_progress: bool,
 ) -> Manifest:
-    """Every split's shards, then the manifest; notes each object in `written` before writing it."""
-    total_bytes = sum(path.stat().st_size for path in inputs)
-    columns = (
-        TextColumn("prepare"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    document_index = 0
-    with Progress(*columns, disable=not show_progress) as progress:
-        task = progress.add_task("prepare", total=total_bytes)
-        for batch in _document_batches(inputs):
-            encoded = tokenizer.encode_documents(
-                [data for _, data in batch], names=[str(p) for p, _ in batch]
-            )
-            for tokens in encoded:
-                split = "validation" if is_validation(document_index, validation_fraction) else "train"
-                writers[split].add(tokens)
-                document_index += 1
-            progress.advance(task, sum(len(data) for _, data in batch))
+    """The last shards, the tokenizer file, then the manifest; notes each object in `written` first."""
     splits = {split: writer.finish() for split, writer in writers.items()}
-    _check_splits(splits, validation_fraction=validation_fraction, num_documents=document_index)
+    _check_splits(splits, validation_fraction=validation_fraction, num_documents=num_documents)
+    precondition = None if force else 0
+    tokenizer_file = tokenizer.file_bytes()
+    if tokenizer_file is not None:  # exported models (batchpilot export --format hf) copy it from here
+        write_noted(storage, TOKENIZER_OBJECT, tokenizer_file, precondition=precondition, noted=written)
     manifest = Manifest(
         dtype=dtype,
         vocab_size=tokenizer.vocab_size,
@@ -268,14 +348,19 @@ def _write_shard_set(
         splits={split: shards for split, shards in splits.items() if shards},
     )
     manifest_bytes = manifest.to_json().encode()
-    write_noted(storage, MANIFEST_NAME, manifest_bytes, precondition=None if force else 0, noted=written)
+    write_noted(storage, MANIFEST_NAME, manifest_bytes, precondition=precondition, noted=written)
     return manifest
 
 
-def _check_documents(inputs: Sequence[Path], *, validation_fraction: float) -> None:
-    """Refuses, before anything is written, inputs whose every document would go to validation."""
-    num_documents = sum(1 for path in inputs if path.stat().st_size > 0)  # empty files are skipped
-    if num_documents and all(is_validation(i, validation_fraction) for i in range(num_documents)):
+def _check_documents(num_documents: int, *, num_validation: int, validation_fraction: float) -> None:
+    """Refuses an empty corpus, and one whose every document went to validation (checked once tokenized:
+    a streamed corpus has no document count up front; the failure removes what was written)."""
+    if not num_documents:
+        raise BatchpilotError(
+            "INPUT", "holds no documents (every file, line or row read was empty)",
+            "check the inputs, and --text-field for JSON Lines, Parquet and datasets",
+        )  # fmt: skip
+    if num_validation == num_documents:
         raise BatchpilotError(
             "INPUT",
             f"{num_documents} non-empty document(s) all go to the validation split "
