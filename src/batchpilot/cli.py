@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "batchpilot.commands.config",
     "batchpilot.commands.train",
     "batchpilot.commands.trials",
+    "batchpilot.commands.export",
     "batchpilot.commands.canary",
     "batchpilot.commands.run",
     "batchpilot.commands.compile",

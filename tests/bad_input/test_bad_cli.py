@@ -193,3 +193,98 @@ def test_a_run_refused_before_any_task_leaves_no_folder(tmp_path, local_config, 
     out = tmp_path / "run"
     run_cli("run", "--config", local_config, "--out", str(out)).assert_refused("train.lr: is wrong")
     assert not out.exists()  # the same command works again once the config is fixed
+
+
+# --- export --format hf: a checkpoint that is not there, an --out in use, a model with no counterpart -------
+
+LLAMA = (
+    "batchpilot.models.llama:build",
+    {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "n_embd": 32, "max_seq_len": 32},
+)
+GPT = ("batchpilot.models.gpt:build", {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32})
+
+
+def export_run(root: Path, *, model: tuple[str, dict] = LLAMA, steps: tuple[int, ...] = ()) -> str:
+    """plan.json of a tiny model under `root` (a manifest without shards for data) and sharded checkpoints of
+    `steps`; returns the plan's path."""
+    from helpers import tiny_config, write_manifest
+
+    factory, args = model
+    config = tiny_config(data_uri=write_manifest(root / "data"), checkpoint_uri=f"file://{root}/ckpt")
+    config["model"] = {"factory": factory, "args": {**args, "vocab_size": 257}}
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    plan = root / "plan.json"
+    assert run_cli("plan", "--config", str(root / "config.yaml"), "--out", str(plan)).code == 0
+    save_checkpoints(f"file://{root}/ckpt", model=model, steps=steps)
+    return str(plan)
+
+
+def save_checkpoints(uri: str, *, model: tuple[str, dict], steps: tuple[int, ...]) -> None:
+    """Sharded checkpoints of a freshly built model, as the trainer's checkpointer writes them."""
+    import torch
+
+    from batchpilot.models.factory import build_model
+    from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+    from batchpilot.train.state import training_state
+
+    factory, args = model
+    for step in steps:
+        built = build_model(factory=factory, args={**args, "vocab_size": 257})
+        state = training_state(built, torch.optim.AdamW(built.parameters()))
+        Checkpointer(uri=uri).save_sharded(
+            step=step, consumed_samples=step * 16, state=state, rng=capture_rng_state()
+        )
+
+
+def export_cli(plan: str, out: Path, *args: str):
+    return run_cli("export", "--plan", plan, "--format", "hf", "--out", str(out), *args)
+
+
+def test_export_of_a_step_with_no_checkpoint_lists_the_steps(tmp_path):
+    plan = export_run(tmp_path / "run", steps=(4, 8))
+    with no_debris(tmp_path):
+        outcome = export_cli(plan, tmp_path / "hf", "--step", "5")
+    outcome.assert_refused("--step", "no checkpoint of step 5", "steps there: 4, 8")
+
+
+def test_export_before_any_checkpoint(tmp_path):
+    plan = export_run(tmp_path / "run")
+    with no_debris(tmp_path):
+        outcome = export_cli(plan, tmp_path / "hf")
+    outcome.assert_refused("train.checkpoint_uri", "holds no checkpoint yet", "batchpilot launch")
+
+
+def test_export_into_a_folder_in_use_without_force(tmp_path):
+    plan = export_run(tmp_path / "run", steps=(4,))
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with no_debris(tmp_path):
+        outcome = export_cli(plan, out)
+    outcome.assert_refused("--out", "is not empty", "--force")
+
+
+def test_export_of_a_model_with_no_hugging_face_counterpart(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text("from batchpilot.models.gpt import build\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = export_run(tmp_path / "run", model=("my_models:build", GPT[1]), steps=(4,))
+    with no_debris(tmp_path):
+        outcome = export_cli(plan, tmp_path / "hf")
+    outcome.assert_refused("model.factory", "my_models:build has no Hugging Face counterpart")
+
+
+def test_export_without_safetensors_names_the_extra(tmp_path, monkeypatch):
+    plan = export_run(tmp_path / "run", steps=(4,))
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an import finds when the package is absent
+    with no_debris(tmp_path):
+        outcome = export_cli(plan, tmp_path / "hf")
+    outcome.assert_refused("safetensors", "is not installed", "pip install 'batchpilot[hf]'")
+
+
+def test_export_of_a_checkpoint_of_another_model(tmp_path):
+    plan = export_run(tmp_path / "run", model=GPT)
+    save_checkpoints(f"file://{tmp_path}/run/ckpt", model=LLAMA, steps=(4,))  # a Llama's, where the GPT's go
+    with no_debris(tmp_path):
+        outcome = export_cli(plan, tmp_path / "hf")
+    outcome.assert_refused("was written by a different model", "wte.weight")
