@@ -28,10 +28,14 @@
 # (torch 2.9.0's default wheel is the CUDA build, several GB of unused libraries on a TPU VM: add
 # PIP_EXTRA_INDEX_URL=<the PyTorch CPU wheel index> and TORCH_REQUIREMENT="torch==2.9.0+cpu ..." to
 # avoid them.) The trainers then run train.runtime xla, one process per TPU host (docs/cluster.md).
-# The extras are everything a pipeline step or trainer imports: train (torch, numpy), data, gcs, report
-# (matplotlib: explore and the report draw charts), pipeline (kfp) and cluster (torchx, GKE, Kubernetes).
-# tests/integration/test_image_extras.py installs exactly these extras into a fresh venv and imports
-# every batchpilot module.
+#   EXTRAS              the package's extras to install (default train,data,gcs,report,pipeline,cluster:
+#                       everything a pipeline step or trainer imports: train (torch, numpy), data, gcs,
+#                       report (matplotlib: explore and the report draw charts), pipeline (kfp) and cluster
+#                       (torchx, GKE, Kubernetes)). Add hf (transformers, safetensors) for trainers that
+#                       start from a Hugging Face checkpoint (train.init_from), e.g.
+#                       --build-arg EXTRAS=train,data,gcs,report,pipeline,cluster,hf
+# tests/integration/test_image_extras.py installs exactly the default extras into a fresh venv and imports
+# every batchpilot module (models/hf.py's transformers and safetensors aside: the hf extra's).
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -46,6 +50,7 @@ ARG VERSION
 ARG TORCH_REQUIREMENT=torch==2.13.0
 ARG PIP_EXTRA_INDEX_URL=""
 ARG TORCH_FLAVOR=cpu
+ARG EXTRAS=train,data,gcs,report,pipeline,cluster
 # GKE's NVIDIA device plugin mounts the node's driver libraries into every GPU container at
 # /usr/local/nvidia (libraries in lib64 and lib, nvidia-smi in bin); CUDA finds them only through
 # LD_LIBRARY_PATH, as in NVIDIA's CUDA base images. Without it a CUDA torch sees no GPU, and a trainer
@@ -66,7 +71,7 @@ COPY --from=wheel /wheels /tmp/wheels
 # torch first: a bare `torch` requirement could pull a different build than the one asked for.
 RUN pip install ${TORCH_REQUIREMENT} \
     && wheel="$(ls /tmp/wheels/batchpilot-*.whl)" \
-    && pip install -c /tmp/constraints.txt "${wheel}[train,data,gcs,report,pipeline,cluster]" \
+    && pip install -c /tmp/constraints.txt "${wheel}[${EXTRAS}]" \
     && rm -rf /tmp/wheels /tmp/constraints.txt
 RUN case "${TORCH_FLAVOR}" in \
       cpu) ;; \

@@ -22,12 +22,16 @@ from helpers import REPO
 
 PACKAGE = REPO / "src" / "batchpilot"
 COMPONENTS = PACKAGE / "kfp" / "components.py"
+HF_EXTRA = {"transformers", "safetensors"}
 TORCH = "torch==2.13.0"  # the CPU build, from a local file here; the image's default TORCH_REQUIREMENT
 
 
 def dockerfile_extras() -> str:
-    """The extras of the image's `pip install ... "${wheel}[...]"` line."""
-    (extras,) = re.findall(r"\[([a-z,]+)\]\"", (REPO / "Dockerfile").read_text())
+    """The image's default extras: the `ARG EXTRAS=...` that its `pip install ... "${wheel}[${EXTRAS}]"` line
+    installs."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert '"${wheel}[${EXTRAS}]"' in dockerfile
+    (extras,) = re.findall(r"^ARG EXTRAS=([a-z,]+)$", dockerfile, flags=re.MULTILINE)
     return extras
 
 
@@ -132,7 +136,11 @@ def test_a_venv_with_the_image_extras_imports_everything_batchpilot_imports(tmp_
     # runtime's functions; tests/xla/test_xla_imports.py imports these in .venv-xla.
     xla = {origin for module, _, origin in found if module.split(".")[0] == "torch_xla"}
     assert xla and all(Path(origin).name.startswith("xla") for origin in xla), xla
-    wanted = sorted(item for item in found if item[0].split(".")[0] != "torch_xla")
+    # transformers and safetensors are the `hf` extra's (train.init_from, export), which the default image
+    # leaves out (the Dockerfile's EXTRAS adds it): only models/hf.py may import them.
+    hf = {origin for module, _, origin in found if module.split(".")[0] in HF_EXTRA}
+    assert hf <= {"src/batchpilot/models/hf.py"}, hf
+    wanted = sorted(item for item in found if item[0].split(".")[0] not in {"torch_xla", *HF_EXTRA})
     assert {"matplotlib", "kfp", "torchx.components.dist"} <= {module for module, _, _ in wanted}
     assert {"batchpilot.workflow", "batchpilot.logs"} <= component_imports()
 

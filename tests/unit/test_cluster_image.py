@@ -21,8 +21,9 @@ def test_the_build_refuses_a_tag_that_is_not_the_package_version():
 
 
 def test_the_image_installs_the_extras_the_trainers_and_launchers_import():
-    (extras,) = re.findall(r"\[([a-z,]+)\]\"", DOCKERFILE)
+    (extras,) = re.findall(r"^ARG EXTRAS=([a-z,]+)$", DOCKERFILE, flags=re.MULTILINE)
     assert set(extras.split(",")) >= {"train", "data", "gcs", "cluster", "pipeline"}
+    assert '"${wheel}[${EXTRAS}]"' in DOCKERFILE  # the build argument is what the install line installs
 
 
 def test_the_build_context_is_only_what_the_image_needs():
