@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
         check_parallelism(config)
     except BatchpilotError as error:
         problems.append(error)
+    problems += init_from_problems(config)
     problems += cluster_config_problems(config)
     tpu_problems = check_tpu(config)
     if tpu_problems:
@@ -442,3 +444,144 @@ def explore_problems(config: Config, explore: dict[str, Any] | None) -> list[Bat
             "run `batchpilot explore` with this config, or plan with the config explore measured",
         )
     ]
+
+
+# --- train.init_from: a Hugging Face Llama checkpoint against the config ---------------------------------
+
+INIT_FROM = "train.init_from"
+
+HF_CONFIG_KEYS = {
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_kv_head": "num_key_value_heads",
+    "n_embd": "hidden_size",
+    "vocab_size": "vocab_size",
+    "ffn_hidden_size": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+"""The Llama args a checkpoint fixes, with the config.json key that holds each (for the error lines).
+`max_seq_len` is not among them: it only sizes the rotary tables, whose rows do not depend on it."""
+
+
+def init_from_problems(config: Config) -> list[BatchpilotError]:
+    """`train.init_from` against the config, one error per problem: the Llama factory, the eager runtime on the
+    local backend, the `hf` extra, and (`init_from_folder_problems`) the folder's config.json and weights.
+    Reads config.json only, never the weights."""
+    folder = config.train.init_from_folder
+    if folder is None:
+        return []
+    from batchpilot.models.hf import INSTALL_FIX, LLAMA_FACTORY
+
+    if config.model.factory != LLAMA_FACTORY:
+        return [
+            BatchpilotError(
+                INIT_FROM,
+                f"loads a Hugging Face Llama, but model.factory is {config.model.factory}",
+                f"set model.factory: {LLAMA_FACTORY} with the checkpoint's shape in model.args",
+            )
+        ]
+    problems = []
+    if resolved_runtime(config) == "xla":
+        problems.append(
+            BatchpilotError(
+                INIT_FROM, "is not implemented for runtime xla", "start from it under runtime eager"
+            )
+        )
+    if config.cluster.backend != "local":
+        problems.append(
+            BatchpilotError(
+                INIT_FROM,
+                f"is the local folder {folder}, which the trainer pods on {config.cluster.backend} cannot read "
+                "(as file:// data), and init_from from gs:// is not implemented",
+                "train the first stage from it on the local backend (cluster.backend: local)",
+            )
+        )
+        return problems
+    if find_spec("safetensors") is None:
+        problems.append(
+            BatchpilotError(INIT_FROM, "needs safetensors to read the checkpoint's weights", INSTALL_FIX)
+        )
+    return problems + init_from_folder_problems(config, folder)
+
+
+def init_from_folder_problems(config: Config, folder: Path) -> list[BatchpilotError]:
+    """The checkpoint folder: a config.json of a LlamaForCausalLM whose shape is the config's model.args
+    (one error per differing arg, naming both values and the fix), safetensors weights, and a max_seq_len
+    that covers data.seq_len. The trainer asks the same before it loads the weights."""
+    from batchpilot.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+
+    if not folder.is_dir():
+        return [
+            BatchpilotError(
+                INIT_FROM, f"{folder} does not exist", "give the folder of a Hugging Face Llama checkpoint"
+            )
+        ]
+    path = folder / CONFIG_FILE
+    try:
+        hf_config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [
+            BatchpilotError(
+                INIT_FROM,
+                f"{folder} has no {CONFIG_FILE}",
+                "give the folder `save_pretrained` wrote (config.json and model.safetensors)",
+            )
+        ]
+    except (OSError, ValueError) as error:
+        return [BatchpilotError(INIT_FROM, f"{path} is not readable JSON ({error})")]
+    problems = init_from_shape_problems(config, hf_config, path=path)
+    if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+        problems.append(
+            BatchpilotError(
+                INIT_FROM,
+                f"{folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}",
+                "save the weights as safetensors: model.save_pretrained(folder, safe_serialization=True)",
+            )
+        )
+    return problems
+
+
+def init_from_shape_problems(config: Config, hf_config: Any, *, path: Path) -> list[BatchpilotError]:
+    """A config.json (`path`, for the messages) against the config's model: another architecture, or each
+    Llama arg that differs, one error each; and model.args.max_seq_len below data.seq_len."""
+    from batchpilot.models.hf import llama_args_from_hf_config
+    from batchpilot.models.llama import LlamaConfig
+
+    if not isinstance(hf_config, dict):
+        return [BatchpilotError(INIT_FROM, f"{path} holds no JSON object")]
+    try:
+        theirs = llama_args_from_hf_config(hf_config)
+    except BatchpilotError as error:
+        fix = error.fix or "give a LlamaForCausalLM checkpoint (other architectures are not read)"
+        return [BatchpilotError(INIT_FROM, f"{path} {error.problem}", fix)]
+    try:
+        ours = LlamaConfig(**config.model.args)
+    except (TypeError, ValueError) as error:
+        return [BatchpilotError("model.args", f"{config.model.factory} rejected its arguments: {error}")]
+    problems = []
+    for arg, key in HF_CONFIG_KEYS.items():
+        value = ours.resolved_ffn_hidden_size if arg == "ffn_hidden_size" else getattr(ours, arg)
+        if value != theirs[arg]:
+            problems.append(
+                BatchpilotError(
+                    f"model.args.{arg}",
+                    f"is {_yaml(value)} but {path} has {key} {_yaml(theirs[arg])}",
+                    f"set model.args.{arg}: {_yaml(theirs[arg])}",
+                )
+            )
+    if ours.max_seq_len < config.data.seq_len:
+        problems.append(
+            BatchpilotError(
+                "model.args.max_seq_len",
+                f"is {ours.max_seq_len}, shorter than data.seq_len {config.data.seq_len}",
+                f"set model.args.max_seq_len: {max(config.data.seq_len, theirs['max_seq_len'])}",
+            )
+        )
+    return problems
+
+
+def _yaml(value: object) -> str:
+    """A value as the config's YAML writes it (true, not True)."""
+    return json.dumps(value)

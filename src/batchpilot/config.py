@@ -545,6 +545,12 @@ class TrainConfig(_Section):
     eval_every_samples: Count = Field(
         0, description="also evaluate every N training samples (0: only at the end of each stage)"
     )
+    init_from: str | None = Field(
+        None,
+        description="folder of a Hugging Face Llama checkpoint (config.json and safetensors weights) whose "
+        "weights the run's first start takes (optimizer fresh, step 0); ignored once the run has its own "
+        "checkpoint. Its config.json must match model.args (needs the `hf` extra)",
+    )
 
     @model_validator(mode="after")
     def _one_total(self) -> TrainConfig:
@@ -552,7 +558,23 @@ class TrainConfig(_Section):
             raise ValueError("set exactly one of total_samples and total_tokens")
         if not self.checkpoint_uri.startswith(("file://", "gs://")):
             raise ValueError(f"checkpoint_uri {self.checkpoint_uri!r} must start with file:// or gs://")
+        if (
+            self.init_from is not None
+            and "://" in self.init_from
+            and not self.init_from.startswith("file://")
+        ):
+            raise ValueError(
+                f"init_from {self.init_from!r}: reading a checkpoint from gs:// or another URI is not "
+                "implemented: copy it to a local or mounted folder and set init_from to that path"
+            )
         return self
+
+    @property
+    def init_from_folder(self) -> Path | None:
+        """`init_from` as a local folder (a `file://` prefix taken off), or None."""
+        if self.init_from is None:
+            return None
+        return Path(self.init_from.removeprefix("file://"))
 
 
 class ExploreConfig(_Section):

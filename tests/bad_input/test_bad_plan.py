@@ -174,3 +174,93 @@ def test_twin_an_untouched_plan_renders_its_jobset(gke_plan):
     outcome = dry_run(gke_plan)
     assert outcome.code == 0, outcome.stderr
     assert yaml.safe_load(outcome.stdout)["kind"] == "JobSet"
+
+
+# --- train.init_from: a Hugging Face checkpoint that does not fit the config --------------------------
+
+HF_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+    "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}  # fmt: skip
+"""config.json of a LlamaForCausalLM as transformers writes it (the plan reads nothing else of the folder)."""
+HF_LLAMA_ARGS = {
+    "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 64, "vocab_size": 300,
+    "ffn_hidden_size": 128, "rope_theta": 10000.0, "norm_eps": 1e-6,
+}  # fmt: skip
+
+
+def init_from_config(folder: Path, *, hf_config: dict | None = None, **changes: object) -> Path:
+    """The tiny config as a Llama of HF_LLAMA_ARGS starting from a checkpoint folder with `hf_config` (default
+    HF_LLAMA_CONFIG) and a weights file; `changes` update model.args, or with `factory`/`init_from` those."""
+    checkpoint = folder / "hf"
+    checkpoint.mkdir(exist_ok=True)
+    (checkpoint / "config.json").write_text(json.dumps(hf_config or HF_LLAMA_CONFIG))
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    config = tiny_config(data_uri=write_manifest(folder / "data"), checkpoint_uri=f"file://{folder}/ckpt")
+    factory = changes.pop("factory", "batchpilot.models.llama:build")
+    config["train"]["init_from"] = changes.pop("init_from", str(checkpoint))
+    config["model"] = {"factory": factory, "args": {**HF_LLAMA_ARGS, **changes}}
+    if factory != "batchpilot.models.llama:build":
+        config["model"]["args"] = {
+            "n_layer": 1,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 32,
+            "vocab_size": 257,
+        }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("command", ["plan", "config check"])
+def test_an_init_from_checkpoint_of_another_shape_is_refused(tmp_path, command):
+    config = init_from_config(tmp_path, n_layer=4)
+    argv = plan_args(config, tmp_path) if command == "plan" else ["config", "check", str(config)]
+    with no_debris(tmp_path):
+        outcome = run_cli(*argv)
+    outcome.assert_refused(
+        "model.args.n_layer: is 4 but", f"{tmp_path}/hf/config.json has num_hidden_layers 2",
+        "set model.args.n_layer: 2",
+    )  # fmt: skip
+
+
+def test_an_init_from_checkpoint_of_another_architecture_is_refused(tmp_path):
+    config = init_from_config(
+        tmp_path, hf_config={**HF_LLAMA_CONFIG, "architectures": ["MistralForCausalLM"]}
+    )
+    with no_debris(tmp_path):
+        outcome = run_cli(*plan_args(config, tmp_path))
+    outcome.assert_refused("train.init_from", "MistralForCausalLM", "LlamaForCausalLM")
+
+
+def test_an_init_from_folder_that_does_not_exist_is_refused(tmp_path):
+    config = init_from_config(tmp_path, init_from=str(tmp_path / "nowhere"))
+    with no_debris(tmp_path):
+        outcome = run_cli(*plan_args(config, tmp_path))
+    outcome.assert_refused("train.init_from", f"{tmp_path}/nowhere does not exist")
+
+
+def test_init_from_with_the_gpt_factory_is_refused(tmp_path):
+    config = init_from_config(tmp_path, factory="batchpilot.models.gpt:build")
+    with no_debris(tmp_path):
+        outcome = run_cli(*plan_args(config, tmp_path))
+    outcome.assert_refused("train.init_from", "model.factory is batchpilot.models.gpt:build", "llama:build")
+
+
+def test_init_from_gs_is_refused_as_not_implemented(tmp_path):
+    config = init_from_config(tmp_path, init_from="gs://bucket/llama")
+    with no_debris(tmp_path):
+        outcome = run_cli("config", "check", str(config))
+    outcome.assert_refused(
+        "train: init_from 'gs://bucket/llama'", "not implemented", "local or mounted folder"
+    )
+
+
+@pytest.mark.parametrize("command", ["plan", "config check"])
+def test_twin_an_init_from_checkpoint_of_the_configs_shape_passes(tmp_path, command):
+    config = init_from_config(tmp_path)
+    argv = plan_args(config, tmp_path) if command == "plan" else ["config", "check", str(config)]
+    outcome = run_cli(*argv)
+    assert outcome.code == 0, outcome.stderr

@@ -37,6 +37,7 @@ from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
+from batchpilot.train.init_from import load_init_from
 from batchpilot.train.loop import LoopBase, data_order, prepare_outputs, run_loop
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
 from batchpilot.train.shape import model_shape
@@ -157,6 +158,21 @@ def check_vocabulary(model: nn.Module, *, vocab_size: int) -> None:
             f"the model embeds {embedding.num_embeddings} token ids but the dataset's vocabulary has {vocab_size}",
             f"set vocab_size to at least {vocab_size}",
         )
+
+
+def start_from_init_from(
+    model: nn.Module, *, config: Config, checkpoint: Checkpoint | None, ctx: DistContext
+) -> None:
+    """`train.init_from`: a start without a checkpoint of the run's own takes the Hugging Face weights (step 0,
+    a fresh optimizer); a resume never does, its checkpoint's weights have trained on."""
+    folder = config.train.init_from_folder
+    if folder is None:
+        return
+    if checkpoint is not None:
+        log(ctx, f"train.init_from {folder} not loaded: resuming from step {checkpoint.step}'s checkpoint")
+        return
+    loaded = load_init_from(model, config=config, folder=folder)
+    log(ctx, f"initialized the model from {folder} ({loaded} tensors of a Hugging Face Llama checkpoint)")
 
 
 def check_resume_point(*, stages: list[Stage], checkpoint: Checkpoint | None, uri: str) -> int:
@@ -413,6 +429,7 @@ def train(
     torch.manual_seed(config.train.seed)
     model = build_model(factory=config.model.factory, args=config.model.args)
     check_vocabulary(model, vocab_size=loader.vocab_size)
+    start_from_init_from(model, config=config, checkpoint=checkpoint, ctx=ctx)  # before it moves or shards
     set_activation_checkpointing(model, config.train.activation_checkpointing)
     model.to(ctx.device)
     if config.train.compile:

@@ -1,0 +1,116 @@
+"""`train.init_from` in the trainer: stage 0 on 2 gloo ranks under FSDP starts from a Hugging Face Llama
+checkpoint (its first step's loss is the loss transformers computes on that batch), and the next stage resumes
+from the run's own checkpoint without reading the Hugging Face folder again (it is gone by then)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch.nn import functional as F
+
+from batchpilot.data.loader import TokenLoader
+from batchpilot.train.metrics import read_metrics
+from helpers import run_batchpilot
+
+SEQ_LEN = 32
+
+
+def write_checkpoint(folder: Path) -> Path:
+    """A LlamaForCausalLM saved by transformers, with weights far from an untrained model's (std 0.3), so
+    that its loss tells it apart from a freshly initialised one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def run_config(root: Path, *, data_uri: str, init_from: Path) -> dict:
+    """2 processes of 1 node under fsdp: stage 0 at batch 8 (4 steps), the final stage at 16 (2 steps)."""
+    args = {
+        "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 64, "vocab_size": 300,
+        "ffn_hidden_size": 128, "rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False,
+    }  # fmt: skip
+    return {
+        "name": "init-from",
+        "model": {"factory": "batchpilot.models.llama:build", "args": args},
+        "data": {"uri": data_uri, "seq_len": SEQ_LEN},
+        "cluster": {"devices_per_node": 2, "max_nodes": 1},
+        "batch": {"global_batch_size": 16, "micro_batch_size": 4, "schedule": "0:8 32:16"},
+        "train": {
+            "total_samples": 64, "lr": 1.0e-3, "checkpoint_uri": f"file://{root}/ckpt", "parallelism": "fsdp",
+            "eval_samples": 0, "init_from": str(init_from),
+        },
+        "explore": {"study": False},
+    }  # fmt: skip
+
+
+def torchrun_train(plan: Path, stage: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """`batchpilot train` of one stage as 2 ranks of a torchrun job on this machine (gloo)."""
+    return subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "batchpilot", "train", "--plan", str(plan), "--stage", stage, "--out", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def first_batch_loss(folder: Path, *, data_uri: str, global_batch_size: int) -> float:
+    """transformers' mean next-token loss of the checkpoint on the run's first global batch."""
+    from transformers import LlamaForCausalLM
+
+    loader = TokenLoader(uri=data_uri, seq_len=SEQ_LEN, seed=0)  # the trainer's order, as one rank reads it
+    try:
+        (batch,) = loader.micro_batches(
+            consumed_samples=0,
+            global_batch_size=global_batch_size,
+            micro_batch_size=global_batch_size,
+            gradient_accumulation_steps=1,
+        )
+    finally:
+        loader.close()
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.slow
+def test_stage_0_starts_from_the_checkpoint_and_a_resume_does_not_reload_it(tmp_path, demo_data_uri):
+    hf = write_checkpoint(tmp_path / "hf")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(run_config(tmp_path, data_uri=demo_data_uri, init_from=hf)))
+    plan = tmp_path / "plan.json"
+    planned = run_batchpilot("plan", "--config", str(config), "--out", str(plan))
+    assert planned.returncode == 0, planned.stderr
+
+    first = torchrun_train(plan, "0", tmp_path / "out")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"initialized the model from {hf} (21 tensors of a Hugging Face Llama checkpoint)" in first.stdout
+    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["world_size"] == 2
+    expected = first_batch_loss(hf, data_uri=demo_data_uri, global_batch_size=8)
+    assert abs(expected - math.log(300)) > 0.5  # far from an untrained model's loss: the check can fail
+    assert records[0]["loss"] == pytest.approx(expected, abs=1e-4)
+
+    hf.rename(tmp_path / "hf-gone")  # a resume that read it again would fail: the folder does not exist
+    second = torchrun_train(plan, "final", tmp_path / "out")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"train.init_from {hf} not loaded: resuming from step 4's checkpoint" in second.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,204 @@
+"""`train.init_from`: a Hugging Face Llama checkpoint, written by real `transformers`, loaded by the trainer's
+own path (`load_init_from`) computes the same logits; a checkpoint that does not fit the config is refused in
+one line naming the field, both values and the fix, before any training starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot.checks import init_from_problems
+from batchpilot.config import Config, ConfigError, parse_config
+from batchpilot.errors import BatchpilotError
+from batchpilot.models.factory import build_model
+from batchpilot.train.init_from import load_init_from
+from helpers import tiny_config
+
+LLAMA = "batchpilot.models.llama:build"
+# The shape of `hf_checkpoint`'s model, as model.args.
+ARGS = {
+    "n_layer": 2,
+    "n_head": 4,
+    "n_kv_head": 2,
+    "n_embd": 64,
+    "max_seq_len": 64,
+    "vocab_size": 300,
+    "ffn_hidden_size": 128,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-6,
+}
+
+
+def write_hf_llama(folder: Path, *, tied: bool, seed: int = 0) -> Path:
+    """A small LlamaForCausalLM saved by transformers (safetensors), with random norm weights so that a
+    norm loaded into the wrong place changes the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def llama_config(tmp_path: Path, *, init_from: str | None, **overrides: object) -> Config:
+    """The tiny config with the Llama of `ARGS` (`model__args` and others overridden) starting from
+    `init_from`; data and checkpoints are never read."""
+    config = tiny_config(data_uri=f"file://{tmp_path}/data", checkpoint_uri=f"file://{tmp_path}/ckpt")
+    config["model"] = {"factory": LLAMA, "args": dict(ARGS)}
+    config["train"]["init_from"] = init_from
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        config[section][key] = value
+    return parse_config(config)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[bool, Path]:
+    """tied -> the folder of a transformers Llama checkpoint."""
+    root = tmp_path_factory.mktemp("hf")
+    return {tied: write_hf_llama(root / f"tied-{tied}", tied=tied) for tied in (False, True)}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_loaded_model_computes_transformers_logits(tmp_path, checkpoints, tied):
+    from transformers import LlamaForCausalLM
+
+    folder = checkpoints[tied]
+    config = llama_config(tmp_path, init_from=str(folder), model__args={**ARGS, "tie_embeddings": tied})
+    assert init_from_problems(config) == []
+    torch.manual_seed(1)
+    model = build_model(factory=config.model.factory, args=config.model.args)
+    assert (
+        load_init_from(model, config=config, folder=folder) == 2 + 9 * 2 + 1
+    )  # embedding, blocks, norm, head
+    reference = LlamaForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        theirs = reference(input_ids=tokens).logits
+    assert ours.shape == theirs.shape == (3, 40, 300)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
+
+
+def test_a_shape_that_differs_names_each_field_both_values_and_the_fix(tmp_path, checkpoints):
+    folder = checkpoints[False]
+    config = llama_config(
+        tmp_path, init_from=str(folder), model__args={**ARGS, "n_layer": 4, "norm_eps": 1e-5}
+    )
+    lines = [str(problem) for problem in init_from_problems(config)]
+    assert lines == [
+        f"model.args.n_layer: is 4 but {folder}/config.json has num_hidden_layers 2 "
+        "(fix: set model.args.n_layer: 2)",
+        f"model.args.norm_eps: is 1e-05 but {folder}/config.json has rms_norm_eps 1e-06 "
+        "(fix: set model.args.norm_eps: 1e-06)",
+    ]
+
+
+def test_the_trainer_refuses_the_mismatch_before_loading(tmp_path, checkpoints):
+    config = llama_config(tmp_path, init_from=str(checkpoints[True]), model__args=ARGS)  # untied model
+    model = build_model(factory=config.model.factory, args=config.model.args)
+    before = model.tok_embeddings.weight.clone()
+    with pytest.raises(
+        BatchpilotError, match=r"model\.args\.tie_embeddings: is false but .* tie_word_embeddings true"
+    ):
+        load_init_from(model, config=config, folder=checkpoints[True])
+    assert torch.equal(model.tok_embeddings.weight, before)
+
+
+def test_the_default_ffn_width_is_compared_as_the_model_resolves_it(tmp_path, checkpoints):
+    args = {key: value for key, value in ARGS.items() if key != "ffn_hidden_size"}  # Llama's rule: 256
+    config = llama_config(tmp_path, init_from=str(checkpoints[False]), model__args=args)
+    (line,) = [str(problem) for problem in init_from_problems(config)]
+    assert "model.args.ffn_hidden_size: is 256 but" in line and "intermediate_size 128" in line
+
+
+def test_another_architecture_is_refused_in_one_line(tmp_path, checkpoints):
+    folder = tmp_path / "mistral"
+    shutil.copytree(checkpoints[False], folder)
+    hf_config = json.loads((folder / "config.json").read_text())
+    hf_config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    (problem,) = init_from_problems(llama_config(tmp_path, init_from=str(folder)))
+    assert problem.field == "train.init_from"
+    assert "MistralForCausalLM" in problem.problem and "LlamaForCausalLM" in problem.problem
+
+
+def test_a_gpt2_config_is_refused_in_one_line(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    (folder / "model.safetensors").write_bytes(b"")
+    (problem,) = init_from_problems(llama_config(tmp_path, init_from=str(folder)))
+    assert problem.field == "train.init_from" and "GPT2LMHeadModel" in problem.problem
+
+
+def test_missing_folder_config_and_weights_are_each_named(tmp_path, checkpoints):
+    missing = tmp_path / "nowhere"
+    (problem,) = init_from_problems(llama_config(tmp_path, init_from=str(missing)))
+    assert str(problem) == (
+        f"train.init_from: {missing} does not exist (fix: give the folder of a Hugging Face Llama checkpoint)"
+    )
+    no_config = tmp_path / "no-config"
+    shutil.copytree(checkpoints[False], no_config)
+    (no_config / "config.json").unlink()
+    (problem,) = init_from_problems(llama_config(tmp_path, init_from=str(no_config)))
+    assert problem.field == "train.init_from" and f"{no_config} has no config.json" in problem.problem
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(checkpoints[False], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    (problem,) = init_from_problems(llama_config(tmp_path, init_from=f"file://{no_weights}"))
+    assert problem.field == "train.init_from" and "has neither model.safetensors" in problem.problem
+
+
+def test_a_max_seq_len_shorter_than_the_samples_is_refused(tmp_path, checkpoints):
+    config = llama_config(
+        tmp_path, init_from=str(checkpoints[False]), model__args={**ARGS, "max_seq_len": 16}
+    )  # data.seq_len is 32
+    (problem,) = init_from_problems(config)
+    assert str(problem) == (
+        "model.args.max_seq_len: is 16, shorter than data.seq_len 32 (fix: set model.args.max_seq_len: 64)"
+    )
+
+
+def test_the_gpt_factory_xla_and_gke_are_refused(tmp_path, checkpoints):
+    folder = str(checkpoints[False])
+    config = tiny_config(data_uri=f"file://{tmp_path}/data", checkpoint_uri=f"file://{tmp_path}/ckpt")
+    config["train"]["init_from"] = folder
+    (problem,) = init_from_problems(parse_config(config))
+    assert (
+        problem.field == "train.init_from"
+        and "model.factory is batchpilot.models.gpt:build" in problem.problem
+    )
+    (problem,) = init_from_problems(llama_config(tmp_path, init_from=folder, train__runtime="xla"))
+    assert str(problem) == (
+        "train.init_from: is not implemented for runtime xla (fix: start from it under runtime eager)"
+    )
+    gke = llama_config(tmp_path, init_from=folder, cluster__backend="gke")
+    assert [problem.field for problem in init_from_problems(gke)] == ["train.init_from"]
+
+
+@pytest.mark.parametrize("uri", ["gs://bucket/llama", "s3://bucket/llama"])
+def test_a_remote_init_from_is_refused_when_the_config_is_read(tmp_path, uri):
+    with pytest.raises(ConfigError) as error:
+        llama_config(tmp_path, init_from=uri)
+    (line,) = error.value.lines
+    assert line == (
+        f"train: init_from {uri!r}: reading a checkpoint from gs:// or another URI is not implemented: copy it "
+        "to a local or mounted folder and set init_from to that path"
+    )
