@@ -1,6 +1,7 @@
-"""`train.init_from` in the trainer: stage 0 on 2 gloo ranks under FSDP starts from a Hugging Face Llama
-checkpoint (its first step's loss is the loss transformers computes on that batch), and the next stage resumes
-from the run's own checkpoint without reading the Hugging Face folder again (it is gone by then)."""
+"""`train.init_from` in the trainer: stage 0 on 2 gloo ranks, under DDP and under FSDP, starts from a Hugging
+Face Llama checkpoint (its first step's loss is the loss transformers computes on that batch), and the next
+stage resumes from the run's own checkpoint without reading the Hugging Face folder again (it is gone by
+then)."""
 
 from __future__ import annotations
 
@@ -40,24 +41,30 @@ def write_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def run_config(root: Path, *, data_uri: str, init_from: Path) -> dict:
-    """2 processes of 1 node under fsdp: stage 0 at batch 8 (4 steps), the final stage at 16 (2 steps)."""
+def write_run(root: Path, *, data_uri: str, init_from: Path, parallelism: str) -> Path:
+    """config.yaml and, through `batchpilot plan`, plan.json in `root` for 2 processes of 1 node: stage 0 at
+    batch 8 (4 steps), the final stage at 16 (2 steps); returns the plan's path."""
     args = {
         "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 64, "vocab_size": 300,
         "ffn_hidden_size": 128, "rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False,
     }  # fmt: skip
-    return {
+    config = {
         "name": "init-from",
         "model": {"factory": "batchpilot.models.llama:build", "args": args},
         "data": {"uri": data_uri, "seq_len": SEQ_LEN},
         "cluster": {"devices_per_node": 2, "max_nodes": 1},
         "batch": {"global_batch_size": 16, "micro_batch_size": 4, "schedule": "0:8 32:16"},
         "train": {
-            "total_samples": 64, "lr": 1.0e-3, "checkpoint_uri": f"file://{root}/ckpt", "parallelism": "fsdp",
+            "total_samples": 64, "lr": 1.0e-3, "checkpoint_uri": f"file://{root}/ckpt", "parallelism": parallelism,
             "eval_samples": 0, "init_from": str(init_from),
         },
         "explore": {"study": False},
     }  # fmt: skip
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    planned = run_batchpilot("plan", "--config", str(root / "config.yaml"), "--out", str(root / "plan.json"))
+    assert planned.returncode == 0, planned.stderr
+    return root / "plan.json"
 
 
 def torchrun_train(plan: Path, stage: str, out: Path) -> subprocess.CompletedProcess[str]:
@@ -91,26 +98,29 @@ def first_batch_loss(folder: Path, *, data_uri: str, global_batch_size: int) -> 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
 
 
+def first_losses(run: Path, plan: Path) -> list[float]:
+    """Trains stage 0 of `plan` into `run`/out; returns its steps' losses."""
+    done = torchrun_train(plan, "0", run / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(21 tensors of a Hugging Face Llama checkpoint)" in done.stdout
+    records = read_metrics(run / "out" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["world_size"] == 2
+    return [r["loss"] for r in records]
+
+
 @pytest.mark.slow
 def test_stage_0_starts_from_the_checkpoint_and_a_resume_does_not_reload_it(tmp_path, demo_data_uri):
     hf = write_checkpoint(tmp_path / "hf")
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(tmp_path, data_uri=demo_data_uri, init_from=hf)))
-    plan = tmp_path / "plan.json"
-    planned = run_batchpilot("plan", "--config", str(config), "--out", str(plan))
-    assert planned.returncode == 0, planned.stderr
-
-    first = torchrun_train(plan, "0", tmp_path / "out")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert f"initialized the model from {hf} (21 tensors of a Hugging Face Llama checkpoint)" in first.stdout
-    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["world_size"] == 2
     expected = first_batch_loss(hf, data_uri=demo_data_uri, global_batch_size=8)
     assert abs(expected - math.log(300)) > 0.5  # far from an untrained model's loss: the check can fail
-    assert records[0]["loss"] == pytest.approx(expected, abs=1e-4)
+    for parallelism in ("ddp", "fsdp"):
+        run = tmp_path / parallelism
+        plan = write_run(run, data_uri=demo_data_uri, init_from=hf, parallelism=parallelism)
+        assert first_losses(run, plan)[0] == pytest.approx(expected, abs=1e-4), parallelism
 
+    # The fsdp run (the loop's last) resumes its final stage.
     hf.rename(tmp_path / "hf-gone")  # a resume that read it again would fail: the folder does not exist
-    second = torchrun_train(plan, "final", tmp_path / "out")
+    second = torchrun_train(plan, "final", run / "out")
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"train.init_from {hf} not loaded: resuming from step 4's checkpoint" in second.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(run / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
