@@ -333,6 +333,15 @@ def _rope_theta(hf_config: Mapping[str, Any]) -> float:
     return float(theta if theta is not None else _DEFAULT_ROPE_THETA)
 
 
+def llama_weight_names(args: Mapping[str, Any]) -> dict[str, str]:
+    """Hugging Face name -> batchpilot name of every weight a LlamaForCausalLM of `args` (as
+    `llama_args_from_hf_config` gives them) is loaded from; a tied head has none of its own."""
+    names = {theirs: ours for ours, theirs in _llama_names(args["n_layer"])}
+    if not args["tie_embeddings"]:
+        names["lm_head.weight"] = "output.weight"
+    return names
+
+
 def from_hf_state_dict(
     hf_config: dict[str, Any], hf_state_dict: dict[str, Tensor]
 ) -> tuple[str, dict[str, Any], dict[str, Tensor]]:
@@ -345,9 +354,7 @@ def from_hf_state_dict(
             missing or left over.
     """
     args = llama_args_from_hf_config(hf_config)
-    inverse = {theirs: ours for ours, theirs in _llama_names(args["n_layer"])}
-    if not args["tie_embeddings"]:
-        inverse["lm_head.weight"] = "output.weight"
+    inverse = llama_weight_names(args)
     state: dict[str, Tensor] = {}
     for theirs, tensor in hf_state_dict.items():
         if theirs.endswith("rotary_emb.inv_freq"):  # older exports saved the rotary table; it is derived
