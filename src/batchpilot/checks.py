@@ -466,11 +466,12 @@ HF_CONFIG_KEYS = {
 
 
 def init_from_problems(config: Config) -> list[BatchpilotError]:
-    """`train.init_from` against the config, one error per problem: the Llama factory, the eager runtime on the
-    local backend, the `hf` extra, and (`init_from_folder_problems`) the folder's config.json and weights.
-    Reads config.json only, never the weights."""
-    folder = config.train.init_from_folder
-    if folder is None:
+    """`train.init_from` against the config, one error per problem: the Llama factory, the eager runtime, a
+    folder the trainers can read (gs:// off the local backend), the `hf` extra, and the checkpoint's
+    config.json and weights (`init_from_folder_problems`, `init_from_gcs_problems`). Reads config.json (and
+    for gs:// the objects' metadata) only, never the weights."""
+    source = config.train.init_from
+    if source is None:
         return []
     from batchpilot.models.hf import INSTALL_FIX, LLAMA_FACTORY
 
@@ -489,21 +490,59 @@ def init_from_problems(config: Config) -> list[BatchpilotError]:
                 INIT_FROM, "is not implemented for runtime xla", "start from it under runtime eager"
             )
         )
-    if config.cluster.backend != "local":
+    folder = config.train.init_from_folder
+    if folder is not None and config.cluster.backend != "local":
         problems.append(
             BatchpilotError(
                 INIT_FROM,
-                f"is the local folder {folder}, which the trainer pods on {config.cluster.backend} cannot read "
-                "(as file:// data), and init_from from gs:// is not implemented",
-                "train the first stage from it on the local backend (cluster.backend: local)",
+                f"is the local folder {folder}, which the trainer pods on {config.cluster.backend} do not see",
+                f"use a gs:// folder (gcloud storage cp -r {folder} gs://BUCKET/PATH)",
             )
         )
         return problems
-    if find_spec("safetensors") is None:
+    if config.cluster.backend == "local" and find_spec("safetensors") is None:
         problems.append(
             BatchpilotError(INIT_FROM, "needs safetensors to read the checkpoint's weights", INSTALL_FIX)
         )
+    if folder is None:
+        return problems + init_from_gcs_problems(config, source)
     return problems + init_from_folder_problems(config, folder)
+
+
+def init_from_gcs_problems(config: Config, uri: str) -> list[BatchpilotError]:
+    """A gs:// checkpoint folder, as `init_from_folder_problems` a local one: its config.json (read through
+    the storage layer and its credentials) against model.args, and safetensors weights beside it."""
+    from batchpilot.data.storage import ObjectNotFound, StorageError, join_uri, open_storage
+    from batchpilot.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+
+    path = join_uri(uri, CONFIG_FILE)
+    try:
+        storage = open_storage(uri)
+        text = storage.read(CONFIG_FILE)
+        has_weights = storage.exists(WEIGHTS_FILE) or storage.exists(INDEX_FILE)
+    except ObjectNotFound as error:  # the object, or the bucket
+        problem = f"{uri} has no {CONFIG_FILE}" if error.field == path else f"{error.field} does not exist"
+        return [
+            BatchpilotError(
+                INIT_FROM, problem, "give the gs:// folder `save_pretrained` wrote (config.json and weights)"
+            )
+        ]
+    except StorageError as error:
+        return [error]
+    try:
+        hf_config = json.loads(text)
+    except ValueError as error:
+        return [BatchpilotError(INIT_FROM, f"{path} is not readable JSON ({error})")]
+    problems = init_from_shape_problems(config, hf_config, path=path)
+    if not has_weights:
+        problems.append(
+            BatchpilotError(
+                INIT_FROM,
+                f"{uri} has neither {WEIGHTS_FILE} nor {INDEX_FILE}",
+                "save the weights as safetensors: model.save_pretrained(folder, safe_serialization=True)",
+            )
+        )
+    return problems
 
 
 def init_from_folder_problems(config: Config, folder: Path) -> list[BatchpilotError]:
@@ -543,7 +582,7 @@ def init_from_folder_problems(config: Config, folder: Path) -> list[BatchpilotEr
     return problems
 
 
-def init_from_shape_problems(config: Config, hf_config: Any, *, path: Path) -> list[BatchpilotError]:
+def init_from_shape_problems(config: Config, hf_config: Any, *, path: Path | str) -> list[BatchpilotError]:
     """A config.json (`path`, for the messages) against the config's model: another architecture, or each
     Llama arg that differs, one error each; and model.args.max_seq_len below data.seq_len."""
     from batchpilot.models.hf import llama_args_from_hf_config

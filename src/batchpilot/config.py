@@ -547,9 +547,10 @@ class TrainConfig(_Section):
     )
     init_from: str | None = Field(
         None,
-        description="folder of a Hugging Face Llama checkpoint (config.json and safetensors weights) whose "
-        "weights the run's first start takes (optimizer fresh, step 0); ignored once the run has its own "
-        "checkpoint. Its config.json must match model.args (needs the `hf` extra)",
+        description="folder of a Hugging Face Llama checkpoint (config.json and safetensors weights), local or "
+        "gs:// (downloaded once per node), whose weights the run's first start takes (optimizer fresh, step "
+        "0); ignored once the run has its own checkpoint. Its config.json must match model.args (needs the "
+        "`hf` extra)",
     )
 
     @model_validator(mode="after")
@@ -561,18 +562,18 @@ class TrainConfig(_Section):
         if (
             self.init_from is not None
             and "://" in self.init_from
-            and not self.init_from.startswith("file://")
+            and not self.init_from.startswith(("file://", "gs://"))
         ):
             raise ValueError(
-                f"init_from {self.init_from!r}: reading a checkpoint from gs:// or another URI is not "
-                "implemented: copy it to a local or mounted folder and set init_from to that path"
+                f"init_from {self.init_from!r}: a checkpoint is read from a local folder, file:// or gs:// only; "
+                "copy it to a gs:// folder or a local one"
             )
         return self
 
     @property
     def init_from_folder(self) -> Path | None:
-        """`init_from` as a local folder (a `file://` prefix taken off), or None."""
-        if self.init_from is None:
+        """`init_from` as a local folder (a `file://` prefix taken off), or None (unset, or gs://)."""
+        if self.init_from is None or self.init_from.startswith("gs://"):
             return None
         return Path(self.init_from.removeprefix("file://"))
 

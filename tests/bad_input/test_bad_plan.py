@@ -249,13 +249,27 @@ def test_init_from_with_the_gpt_factory_is_refused(tmp_path):
     outcome.assert_refused("train.init_from", "model.factory is batchpilot.models.gpt:build", "llama:build")
 
 
-def test_init_from_gs_is_refused_as_not_implemented(tmp_path):
-    config = init_from_config(tmp_path, init_from="gs://bucket/llama")
+def test_init_from_another_uri_scheme_is_refused(tmp_path):
+    config = init_from_config(tmp_path, init_from="s3://bucket/llama")
     with no_debris(tmp_path):
         outcome = run_cli("config", "check", str(config))
-    outcome.assert_refused(
-        "train: init_from 'gs://bucket/llama'", "not implemented", "local or mounted folder"
-    )
+    outcome.assert_refused("train: init_from 's3://bucket/llama'", "local folder, file:// or gs:// only")
+
+
+def test_init_from_a_local_folder_on_gke_is_refused(tmp_path):
+    path = init_from_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["cluster"].update(
+        backend="gke", project="p", location="us-central1", cluster_name="c", node_pool="np",
+        accelerator_type="nvidia-l4", machine_type="g2-standard-4", image="registry.example/batchpilot:1",
+    )  # fmt: skip
+    # file:// data and checkpoints are refused on gke too: only init_from is wrong here
+    config["data"]["uri"] = "gs://bucket/data"
+    config["train"]["checkpoint_uri"] = "gs://bucket/ckpt"
+    path.write_text(yaml.safe_dump(config))
+    with no_debris(tmp_path):
+        outcome = run_cli("config", "check", str(path))
+    outcome.assert_refused("train.init_from", "trainer pods on gke do not see", "use a gs:// folder")
 
 
 @pytest.mark.parametrize("command", ["plan", "config check"])

@@ -1,11 +1,12 @@
-"""`train.init_from` in the trainer: stage 0 on 2 gloo ranks, under DDP and under FSDP, starts from a Hugging
-Face Llama checkpoint (its first step's loss is the loss transformers computes on that batch), and the next
-stage resumes from the run's own checkpoint without reading the Hugging Face folder again (it is gone by
-then)."""
+"""`train.init_from` in the trainer: stage 0 on 2 gloo ranks, under DDP from a local folder and under FSDP from
+a gs:// folder (a real GCS server; downloaded once by local rank 0), starts from a sharded Hugging Face Llama
+checkpoint (its first step's loss is the loss transformers computes on that batch), and the next stage
+resumes from the run's own checkpoint without reading the Hugging Face folder again (it is gone by then)."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,11 @@ def write_checkpoint(folder: Path) -> Path:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="100KB")  # shards and model.safetensors.index.json
     return folder
 
 
-def write_run(root: Path, *, data_uri: str, init_from: Path, parallelism: str) -> Path:
+def write_run(root: Path, *, data_uri: str, init_from: str, parallelism: str) -> Path:
     """config.yaml and, through `batchpilot plan`, plan.json in `root` for 2 processes of 1 node: stage 0 at
     batch 8 (4 steps), the final stage at 16 (2 steps); returns the plan's path."""
     args = {
@@ -56,7 +57,7 @@ def write_run(root: Path, *, data_uri: str, init_from: Path, parallelism: str) -
         "batch": {"global_batch_size": 16, "micro_batch_size": 4, "schedule": "0:8 32:16"},
         "train": {
             "total_samples": 64, "lr": 1.0e-3, "checkpoint_uri": f"file://{root}/ckpt", "parallelism": parallelism,
-            "eval_samples": 0, "init_from": str(init_from),
+            "eval_samples": 0, "init_from": init_from,
         },
         "explore": {"study": False},
     }  # fmt: skip
@@ -98,9 +99,8 @@ def first_batch_loss(folder: Path, *, data_uri: str, global_batch_size: int) -> 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
 
 
-def first_losses(run: Path, plan: Path) -> list[float]:
-    """Trains stage 0 of `plan` into `run`/out; returns its steps' losses."""
-    done = torchrun_train(plan, "0", run / "out")
+def first_losses(run: Path, done: subprocess.CompletedProcess[str]) -> list[float]:
+    """The losses of stage 0's steps, which `done` trained into `run`/out."""
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(21 tensors of a Hugging Face Llama checkpoint)" in done.stdout
     records = read_metrics(run / "out" / "metrics.jsonl")
@@ -109,18 +109,31 @@ def first_losses(run: Path, plan: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_stage_0_starts_from_the_checkpoint_and_a_resume_does_not_reload_it(tmp_path, demo_data_uri):
+def test_stage_0_starts_from_the_checkpoint_and_a_resume_does_not_reload_it(
+    tmp_path, demo_data_uri, gcs_client, gcs_bucket, monkeypatch
+):
     hf = write_checkpoint(tmp_path / "hf")
+    assert len(list(hf.glob("model-*-of-*.safetensors"))) > 2
     expected = first_batch_loss(hf, data_uri=demo_data_uri, global_batch_size=8)
     assert abs(expected - math.log(300)) > 0.5  # far from an untrained model's loss: the check can fail
-    for parallelism in ("ddp", "fsdp"):
+    for path in hf.iterdir():
+        gcs_client.bucket(gcs_bucket).blob(f"llama/{path.name}").upload_from_filename(str(path))
+    monkeypatch.setenv("BATCHPILOT_INIT_FROM_CACHE", str(tmp_path / "node-cache"))  # the ranks inherit it
+    sources = {"ddp": str(hf), "fsdp": f"gs://{gcs_bucket}/llama"}
+    for parallelism, source in sources.items():
         run = tmp_path / parallelism
-        plan = write_run(run, data_uri=demo_data_uri, init_from=hf, parallelism=parallelism)
-        assert first_losses(run, plan)[0] == pytest.approx(expected, abs=1e-4), parallelism
+        plan = write_run(run, data_uri=demo_data_uri, init_from=source, parallelism=parallelism)
+        done = torchrun_train(plan, "0", run / "out")
+        assert first_losses(run, done)[0] == pytest.approx(expected, abs=1e-4), parallelism
+    # Under fsdp (gs://) local rank 0 downloaded the folder once, and local rank 1 loaded its copy.
+    assert done.stdout.count(f"train.init_from {source}: downloaded ") == 1, done.stdout[-3000:]
+    assert f"[rank 1] train.init_from {source}: loading local rank 0's copy in " in done.stdout, done.stdout[-3000:]
 
-    # The fsdp run (the loop's last) resumes its final stage.
-    hf.rename(tmp_path / "hf-gone")  # a resume that read it again would fail: the folder does not exist
+    # The fsdp run (the loop's last) resumes its final stage with the folder gone from the bucket and the node.
+    for blob in gcs_client.list_blobs(gcs_bucket):
+        blob.delete()
+    shutil.rmtree(tmp_path / "node-cache")
     second = torchrun_train(plan, "final", run / "out")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"train.init_from {hf} not loaded: resuming from step 4's checkpoint" in second.stdout
+    assert f"train.init_from {source} not loaded: resuming from step 4's checkpoint" in second.stdout
     assert [r["step"] for r in read_metrics(run / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

@@ -4,38 +4,306 @@ Only a start without a checkpoint of the run's own loads it (the trainer decides
 start resumes from `train.checkpoint_uri`, whose weights have trained on. The weights go into the model as
 the factory built it, on the CPU of every rank, before it is moved, wrapped by DDP or sharded by FSDP2:
 DDP then starts from them as from any weights, and `fully_shard` shards them.
+
+Memory: the safetensors files are opened lazily (memory-mapped) and read one tensor at a time, each copied
+into the model's own parameter and dropped; a rank holds the model it built plus at most one checkpoint
+tensor, and the mapped pages are the node's page cache, shared by its ranks.
+
+A `gs://` folder is downloaded once per node (`node_cache_folder`): local rank 0 streams config.json, the
+index and the weight files into a node-local cache, checks every file's size and CRC32C against the object's
+metadata and publishes the folder by an atomic rename; the other local ranks wait for it, bounded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
 from batchpilot.checks import init_from_shape_problems
 from batchpilot.config import Config
+from batchpilot.data.storage import Storage, open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.batch import raise_problems
+
+FIELD = "train.init_from"
+CACHE_ENV = "BATCHPILOT_INIT_FROM_CACHE"
+"""The node-local folder `gs://` checkpoints are downloaded into (default: the temp dir's
+`batchpilot-init-from`; on GKE /tmp is the pod's emptyDir on the node's disk)."""
+WAIT_ENV = "BATCHPILOT_INIT_FROM_WAIT_S"
+"""How long the other local ranks wait for local rank 0's download (default `DEFAULT_WAIT_S`)."""
+DEFAULT_WAIT_S = 7200.0
+CHUNK_BYTES = 64 * 1024 * 1024
+"""One ranged read of a download: a 5 GB shard never sits in memory whole."""
+SOURCE_FILE = ".batchpilot-source.json"
+"""In a published cache folder: the URI and every object's size, generation and CRC32C it was made from."""
+_PARTIAL = ".partial-"
+_POLL_S = 0.5
+
+
+# --- the folder a rank loads from ------------------------------------------------------------------------
+
+
+def init_from_folder(
+    source: str, *, local_rank: int, say: Callable[[str], None], cache_root: Path | None = None
+) -> Path:
+    """The local folder to load `source` (train.init_from) from: the folder itself, or for `gs://` the node's
+    verified copy (local rank 0 downloads it, the other local ranks wait for it)."""
+    if not source.startswith("gs://"):
+        return Path(source.removeprefix("file://"))
+    root = cache_root or Path(
+        os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir(), "batchpilot-init-from")
+    )
+    wait_s = float(os.environ.get(WAIT_ENV) or DEFAULT_WAIT_S)
+    return node_cache_folder(source, cache_root=root, local_rank=local_rank, wait_s=wait_s, say=say)
+
+
+def node_cache_folder(
+    uri: str, *, cache_root: Path, local_rank: int, wait_s: float, say: Callable[[str], None]
+) -> Path:
+    """The folder under `cache_root` holding a verified copy of the checkpoint at `uri` (config.json, the
+    safetensors index and weights; nothing else of the folder). Local rank 0 reuses a complete copy of the
+    same object generations or downloads one; the others wait up to `wait_s` for it.
+
+    Raises:
+        BatchpilotError: a missing object, a download that does not match its object's size or CRC32C, or a
+            wait that ran out (naming what it waited for).
+    """
+    storage = open_storage(uri)
+    objects = _objects(storage)
+    folder = cache_root / hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    if local_rank != 0:
+        return _wait_for(folder, uri=uri, objects=objects, wait_s=wait_s, say=say)
+    if _complete(folder, uri=uri, objects=objects):
+        say(f"train.init_from {uri}: using this node's copy in {folder}")
+        return folder
+    started = time.monotonic()
+    _download(storage, uri=uri, objects=objects, folder=folder)
+    num_bytes = sum(info["size_bytes"] for info in objects.values())
+    say(
+        f"train.init_from {uri}: downloaded {len(objects)} files ({num_bytes / 2**30:.2f} GiB) into {folder} "
+        f"in {time.monotonic() - started:.1f} s"
+    )
+    return folder
+
+
+def _objects(storage: Storage) -> dict[str, dict[str, Any]]:
+    """name -> size_bytes, generation, crc32c of the objects a load reads: config.json and model.safetensors,
+    or config.json, the index and the shards it names."""
+    from batchpilot.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+
+    names = [CONFIG_FILE]
+    if storage.exists(WEIGHTS_FILE):
+        names.append(WEIGHTS_FILE)
+    elif storage.exists(INDEX_FILE):
+        names += [INDEX_FILE, *_index_names(json.loads(storage.read(INDEX_FILE)), where=storage.uri)]
+    else:
+        raise BatchpilotError(FIELD, f"{storage.uri} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    objects = {}
+    for name in names:
+        info = storage.stat(name)  # ObjectNotFound names the object's URI
+        objects[name] = {"size_bytes": info.size_bytes, "generation": info.generation, "crc32c": info.crc32c}
+    return objects
+
+
+def _index_names(index: Any, *, where: str) -> list[str]:
+    try:
+        return sorted(set(index["weight_map"].values()))
+    except (KeyError, TypeError, AttributeError):
+        raise BatchpilotError(FIELD, f"{where}'s safetensors index has no weight_map") from None
+
+
+def _complete(folder: Path, *, uri: str, objects: dict[str, dict[str, Any]]) -> bool:
+    """Whether `folder` is a published copy of these very objects, every file at its object's size."""
+    try:
+        source = json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if source != {"uri": uri, "objects": objects}:
+        return False
+    return all(_size_or_none(folder / name) == info["size_bytes"] for name, info in objects.items())
+
+
+def _size_or_none(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _wait_for(
+    folder: Path, *, uri: str, objects: dict[str, dict[str, Any]], wait_s: float, say: Callable[[str], None]
+) -> Path:
+    started = time.monotonic()
+    while not _complete(folder, uri=uri, objects=objects):
+        if time.monotonic() - started > wait_s:
+            raise BatchpilotError(
+                FIELD,
+                f"waited {wait_s:.0f} s for local rank 0 to download {uri} into {folder}, and it is not complete",
+                f"see local rank 0's error, or raise {WAIT_ENV} for a larger checkpoint",
+            )
+        time.sleep(_POLL_S)
+    say(f"train.init_from {uri}: loading local rank 0's copy in {folder}")
+    return folder
+
+
+def _download(storage: Storage, *, uri: str, objects: dict[str, dict[str, Any]], folder: Path) -> None:
+    """Downloads into a partial folder, checks each file, and renames it to `folder` (a crashed download
+    leaves only a partial folder, which is never taken and is removed by the next download)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.parent.glob(f"{_PARTIAL}{folder.name}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    partial = folder.with_name(f"{_PARTIAL}{folder.name}-{os.getpid()}")
+    partial.mkdir()
+    try:
+        with ThreadPoolExecutor(max_workers=min(8, len(objects))) as pool:
+            for future in [
+                pool.submit(_download_object, storage, name, info, partial / name)
+                for name, info in objects.items()
+            ]:
+                future.result()
+        (partial / SOURCE_FILE).write_text(json.dumps({"uri": uri, "objects": objects}))
+        if folder.exists():  # an older generation or a damaged copy
+            shutil.rmtree(folder)
+        os.rename(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _download_object(storage: Storage, name: str, info: dict[str, Any], path: Path) -> None:
+    """Streams one object of the pinned generation to `path` in CHUNK_BYTES reads, checking size and CRC32C."""
+    import google_crc32c
+
+    size, crc = info["size_bytes"], 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as file:
+        for start in range(0, size, CHUNK_BYTES):
+            chunk = storage.read(
+                name, start=start, end=min(size, start + CHUNK_BYTES), generation=info["generation"]
+            )
+            crc = google_crc32c.extend(crc, chunk)
+            file.write(chunk)
+        file.flush()
+        os.fsync(file.fileno())
+    where = f"{storage.uri.rstrip('/')}/{name}"
+    if path.stat().st_size != size:
+        raise BatchpilotError(FIELD, f"downloaded {path.stat().st_size} bytes of {where}, which has {size}")
+    if info["crc32c"] is None or crc != info["crc32c"]:
+        raise BatchpilotError(
+            FIELD,
+            f"the download of {where} has CRC32C {crc:08x}, the object {_hex(info['crc32c'])}",
+            "start again (the copy was not kept); if it repeats, check the object",
+        )
+
+
+def _hex(value: int | None) -> str:
+    return "none" if value is None else f"{value:08x}"
+
+
+# --- loading ------------------------------------------------------------------------------------------------
 
 
 def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
     """Reads the checkpoint in `folder`, checks it against the config's model (as `batchpilot plan` did) and
-    copies its weights into `model`; returns the number of tensors loaded.
+    copies its weights into `model` one tensor at a time; returns the number of tensors loaded.
 
     Raises:
         BatchpilotError: a missing folder or file, another architecture or shape, weights missing or left
             over, or safetensors not installed (one line each).
     """
-    from batchpilot.models.hf import LLAMA_FACTORY, from_hf_state_dict, read_hf_checkpoint
+    from batchpilot.models.hf import CONFIG_FILE, LLAMA_FACTORY, llama_args_from_hf_config
 
     if config.model.factory != LLAMA_FACTORY:  # plan refuses it; a hand-edited plan is refused by its hash
-        raise BatchpilotError(
-            "train.init_from", f"loads a Llama, but model.factory is {config.model.factory}"
-        )
+        raise BatchpilotError(FIELD, f"loads a Llama, but model.factory is {config.model.factory}")
     if not folder.is_dir():
-        raise BatchpilotError("train.init_from", f"{folder} does not exist here", "give a checkpoint folder")
-    hf_config, hf_state = read_hf_checkpoint(folder)  # without safetensors: one line naming the hf extra
-    raise_problems(init_from_shape_problems(config, hf_config, path=folder / "config.json"))
-    _, _, state = from_hf_state_dict(hf_config, hf_state)
-    model.load_state_dict(state, strict=True)
-    return len(state)
+        raise BatchpilotError(FIELD, f"{folder} does not exist here", "give a checkpoint folder")
+    path = folder / CONFIG_FILE
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise BatchpilotError(str(path), f"is not readable JSON ({error})") from None
+    raise_problems(init_from_shape_problems(config, hf_config, path=path))
+    return copy_weights(model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder))
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Hugging Face weight name -> the safetensors file in `folder` that holds it (read from the headers)."""
+    from batchpilot.models.hf import INDEX_FILE, WEIGHTS_FILE, require
+
+    safetensors = require("safetensors")
+    if (folder / WEIGHTS_FILE).is_file():
+        paths = [folder / WEIGHTS_FILE]
+    elif (folder / INDEX_FILE).is_file():
+        index = json.loads((folder / INDEX_FILE).read_text())
+        paths = [folder / name for name in _index_names(index, where=str(folder))]
+    else:
+        raise BatchpilotError(FIELD, f"{folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    files = {}
+    for path in paths:
+        try:
+            with safetensors.safe_open(str(path), framework="pt", device="cpu") as handle:
+                files.update(dict.fromkeys(handle.keys(), path))
+        except Exception as error:  # safetensors raises its own error types for missing or damaged files
+            raise BatchpilotError(str(path), f"is not a readable safetensors file ({error})") from None
+    return files
+
+
+def copy_weights(model: nn.Module, *, args: dict[str, Any], files: dict[str, Path]) -> int:
+    """Copies every weight of `files` (Hugging Face name -> file) into the model's own tensor, reading one
+    tensor at a time from the memory-mapped file; a tied head must equal the embedding. Returns the number
+    of the model's state-dict entries set."""
+    from batchpilot.models.hf import llama_weight_names, require
+
+    safetensors = require("safetensors")
+    names = llama_weight_names(args)
+    targets = model.state_dict(keep_vars=True)
+    tied_head = files.pop("lm_head.weight", None) if args["tie_embeddings"] else None
+    unknown = [
+        theirs for theirs in files if theirs not in names and not theirs.endswith("rotary_emb.inv_freq")
+    ]
+    if unknown:
+        raise BatchpilotError(FIELD, f"holds {unknown[0]}, which a LlamaForCausalLM of its config.json lacks")
+    missing = [theirs for theirs in names if theirs not in files]
+    if missing:
+        raise BatchpilotError(FIELD, f"lacks {missing[0]}, a weight of its config.json's LlamaForCausalLM")
+    by_file: dict[Path, list[str]] = {}
+    for theirs in names:
+        by_file.setdefault(files[theirs], []).append(theirs)
+    with torch.no_grad():
+        for path, group in by_file.items():
+            with safetensors.safe_open(str(path), framework="pt", device="cpu") as handle:
+                for theirs in group:
+                    _copy_one(handle, path, theirs, targets[names[theirs]])
+        if tied_head is not None:
+            with safetensors.safe_open(str(tied_head), framework="pt", device="cpu") as handle:
+                head = handle.get_tensor("lm_head.weight")
+            if not torch.equal(
+                head.to(targets["tok_embeddings.weight"].dtype), targets["tok_embeddings.weight"]
+            ):
+                raise BatchpilotError(
+                    FIELD, "lm_head.weight differs from the embedding, but config.json ties them"
+                )
+    loaded = set(names.values()) | ({"output.weight"} if args["tie_embeddings"] else set())
+    left = sorted(set(targets) - loaded)
+    if left:
+        raise BatchpilotError(FIELD, f"set no weight for the model's {left[0]}")
+    return len(loaded)
+
+
+def _copy_one(handle: Any, path: Path, name: str, target: torch.Tensor) -> None:
+    tensor = handle.get_tensor(name)  # this one tensor, read from the mapped file
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise BatchpilotError(
+            FIELD, f"{path} holds {name} of shape {list(tensor.shape)}, the model's is {list(target.shape)}"
+        )
+    target.copy_(tensor)  # casts a bf16 checkpoint to the model's dtype as load_state_dict does

@@ -1,0 +1,161 @@
+"""`train.init_from: gs://...` against a real GCS server (fake-gcs-server): the plan-time check reads the
+checkpoint's config.json from the bucket; each node downloads the folder once into its cache (sizes and
+CRC32C checked, published by a rename), a second start reuses it, a partial or damaged copy is not taken, the
+other local ranks wait for local rank 0 (bounded), and the weights loaded from the copy compute the logits of
+transformers' LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot.checks import init_from_problems
+from batchpilot.config import Config, parse_config
+from batchpilot.data.gcs import GCSStorage
+from batchpilot.errors import BatchpilotError
+from batchpilot.models.factory import build_model
+from batchpilot.train.init_from import SOURCE_FILE, load_init_from, node_cache_folder
+from helpers import tiny_config
+
+ARGS = {
+    "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 64, "vocab_size": 300,
+    "ffn_hidden_size": 128, "rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False,
+}  # fmt: skip
+PREFIX = "models/llama"
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    """A LlamaForCausalLM saved by transformers in shards (with model.safetensors.index.json)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def upload(client, bucket: str, folder: Path) -> str:
+    """Every file of `folder` under gs://bucket/PREFIX; returns that URI."""
+    for path in folder.iterdir():
+        client.bucket(bucket).blob(f"{PREFIX}/{path.name}").upload_from_filename(str(path))
+    return f"gs://{bucket}/{PREFIX}"
+
+
+def llama_config(tmp_path: Path, uri: str, **args: object) -> Config:
+    config = tiny_config(data_uri=f"file://{tmp_path}/data", checkpoint_uri=f"file://{tmp_path}/ckpt")
+    config["model"] = {"factory": "batchpilot.models.llama:build", "args": {**ARGS, **args}}
+    config["train"]["init_from"] = uri
+    config["cluster"]["backend"] = "gke"
+    return parse_config(config)
+
+
+def fetch(uri: str, cache: Path, *, local_rank: int = 0, wait_s: float = 30.0) -> tuple[Path, list[str]]:
+    said: list[str] = []
+    folder = node_cache_folder(uri, cache_root=cache, local_rank=local_rank, wait_s=wait_s, say=said.append)
+    return folder, said
+
+
+def test_the_plan_check_reads_config_json_from_gcs(tmp_path, gcs_client, gcs_bucket, hf_folder):
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    assert init_from_problems(llama_config(tmp_path, uri)) == []
+    (line,) = [str(problem) for problem in init_from_problems(llama_config(tmp_path, uri, n_layer=4))]
+    assert line == (
+        f"model.args.n_layer: is 4 but {uri}/config.json has num_hidden_layers 2 (fix: set model.args.n_layer: 2)"
+    )
+    (problem,) = init_from_problems(llama_config(tmp_path, f"gs://{gcs_bucket}/nothing-here"))
+    assert problem.field == "train.init_from"
+    assert problem.problem == f"gs://{gcs_bucket}/nothing-here has no config.json"
+
+
+def test_a_node_downloads_once_and_loads_transformers_logits(tmp_path, gcs_client, gcs_bucket, hf_folder):
+    from transformers import LlamaForCausalLM
+
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    folder, said = fetch(uri, tmp_path / "cache")
+    assert said[0].startswith(f"train.init_from {uri}: downloaded ")
+    shards = sorted(path.name for path in hf_folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    for name in ["config.json", "model.safetensors.index.json", *shards]:
+        assert (folder / name).read_bytes() == (hf_folder / name).read_bytes(), name
+    assert not (folder / "generation_config.json").exists()  # only what a load reads
+
+    config = llama_config(tmp_path, uri)
+    model = build_model(factory=config.model.factory, args=config.model.args)
+    assert load_init_from(model, config=config, folder=folder) == 21
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        theirs = LlamaForCausalLM.from_pretrained(hf_folder).eval()(input_ids=tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+    again, said = fetch(uri, tmp_path / "cache")
+    assert again == folder and said == [f"train.init_from {uri}: using this node's copy in {folder}"]
+
+
+def test_a_partial_or_damaged_copy_is_not_taken(tmp_path, gcs_client, gcs_bucket, hf_folder):
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    folder, _ = fetch(uri, tmp_path / "cache")
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])  # cut short after it was published
+    crashed = folder.with_name(f".partial-{folder.name}-999999")  # a download that died mid-way
+    crashed.mkdir()
+    (crashed / "config.json").write_text("{}")
+    with pytest.raises(BatchpilotError, match="waited 1 s for local rank 0 to download"):
+        fetch(uri, tmp_path / "cache", local_rank=1, wait_s=1.0)  # another rank does not take it either
+    again, said = fetch(uri, tmp_path / "cache")
+    assert again == folder and said[0].startswith(f"train.init_from {uri}: downloaded ")
+    assert shard.read_bytes() == (hf_folder / shard.name).read_bytes()
+    assert not crashed.exists()
+
+
+def test_a_download_that_does_not_match_the_crc32c_is_not_published(
+    tmp_path, gcs_client, gcs_bucket, hf_folder, monkeypatch
+):
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    real_read = GCSStorage.read
+
+    def flip_a_byte(self, name, **kwargs):  # as a transfer that damaged one byte
+        data = real_read(self, name, **kwargs)
+        return bytes([data[0] ^ 1]) + data[1:] if name.startswith("model-00001") else data
+
+    monkeypatch.setattr(GCSStorage, "read", flip_a_byte)
+    with pytest.raises(
+        BatchpilotError, match=r"the download of .*model-00001-of-\d+\.safetensors has CRC32C"
+    ):
+        fetch(uri, tmp_path / "cache")
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == []  # nothing published, nothing left
+
+
+def test_the_other_local_ranks_wait_for_local_rank_0(tmp_path, gcs_client, gcs_bucket, hf_folder):
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    results: dict[int, Path] = {}
+    waiter = threading.Thread(
+        target=lambda: results.update({1: fetch(uri, tmp_path / "cache", local_rank=1)[0]})
+    )
+    waiter.start()
+    results[0] = fetch(uri, tmp_path / "cache")[0]
+    waiter.join(timeout=30)
+    assert results[1] == results[0] and (results[0] / SOURCE_FILE).is_file()
+
+
+def test_a_new_generation_of_the_checkpoint_is_downloaded_again(tmp_path, gcs_client, gcs_bucket, hf_folder):
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    folder, _ = fetch(uri, tmp_path / "cache")
+    upload(gcs_client, gcs_bucket, hf_folder)  # the same bytes, new generations
+    again, said = fetch(uri, tmp_path / "cache")
+    assert again == folder and said[0].startswith(f"train.init_from {uri}: downloaded ")
