@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from batchpilot.data.corpora import collect_sources
 from batchpilot.data.prepare import is_validation, prepare, validation_mask
 from batchpilot.data.shards import ShardSet
 from batchpilot.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
+from batchpilot.errors import BatchpilotError
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -240,3 +243,31 @@ def test_text_field_and_format_options_reach_the_reader(tmp_path: Path) -> None:
     assert objects(tmp_path / "a") == objects(tmp_path / "b")
     first = np.frombuffer((tmp_path / "a" / "train-00000.bin").read_bytes()[32:], dtype=np.uint16)
     assert bytes(first[: len(documents[1].encode())].astype(np.uint8)) == documents[1].encode()
+
+
+class DyingTokenizer(ByteTokenizer):
+    """Byte-level, but the worker process that meets the document `die` exits at once (as if killed)."""
+
+    def encode_documents(self, documents: Any, *, names: Any, dtype: str) -> Any:
+        if "die\n" in documents:
+            os._exit(9)
+        return super().encode_documents(documents, names=names, dtype=dtype)
+
+
+def test_a_worker_that_dies_ends_the_run_with_one_line_and_removes_the_output(tmp_path: Path) -> None:
+    documents = make_documents(300)
+    write_jsonl(tmp_path / "c.jsonl", documents)
+    # The workers can run this tokenizer: without the document, the run succeeds.
+    assert prepare_into(
+        tmp_path / "alive", [str(tmp_path / "c.jsonl")], tokenizer=DyingTokenizer(), workers=2
+    )
+    documents[200] = "die\n"
+    write_jsonl(tmp_path / "c.jsonl", documents)
+    started = time.monotonic()
+    with pytest.raises(BatchpilotError, match="a tokenizer worker process died") as raised:
+        prepare_into(
+            tmp_path / "out" / "set", [str(tmp_path / "c.jsonl")], tokenizer=DyingTokenizer(), workers=2
+        )
+    assert raised.value.field == "--workers"
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "out").exists()

@@ -176,8 +176,10 @@ class HuggingFaceTokenizer:
     ) -> tuple[np.ndarray, np.ndarray]:
         texts = [_text(document, name) for document, name in zip(documents, names, strict=True)]
         try:
-            # encode_batch_fast: the same ids as encode_batch, without computing character offsets.
-            encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+            # encode_batch_fast (tokenizers >= 0.21): the same ids as encode_batch, without character
+            # offsets (about 15% faster); older releases have only encode_batch.
+            encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+            encodings = encode(texts, add_special_tokens=False)
         except Exception:  # a str the Rust side refuses: a lone surrogate; name the document
             for text, name in zip(texts, names, strict=True):
                 _utf8(text, name)
@@ -292,21 +294,21 @@ def encode_in_order(
         for documents, names in batches:
             window.append(pool.submit(_encode_in_worker, documents, names, dtype))
             if len(window) >= 2 * workers:
-                yield _result(window.popleft(), workers=workers)
+                yield _result(window.popleft())
         while window:
-            yield _result(window.popleft(), workers=workers)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _result(future: Future[tuple[np.ndarray, np.ndarray]], *, workers: int) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        return future.result()
-    except _WorkerError as error:
-        raise BatchpilotError(*error.args) from None
-    except BrokenProcessPool:
+            yield _result(window.popleft())
+    except BrokenProcessPool:  # from submit or result, whichever first sees the pool broken
         raise BatchpilotError(
             "--workers",
             f"a tokenizer worker process died (of {workers}; killed for memory?)",
             "pass fewer --workers",
         ) from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return future.result()
+    except _WorkerError as error:
+        raise BatchpilotError(*error.args) from None
