@@ -429,3 +429,15 @@ def test_all_documents_held_out_is_refused_after_tokenizing_and_leaves_nothing(t
     outcome.assert_refused(
         "1 non-empty document(s) all go to the validation split", "--validation-fraction 0"
     )
+
+
+@pytest.mark.parametrize(("name", "module"), [("c.parquet", "pyarrow"), ("c.jsonl.zst", "zstandard")])
+def test_a_corpus_format_without_its_package_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, module: str
+) -> None:
+    (tmp_path / name).write_bytes(b"not read: the package is missing first")
+    for missing in (module, f"{module}.parquet", f"{module}.ipc"):
+        monkeypatch.setitem(sys.modules, missing, None)  # `import` raises ImportError, as when not installed
+    with no_debris(tmp_path):
+        outcome = run_cli("data", "prepare", str(tmp_path / name), "--out", f"file://{tmp_path}/out")
+    outcome.assert_refused(name, f"needs the `{module}` package", "pip install 'batchpilot[corpora]'")

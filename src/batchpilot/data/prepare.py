@@ -262,8 +262,9 @@ def prepare(
     for name in sorted(set(existing) - set(written)):  # leftovers of the replaced shard set
         storage.delete(name)
     if stats is not None:
-        stats.append(PrepareStats(num_documents=num_documents, num_tokens=sum(manifest.num_tokens(s) for s in manifest.splits),
-                                  input_bytes=counter.num_bytes, seconds=time.perf_counter() - started))  # fmt: skip
+        num_tokens = sum(manifest.num_tokens(split) for split in manifest.splits)
+        seconds = time.perf_counter() - started
+        stats.append(PrepareStats(num_documents, num_tokens, input_bytes=counter.num_bytes, seconds=seconds))
     return manifest
 
 
