@@ -9,6 +9,7 @@ CPU, so no time goes into a random initialisation the checkpoint overwrites. The
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from batchpilot.data.shards import read_manifest
 from batchpilot.data.storage import Storage, join_uri, open_storage
+from batchpilot.data.tokenizers import TOKENIZER_OBJECT
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
 from batchpilot.models import hf
@@ -29,8 +31,6 @@ if TYPE_CHECKING:
 
 FORMATS = ("hf",)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-TOKENIZER_OBJECT = "tokenizer.json"
-"""The copy of a Hugging Face tokenizer that `data prepare` keeps in a shard set, beside manifest.json."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,14 @@ def shard_set_tokenizer(data_uri: str) -> tuple[dict[str, bytes], str, int]:
         )
         return {}, note, eos
     if storage.exists(TOKENIZER_OBJECT):
-        files = {TOKENIZER_OBJECT: storage.read(TOKENIZER_OBJECT)}
+        files = {
+            TOKENIZER_OBJECT: storage.read(TOKENIZER_OBJECT),
+            "tokenizer_config.json": _tokenizer_config(manifest.tokenizer.get("eos_token")),
+        }
         return (
             files,
-            f"tokenizer.json copied from {join_uri(storage.uri, TOKENIZER_OBJECT)} (EOS id {eos})",
+            f"tokenizer.json copied from {join_uri(storage.uri, TOKENIZER_OBJECT)}, with a tokenizer_config.json "
+            f"for AutoTokenizer (EOS id {eos})",
             eos,
         )
     name = manifest.tokenizer.get("file", "the tokenizer file")
@@ -199,6 +203,15 @@ def shard_set_tokenizer(data_uri: str) -> tuple[dict[str, bytes], str, int]:
         f"copy {name}, which the data was prepared with, into the folder (EOS id {eos})"
     )
     return {}, note, eos
+
+
+def _tokenizer_config(eos_token: object) -> bytes:
+    """What `AutoTokenizer.from_pretrained` needs beside a bare tokenizer.json: the class that wraps it (the
+    fast tokenizer over the file as it is, no model-specific pre-processing) and the end-of-document token."""
+    config: dict[str, object] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if isinstance(eos_token, str):
+        config["eos_token"] = eos_token
+    return (json.dumps(config, indent=2) + "\n").encode()
 
 
 def _write_into_place(

@@ -22,7 +22,13 @@ from helpers import REPO
 
 PACKAGE = REPO / "src" / "batchpilot"
 COMPONENTS = PACKAGE / "kfp" / "components.py"
-HF_EXTRA = {"transformers", "safetensors"}
+# Extras the default image leaves out, with the one module each package may be imported from.
+OPTIONAL_EXTRAS = {
+    "transformers": "src/batchpilot/models/hf.py",  # hf: train.init_from, export
+    "safetensors": "src/batchpilot/models/hf.py",
+    "pyarrow": "src/batchpilot/data/corpora.py",  # corpora: data prepare on a developer's machine
+    "zstandard": "src/batchpilot/data/corpora.py",
+}
 TORCH = "torch==2.13.0"  # the CPU build, from a local file here; the image's default TORCH_REQUIREMENT
 
 
@@ -136,11 +142,15 @@ def test_a_venv_with_the_image_extras_imports_everything_batchpilot_imports(tmp_
     # runtime's functions; tests/xla/test_xla_imports.py imports these in .venv-xla.
     xla = {origin for module, _, origin in found if module.split(".")[0] == "torch_xla"}
     assert xla and all(Path(origin).name.startswith("xla") for origin in xla), xla
-    # transformers and safetensors are the `hf` extra's (train.init_from, export), which the default image
-    # leaves out (the Dockerfile's EXTRAS adds it): only models/hf.py may import them.
-    hf = {origin for module, _, origin in found if module.split(".")[0] in HF_EXTRA}
-    assert hf <= {"src/batchpilot/models/hf.py"}, hf
-    wanted = sorted(item for item in found if item[0].split(".")[0] not in {"torch_xla", *HF_EXTRA})
+    # The `hf` and `corpora` extras, which the default image leaves out (the Dockerfile's EXTRAS adds them):
+    # each package only from its one module, which names the extra when the package is missing.
+    optional = {
+        (module.split(".")[0], origin)
+        for module, _, origin in found
+        if module.split(".")[0] in OPTIONAL_EXTRAS
+    }
+    assert optional <= set(OPTIONAL_EXTRAS.items()), optional
+    wanted = sorted(item for item in found if item[0].split(".")[0] not in {"torch_xla", *OPTIONAL_EXTRAS})
     assert {"matplotlib", "kfp", "torchx.components.dist"} <= {module for module, _, _ in wanted}
     assert {"batchpilot.workflow", "batchpilot.logs"} <= component_imports()
 

@@ -89,14 +89,39 @@ def test_bf16_weights(tmp_path, run):
     assert torch.equal(state["model.norm.weight"], models[5].norm.weight.to(torch.bfloat16))
 
 
-def test_the_shard_sets_tokenizer_json_is_copied(tmp_path):
+def bpe_tokenizer_json(documents: list[str]) -> bytes:
+    """A small byte-level BPE tokenizer.json trained on `documents`, with `</s>` as its end of document."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=200,
+        special_tokens=["<unk>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    model.train_from_iterator(documents, trainer=trainer)
+    return model.to_str().encode()
+
+
+def test_the_shard_sets_tokenizer_json_is_copied_and_auto_tokenizer_loads_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    text = "the batch grows as the noise scale grows; the node pool follows the batch"
+    tokenizer_json = bpe_tokenizer_json([text] * 20)
     plan = make_run(tmp_path, tokenizer=HF_TOKENIZER)
-    (tmp_path / "data" / "tokenizer.json").write_bytes(b'{"model": "mine"}')
+    (tmp_path / "data" / "tokenizer.json").write_bytes(tokenizer_json)
     save_checkpoint(tmp_path, 1, seed=1)
     result = export.export_hf(plan=plan, out=tmp_path / "hf")
-    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == b'{"model": "mine"}'
-    assert result.files[-1] == ("tokenizer.json", 17)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer_json
+    assert [name for name, _ in result.files][-2:] == ["tokenizer.json", "tokenizer_config.json"]
     assert result.tokenizer_note.startswith("tokenizer.json copied from file://")
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    expected = (
+        tokenizers.Tokenizer.from_str(tokenizer_json.decode()).encode(text, add_special_tokens=False).ids
+    )
+    assert loaded(text, add_special_tokens=False)["input_ids"] == expected
+    assert (loaded.eos_token, loaded.eos_token_id) == ("</s>", 1)
 
 
 def test_a_tokenizer_the_shard_set_does_not_hold_is_said(tmp_path):

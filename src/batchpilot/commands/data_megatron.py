@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -76,7 +75,7 @@ def vocabulary_from_args(args: argparse.Namespace) -> Vocabulary:
             vocab_size=tokenizer.vocab_size,
             eos_token_id=tokenizer.eos_token_id,
             describe={key: value for key, value in tokenizer.describe().items() if key != "kind"},
-            tokenizer_json=Path(args.tokenizer).read_bytes(),
+            tokenizer_json=tokenizer.file_bytes(),
         )
     if args.eos_token is not None:
         raise BatchpilotError("--eos-token", "only applies with --tokenizer", "pass --eos-token-id instead")

@@ -38,6 +38,7 @@ from batchpilot.data.prepare import (
 )
 from batchpilot.data.shards import MANIFEST_NAME, SPLITS, Manifest, token_dtype
 from batchpilot.data.storage import LocalStorage, ObjectInfo, ObjectNotFound, Storage, join_uri, open_storage
+from batchpilot.data.tokenizers import TOKENIZER_OBJECT
 from batchpilot.errors import BatchpilotError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -53,8 +54,6 @@ DTYPE_CODES = {
     7: "float32",
     8: "uint16",
 }
-# The shard set names the tokenizer.json it was made with by this object name.
-TOKENIZER_OBJECT = "tokenizer.json"
 # Largest ranged read of a .bin: bounds memory, and is few enough requests for GCS latency not to matter.
 _READ_BYTES = 8 * 2**20
 
