@@ -304,7 +304,9 @@ def _jsonl_documents(source: Source, text_field: str, counter: ByteCounter) -> I
                     yield text, f"{source.uri}:{number}"
         except (OSError, EOFError, zlib.error) as error:  # gzip's truncated and corrupt streams
             raise BatchpilotError(
-                source.uri, f"is not a complete gzip stream ({error})", "check the file"
+                source.uri,
+                f"is not a complete gzip stream ({error})",
+                "copy it again from its source, or drop the file",
             ) from None
 
 
@@ -376,7 +378,11 @@ class _ZstdReader(io.RawIOBase):
         data = self._raw.read(2**20)
         if not data:
             if self._frame is not None:
-                raise BatchpilotError(self._uri, "ends inside a zstd frame (truncated)", "check the file")
+                raise BatchpilotError(
+                    self._uri,
+                    "ends inside a zstd frame: the file is truncated",
+                    "copy it again from its source",
+                )
             self._done = True
             return
         output = []
@@ -390,7 +396,9 @@ class _ZstdReader(io.RawIOBase):
                     data, self._frame = self._frame.unused_data, None
         except self._error as error:
             raise BatchpilotError(
-                self._uri, f"is not a valid zstd stream ({error})", "check the file"
+                self._uri,
+                f"is not a valid zstd stream ({error})",
+                "copy it again from its source, or drop the file",
             ) from None
         self._pending = memoryview(b"".join(output))
 
