@@ -586,7 +586,7 @@ def init_from_shape_problems(config: Config, hf_config: Any, *, path: Path | str
     """A config.json (`path`, for the messages) against the config's model: another architecture, or each
     Llama arg that differs, one error each; and model.args.max_seq_len below data.seq_len."""
     from batchpilot.models.hf import llama_args_from_hf_config
-    from batchpilot.models.llama import LlamaConfig
+    from batchpilot.models.llama_config import LlamaConfig
 
     if not isinstance(hf_config, dict):
         return [BatchpilotError(INIT_FROM, f"{path} holds no JSON object")]

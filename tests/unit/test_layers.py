@@ -36,8 +36,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "config": frozenset({"config", "planning", "errors"}),
     "models": frozenset({"models", "errors"}),
     "data": frozenset({"data", "planning", "errors", "files", "logs", "credentials"}),
+    # checks: the trainer repeats the plan's train.init_from shape check on the config.json it loads.
     "train": frozenset(
-        {"train", "data", "models", "planning", "config", "errors", "exitcodes", "files", "logs"}
+        {"train", "data", "models", "planning", "config", "checks", "errors", "exitcodes", "files", "logs"}
     ),
     "explore": frozenset(
         {
@@ -58,7 +59,10 @@ ALLOWED: dict[str, frozenset[str]] = {
         {"cluster", "config", "planning", "errors", "exitcodes", "files", "logs", "credentials"}
     ),
     "schedule": frozenset({"schedule", "config", "planning", "errors"}),
-    "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data"}),
+    # models: only its torch-free modules (hf, llama_config), for train.init_from's config.json check.
+    "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data", "models"}),
+    # `batchpilot export`: a run's checkpoint (train) of its model (models) as a Hugging Face folder.
+    "export": frozenset({"export", "data", "models", "train", "rundoc", "errors", "files", "logs"}),
     "planner": frozenset(
         {"planner", "checks", "schedule", "rundoc", "config", "planning", "errors", "files"}
     ),
@@ -274,6 +278,22 @@ def lazy():
 
 def test_importing_planning_loads_no_heavy_module():
     assert_loads_none_of(HEAVY, "batchpilot.planning")
+
+
+TORCH_FREE_MODELS = frozenset({"batchpilot.models.hf", "batchpilot.models.llama_config"})
+"""The modules of `models` that the plan-time checks may import: no torch at import time."""
+
+
+def test_the_checks_import_only_the_torch_free_model_modules():
+    found = {
+        imp.name
+        for imp in all_imports()
+        if package_of(imp.module) == "checks" and package_of(imp.name) == "models"
+    }
+    assert found and found <= TORCH_FREE_MODELS, found
+    assert_loads_none_of(
+        ("torch", "safetensors", "transformers"), *sorted(TORCH_FREE_MODELS), "batchpilot.checks"
+    )
 
 
 def test_metrics_readers_and_the_report_load_no_torch():
