@@ -50,25 +50,43 @@ def failing_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]
     return ["--tokenizer", str(tmp_path / "tokenizer.json"), "--shard-size-tokens", "256", "--no-progress"]
 
 
-def test_a_failure_part_way_deletes_the_shards_it_wrote(tmp_path: Path, failing_corpus: list[str]) -> None:
+def test_a_failure_part_way_keeps_the_journaled_shards_and_the_rerun_resumes(
+    tmp_path: Path, failing_corpus: list[str]
+) -> None:
     corpus, argv = tmp_path / "corpus", failing_corpus
-    with no_debris(tmp_path):
-        outcome = run_cli("data", "prepare", str(corpus), "--out", f"file://{tmp_path}/out/set", *argv)
-    outcome.assert_refused("b.txt", "UTF-8")
-    # Replacing a shard set: its manifest goes first, so what is left of it after a failure goes too.
+    out = tmp_path / "out" / "set"
+    outcome = run_cli("data", "prepare", str(corpus), "--out", f"file://{out}", *argv)
+    outcome.assert_refused(
+        "b.txt", "UTF-8", f"(7 shards) are kept at file://{out}: run the same command again to resume"
+    )
+    # Kept: the journal and the full shards of a.txt (document 0, validation), nothing of b.txt.
+    assert listing(out) == ["prepare-progress.json", *(f"validation-{i:05d}.bin" for i in range(7))]
+    (corpus / "b.txt").write_text("cafe w1 w2\n")  # fixed: it is after the position, so the run resumes
+    resumed = run_cli("data", "prepare", str(corpus), "--out", f"file://{out}", *argv)
+    assert resumed.code == 0, resumed.stderr
+    assert "resuming: 0 documents and 7 shards already prepared" in resumed.stdout
+    assert run_cli("data", "prepare", str(corpus), "--out", f"file://{tmp_path}/fresh", *argv).code == 0
+    assert contents(out) == contents(tmp_path / "fresh")
+
+
+def test_a_failure_part_way_of_a_forced_run_removes_the_old_sets_leftovers(
+    tmp_path: Path, failing_corpus: list[str]
+) -> None:
+    corpus, argv = tmp_path / "corpus", failing_corpus
     good, old = tmp_path / "good", tmp_path / "old"
     good.mkdir()
     for index in range(3):
-        (good / f"{index}.txt").write_text("w1 w2 w3\n")
+        (good / f"{index}.txt").write_text("w1 w2 w3 " * 400)
     assert run_cli("data", "prepare", str(good), "--out", f"file://{old}", *argv).code == 0
-    assert listing(old)
+    assert "train-00009.bin" in listing(old)
     run_cli("data", "prepare", str(corpus), "--out", f"file://{old}", "--force", *argv).assert_refused(
-        "b.txt"
+        "b.txt", "run the same command without --force to resume, or with it to start over"
     )
-    assert listing(old) == []
+    # The old set's manifest went first and its other shards with the failure: only the new journal's are left.
+    assert listing(old) == ["prepare-progress.json", *(f"validation-{i:05d}.bin" for i in range(7))]
 
 
-def test_a_failure_part_way_on_gcs_deletes_the_objects_it_wrote(
+def test_a_failure_part_way_on_gcs_keeps_the_journaled_objects(
     tmp_path: Path, failing_corpus: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from google.cloud import storage
@@ -80,8 +98,10 @@ def test_a_failure_part_way_on_gcs_deletes_the_objects_it_wrote(
         outcome = run_cli(
             "data", "prepare", str(tmp_path / "corpus"), "--out", "gs://bad-data/set", *failing_corpus
         )
-        outcome.assert_refused("b.txt", "UTF-8")
-        assert [blob.name for blob in client.list_blobs("bad-data")] == []
+        outcome.assert_refused("b.txt", "UTF-8", "(7 shards) are kept at gs://bad-data/set")
+        assert [blob.name for blob in client.list_blobs("bad-data")] == [
+            "set/prepare-progress.json", *(f"set/validation-{i:05d}.bin" for i in range(7))
+        ]  # fmt: skip
 
 
 def test_a_successful_prepare_leaves_no_lock_file(tmp_path: Path) -> None:
@@ -98,6 +118,10 @@ def listing(folder: Path) -> list[str]:
     return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*"))
 
 
+def contents(folder: Path) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in listing(folder)}
+
+
 def shard_set_objects(folder: Path) -> list[str]:
     """manifest.json and the shards it names."""
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -106,28 +130,51 @@ def shard_set_objects(folder: Path) -> list[str]:
     return sorted(["manifest.json", *shards])
 
 
-def test_ctrl_c_in_the_middle_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "code", "what"), [(signal.SIGINT, 130, "interrupted"),
+                                                      (signal.SIGTERM, 143, "terminated (SIGTERM)")])  # fmt: skip
+def test_ctrl_c_or_sigterm_in_the_middle_keeps_the_journaled_shards_and_the_rerun_resumes(
+    tmp_path: Path, signum: int, code: int, what: str
+) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for index in range(8):  # 80 MB: about a second of work, most of it after the first shard
         (corpus / f"{index}.txt").write_bytes(bytes([97 + index]) * 10_000_000)
     out = tmp_path / "out"
+    argv = [
+        "data",
+        "prepare",
+        str(corpus),
+        "--out",
+        f"file://{out}",
+        "--shard-size-tokens",
+        "1M",
+        "--no-progress",
+    ]
     process = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot", "data", "prepare", str(corpus), "--out", f"file://{out}",
-         "--shard-size-tokens", "1M", "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "batchpilot", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
-    while not (out.is_dir() and any(out.glob("train-*.bin"))):
+    while not (out / "prepare-progress.json").exists():  # the first shard is journaled
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.001)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=60)
     outcome = Outcome(process.returncode, stdout, stderr)
     assert "Traceback" not in stderr, stderr
-    assert (outcome.code, outcome.error_lines()) == (130, ["batchpilot: interrupted"])
-    assert not out.exists(), sorted(p.name for p in out.iterdir())  # so the same command simply runs again
-    assert run_cli("data", "prepare", str(corpus), "--out", f"file://{out}", "--no-progress").code == 0
+    journal = json.loads((out / "prepare-progress.json").read_text())
+    shards = [shard["name"] for split in journal["splits"].values() for shard in split]
+    assert outcome.code == code, stderr
+    (line,) = outcome.error_lines()
+    assert line.startswith(f"batchpilot: {what}: "), line
+    assert line.endswith(
+        f"documents ({len(shards)} shards) are kept at file://{out}: run the same command again to resume, "
+        "or add --force to start over"
+    ), line
+    assert listing(out) == sorted(["prepare-progress.json", *shards])  # no partial shard
+    resumed = run_cli(*argv)
+    assert resumed.code == 0 and f"and {len(shards)} shards already prepared" in resumed.stdout, resumed
+    assert run_cli(*argv[:4], f"file://{tmp_path}/fresh", *argv[5:]).code == 0
+    assert contents(out) == contents(tmp_path / "fresh")
 
 
 @pytest.fixture

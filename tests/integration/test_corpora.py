@@ -254,7 +254,7 @@ class DyingTokenizer(ByteTokenizer):
         return super().encode_documents(documents, names=names, dtype=dtype)
 
 
-def test_a_worker_that_dies_ends_the_run_with_one_line_and_removes_the_output(tmp_path: Path) -> None:
+def test_a_worker_that_dies_ends_the_run_with_one_line_and_keeps_the_journaled_shards(tmp_path: Path) -> None:
     documents = make_documents(300)
     write_jsonl(tmp_path / "c.jsonl", documents)
     # The workers can run this tokenizer: without the document, the run succeeds.
@@ -269,5 +269,15 @@ def test_a_worker_that_dies_ends_the_run_with_one_line_and_removes_the_output(tm
             tmp_path / "out" / "set", [str(tmp_path / "c.jsonl")], tokenizer=DyingTokenizer(), workers=2
         )
     assert raised.value.field == "--workers"
+    assert "are kept at file://" in str(raised.value) and "run the same command again to resume" in str(
+        raised.value
+    )
     assert time.monotonic() - started < 30
-    assert not (tmp_path / "out").exists()
+    journal = json.loads((tmp_path / "out" / "set" / "prepare-progress.json").read_text())
+    kept = sorted(shard["name"] for split in journal["splits"].values() for shard in split)
+    assert kept and sorted(objects(tmp_path / "out" / "set")) == sorted(["prepare-progress.json", *kept])
+    # The same settings (a byte tokenizer) on workers that live: the run resumes to an uninterrupted run's bytes.
+    resumed = prepare_into(
+        tmp_path / "out" / "set", [str(tmp_path / "c.jsonl")], tokenizer=ByteTokenizer(), workers=2
+    )
+    assert resumed == prepare_into(tmp_path / "fresh", [str(tmp_path / "c.jsonl")], tokenizer=ByteTokenizer())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -10,7 +12,7 @@ from rich.table import Table
 
 from batchpilot.commands.options import add_out
 from batchpilot.data.corpora import FORMATS, collect_sources, text_sources
-from batchpilot.data.prepare import PrepareStats, demo_inputs, prepare
+from batchpilot.data.prepare import PrepareInterrupted, PrepareStats, demo_inputs, prepare
 from batchpilot.data.shards import Manifest, read_manifest
 from batchpilot.data.storage import open_storage
 from batchpilot.data.tokenizers import load_tokenizer, usable_cores
@@ -94,18 +96,24 @@ def run_prepare(args: argparse.Namespace) -> int:
     )
     tokenizer = load_tokenizer(args.tokenizer, eos_token=args.eos_token)
     stats: list[PrepareStats] = []
-    manifest = prepare(
-        inputs=sources,
-        out_uri=args.out,
-        tokenizer=tokenizer,
-        shard_size_tokens=parse_count(args.shard_size_tokens, field="--shard-size-tokens"),
-        validation_fraction=args.validation_fraction,
-        text_field=args.text_field,
-        workers=usable_cores() if args.workers is None else args.workers,
-        force=args.force,
-        show_progress=not args.no_progress,
-        stats=stats,
-    )
+    try:
+        manifest = prepare(
+            inputs=sources,
+            out_uri=args.out,
+            tokenizer=tokenizer,
+            shard_size_tokens=parse_count(args.shard_size_tokens, field="--shard-size-tokens"),
+            validation_fraction=args.validation_fraction,
+            text_field=args.text_field,
+            workers=usable_cores() if args.workers is None else args.workers,
+            force=args.force,
+            show_progress=not args.no_progress,
+            stats=stats,
+        )
+    except PrepareInterrupted as stopped:
+        # One line that says what is kept and how to go on; the exit code a signal's death would give.
+        what = "interrupted" if stopped.signal_name == "SIGINT" else f"terminated ({stopped.signal_name})"
+        print(f"batchpilot: {what}" + (f": {stopped.kept}" if stopped.kept else ""), file=sys.stderr)
+        return 128 + int(getattr(signal, stopped.signal_name))
     console = Console()
     (done,) = stats
     console.print(

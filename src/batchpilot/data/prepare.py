@@ -5,24 +5,34 @@ fixed order, so the same inputs give the same shards; they are tokenized in batc
 processes and written back in that order. A deterministic, evenly spread `validation_fraction` of the
 documents goes to the validation split. Shards are written first, then the tokenizer file (for a
 tokenizer.json) and the manifest last, so a reader never sees a manifest naming an object that is not
-fully written.
+fully written. A progress journal (`batchpilot.data.prepare_journal`) written after each shard lets an
+interrupted run resume to the same bytes.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import math
+import re
+import signal
 import sysconfig
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from batchpilot.data import prepare_journal as journals
 from batchpilot.data.corpora import ByteCounter, Document, Source, read_documents, text_sources
+from batchpilot.data.prepare_journal import JOURNAL_NAME, Journal, Position
 from batchpilot.data.shards import (
     MANIFEST_NAME,
     SPLITS,
@@ -37,11 +47,13 @@ from batchpilot.data.storage import (
     ObjectNotFound,
     PreconditionFailed,
     Storage,
+    StorageError,
     open_storage,
 )
 from batchpilot.data.tokenizers import TOKENIZER_OBJECT, DocumentBatch, Tokenizer, encode_in_order
 from batchpilot.errors import BatchpilotError
 
+logger = logging.getLogger(__name__)
 # Documents are tokenized in batches of about this many bytes (characters for decoded text): bounds memory
 # (2 x workers batches are in flight), amortises tokenizer calls and inter-process messages.
 _BATCH_BYTES = 2**20
@@ -131,26 +143,161 @@ class _SplitWriter:
         )
 
 
-def _document_batches(documents: Iterator[Document], *, batch_bytes: int) -> Iterator[DocumentBatch]:
-    """Consecutive documents in batches of about `batch_bytes` (the last may be smaller)."""
-    texts: list[str | bytes] = []
-    names: list[str] = []
-    size = 0
-    for text, name in documents:
-        texts.append(text)
-        names.append(name)
-        size += len(text)
-        if size >= batch_bytes:
-            yield texts, names
-            texts, names, size = [], [], 0
-    if texts:
-        yield texts, names
+@dataclass
+class _JournaledWriter(_SplitWriter):
+    """A `_SplitWriter` that knows, after each full shard, where a resumed run picks up: the first document
+    of its split whose tokens are not all written, and how many of them are (`resume_points`, one per full
+    shard; the short last shard written by `finish` has none and is never journaled)."""
+
+    on_shard: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.resume_points: list[Position] = []
+        self.num_written_tokens = 0
+        # Documents (global indices, start and end in the split's token stream) not yet all written.
+        self._documents: collections.deque[tuple[np.ndarray, np.ndarray, np.ndarray]] = collections.deque()
+        self._num_stream_tokens = 0
+        self._next_index = 0
+        self._resume_at: Position = (0, 0)
+        self._finishing = False
+
+    @property
+    def resume_document(self) -> int:
+        """Documents of this split before this index are all in the shards written before this run."""
+        return self._resume_at[0]
+
+    def resume(self, entries: list[tuple[ShardEntry, Position]]) -> None:
+        """Continues after the journaled shards: the next document's first tokens already written are dropped."""
+        self.shards = [shard for shard, _ in entries]
+        self.resume_points = [position for _, position in entries]
+        self.num_written_tokens = sum(shard.num_tokens for shard in self.shards)
+        self._resume_at = self.resume_points[-1] if entries else (0, 0)
+        self._next_index = self._resume_at[0]
+        self._num_stream_tokens = self.num_written_tokens - self._resume_at[1]
+
+    def add_documents(self, tokens: np.ndarray, indices: np.ndarray, lengths: np.ndarray) -> None:
+        """Consecutive documents of this split (`indices` global, `lengths` their token counts)."""
+        ends = self._num_stream_tokens + np.cumsum(lengths)
+        self._documents.append((indices, ends - lengths, ends))
+        self._num_stream_tokens = int(ends[-1])
+        self._next_index = int(indices[-1]) + 1
+        document, num_written = self._resume_at
+        if num_written:  # the first document after a resume: its first tokens are in the last shard
+            if int(indices[0]) != document or int(lengths[0]) <= num_written:
+                raise BatchpilotError(
+                    "INPUT", f"document {document} is not the one the interrupted prepare left part-written",
+                    "pass --force to start over",
+                )  # fmt: skip
+            tokens = tokens[num_written:]
+            self._resume_at = (document, 0)
+        self.add(tokens)
+
+    def finish(self) -> tuple[ShardEntry, ...]:
+        self._finishing = True
+        return super().finish()
+
+    def _flush(self, num_tokens: int) -> None:
+        super()._flush(num_tokens)
+        self.num_written_tokens += num_tokens
+        if not self._finishing:
+            self.resume_points.append(self._position())
+            if self.on_shard is not None:
+                self.on_shard()
+
+    def _position(self) -> Position:
+        written = self.num_written_tokens
+        while self._documents and int(self._documents[0][2][-1]) <= written:
+            self._documents.popleft()
+        if not self._documents:
+            return (self._next_index, 0)
+        indices, starts, ends = self._documents[0]
+        first = int(np.searchsorted(ends, written, side="right"))
+        return (int(indices[first]), written - int(starts[first]))
+
+    def entries(self) -> list[tuple[ShardEntry, Position]]:
+        """The full shards written, with the position after each."""
+        return list(zip(self.shards, self.resume_points, strict=False))
+
+
+class _IndexedReader:
+    """Batches of documents with their global indices, leaving out those already in a resumed run's shards
+    (a document of split s before s's resume position); notes where each input starts and which failed."""
+
+    def __init__(
+        self, sources: Sequence[Source], *, text_field: str, counter: ByteCounter, batch_bytes: int,
+        validation_fraction: float, starts: dict[str, int],
+    ) -> None:  # fmt: skip
+        self._sources = sources
+        self._text_field = text_field
+        self._counter = counter
+        self._batch_bytes = batch_bytes
+        fraction = Fraction(str(validation_fraction))
+        self._p, self._q = fraction.numerator, fraction.denominator
+        self._starts = starts
+        self.first_documents: list[int] = []  # the global index of each input's first document
+        self.num_documents = 0
+        self.failed_input: int | None = None  # an input whose reading failed (a bad document)
+        # Per batch handed out and not yet taken back: its documents' global indices and names.
+        self.pending: collections.deque[tuple[np.ndarray, list[str]]] = collections.deque()
+
+    def batches(self) -> Iterator[DocumentBatch]:
+        texts: list[str | bytes] = []
+        names: list[str] = []
+        indices: list[int] = []
+        size = 0
+        skip_below = max(self._starts.values(), default=0)
+        for number, source in enumerate(self._sources):
+            self.first_documents.append(self.num_documents)
+            for text, name in self._documents_of(number, source):
+                index = self.num_documents
+                self.num_documents += 1
+                if index < skip_below and index < self._starts[self._split_of(index)]:
+                    continue  # its tokens are in the shards already
+                texts.append(text)
+                names.append(name)
+                indices.append(index)
+                size += len(text)
+                if size >= self._batch_bytes:
+                    yield self._handed_out(texts, names, indices)
+                    texts, names, indices, size = [], [], [], 0
+        if texts:
+            yield self._handed_out(texts, names, indices)
+
+    def input_of(self, name: str) -> int | None:
+        """The input holding the pending document named `name` (a tokenizer error names it)."""
+        for indices, names in self.pending:
+            if name in names:
+                return bisect_right(self.first_documents, int(indices[names.index(name)])) - 1
+        return None
+
+    def _documents_of(self, number: int, source: Source) -> Iterator[Document]:
+        try:
+            yield from read_documents([source], text_field=self._text_field, counter=self._counter)
+        except BatchpilotError as error:
+            if not isinstance(error, StorageError):  # a bad document, not a storage failure
+                self.failed_input = number
+            raise
+
+    def _split_of(self, index: int) -> str:
+        # is_validation with integers: ceil(i x p / q) = -((-i x p) // q)
+        before, after = -((-index * self._p) // self._q), -((-(index + 1) * self._p) // self._q)
+        return "validation" if after > before else "train"
+
+    def _handed_out(self, texts: list[str | bytes], names: list[str], indices: list[int]) -> DocumentBatch:
+        self.pending.append((np.asarray(indices, dtype=np.int64), names))
+        return texts, names
 
 
 def validation_mask(first_index: int, num_documents: int, validation_fraction: float) -> np.ndarray:
     """`is_validation` of documents `first_index ...` at once (integer arithmetic on the exact fraction)."""
+    return _validation_of(
+        np.arange(first_index, first_index + num_documents, dtype=np.int64), validation_fraction
+    )
+
+
+def _validation_of(index: np.ndarray, validation_fraction: float) -> np.ndarray:
     fraction = Fraction(str(validation_fraction))
-    index = np.arange(first_index, first_index + num_documents, dtype=np.int64)
     # ceil(i x p / q) = -((-i x p) // q)
     before = -((-index * fraction.numerator) // fraction.denominator)
     after = -((-(index + 1) * fraction.numerator) // fraction.denominator)
@@ -169,6 +316,78 @@ def _claim_destination(storage: Storage, *, force: bool) -> list[str]:
         # Readers must not find the old manifest naming shards that are being replaced.
         storage.delete(MANIFEST_NAME)
     return existing
+
+
+# Objects a prepare writes besides its journal and manifest: a journal's destination may hold these from
+# a run killed before it noted them (or from the set a --force run was replacing); anything else is not ours.
+_OWN_OBJECT = re.compile(r"(train|validation)-\d{5,}\.bin|" + re.escape(TOKENIZER_OBJECT))
+
+
+def _claim_or_resume(
+    storage: Storage, *, force: bool, settings: dict[str, Any], inputs: list[dict[str, Any]]
+) -> tuple[list[str], dict[str, Any] | None]:
+    """The objects already there, and the journal to resume from: a destination holding a journal and no
+    manifest resumes unless `force` (partial objects its run did not journal are deleted first)."""
+    existing = storage.list()
+    if force or JOURNAL_NAME not in existing or MANIFEST_NAME in existing:
+        existing = _claim_destination(storage, force=force)
+        if JOURNAL_NAME in existing:  # the journal of shards about to be replaced must not outlive them
+            storage.delete(JOURNAL_NAME)
+        return existing, None
+    journal = journals.read_journal(storage)
+    journals.check_resumable(journal, settings=settings, inputs=inputs, uri=storage.uri)
+    kept = {JOURNAL_NAME, *journals.shard_names(journal)}
+    partial = [name for name in existing if name not in kept]
+    foreign = [name for name in partial if not _OWN_OBJECT.fullmatch(name)]
+    if foreign:
+        raise BatchpilotError(
+            storage.uri, f"holds {len(foreign)} object(s) that are not this prepare's (first: {foreign[0]})",
+            "move them away to resume, or pass --force to start over",
+        )  # fmt: skip
+    for name in partial:
+        storage.delete(name)
+    return sorted(kept), journal
+
+
+class PrepareInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM stopped a prepare; `kept` says what is kept and how to go on, or is None."""
+
+    def __init__(self, signal_name: str, kept: str | None) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.kept = kept
+
+
+class PrepareStopped(BatchpilotError):
+    """A BatchpilotError that stopped a prepare after shards were kept: one line with what to do next."""
+
+    def __init__(self, error: BatchpilotError, *, kept: str) -> None:
+        self.kept = kept
+        super().__init__(error.field, error.problem, error.fix)
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; {self.kept}"
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so the run stops as it does on Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM (a preemption, `kill`) raises `_Terminated` here instead of ending the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True)
@@ -197,14 +416,19 @@ def prepare(
 ) -> Manifest:
     """Tokenizes `inputs` into shards at `out_uri` and writes the manifest last.
 
-    A run that fails or is interrupted (Ctrl-C) part-way deletes what it wrote (and a local folder it
-    created), so the same command can simply be run again. With `force` it deletes what was there too:
-    that stopped being a shard set when its manifest was deleted, before the first shard was written.
+    After each full shard the progress journal (`prepare_journal`) is updated. A run that fails or is
+    interrupted (Ctrl-C, SIGTERM) part-way keeps the journaled shards and the journal, and removes only
+    partial objects; the same call then resumes where it stopped, and the shard set ends byte for byte as
+    an uninterrupted run's. A bad document keeps only the shards that hold documents of the inputs before
+    its own, so that input may be replaced. A run that fails before its first shard deletes what it wrote
+    (and a local folder it created). With `force` it starts over and deletes what was there: that stopped
+    being a shard set when its manifest was deleted, before the first shard was written.
 
     Args:
         inputs: `Source`s from `batchpilot.data.corpora.collect_sources`, or text files (one document
             each).
-        out_uri: `file://path` or `gs://bucket/prefix`; must be empty unless `force`.
+        out_uri: `file://path` or `gs://bucket/prefix`; must be empty (or hold an interrupted run's
+            journal) unless `force`.
         tokenizer: see `batchpilot.data.tokenizers.load_tokenizer`.
         shard_size_tokens: tokens per shard (the last shard of a split may hold fewer).
         validation_fraction: share of documents for the validation split, in [0, 0.5].
@@ -217,6 +441,10 @@ def prepare(
 
     Returns:
         The manifest written.
+
+    Raises:
+        PrepareStopped: a BatchpilotError after shards were kept, naming them and how to resume.
+        PrepareInterrupted: Ctrl-C or SIGTERM, with what was kept.
     """
     if shard_size_tokens < 2:
         raise BatchpilotError("--shard-size-tokens", f"must be at least 2, got {shard_size_tokens}")
@@ -229,37 +457,67 @@ def prepare(
     sources = [item for item in inputs if isinstance(item, Source)]
     sources += text_sources([item for item in inputs if not isinstance(item, Source)])
     storage = open_storage(out_uri)
-    created = _missing_folders(storage)
-    existing = _claim_destination(storage, force=force)
     dtype = token_dtype(tokenizer.vocab_size)
-    written: list[str] = []  # every object this run wrote, or may have: removed again if it fails
+    settings = journals.settings_fingerprint(
+        tokenizer=tokenizer.describe(), vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
+        dtype=dtype, text_field=text_field, shard_size_tokens=shard_size_tokens,
+        validation_fraction=validation_fraction,
+    )  # fmt: skip
+    listed = journals.input_fingerprints(sources)
+    created = _missing_folders(storage)
+    existing, resumed = _claim_or_resume(storage, force=force, settings=settings, inputs=listed)
+    written: list[str] = []  # every object this run wrote, or may have: removed again if nothing is kept
     writers = {
-        split: _SplitWriter(
+        split: _JournaledWriter(
             storage, split, dtype, shard_size_tokens, precondition=None if force else 0, pending=[],
             written=written,
         )
         for split in SPLITS
     }  # fmt: skip
+    if resumed is not None:
+        for split, writer in writers.items():
+            writer.resume(journals.shard_entries(resumed, split))
+        logger.info(
+            f"resuming: {_kept_documents(resumed, validation_fraction):,} documents and "
+            f"{journals.num_shards(resumed)} shards already prepared at {storage.uri}"
+        )
     started = time.perf_counter()
     counter = ByteCounter()
+    reader = _IndexedReader(
+        sources, text_field=text_field, counter=counter, batch_bytes=batch_bytes or _BATCH_BYTES,
+        validation_fraction=validation_fraction,
+        starts={split: writer.resume_document for split, writer in writers.items()},
+    )  # fmt: skip
+    journal = Journal(
+        storage, settings=settings, inputs=listed, first_documents=reader.first_documents,
+        splits=lambda: {split: writer.entries() for split, writer in writers.items()}, noted=written,
+    )  # fmt: skip
+    journal.stored = resumed
+    for writer in writers.values():
+        writer.on_shard = journal.shard_written
     try:
-        num_documents = _write_shards(
-            _document_batches(
-                read_documents(sources, text_field=text_field, counter=counter),
-                batch_bytes=batch_bytes or _BATCH_BYTES,
-            ),
-            writers=writers, tokenizer=tokenizer, dtype=dtype, workers=workers,
-            validation_fraction=validation_fraction, counter=counter,
-            total_bytes=sum(source.size_bytes for source in sources), show_progress=show_progress,
-        )  # fmt: skip
-        manifest = _finish_shard_set(
-            storage=storage, writers=writers, written=written, tokenizer=tokenizer, dtype=dtype,
-            num_documents=num_documents, validation_fraction=validation_fraction, force=force,
-        )  # fmt: skip
-    except BaseException:
-        _remove_partial(storage, written=[*written, *existing], created=created)
+        with _sigterm_stops():
+            num_documents = _write_shards(
+                reader, writers=writers, tokenizer=tokenizer, dtype=dtype, workers=workers,
+                validation_fraction=validation_fraction, counter=counter,
+                total_bytes=sum(source.size_bytes for source in sources), show_progress=show_progress,
+            )  # fmt: skip
+            manifest = _finish_shard_set(
+                storage=storage, writers=writers, written=written, tokenizer=tokenizer, dtype=dtype,
+                num_documents=num_documents, validation_fraction=validation_fraction, force=force,
+            )  # fmt: skip
+    except BaseException as error:
+        _stop(error, storage=storage, journal=journal, reader=reader, written=[*written, *existing],
+              created=created, force=force, validation_fraction=validation_fraction)  # fmt: skip
         raise
-    for name in sorted(set(existing) - set(written)):  # leftovers of the replaced shard set
+    final = {
+        MANIFEST_NAME,
+        TOKENIZER_OBJECT,
+        *(s.name for shards in manifest.splits.values() for s in shards),
+    }
+    with contextlib.suppress(ObjectNotFound):
+        storage.delete(JOURNAL_NAME)  # after the manifest: a run stopped in between left a whole set
+    for name in sorted(set(existing) - final - {JOURNAL_NAME}):  # leftovers of the replaced shard set
         storage.delete(name)
     if stats is not None:
         num_tokens = sum(manifest.num_tokens(split) for split in manifest.splits)
@@ -268,10 +526,49 @@ def prepare(
     return manifest
 
 
+def _kept_documents(journal: dict[str, Any], validation_fraction: float) -> int:
+    return journals.kept_documents(journals.positions(journal), validation_fraction=validation_fraction)
+
+
+def _stop(
+    error: BaseException, *, storage: Storage, journal: Journal, reader: _IndexedReader, written: list[str],
+    created: list[Path], force: bool, validation_fraction: float,
+) -> None:  # fmt: skip
+    """Keeps the journaled shards of a stopped run and removes the rest; raises the error that says so.
+
+    A bad document (a reader or tokenizer error naming it) keeps only shards holding documents of the inputs
+    before its own, so that input may be replaced before resuming. Returns when nothing is kept (everything
+    written is removed, as before the journal existed) and the caller re-raises `error`.
+    """
+    failed = reader.failed_input
+    if failed is None and isinstance(error, BatchpilotError) and not isinstance(error, StorageError):
+        failed = reader.input_of(error.field)  # a tokenizer error names its document
+    before = reader.first_documents[failed] if failed is not None else None
+    kept = journal.settle(before_document=before)
+    if kept is None:
+        _remove_partial(storage, written=written, created=created)
+        if isinstance(error, _Terminated):
+            raise PrepareInterrupted("SIGTERM", None) from None
+        return
+    keep = {JOURNAL_NAME, *journals.shard_names(kept)}
+    with contextlib.suppress(StorageError):  # what is left is deleted when the run resumes
+        _remove_partial(storage, written=[name for name in written if name not in keep], created=[])
+    again = "run the same command without --force to resume, or with it" if force else (
+        "run the same command again to resume, or add --force")  # fmt: skip
+    line = (
+        f"{_kept_documents(kept, validation_fraction):,} documents ({journals.num_shards(kept)} shards) are "
+        f"kept at {storage.uri}: {again} to start over"
+    )
+    if isinstance(error, KeyboardInterrupt):
+        raise PrepareInterrupted("SIGTERM" if isinstance(error, _Terminated) else "SIGINT", line) from None
+    if isinstance(error, BatchpilotError):
+        raise PrepareStopped(error, kept=line) from None
+
+
 def _write_shards(
-    batches: Iterator[DocumentBatch],
+    reader: _IndexedReader,
     *,
-    writers: dict[str, _SplitWriter],
+    writers: dict[str, _JournaledWriter],
     tokenizer: Tokenizer,
     dtype: str,
     workers: int,
@@ -280,8 +577,8 @@ def _write_shards(
     total_bytes: int,
     show_progress: bool,
 ) -> int:
-    """Tokenizes `batches` and adds each document to its split's writer, in order; returns the number of
-    documents (empty ones were skipped by the readers)."""
+    """Tokenizes the reader's batches and adds each document to its split's writer, in order; returns the
+    number of documents (empty ones were skipped by the readers; those a resumed run skips count)."""
     columns = (
         TextColumn("prepare"),
         BarColumn(),
@@ -289,29 +586,31 @@ def _write_shards(
         TextColumn("{task.fields[documents]:,} docs  {task.fields[tokens]:,} tokens  {task.fields[rate]}"),
         TimeRemainingColumn(),
     )
-    num_documents = num_validation = num_tokens = 0
+    num_tokens = 0
     started = time.perf_counter()
+    batches = reader.batches()
     with (
         Progress(*columns, disable=not show_progress) as progress,
         contextlib.closing(encode_in_order(batches, tokenizer=tokenizer, dtype=dtype, workers=workers)) as encoded,
     ):  # fmt: skip
         task = progress.add_task("prepare", total=total_bytes, documents=0, tokens=0, rate="")
         for tokens, lengths in encoded:
-            validation = validation_mask(num_documents, lengths.size, validation_fraction)
-            _add_runs(tokens, lengths, validation, writers=writers)
-            num_documents += lengths.size
-            num_validation += int(validation.sum())
+            indices, _ = reader.pending.popleft()
+            _add_runs(tokens, lengths, indices, _validation_of(indices, validation_fraction), writers=writers)
             num_tokens += tokens.size
             rate = num_tokens / max(time.perf_counter() - started, 1e-9)
-            progress.update(task, completed=min(counter.num_bytes, total_bytes), documents=num_documents,
+            progress.update(task, completed=min(counter.num_bytes, total_bytes), documents=int(indices[-1]) + 1,
                             tokens=num_tokens, rate=f"{rate:,.0f} tokens/s")  # fmt: skip
+    num_documents = reader.num_documents
+    num_validation = math.ceil(num_documents * Fraction(str(validation_fraction)))
     _check_documents(num_documents, num_validation=num_validation, validation_fraction=validation_fraction)
     return num_documents
 
 
 def _add_runs(
-    tokens: np.ndarray, lengths: np.ndarray, validation: np.ndarray, *, writers: dict[str, _SplitWriter]
-) -> None:
+    tokens: np.ndarray, lengths: np.ndarray, indices: np.ndarray, validation: np.ndarray, *,
+    writers: dict[str, _JournaledWriter],
+) -> None:  # fmt: skip
     """Adds each run of consecutive documents of one split as one slice of `tokens`."""
     ends = np.cumsum(lengths)
     changes = np.flatnonzero(validation[1:] != validation[:-1]) + 1
@@ -320,13 +619,15 @@ def _add_runs(
     for first, stop in zip(run_starts, run_ends, strict=True):
         begin = int(ends[first - 1]) if first else 0
         split = "validation" if validation[first] else "train"
-        writers[split].add(tokens[begin : int(ends[stop - 1])])
+        writers[split].add_documents(
+            tokens[begin : int(ends[stop - 1])], indices[first:stop], lengths[first:stop]
+        )
 
 
 def _finish_shard_set(
     *,
     storage: Storage,
-    writers: dict[str, _SplitWriter],
+    writers: dict[str, _JournaledWriter],
     written: list[str],
     tokenizer: Tokenizer,
     dtype: str,
