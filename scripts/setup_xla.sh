@@ -13,8 +13,8 @@ if ! "$venv/bin/python" -c "import torch, torch_xla" 2>/dev/null; then
   # Both pinned in one resolve, before the project, so nothing can move torch off 2.9.0.
   "$venv/bin/python" -m pip install -q torch==2.9.0 torch-xla==2.9.0 2>&1 | grep -v "is ignored" || true
 fi
-# The trainer's extras only (no kfp/torchx): constraints.txt pins what the main venv resolved; torch is
-# not in it, so the pair above stays.
-"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[train,data,gcs,tpu]" pytest pytest-timeout \
+# The trainer's extras only (no kfp/torchx; hf for train.init_from): constraints.txt pins what the main venv
+# resolved; torch is not in it, so the pair above stays.
+"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[train,data,gcs,tpu,hf]" pytest pytest-timeout \
   2>&1 | grep -v "is ignored" || true
 PJRT_DEVICE=CPU "$venv/bin/python" -c "import batchpilot, torch, torch_xla; print('batchpilot', batchpilot.__version__, 'ready in $venv (torch', torch.__version__ + ', torch_xla', torch_xla.__version__ + ')')"

@@ -484,12 +484,6 @@ def init_from_problems(config: Config) -> list[BatchpilotError]:
             )
         ]
     problems = []
-    if resolved_runtime(config) == "xla":
-        problems.append(
-            BatchpilotError(
-                INIT_FROM, "is not implemented for runtime xla", "start from it under runtime eager"
-            )
-        )
     folder = config.train.init_from_folder
     if folder is not None and config.cluster.backend != "local":
         problems.append(

@@ -54,6 +54,35 @@ _POLL_S = 0.5
 # --- the folder a rank loads from ------------------------------------------------------------------------
 
 
+def start_from(
+    model: nn.Module,
+    *,
+    config: Config,
+    resuming_step: int | None,
+    local_rank: int,
+    say: Callable[[str], None],
+    say_every_rank: Callable[[str], None],
+) -> None:
+    """`train.init_from`: a start without a checkpoint of the run's own takes the Hugging Face weights (step 0,
+    a fresh optimizer); a resume (`resuming_step` set) never does, its checkpoint's weights have trained on.
+    A gs:// folder is first downloaded once per node (local rank 0; the other local ranks wait for it). The
+    eager trainer calls this on every rank before ddp wraps or fsdp shards the model; the XLA trainer on
+    every host before the model moves to its devices.
+
+    Args:
+        say: a message once (the main rank's log); say_every_rank: a message from this rank.
+    """
+    source = config.train.init_from
+    if source is None:
+        return
+    if resuming_step is not None:
+        say(f"train.init_from {source} not loaded: resuming from step {resuming_step}'s checkpoint")
+        return
+    folder = init_from_folder(source, local_rank=local_rank, say=say_every_rank)
+    loaded = load_init_from(model, config=config, folder=folder)
+    say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
+
+
 def init_from_folder(
     source: str, *, local_rank: int, say: Callable[[str], None], cache_root: Path | None = None
 ) -> Path:

@@ -37,7 +37,7 @@ from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
-from batchpilot.train.init_from import init_from_folder, load_init_from
+from batchpilot.train.init_from import start_from
 from batchpilot.train.loop import LoopBase, data_order, prepare_outputs, run_loop
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
 from batchpilot.train.shape import model_shape
@@ -163,20 +163,15 @@ def check_vocabulary(model: nn.Module, *, vocab_size: int) -> None:
 def start_from_init_from(
     model: nn.Module, *, config: Config, checkpoint: Checkpoint | None, ctx: DistContext
 ) -> None:
-    """`train.init_from`: a start without a checkpoint of the run's own takes the Hugging Face weights (step 0,
-    a fresh optimizer); a resume never does, its checkpoint's weights have trained on. A gs:// folder is
-    first downloaded once per node (local rank 0; the other local ranks wait for it)."""
-    source = config.train.init_from
-    if source is None:
-        return
-    if checkpoint is not None:
-        log(ctx, f"train.init_from {source} not loaded: resuming from step {checkpoint.step}'s checkpoint")
-        return
-    folder = init_from_folder(
-        source, local_rank=ctx.local_rank, say=lambda message: logger.info(f"[rank {ctx.rank}] {message}")
+    """`train.init_from` on this rank (see `batchpilot.train.init_from.start_from`)."""
+    start_from(
+        model,
+        config=config,
+        resuming_step=None if checkpoint is None else checkpoint.step,
+        local_rank=ctx.local_rank,
+        say=lambda message: log(ctx, message),
+        say_every_rank=lambda message: logger.info(f"[rank {ctx.rank}] {message}"),
     )
-    loaded = load_init_from(model, config=config, folder=folder)
-    log(ctx, f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
 
 
 def check_resume_point(*, stages: list[Stage], checkpoint: Checkpoint | None, uri: str) -> int:

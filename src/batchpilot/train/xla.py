@@ -71,10 +71,6 @@ def refuse_unsupported(config: Config) -> None:
             "is not implemented for runtime xla (XLA compiles every step's graph itself)",
             "set train.compile: false",
         )
-    if config.train.init_from is not None:
-        raise BatchpilotError(
-            "train.init_from", "is not implemented for runtime xla", "start from it under runtime eager"
-        )
 
 
 @dataclass(frozen=True)

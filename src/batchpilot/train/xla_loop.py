@@ -42,6 +42,7 @@ from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planning import Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
+from batchpilot.train.init_from import start_from
 from batchpilot.train.loop import LoopBase, prepare_outputs, run_loop
 from batchpilot.train.noise import NoiseScaleEMA
 from batchpilot.train.step import INJECT_OOM_ENV, micro_batch_loss
@@ -283,11 +284,22 @@ def check_device_count(*, stages: list[Stage], stage: str, host: XlaHost, device
         )
 
 
-def _build_model(config: Config, layout: Layout, *, vocab_size: int) -> tuple[nn.Module, int]:
-    """The model as the eager trainer builds it (same seed, on the CPU), moved to XLA and sharded."""
+def _build_model(
+    config: Config, layout: Layout, *, vocab_size: int, host: XlaHost, checkpoint: Checkpoint | None
+) -> tuple[nn.Module, int]:
+    """The model as the eager trainer builds it (same seed, on the CPU; `train.init_from`'s weights on a
+    start without a checkpoint, each host reading its own node's copy), moved to XLA and sharded."""
     torch.manual_seed(config.train.seed)
     model = build_model(factory=config.model.factory, args=config.model.args)
     check_vocabulary(model, vocab_size=vocab_size)
+    start_from(
+        model,
+        config=config,
+        resuming_step=None if checkpoint is None else checkpoint.step,
+        local_rank=0,  # one process per host
+        say=lambda message: logger.info(message) if host.is_main else None,
+        say_every_rank=lambda message: logger.info(f"[host {host.host}] {message}"),
+    )
     set_activation_checkpointing(model, config.train.activation_checkpointing)
     move_to_xla(model)
     sharded = shard_parameters(model, layout)
@@ -380,7 +392,9 @@ def train_xla(
         strategy=plan.parallelism, num_devices=host.num_devices, devices_per_node=plan.devices_per_node
     )
     validator = XlaValidator.from_config(config, host, layout)  # a missing validation split fails here
-    model, num_sharded = _build_model(config, layout, vocab_size=loader.vocab_size)
+    model, num_sharded = _build_model(
+        config, layout, vocab_size=loader.vocab_size, host=host, checkpoint=checkpoint
+    )
     optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)
     init_optimizer_state(model, optimizer, layout)  # the first step compiles the graph every step runs
     restored = _restore(
