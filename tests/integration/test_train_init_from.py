@@ -127,7 +127,9 @@ def test_stage_0_starts_from_the_checkpoint_and_a_resume_does_not_reload_it(
         assert first_losses(run, done)[0] == pytest.approx(expected, abs=1e-4), parallelism
     # Under fsdp (gs://) local rank 0 downloaded the folder once, and local rank 1 loaded its copy.
     assert done.stdout.count(f"train.init_from {source}: downloaded ") == 1, done.stdout[-3000:]
-    assert f"[rank 1] train.init_from {source}: loading local rank 0's copy in " in done.stdout, done.stdout[-3000:]
+    assert f"[rank 1] train.init_from {source}: loading local rank 0's copy in " in done.stdout, done.stdout[
+        -3000:
+    ]
 
     # The fsdp run (the loop's last) resumes its final stage with the folder gone from the bucket and the node.
     for blob in gcs_client.list_blobs(gcs_bucket):
