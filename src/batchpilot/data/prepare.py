@@ -467,20 +467,10 @@ def prepare(
     created = _missing_folders(storage)
     existing, resumed = _claim_or_resume(storage, force=force, settings=settings, inputs=listed)
     written: list[str] = []  # every object this run wrote, or may have: removed again if nothing is kept
-    writers = {
-        split: _JournaledWriter(
-            storage, split, dtype, shard_size_tokens, precondition=None if force else 0, pending=[],
-            written=written,
-        )
-        for split in SPLITS
-    }  # fmt: skip
-    if resumed is not None:
-        for split, writer in writers.items():
-            writer.resume(journals.shard_entries(resumed, split))
-        logger.info(
-            f"resuming: {_kept_documents(resumed, validation_fraction):,} documents and "
-            f"{journals.num_shards(resumed)} shards already prepared at {storage.uri}"
-        )
+    writers = _writers(
+        storage, dtype=dtype, shard_size_tokens=shard_size_tokens, force=force, written=written,
+        resumed=resumed, validation_fraction=validation_fraction,
+    )  # fmt: skip
     started = time.perf_counter()
     counter = ByteCounter()
     reader = _IndexedReader(
@@ -510,20 +500,48 @@ def prepare(
         _stop(error, storage=storage, journal=journal, reader=reader, written=[*written, *existing],
               created=created, force=force, validation_fraction=validation_fraction)  # fmt: skip
         raise
-    final = {
-        MANIFEST_NAME,
-        TOKENIZER_OBJECT,
-        *(s.name for shards in manifest.splits.values() for s in shards),
-    }
-    with contextlib.suppress(ObjectNotFound):
-        storage.delete(JOURNAL_NAME)  # after the manifest: a run stopped in between left a whole set
-    for name in sorted(set(existing) - final - {JOURNAL_NAME}):  # leftovers of the replaced shard set
-        storage.delete(name)
+    _remove_journal_and_leftovers(storage, existing=existing, manifest=manifest)
     if stats is not None:
         num_tokens = sum(manifest.num_tokens(split) for split in manifest.splits)
         seconds = time.perf_counter() - started
         stats.append(PrepareStats(num_documents, num_tokens, input_bytes=counter.num_bytes, seconds=seconds))
     return manifest
+
+
+def _writers(
+    storage: Storage, *, dtype: str, shard_size_tokens: int, force: bool, written: list[str],
+    resumed: dict[str, Any] | None, validation_fraction: float,
+) -> dict[str, _JournaledWriter]:  # fmt: skip
+    """Each split's writer, continuing after the shards of `resumed` (a journal) if given."""
+    writers = {
+        split: _JournaledWriter(
+            storage, split, dtype, shard_size_tokens, precondition=None if force else 0, pending=[],
+            written=written,
+        )
+        for split in SPLITS
+    }  # fmt: skip
+    if resumed is not None:
+        for split, writer in writers.items():
+            writer.resume(journals.shard_entries(resumed, split))
+        logger.info(
+            f"resuming: {_kept_documents(resumed, validation_fraction):,} documents and "
+            f"{journals.num_shards(resumed)} shards already prepared at {storage.uri}"
+        )
+    return writers
+
+
+def _remove_journal_and_leftovers(storage: Storage, *, existing: list[str], manifest: Manifest) -> None:
+    """After the manifest (a run stopped in between left a whole set): the journal, then what is left of a
+    replaced shard set."""
+    with contextlib.suppress(ObjectNotFound):
+        storage.delete(JOURNAL_NAME)
+    final = {
+        MANIFEST_NAME,
+        TOKENIZER_OBJECT,
+        *(s.name for shards in manifest.splits.values() for s in shards),
+    }
+    for name in sorted(set(existing) - final - {JOURNAL_NAME}):
+        storage.delete(name)
 
 
 def _kept_documents(journal: dict[str, Any], validation_fraction: float) -> int:
