@@ -21,6 +21,7 @@ from batchpilot.data.prepare import is_validation, prepare, validation_mask
 from batchpilot.data.shards import ShardSet
 from batchpilot.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 from batchpilot.errors import BatchpilotError
+from hf_files import bpe_tokenizer_json
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -61,16 +62,7 @@ def write_parquet(path: Path, documents: list[str]) -> None:
 
 
 def bpe_tokenizer(path: Path, documents: list[str]) -> Path:
-    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<unk>", "<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    model.train_from_iterator(documents, trainer=trainer)
-    model.save(str(path))
+    path.write_bytes(bpe_tokenizer_json(documents, vocab_size=400, special_tokens=["<unk>", "<|endoftext|>"]))
     return path
 
 

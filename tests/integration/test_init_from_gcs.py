@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from batchpilot.checks import init_from_problems
 from batchpilot.config import Config, parse_config
@@ -19,32 +18,16 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
 from batchpilot.train.init_from import SOURCE_FILE, load_init_from, node_cache_folder
 from helpers import tiny_config
+from hf_files import LLAMA_ARGS, max_logits_difference, write_hf_llama
 
-ARGS = {
-    "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 64, "vocab_size": 300,
-    "ffn_hidden_size": 128, "rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False,
-}  # fmt: skip
+ARGS = LLAMA_ARGS
 PREFIX = "models/llama"
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
     """A LlamaForCausalLM saved by transformers in shards (with model.safetensors.index.json)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(0.5, 1.5)
-    folder = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(folder, max_shard_size="100KB")
+    folder = write_hf_llama(tmp_path_factory.mktemp("hf") / "llama", max_shard_size="100KB")
     assert (folder / "model.safetensors.index.json").is_file()
     return folder
 
@@ -83,7 +66,6 @@ def test_the_plan_check_reads_config_json_from_gcs(tmp_path, gcs_client, gcs_buc
 
 
 def test_a_node_downloads_once_and_loads_transformers_logits(tmp_path, gcs_client, gcs_bucket, hf_folder):
-    from transformers import LlamaForCausalLM
 
     uri = upload(gcs_client, gcs_bucket, hf_folder)
     folder, said = fetch(uri, tmp_path / "cache")
@@ -97,11 +79,7 @@ def test_a_node_downloads_once_and_loads_transformers_logits(tmp_path, gcs_clien
     config = llama_config(tmp_path, uri)
     model = build_model(factory=config.model.factory, args=config.model.args)
     assert load_init_from(model, config=config, folder=folder) == 21
-    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ours = model.eval()(tokens)
-        theirs = LlamaForCausalLM.from_pretrained(hf_folder).eval()(input_ids=tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert max_logits_difference(model, hf_folder) <= 1e-4
 
     again, said = fetch(uri, tmp_path / "cache")
     assert again == folder and said == [f"train.init_from {uri}: using this node's copy in {folder}"]

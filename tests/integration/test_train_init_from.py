@@ -19,36 +19,21 @@ from torch.nn import functional as F
 from batchpilot.data.loader import TokenLoader
 from batchpilot.train.metrics import read_metrics
 from helpers import run_batchpilot
+from hf_files import LLAMA_ARGS, write_hf_llama
 
 SEQ_LEN = 32
 
 
 def write_checkpoint(folder: Path) -> Path:
-    """A LlamaForCausalLM saved by transformers, with weights far from an untrained model's (std 0.3), so
-    that its loss tells it apart from a freshly initialised one."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
-    model.save_pretrained(folder, max_shard_size="100KB")  # shards and model.safetensors.index.json
-    return folder
+    """A sharded LlamaForCausalLM saved by transformers (with model.safetensors.index.json), with weights far
+    from an untrained model's (std 0.3), so that its loss tells it apart from a freshly initialised one."""
+    return write_hf_llama(folder, max_shard_size="100KB", std=0.3)
 
 
 def write_run(root: Path, *, data_uri: str, init_from: str, parallelism: str) -> Path:
     """config.yaml and, through `batchpilot plan`, plan.json in `root` for 2 processes of 1 node: stage 0 at
     batch 8 (4 steps), the final stage at 16 (2 steps); returns the plan's path."""
-    args = {
-        "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 64, "vocab_size": 300,
-        "ffn_hidden_size": 128, "rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False,
-    }  # fmt: skip
+    args = LLAMA_ARGS
     config = {
         "name": "init-from",
         "model": {"factory": "batchpilot.models.llama:build", "args": args},

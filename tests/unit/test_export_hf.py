@@ -18,6 +18,7 @@ from batchpilot.models.factory import build_model
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 from batchpilot.train.state import training_state
 from helpers import tiny_config, write_manifest
+from hf_files import bpe_tokenizer_json
 
 LLAMA_ARGS = {"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 64, "max_seq_len": 32, "vocab_size": 257}
 HF_TOKENIZER = {"kind": "huggingface", "file": "tok.json", "sha256": "0" * 64, "eos_token": "</s>"}
@@ -89,26 +90,11 @@ def test_bf16_weights(tmp_path, run):
     assert torch.equal(state["model.norm.weight"], models[5].norm.weight.to(torch.bfloat16))
 
 
-def bpe_tokenizer_json(documents: list[str]) -> bytes:
-    """A small byte-level BPE tokenizer.json trained on `documents`, with `</s>` as its end of document."""
-    tokenizers = pytest.importorskip("tokenizers")
-    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=200,
-        special_tokens=["<unk>", "</s>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    model.train_from_iterator(documents, trainer=trainer)
-    return model.to_str().encode()
-
-
 def test_the_shard_sets_tokenizer_json_is_copied_and_auto_tokenizer_loads_it(tmp_path):
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     text = "the batch grows as the noise scale grows; the node pool follows the batch"
-    tokenizer_json = bpe_tokenizer_json([text] * 20)
+    tokenizer_json = bpe_tokenizer_json([text] * 20, vocab_size=200, special_tokens=["<unk>", "</s>"])
     plan = make_run(tmp_path, tokenizer=HF_TOKENIZER)
     (tmp_path / "data" / "tokenizer.json").write_bytes(tokenizer_json)
     save_checkpoint(tmp_path, 1, seed=1)

@@ -17,43 +17,10 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
 from batchpilot.train.init_from import load_init_from
 from helpers import tiny_config
+from hf_files import LLAMA_ARGS, LLAMA_FACTORY, max_logits_difference, write_hf_llama
 
-LLAMA = "batchpilot.models.llama:build"
-# The shape of `hf_checkpoint`'s model, as model.args.
-ARGS = {
-    "n_layer": 2,
-    "n_head": 4,
-    "n_kv_head": 2,
-    "n_embd": 64,
-    "max_seq_len": 64,
-    "vocab_size": 300,
-    "ffn_hidden_size": 128,
-    "rope_theta": 10000.0,
-    "norm_eps": 1e-6,
-}
-
-
-def write_hf_llama(folder: Path, *, tied: bool, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """A small LlamaForCausalLM saved by transformers (safetensors), with random norm weights so that a
-    norm loaded into the wrong place changes the logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(0.5, 1.5)
-    if max_shard_size is None:
-        model.save_pretrained(folder)
-    else:  # shards and model.safetensors.index.json
-        model.save_pretrained(folder, max_shard_size=max_shard_size)
-    return folder
+LLAMA = LLAMA_FACTORY
+ARGS = LLAMA_ARGS  # the shape of write_hf_llama's model
 
 
 def llama_config(tmp_path: Path, *, init_from: str | None, **overrides: object) -> Config:
@@ -77,8 +44,6 @@ def checkpoints(tmp_path_factory) -> dict[bool, Path]:
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_the_loaded_model_computes_transformers_logits(tmp_path, checkpoints, tied):
-    from transformers import LlamaForCausalLM
-
     folder = checkpoints[tied]
     config = llama_config(tmp_path, init_from=str(folder), model__args={**ARGS, "tie_embeddings": tied})
     assert init_from_problems(config) == []
@@ -87,13 +52,7 @@ def test_the_loaded_model_computes_transformers_logits(tmp_path, checkpoints, ti
     assert (
         load_init_from(model, config=config, folder=folder) == 2 + 9 * 2 + 1
     )  # embedding, blocks, norm, head
-    reference = LlamaForCausalLM.from_pretrained(folder).eval()
-    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ours = model.eval()(tokens)
-        theirs = reference(input_ids=tokens).logits
-    assert ours.shape == theirs.shape == (3, 40, 300)
-    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert max_logits_difference(model, folder) <= 1e-4
     assert (model.output.weight is model.tok_embeddings.weight) == tied
 
 
@@ -208,19 +167,13 @@ def test_another_uri_scheme_is_refused_when_the_config_is_read(tmp_path):
 
 
 def test_a_sharded_checkpoint_loads_tensor_by_tensor_with_transformers_logits(tmp_path):
-    from transformers import LlamaForCausalLM
-
     folder = write_hf_llama(tmp_path / "sharded", tied=False, max_shard_size="100KB")
     assert len(list(folder.glob("model-*-of-*.safetensors"))) > 2
     assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
     config = llama_config(tmp_path, init_from=str(folder), model__args=ARGS)
     model = build_model(factory=config.model.factory, args=config.model.args)
     assert load_init_from(model, config=config, folder=folder) == 21
-    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ours = model.eval()(tokens)
-        theirs = LlamaForCausalLM.from_pretrained(folder).eval()(input_ids=tokens).logits
-    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert max_logits_difference(model, folder) <= 1e-4
 
 
 def test_a_tied_head_that_differs_from_the_embedding_is_refused(tmp_path, checkpoints):

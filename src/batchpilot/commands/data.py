@@ -71,7 +71,11 @@ def register(subparsers: Any) -> None:
     )
     prep.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json")
     prep.add_argument("--eos-token", help="end-of-document token of --tokenizer (default: found by name)")
-    prep.add_argument("--force", action="store_true", help="replace an existing shard set at --out")
+    prep.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing shard set at --out, or start over instead of resuming an interrupted prepare",
+    )
     prep.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     prep.set_defaults(handler=run_prepare)
     inspect = actions.add_parser(

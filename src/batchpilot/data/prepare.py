@@ -535,11 +535,9 @@ def _remove_journal_and_leftovers(storage: Storage, *, existing: list[str], mani
     replaced shard set."""
     with contextlib.suppress(ObjectNotFound):
         storage.delete(JOURNAL_NAME)
-    final = {
-        MANIFEST_NAME,
-        TOKENIZER_OBJECT,
-        *(s.name for shards in manifest.splits.values() for s in shards),
-    }
+    final = {MANIFEST_NAME, *(s.name for shards in manifest.splits.values() for s in shards)}
+    if manifest.tokenizer.get("object") == TOKENIZER_OBJECT:  # a byte-level set replacing one drops it
+        final.add(TOKENIZER_OBJECT)
     for name in sorted(set(existing) - final - {JOURNAL_NAME}):
         storage.delete(name)
 
