@@ -83,10 +83,16 @@ def test_append_eod_adds_the_id_only_where_a_document_lacks_it(tmp_path: Path, c
     assert import_cli(*argv, "--validation-fraction", "0", "--append-eod") == 0
     assert split_tokens(uri) == {"train": [5, 6, 7, 9, 8, 8, 8, 9, 4, 9, 3, 9]}
     assert read_manifest(open_storage(uri)).tokenizer["eod_appended"] is True
-    assert "imported 4 document(s), 12 tokens" in " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().out.split())
+    assert "imported 4 document(s), 12 tokens" in said
+    assert "end-of-document id 9 appended to 2, 2 ended with it" in said
     assert import_cli(*argv, "--validation-fraction", "0", "--force") == 0  # default: exactly as stored
     assert split_tokens(uri) == {"train": [5, 6, 7, 9, 8, 8, 8, 4, 3, 9]}
-    assert "no end-of-document id 9; 2 already ended with it" in " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().out.split())
+    assert (
+        "2 of 4 end with end-of-document id 9; tokens kept as stored (--append-eod adds it to the others)"
+        in said
+    )
 
 
 def test_documents_are_streamed_in_bounded_reads(tmp_path: Path) -> None:

@@ -106,10 +106,15 @@ def run_import(args: argparse.Namespace) -> int:
         force=args.force,
         show_progress=not args.no_progress,
     )
-    eod = (
-        f"{'appended' if args.append_eod else 'no'} end-of-document id {vocabulary.eos_token_id}; "
-        f"{result.num_documents_ending_with_eos:,} already ended with it"
-    )
+    ending, eos = result.num_documents_ending_with_eos, vocabulary.eos_token_id
+    if args.append_eod:
+        eod = f"end-of-document id {eos} appended to {result.num_documents - ending:,}, {ending:,} ended with it"
+    else:
+        eod = (
+            f"{ending:,} of {result.num_documents:,} end with end-of-document id {eos}; tokens kept as stored"
+        )
+        if ending < result.num_documents:
+            eod += " (--append-eod adds it to the others)"
     console = Console()
     console.print(
         f"imported {result.num_documents:,} document(s), {result.num_tokens:,} tokens from "
