@@ -33,7 +33,8 @@ def register(subparsers: Any) -> None:
         description="Tokenizes a corpus into shards at --out on every core, writing manifest.json last: "
         "text files (each file is one document), JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst), Parquet, "
         "or a `datasets` save_to_disk folder, local or gs://. The default tokenizer is byte-level "
-        "(vocabulary 257).",
+        "(vocabulary 257). A run stopped part-way (Ctrl-C, preemption, a bad file) keeps the shards it "
+        "finished: the same command resumes it, to the same bytes.",
     )
     prep.add_argument(
         "inputs",
