@@ -760,8 +760,10 @@ def resolved_runtime(config: Config) -> Literal["eager", "xla"]:
 
 def explore_fingerprint(config: Config) -> dict[str, Any]:
     """What explore's measurements depend on, keyed by config field: the model, the sequence length, the
-    devices of a node and the parallelism. explore.json records it, and a plan refuses an explore.json
-    whose fingerprint differs from its config's (`checks.explore_problems`)."""
+    devices of a node, the parallelism and the weights the study starts from (`train.init_from`: a pretrained
+    model's critical batch is far larger than a random one's). explore.json records it, and a plan refuses an
+    explore.json whose fingerprint differs from its config's (`checks.explore_problems`; one written before a
+    key was recorded reads as None there, the value of a config without train.init_from)."""
     return {
         "model.factory": config.model.factory,
         "model.args": config.model.model_dump(mode="json")["args"],
@@ -769,6 +771,7 @@ def explore_fingerprint(config: Config) -> dict[str, Any]:
         "cluster.devices_per_node": config.cluster.devices_per_node,
         "cluster.accelerator_type": config.cluster.accelerator_type,
         "train.parallelism": config.train.parallelism,
+        "train.init_from": config.train.init_from,
     }
 
 

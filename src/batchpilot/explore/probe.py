@@ -166,6 +166,8 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
     try:
         with factory_errors(request.factory):
             model = build_model(factory=request.factory, args=request.model_args)
+        if request.init_from is not None:  # before it moves or is sharded, as the trainer loads it
+            _load_init_from(model, source=request.init_from, local_rank=ctx.local_rank)
         check_vocabulary(model, vocab_size=loader.vocab_size)
         set_activation_checkpointing(model, request.activation_checkpointing)
         model.to(ctx.device)
@@ -181,6 +183,17 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
         )
     finally:
         loader.close()
+
+
+def _load_init_from(model: nn.Module, *, source: str, local_rank: int) -> None:
+    """`train.init_from`'s weights into the freshly built model; a gs:// folder through the node's cache,
+    shared with the trainer (local rank 0 downloads it, the other local ranks wait for it)."""
+    from batchpilot.train.init_from import init_from_folder, load_weights
+
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    folder = init_from_folder(source, local_rank=local_rank, say=say)
+    loaded = load_weights(model, folder=folder)
+    say(f"the study's model starts from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
 
 
 def _watch_memory(*, budget_bytes: int, result: ProbeResult, done: threading.Event) -> None:

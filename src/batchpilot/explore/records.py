@@ -108,6 +108,8 @@ class ProbeRequest(_Configuration):
             setting than the reference's).
         parallelism: how the probe wraps the model (`train.parallelism` resolved, see `ProbeLayout`).
         processes: how many processes the probe runs as (one node; each reads its own samples).
+        init_from: `train.init_from`, whose weights the model loads right after it is built; set for the
+            effective-batch study only (a speed probe's timing does not depend on the weights).
     """
 
     factory: str
@@ -130,6 +132,7 @@ class ProbeRequest(_Configuration):
     reference_activation_checkpointing: bool = False
     parallelism: str = "ddp"
     processes: int = 1
+    init_from: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> ProbeRequest:

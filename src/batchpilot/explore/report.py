@@ -319,8 +319,11 @@ def study_section(noise: dict[str, Any] | None, study_error: str | None, *, head
         else ""
     )
     header = ["accumulation", "global batch", "noise scale (samples)", "gradient norm", "coherence"]
+    # An explore.json written before the study recorded its weights measured a randomly initialised model.
+    weights = f"Measured on the model's weights from: {noise.get('weights', 'random init')}."
     return Html(
-        f"<{heading}>Effective-batch study</{heading}><p>{html.escape(advice)}</p>{flag}"
+        f"<{heading}>Effective-batch study</{heading}><p>{html.escape(advice)}</p>"
+        f"<p>{html.escape(weights)}</p>{flag}"
         f"{table(header, rows, align='rrrrr')}{bullets(noise['reasoning'])}"
     )
 

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchpilot.config import Config
@@ -23,7 +23,14 @@ from batchpilot.explore.records import (
     probe_layout,
 )
 from batchpilot.explore.search import Candidate, SearchState, next_probe
-from batchpilot.explore.study import NoiseScaleReport, StudyRequest, advise, format_samples, run_study
+from batchpilot.explore.study import (
+    NoiseScaleReport,
+    StudyRequest,
+    advise,
+    format_samples,
+    run_study,
+    weights_of,
+)
 from batchpilot.threads import local_trainer_threads
 
 logger = logging.getLogger(__name__)
@@ -272,8 +279,12 @@ def _study(*, config: Config, recommendation: Recommendation, layout: ProbeLayou
         micro, ", ".join(f"{k}x" for k in multipliers), explore.study_train_steps,
     )  # fmt: skip
     setting = Setting(recommendation.activation_checkpointing, recommendation.compile)
+    # The noise scale is the model's own: a continued pretraining's starts from train.init_from's weights.
+    probe = probe_request(config=config, micro_batch_size=micro, setting=setting, layout=layout)
+    weights = weights_of(config.train.init_from)
+    logger.info("the study's model starts from %s", weights)
     request = StudyRequest(
-        probe=probe_request(config=config, micro_batch_size=micro, setting=setting, layout=layout),
+        probe=replace(probe, init_from=config.train.init_from),
         multipliers=multipliers,
         measure_batches=explore.study_measure_batches,
         train_steps=explore.study_train_steps,
@@ -295,6 +306,7 @@ def _study(*, config: Config, recommendation: Recommendation, layout: ProbeLayou
         max_nodes=config.cluster.max_nodes,
         train_steps=explore.study_train_steps,
         processes=layout.processes,
+        weights=weights,
     )
 
 
@@ -340,8 +352,9 @@ def run_exploration(
     Every probe, interim recommendation and study row is logged at INFO (`batchpilot.explore.runner`).
 
     Raises:
-        BatchpilotError: a gke GPU config without a GPU here, a missing dataset, a broken model factory, a
-            budget nothing fits in, a failed study.
+        BatchpilotError: a gke GPU config without a GPU here, a missing dataset, a train.init_from that does
+            not fit the model (with the study), a broken model factory, a budget nothing fits in, a failed
+            study.
     """
     from batchpilot.explore.report import write_outputs
 
@@ -350,6 +363,11 @@ def run_exploration(
     probes = max_probes if max_probes is not None else config.explore.max_probes
     minutes = max_minutes if max_minutes is not None else config.explore.max_minutes
     _check_inputs(config=config, max_probes=probes, max_minutes=minutes, sizes=micro_batch_sizes)
+    if study and config.train.init_from is not None:
+        from batchpilot.train.init_from import check_init_from
+
+        # As `plan` does, before any probe (under train.parallelism auto, layout_of's plan checks it too).
+        check_init_from(config)
     timeout_s = config.explore.probe_timeout_s
     layout = layout_of(config)
     logger.info(layout.line())

@@ -183,6 +183,14 @@ def run_study(*, request: StudyRequest, timeout_s: float) -> list[MultiplierResu
     return [MultiplierResult(**item) for item in data["per_multiplier"]]
 
 
+RANDOM_INIT = "random init"
+
+
+def weights_of(init_from: str | None) -> str:
+    """The explore.json `weights` of a study: `init_from gs://...` (train.init_from) or `random init`."""
+    return RANDOM_INIT if init_from is None else f"init_from {init_from}"
+
+
 @dataclass
 class NoiseScaleReport:
     """The explore.json `noise_scale` section."""
@@ -195,6 +203,8 @@ class NoiseScaleReport:
     micro_batch_size: int = 0
     train_steps: int = 0
     processes: int = 1
+    weights: str = RANDOM_INIT
+    """What the study's model started from: `init_from <train.init_from>` or `random init`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,6 +249,7 @@ def advise(
     max_nodes: int,
     train_steps: int,
     processes: int = 1,
+    weights: str = RANDOM_INIT,
 ) -> NoiseScaleReport:
     """The critical batch size, a target global batch near it that the cluster can split, and an LR rule."""
     critical = pooled_noise_scale(per_multiplier)
@@ -250,6 +261,7 @@ def advise(
         micro_batch_size=micro_batch_size,
         train_steps=train_steps,
         processes=processes,
+        weights=weights,
     )
     sharded = (
         f" on {processes} sharded processes (small batch {micro_batch_size * processes})"

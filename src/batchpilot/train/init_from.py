@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchpilot.checks import init_from_shape_problems
+from batchpilot.checks import init_from_problems, init_from_shape_problems
 from batchpilot.config import Config
 from batchpilot.data.storage import Storage, open_storage
 from batchpilot.errors import BatchpilotError
@@ -262,6 +262,30 @@ def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
     except (OSError, ValueError) as error:
         raise BatchpilotError(str(path), f"is not readable JSON ({error})") from None
     raise_problems(init_from_shape_problems(config, hf_config, path=path))
+    return copy_weights(model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder))
+
+
+def check_init_from(config: Config) -> None:
+    """Refuses a `train.init_from` that does not fit the config (`checks.init_from_problems`, one line per
+    problem): what `batchpilot plan` asks, for explore, whose study loads the checkpoint without a plan."""
+    raise_problems(init_from_problems(config))
+
+
+def load_weights(model: nn.Module, *, folder: Path) -> int:
+    """Copies the checkpoint in `folder` into `model` (as `load_init_from`, without a Config: explore's study
+    process has only model.factory and model.args). The config's shape was checked against the checkpoint
+    before (`check_init_from`); `copy_weights` still refuses a missing, left-over or misshapen tensor.
+    Returns the number of tensors loaded.
+    """
+    from batchpilot.models.hf import CONFIG_FILE, llama_args_from_hf_config
+
+    if not folder.is_dir():
+        raise BatchpilotError(FIELD, f"{folder} does not exist here", "give a checkpoint folder")
+    path = folder / CONFIG_FILE
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise BatchpilotError(str(path), f"is not readable JSON ({error})") from None
     return copy_weights(model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder))
 
 
