@@ -385,6 +385,14 @@ def from_hf_state_dict(
 # --- files ---------------------------------------------------------------------------------------------------
 
 
+def read_hf_config(path: Path) -> Any:
+    """The JSON of a checkpoint's config.json at `path`; a missing or unreadable file is one line naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise BatchpilotError(str(path), f"is not readable JSON ({error})") from None
+
+
 def read_hf_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """config.json and the weights (`model.safetensors`, or the shards `model.safetensors.index.json` names)
     of a Hugging Face checkpoint folder, on CPU.
@@ -396,10 +404,7 @@ def read_hf_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise BatchpilotError(str(config_path), "does not exist", "give a Hugging Face checkpoint folder")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as error:
-        raise BatchpilotError(str(config_path), f"is not readable JSON ({error})") from None
+    hf_config = read_hf_config(config_path)
     if (folder / WEIGHTS_FILE).is_file():
         files = [folder / WEIGHTS_FILE]
     elif (folder / INDEX_FILE).is_file():

@@ -250,19 +250,13 @@ def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
         BatchpilotError: a missing folder or file, another architecture or shape, weights missing or left
             over, or safetensors not installed (one line each).
     """
-    from batchpilot.models.hf import CONFIG_FILE, LLAMA_FACTORY, llama_args_from_hf_config
+    from batchpilot.models.hf import LLAMA_FACTORY
 
     if config.model.factory != LLAMA_FACTORY:  # plan refuses it; a hand-edited plan is refused by its hash
         raise BatchpilotError(FIELD, f"loads a Llama, but model.factory is {config.model.factory}")
-    if not folder.is_dir():
-        raise BatchpilotError(FIELD, f"{folder} does not exist here", "give a checkpoint folder")
-    path = folder / CONFIG_FILE
-    try:
-        hf_config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise BatchpilotError(str(path), f"is not readable JSON ({error})") from None
+    path, hf_config = _checkpoint_config(folder)
     raise_problems(init_from_shape_problems(config, hf_config, path=path))
-    return copy_weights(model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder))
+    return _copy_checkpoint(model, hf_config=hf_config, folder=folder)
 
 
 def check_init_from(config: Config) -> None:
@@ -277,15 +271,23 @@ def load_weights(model: nn.Module, *, folder: Path) -> int:
     before (`check_init_from`); `copy_weights` still refuses a missing, left-over or misshapen tensor.
     Returns the number of tensors loaded.
     """
-    from batchpilot.models.hf import CONFIG_FILE, llama_args_from_hf_config
+    _, hf_config = _checkpoint_config(folder)
+    return _copy_checkpoint(model, hf_config=hf_config, folder=folder)
+
+
+def _checkpoint_config(folder: Path) -> tuple[Path, Any]:
+    """(the path of `folder`'s config.json, its JSON); a missing folder or unreadable file is one line."""
+    from batchpilot.models.hf import CONFIG_FILE, read_hf_config
 
     if not folder.is_dir():
         raise BatchpilotError(FIELD, f"{folder} does not exist here", "give a checkpoint folder")
     path = folder / CONFIG_FILE
-    try:
-        hf_config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise BatchpilotError(str(path), f"is not readable JSON ({error})") from None
+    return path, read_hf_config(path)
+
+
+def _copy_checkpoint(model: nn.Module, *, hf_config: Any, folder: Path) -> int:
+    from batchpilot.models.hf import llama_args_from_hf_config
+
     return copy_weights(model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder))
 
 
