@@ -38,8 +38,8 @@ from batchpilot.data.loader import LoaderStats, TokenLoader
 from batchpilot.data.prepare import demo_inputs, prepare
 from batchpilot.data.sampling import DEFAULT_BLOCK_SAMPLES, DEFAULT_WINDOW_BLOCKS
 from batchpilot.data.shards import read_manifest
-from batchpilot.data.storage import Storage, open_storage
 from batchpilot.data.tokenizers import ByteTokenizer
+from batchpilot.storage import Storage, open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 from gcs_server import gcs_server_running

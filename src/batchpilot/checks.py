@@ -383,7 +383,7 @@ def data_problems(*, data_uri: str, model_vocab_size: Callable[[], int]) -> list
     if not data_uri.startswith("file://"):
         return []
     from batchpilot.data.shards import read_manifest
-    from batchpilot.data.storage import open_storage
+    from batchpilot.storage import open_storage
 
     fix = f"prepare it with `batchpilot data prepare ... --out {data_uri}` (--demo for the demo set) or point data.uri at a shard set"
     folder = Path(data_uri.removeprefix("file://"))
@@ -506,8 +506,8 @@ def init_from_problems(config: Config) -> list[BatchpilotError]:
 def init_from_gcs_problems(config: Config, uri: str) -> list[BatchpilotError]:
     """A gs:// checkpoint folder, as `init_from_folder_problems` a local one: its config.json (read through
     the storage layer and its credentials) against model.args, and safetensors weights beside it."""
-    from batchpilot.data.storage import ObjectNotFound, StorageError, join_uri, open_storage
     from batchpilot.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+    from batchpilot.storage import ObjectNotFound, StorageError, join_uri, open_storage
 
     path = join_uri(uri, CONFIG_FILE)
     try:

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchpilot.data.shards import read_manifest
-from batchpilot.data.storage import Storage, join_uri, open_storage
 from batchpilot.data.tokenizers import TOKENIZER_OBJECT
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
 from batchpilot.models import hf
+from batchpilot.storage import Storage, join_uri, open_storage
 
 if TYPE_CHECKING:
     from torch import Tensor

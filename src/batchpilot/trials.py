@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot.config import AdaptiveRampup, Config, parse_config
-from batchpilot.data.storage import ObjectNotFound, join_uri, open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import (
     BranchResult,
@@ -39,6 +38,7 @@ from batchpilot.planning.trials import (
     derived_run_name,
 )
 from batchpilot.rundoc import RunDocument
+from batchpilot.storage import ObjectNotFound, join_uri, open_storage
 from batchpilot.workflow import planned_trials
 
 logger = logging.getLogger(__name__)

@@ -634,7 +634,7 @@ CAPACITY_OBJECT = "capacity.json"
 
 def read_capacity(checkpoint_uri: str) -> list[LaunchCapacity]:
     """The capacity records of the run (none when every launch got its planned nodes)."""
-    from batchpilot.data.storage import ObjectNotFound, open_storage
+    from batchpilot.storage import ObjectNotFound, open_storage
 
     try:
         data = json.loads(open_storage(checkpoint_uri).read(CAPACITY_OBJECT))
@@ -645,7 +645,7 @@ def read_capacity(checkpoint_uri: str) -> list[LaunchCapacity]:
 
 def _record_capacity(config: Config, launch: Launch, record: LaunchCapacity | None) -> None:
     """Replaces the launch's record (None: removes it; nothing is written when nothing changes)."""
-    from batchpilot.data.storage import open_storage
+    from batchpilot.storage import open_storage
 
     uri = config.train.checkpoint_uri
     before = read_capacity(uri)
@@ -936,7 +936,7 @@ def canary(
 def read_canary(config: Config) -> dict[str, Any] | None:
     """The last canary's canary.json under the checkpoint URI, or None when no canary ran there."""
     from batchpilot.cluster.canary import result_uri
-    from batchpilot.data.storage import ObjectNotFound, open_storage
+    from batchpilot.storage import ObjectNotFound, open_storage
     from batchpilot.train.canary import CANARY_FILE
 
     try:

@@ -40,8 +40,8 @@ import yaml
 
 from batchpilot.cluster.gke import GkeNodePool, PoolRef
 from batchpilot.cluster.readiness import PoolNodes
-from batchpilot.data.storage import open_storage
 from batchpilot.kfp import pipeline
+from batchpilot.storage import open_storage
 from batchpilot.train.metrics import load_metrics
 from helpers import processes_with, tiny_config, write_plan
 

@@ -14,8 +14,8 @@ import pytest
 
 from batchpilot import workflow
 from batchpilot.config import parse_config
-from batchpilot.data.storage import open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import open_storage
 from helpers import tiny_config
 
 pytestmark = pytest.mark.slow

@@ -11,11 +11,11 @@ import torch
 from gcs_server import GCSServer, fault_proxy
 
 from batchpilot.cli import main
-from batchpilot.data.gcs import GCSStorage, transient_retry
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.shards import ShardSet, crc32c
-from batchpilot.data.storage import GenerationChanged, ObjectNotFound, PreconditionFailed, open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import GenerationChanged, ObjectNotFound, PreconditionFailed, open_storage
+from batchpilot.storage.gcs import GCSStorage, transient_retry
 
 
 def make_corpus(folder: Path) -> Path:

@@ -11,8 +11,8 @@ from batchpilot.data.loader import TokenLoader
 from batchpilot.data.prepare import prepare
 from batchpilot.data.sampling import rank_micro_batches, sample_token_range
 from batchpilot.data.shards import HEADER_BYTES, ShardSet
-from batchpilot.data.storage import Storage
 from batchpilot.data.tokenizers import ByteTokenizer
+from batchpilot.storage import Storage
 
 SEQ_LEN = 16
 ORDER = {"shuffle_block_samples": 16, "shuffle_window_blocks": 4}  # windows of 64 samples

@@ -21,7 +21,7 @@ from kube_api_server import published_crds
 
 from batchpilot.cli import main
 from batchpilot.cluster.crds import JOBSET_CRD
-from batchpilot.data.storage import open_storage
+from batchpilot.storage import open_storage
 from helpers import REPO, run_batchpilot
 
 POOL = "h100"

@@ -9,10 +9,10 @@ import yaml
 
 from batchpilot.cli import main
 from batchpilot.data.shards import Manifest
-from batchpilot.data.storage import open_storage
 from batchpilot.export import export_hf
 from batchpilot.models import hf
 from batchpilot.models.factory import build_model
+from batchpilot.storage import open_storage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 from batchpilot.train.state import training_state
 from helpers import run_batchpilot, tiny_config, write_plan

@@ -13,9 +13,9 @@ import pytest
 
 from batchpilot.checks import init_from_problems
 from batchpilot.config import Config, parse_config
-from batchpilot.data.gcs import GCSStorage
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
+from batchpilot.storage.gcs import GCSStorage
 from batchpilot.train.init_from import SOURCE_FILE, load_init_from, node_cache_folder
 from helpers import tiny_config
 from hf_files import LLAMA_ARGS, max_logits_difference, write_hf_llama

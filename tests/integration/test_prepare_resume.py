@@ -19,11 +19,11 @@ from tests.integration.test_corpora import make_documents, objects, write_jsonl
 import batchpilot.data.prepare as prepare_module
 from batchpilot.cli import main
 from batchpilot.data.corpora import collect_sources
-from batchpilot.data.gcs import GCSStorage
 from batchpilot.data.prepare import PrepareInterrupted, PrepareStopped, prepare
-from batchpilot.data.storage import LocalStorage, StorageError
 from batchpilot.data.tokenizers import ByteTokenizer
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import LocalStorage, StorageError
+from batchpilot.storage.gcs import GCSStorage
 
 zstandard = pytest.importorskip("zstandard")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from gcs_server import fault_proxy
 
-from batchpilot.data.gcs import GCSStorage
-from batchpilot.data.storage import PreconditionFailed, open_storage
+from batchpilot.storage import PreconditionFailed, open_storage
+from batchpilot.storage.gcs import GCSStorage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 
 

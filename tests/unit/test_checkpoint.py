@@ -7,8 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from batchpilot.data.storage import PreconditionFailed, open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import PreconditionFailed, open_storage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 from batchpilot.train.metrics import METRIC_KEYS, METRICS_OBJECT, MetricsLog, load_metrics, read_metrics
 
@@ -68,7 +68,7 @@ def test_interrupted_write_never_becomes_latest(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from batchpilot.data.storage import LocalStorage
+        from batchpilot.storage import LocalStorage
         from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
         from pathlib import Path
 

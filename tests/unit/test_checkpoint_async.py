@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import batchpilot.train.checkpoint as checkpoint_module
-from batchpilot.data.storage import LocalStorage, StorageError
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import LocalStorage, StorageError
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 
 
@@ -127,7 +127,7 @@ def test_a_process_killed_during_a_background_save_leaves_latest_on_the_previous
         f"""
         import os, signal, torch
         from pathlib import Path
-        from batchpilot.data.storage import LocalStorage
+        from batchpilot.storage import LocalStorage
         from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 
         class Dying(LocalStorage):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot.data.storage import LocalStorage, PreconditionFailed, open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import LocalStorage, PreconditionFailed, open_storage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
 
 

@@ -17,9 +17,9 @@ from batchpilot.data.loader import TokenLoader
 from batchpilot.data.prepare import prepare
 from batchpilot.data.sampling import SampleOrder, sample_token_range, step_positions
 from batchpilot.data.shards import HEADER_BYTES, ShardSet, encode_shard
-from batchpilot.data.storage import Storage
 from batchpilot.data.tokenizers import ByteTokenizer
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import Storage
 
 SEQ_LEN = 16
 SMALL = {"shuffle_block_samples": 5, "shuffle_window_blocks": 3}

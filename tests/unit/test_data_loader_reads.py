@@ -22,8 +22,8 @@ from batchpilot.data.sampling import (
     sample_token_range,
 )
 from batchpilot.data.shards import ShardSet
-from batchpilot.data.storage import Storage
 from batchpilot.data.tokenizers import ByteTokenizer
+from batchpilot.storage import Storage
 
 SEQ_LEN = 16
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot.data.storage import (
+from batchpilot.errors import BatchpilotError
+from batchpilot.storage import (
     GenerationChanged,
     LocalStorage,
     ObjectNotFound,
     PreconditionFailed,
     open_storage,
 )
-from batchpilot.errors import BatchpilotError
 
 
 @pytest.fixture

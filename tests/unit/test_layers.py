@@ -35,16 +35,31 @@ ALLOWED: dict[str, frozenset[str]] = {
     "planning": frozenset({"planning", "errors"}),
     "config": frozenset({"config", "planning", "errors"}),
     "models": frozenset({"models", "errors"}),
-    "data": frozenset({"data", "planning", "errors", "files", "logs", "credentials"}),
+    # storage: file:// and gs:// behind one protocol; credentials for GCS.
+    "storage": frozenset({"storage", "errors", "credentials"}),
+    "data": frozenset({"data", "storage", "planning", "errors", "files", "logs", "credentials"}),
     # checks: the trainer repeats the plan's train.init_from shape check on the config.json it loads.
     "train": frozenset(
-        {"train", "data", "models", "planning", "config", "checks", "errors", "exitcodes", "files", "logs"}
+        {
+            "train",
+            "data",
+            "storage",
+            "models",
+            "planning",
+            "config",
+            "checks",
+            "errors",
+            "exitcodes",
+            "files",
+            "logs",
+        }
     ),
     "explore": frozenset(
         {
             "explore",
             "train",
             "data",
+            "storage",
             "models",
             "planning",
             "planner",
@@ -60,9 +75,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     ),
     "schedule": frozenset({"schedule", "config", "planning", "errors"}),
     # models: only its torch-free modules (hf, llama_config), for train.init_from's config.json check.
-    "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data", "models"}),
+    "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data", "storage", "models"}),
     # `batchpilot export`: a run's checkpoint (train) of its model (models) as a Hugging Face folder.
-    "export": frozenset({"export", "data", "models", "train", "rundoc", "errors", "files", "logs"}),
+    "export": frozenset(
+        {"export", "data", "storage", "models", "train", "rundoc", "errors", "files", "logs"}
+    ),
     "planner": frozenset(
         {"planner", "checks", "schedule", "rundoc", "config", "planning", "errors", "files"}
     ),
@@ -78,6 +95,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "doctor",
             "cluster",
             "data",
+            "storage",
             "train",
             "kfp",
             "planner",
@@ -256,7 +274,7 @@ if TYPE_CHECKING:
     from batchpilot.planning import Plan
 def lazy():
     import torch.distributed
-    from ..data import storage
+    from ..data import shards
 """
     names = sorted(found.name for found in imports_in(source, module="batchpilot.train.trainer"))
     assert names == sorted(
@@ -268,7 +286,7 @@ def lazy():
             "batchpilot.train.metrics",
             "batchpilot.planning",
             "torch.distributed",
-            "batchpilot.data.storage",
+            "batchpilot.data.shards",
         ]
     )
     package = imports_in("from . import metrics", module="batchpilot.train", is_package=True)

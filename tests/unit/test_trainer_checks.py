@@ -7,9 +7,9 @@ import yaml
 from torch import nn
 
 from batchpilot.config import parse_config
-from batchpilot.data.storage import LocalStorage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planner import build_plan
+from batchpilot.storage import LocalStorage
 from batchpilot.train.checkpoint import Checkpoint
 from batchpilot.train.trainer import (
     check_resume_point,

@@ -14,10 +14,10 @@ from batchpilot.commands.options import add_out
 from batchpilot.data.corpora import FORMATS, collect_sources, text_sources
 from batchpilot.data.prepare import PrepareInterrupted, PrepareStats, demo_inputs, prepare
 from batchpilot.data.shards import Manifest, read_manifest
-from batchpilot.data.storage import open_storage
 from batchpilot.data.tokenizers import load_tokenizer, usable_cores
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.units import parse_count
+from batchpilot.storage import open_storage
 
 
 def register(subparsers: Any) -> None:

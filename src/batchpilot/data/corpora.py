@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from batchpilot.data.storage import Storage, join_uri, open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import Storage, join_uri, open_storage
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf-dataset")
 _JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")

@@ -37,9 +37,9 @@ from batchpilot.data.prepare import (
     write_noted,
 )
 from batchpilot.data.shards import MANIFEST_NAME, SPLITS, Manifest, token_dtype
-from batchpilot.data.storage import LocalStorage, ObjectInfo, ObjectNotFound, Storage, join_uri, open_storage
 from batchpilot.data.tokenizers import TOKENIZER_OBJECT
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import LocalStorage, ObjectInfo, ObjectNotFound, Storage, join_uri, open_storage
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1

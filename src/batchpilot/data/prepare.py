@@ -42,7 +42,9 @@ from batchpilot.data.shards import (
     encode_shard,
     token_dtype,
 )
-from batchpilot.data.storage import (
+from batchpilot.data.tokenizers import TOKENIZER_OBJECT, DocumentBatch, Tokenizer, encode_in_order
+from batchpilot.errors import BatchpilotError
+from batchpilot.storage import (
     LocalStorage,
     ObjectNotFound,
     PreconditionFailed,
@@ -50,8 +52,6 @@ from batchpilot.data.storage import (
     StorageError,
     open_storage,
 )
-from batchpilot.data.tokenizers import TOKENIZER_OBJECT, DocumentBatch, Tokenizer, encode_in_order
-from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)
 # Documents are tokenized in batches of about this many bytes (characters for decoded text): bounds memory

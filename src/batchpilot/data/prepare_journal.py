@@ -22,8 +22,8 @@ from typing import Any
 
 from batchpilot.data.corpora import Source
 from batchpilot.data.shards import FORMAT_VERSION, ShardEntry
-from batchpilot.data.storage import Storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import Storage
 
 JOURNAL_NAME = "prepare-progress.json"
 _JOURNAL_FORMAT = "batchpilot-prepare-progress"

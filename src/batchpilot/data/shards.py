@@ -29,8 +29,8 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from batchpilot.data.storage import ObjectInfo, ObjectNotFound, Storage, join_uri, open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import ObjectInfo, ObjectNotFound, Storage, join_uri, open_storage
 
 MAGIC = b"BPTOKENS"
 FORMAT_VERSION = 1

@@ -12,11 +12,11 @@ from batchpilot.errors import BatchpilotError
 
 def _storage(uri: str) -> Any:
     """The project's storage for `uri`; gs:// with a short retry and per-call timeout."""
-    from batchpilot.data.storage import open_storage
+    from batchpilot.storage import open_storage
 
     if not uri.startswith("gs://"):
         return open_storage(uri)
-    from batchpilot.data.gcs import GCSStorage, transient_retry
+    from batchpilot.storage.gcs import GCSStorage, transient_retry
 
     bucket, _, prefix = uri.removeprefix("gs://").partition("/")
     if not bucket:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchpilot.config import Config
-from batchpilot.data.storage import open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.explore.process import run_probe
 from batchpilot.explore.recommend import Recommendation, Topology, plan_notes, recommend
@@ -31,6 +30,7 @@ from batchpilot.explore.study import (
     run_study,
     weights_of,
 )
+from batchpilot.storage import open_storage
 from batchpilot.threads import local_trainer_threads
 
 logger = logging.getLogger(__name__)

@@ -261,7 +261,7 @@ def _checked_and_measured(mine: RankResult, *, spec: dict[str, Any], config: Any
     if mine.rank != 0:
         return 0
     summary = summarize(results, spec=spec, backend=backend, all_reduce_bytes=num_bytes, time_s=time_s)
-    from batchpilot.data.storage import join_uri, open_storage
+    from batchpilot.storage import join_uri, open_storage
 
     uri = join_uri(spec["result_uri"], CANARY_FILE)
     try:
@@ -347,7 +347,7 @@ def _read_shards(uri: str, *, node: int, backend: str) -> tuple[int, float]:
 
 def _probe_checkpoint_uri(result_uri: str, *, node: int) -> tuple[float, float]:
     """(write ms, read ms) of one object under the checkpoint URI, which is deleted again."""
-    from batchpilot.data.storage import join_uri, open_storage
+    from batchpilot.storage import join_uri, open_storage
 
     name = f"probe-node{node}-{uuid.uuid4().hex[:8]}"
     uri = join_uri(result_uri, name)

@@ -51,7 +51,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from batchpilot import __version__
-from batchpilot.data.storage import (
+from batchpilot.errors import BatchpilotError
+from batchpilot.storage import (
     LocalStorage,
     ObjectNotFound,
     PreconditionFailed,
@@ -59,7 +60,6 @@ from batchpilot.data.storage import (
     join_uri,
     open_storage,
 )
-from batchpilot.errors import BatchpilotError
 from batchpilot.train.dcp_storage import StorageReader, StorageWriter
 
 logger = logging.getLogger(__name__)

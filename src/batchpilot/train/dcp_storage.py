@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from batchpilot.data.storage import Storage, join_uri
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import Storage, join_uri
 
 
 class _KeptBuffer(io.BytesIO):

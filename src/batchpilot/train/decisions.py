@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from batchpilot.data.storage import ObjectNotFound, open_storage
 from batchpilot.planning.adaptive import StageDecision
+from batchpilot.storage import ObjectNotFound, open_storage
 
 DECISIONS_OBJECT = "adaptive.json"
 

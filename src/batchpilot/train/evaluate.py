@@ -24,8 +24,8 @@ from torch import nn
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.data.shards import MANIFEST_NAME, read_manifest
-from batchpilot.data.storage import join_uri, open_storage
 from batchpilot.errors import BatchpilotError
+from batchpilot.storage import join_uri, open_storage
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.step import micro_batch_loss
 

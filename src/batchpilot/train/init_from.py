@@ -32,9 +32,9 @@ from torch import nn
 
 from batchpilot.checks import init_from_problems, init_from_shape_problems
 from batchpilot.config import Config
-from batchpilot.data.storage import Storage, open_storage
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.batch import raise_problems
+from batchpilot.storage import Storage, open_storage
 
 FIELD = "train.init_from"
 CACHE_ENV = "BATCHPILOT_INIT_FROM_CACHE"

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchpilot.data.storage import ObjectNotFound, open_storage
 from batchpilot.files import write_atomically
+from batchpilot.storage import ObjectNotFound, open_storage
 
 METRICS_OBJECT = "metrics.jsonl"
 """Name of the copy kept beside the checkpoints (updated at every checkpoint), read by reports."""

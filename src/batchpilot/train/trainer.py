@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from batchpilot.config import Config, resolved_runtime
 from batchpilot.data.loader import TokenLoader
-from batchpilot.data.storage import ObjectNotFound
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import PREEMPTED_FILE
 from batchpilot.models.factory import build_model, compile_model, set_activation_checkpointing
@@ -34,6 +33,7 @@ from batchpilot.planning import Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
+from batchpilot.storage import ObjectNotFound
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator

@@ -27,7 +27,7 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from batchpilot.credentials import google_credentials
-from batchpilot.data.storage import (
+from batchpilot.storage.protocol import (
     GenerationChanged,
     ObjectInfo,
     ObjectNotFound,
