@@ -424,6 +424,7 @@ def run_stage(
     `work_dir` (default: runs/<name>). GKE: a JobSet or Volcano Job carrying the run document.
     """
     from batchpilot.cluster import launch as launcher
+    from batchpilot.cluster.launch_spec import cluster_launch_spec, stage_launch_spec
 
     document = current_document(document)
     config = document.config
@@ -436,7 +437,7 @@ def run_stage(
                 "applies to local launches; gke trainers write checkpoints to train.checkpoint_uri",
                 "remove the option",
             )
-        spec = launcher.cluster_launch_spec(
+        spec = cluster_launch_spec(
             run_name=config.name, launch=chosen, devices_per_node=config.cluster.devices_per_node,
             plan_text=document.to_json(), audit=audit,
         )  # fmt: skip
@@ -449,7 +450,7 @@ def run_stage(
             "--plan plan.json --stage K (one process stands in for every host), or set train.runtime: eager",
         )
     folder = (work_dir or Path(f"runs/{config.name}")).absolute()
-    spec = launcher.stage_launch_spec(
+    spec = stage_launch_spec(
         run_name=config.name, launch=chosen, devices_per_node=document.plan.devices_per_node,
         plan_path=str(plan_file(document, folder)), output_dir=str(folder), audit=audit,
     )  # fmt: skip
@@ -460,6 +461,7 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
     """The JobSet or Volcano Job of a gke launch as YAML, without any API call."""
     from batchpilot.cluster import launch
     from batchpilot.cluster.gke import require_gke_settings
+    from batchpilot.cluster.launch_spec import cluster_launch_spec
 
     config = document.config
     if config.cluster.backend != "gke":
@@ -468,7 +470,7 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
         )
     require_gke_settings(config.cluster)
     document = current_document(document, capacity=False)
-    spec = launch.cluster_launch_spec(
+    spec = cluster_launch_spec(
         run_name=config.name, launch=select_launch(document, stage),
         devices_per_node=config.cluster.devices_per_node, plan_text=document.to_json(), audit=audit,
     )  # fmt: skip

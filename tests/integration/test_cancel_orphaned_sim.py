@@ -29,7 +29,7 @@ from test_train_task_sigterm import (
 
 from batchpilot.cli import main
 from batchpilot.cluster import ownership
-from batchpilot.cluster.ownership import IDLE_POOL_LABEL, RUN_POOL_LABEL
+from batchpilot.cluster.labels import IDLE_POOL_LABEL, RUN_POOL_LABEL
 from helpers import tiny_config, write_plan
 
 NS = "batchpilot"

@@ -14,9 +14,10 @@ from google.cloud import container_v1
 from kube_api_server import KubeServer, kube_server_running, node
 
 from batchpilot.cluster.gke import ContainerCalls, PoolRef
+from batchpilot.cluster.labels import CREATED_BY_LABEL
 from batchpilot.cluster.nodepool import NodePool, node_pool_for
 from batchpilot.cluster.readiness import TPU_RESOURCE, PoolNodes
-from batchpilot.cluster.tpu_pool import CREATED_BY_LABEL, TpuSlicePool
+from batchpilot.cluster.tpu_pool import TpuSlicePool
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.tpu import tpu_slices

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from batchpilot.cluster import launch
+from batchpilot.cluster import launch, launch_spec
 from batchpilot.rundoc import read_run_document
 from batchpilot.workflow import select_launch
 from helpers import gke_a3_config, write_plan
@@ -28,7 +28,7 @@ def rendered_jobset(
     document = read_run_document(write_plan(folder, gke_a3_config()))
     monkeypatch.setenv("KUBECONFIG", str(cluster.write_kubeconfig(folder / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    spec = launch.cluster_launch_spec(
+    spec = launch_spec.cluster_launch_spec(
         run_name="tiny",
         launch=select_launch(document, stage),
         devices_per_node=8,

@@ -12,7 +12,8 @@ import pytest
 from gke_sim import SimulatedGke, simulated_gke
 
 from batchpilot.cli import main
-from batchpilot.cluster.ownership import IDLE_POOL_LABEL, RUN_POOL_LABEL, lease_name, renew_lease
+from batchpilot.cluster.labels import IDLE_POOL_LABEL, RUN_POOL_LABEL
+from batchpilot.cluster.ownership import lease_name, renew_lease
 from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.workflow import prepare_pool, scale_down

@@ -20,7 +20,8 @@ import yaml
 
 from batchpilot.cli import main
 from batchpilot.cluster.jobset import JobSetOpts, app_to_jobset, jobset_state
-from batchpilot.cluster.launch import cluster_appdef, cluster_launch_spec
+from batchpilot.cluster.launch import cluster_appdef
+from batchpilot.cluster.launch_spec import cluster_launch_spec
 from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
@@ -335,7 +336,7 @@ esac
 
 
 def run_wrapped(tmp_path: Path, action: str) -> subprocess.Popen:
-    from batchpilot.cluster.launch import exit_75_when_preempted
+    from batchpilot.cluster.launch_spec import exit_75_when_preempted
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)

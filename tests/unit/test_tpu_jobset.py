@@ -16,7 +16,7 @@ import yaml
 from test_cluster_launch import dryrun as gpu_dryrun
 from test_cluster_launch import launch_in_process, validate_crd, validate_k8s, write_plan
 
-from batchpilot.cluster.launch import exit_75_when_preempted
+from batchpilot.cluster.launch_spec import exit_75_when_preempted
 from batchpilot.cluster.machines import MACHINE_TYPES, gke_allocatable
 from batchpilot.cluster.tpu_jobset import WORKER_HOSTNAMES_ENV
 from batchpilot.config import parse_config

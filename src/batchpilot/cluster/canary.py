@@ -1,10 +1,10 @@
 """The canary job: a short launch on the first launch's nodes before anything trains (rank side:
 `batchpilot.train.canary`).
 
-It is a launch like the trainers' (`launch.LaunchSpec`), run by the same `run_local` / `run_cluster`, so it
+It is a launch like the trainers' (`launch_spec.LaunchSpec`), run by the same `run_local` / `run_cluster`, so it
 gets exactly their pods, labels, pending bound and eviction handling. Its spec (the config, the node count,
 where to write, the expected bus bandwidth) travels as the run document does: in BATCHPILOT_PLAN_JSON,
-written to a file in the pod before torchrun starts (`launch.write_inputs_command`).
+written to a file in the pod before torchrun starts (`launch_spec.write_inputs_command`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from batchpilot.cluster.launch import TRAINER_DIR, LaunchSpec, stage_labels
+from batchpilot.cluster.launch_spec import TRAINER_DIR, LaunchSpec, stage_labels
 from batchpilot.cluster.machines import expected_bus_bandwidth_bytes_per_s
 from batchpilot.config import Config
 from batchpilot.exitcodes import CANARY_FAILED_MARKER
@@ -74,7 +74,7 @@ def canary_launch_spec(config: Config, *, spec: dict[str, Any], spec_path: str |
     if spec_path is not None:
         args = ("canary-rank", "--spec", spec_path)
         return LaunchSpec(f"{config.name}-{CANARY_NAME}", num_nodes, per_node, args, env={})
-    from batchpilot.cluster.launch import _torchrun_shutdown_env
+    from batchpilot.cluster.launch_spec import _torchrun_shutdown_env
 
     compact = json.dumps(spec, separators=(",", ":"))
     return LaunchSpec(

@@ -1,7 +1,7 @@
 """A launch's JobSets over their life: adopt a retried launch's running one, delete stale ones before a
 create, delete the run's at its end (docs/cluster.md, "Lifecycle").
 
-JobSets are found by their labels (`launch.stage_labels`): the run, the launch (`STAGE_LABEL`) and the
+JobSets are found by their labels (`launch_spec.stage_labels`): the run, the launch (`STAGE_LABEL`) and the
 plan. Deletion is Foreground and waited for, so the GPUs are free and no old trainer writes a checkpoint
 when the caller goes on.
 """
@@ -27,7 +27,7 @@ def adoptable_or_cleared(*, labels: dict[str, str], cluster: ClusterConfig, name
     """The name of the launch's JobSet of this plan still pending or running (a retried task: it is
     followed, not started twice), else None, after deleting the launch's other JobSets.
 
-    `labels` are the launch's (`launch.stage_labels`). Finished, failed or other-plan JobSets of the launch,
+    `labels` are the launch's (`launch_spec.stage_labels`). Finished, failed or other-plan JobSets of the launch,
     and pending or running ones of the run's other launches, are deleted first and waited for, so no old
     trainer still holds the GPUs or writes a checkpoint when a new one starts.
     """

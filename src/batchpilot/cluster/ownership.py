@@ -24,24 +24,24 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from batchpilot.cluster.labels import (
+    CREATED_BY_LABEL,
+    IDLE_POOL_LABEL,
+    RUN_LABEL,
+    RUN_POOL_LABEL,
+    label_value,
+)
 
 if TYPE_CHECKING:
     from batchpilot.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
-RUN_POOL_LABEL = "batchpilot-run"
-IDLE_POOL_LABEL = "batchpilot-idle-nodes"
 LEASE_PREFIX = "batchpilot-run-"
-
-
-def label_value(text: str) -> str:
-    """`text` as a GCP label value: lowercase letters, digits, `_`, `-`; at most 63 characters."""
-    return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
 def lease_name(run: str) -> str:
@@ -125,7 +125,6 @@ def _live_jobsets(api_client: Any, *, namespace: str, run: str) -> list[str]:
     from torchx.specs import AppState
 
     from batchpilot.cluster import jobset
-    from batchpilot.cluster.labels import RUN_LABEL
 
     return [
         item["metadata"]["name"]
@@ -213,7 +212,6 @@ def scale_down_orphans(
     releases it, and deletes every orphaned TPU slice pool batchpilot created; one line each.
     `pool_for(name, idle_nodes, autoscaled)` makes the `GkeNodePool` of a pool (an autoscaled pool gets its
     bounds set, not its size); `delete_slice(name)` deletes a slice pool and waits for it."""
-    from batchpilot.cluster.tpu_pool import CREATED_BY_LABEL
 
     lines = []
     for node_pool in client.list_node_pools(parent=parent).node_pools:

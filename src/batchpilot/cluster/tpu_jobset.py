@@ -27,7 +27,7 @@ where each comes from:
   rendezvous, whose TCP store is on `MASTER_ADDR:MASTER_PORT` (torch_xla `_internal/rendezvous.py`: with no
   `MASTER_ADDR` it asks the TPU VM metadata server, which a GKE pod does not reach): host 0's DNS name.
 - Preemption: the trainer checkpoints on SIGTERM and exits 75; the pod's command keeps bash as PID 1,
-  forwards SIGTERM, and exits 75 when the trainer's marker is there (`launch.exit_75_when_preempted`),
+  forwards SIGTERM, and exits 75 when the trainer's marker is there (`launch_spec.exit_75_when_preempted`),
   exactly as the GPU pods do around torchrun.
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from batchpilot.cluster.launch import (
+from batchpilot.cluster.launch_spec import (
     MEGABYTE,
     TRAINER_OUTPUT_DIR,
     LaunchSpec,
@@ -59,7 +59,7 @@ WORKER_HOSTNAMES_ENV = "BATCHPILOT_TPU_WORKER_HOSTNAMES"
 """Every host's DNS name, comma-separated in host order: what the pod uses when GKE injected nothing."""
 XLA_MASTER_PORT = 29500
 """The `xla://` rendezvous's TCP store port on host 0 (torch_xla's default is 12355; any free port does)."""
-# The trainer process; bash functions shadow it to forward SIGTERM (see launch.exit_75_when_preempted).
+# The trainer process; bash functions shadow it to forward SIGTERM (see launch_spec.exit_75_when_preempted).
 TRAINER_PROGRAM = "python"
 
 

@@ -48,6 +48,7 @@ from batchpilot.cluster.gke import (
     container_client,
     require_gke_settings,
 )
+from batchpilot.cluster.labels import CREATED_BY_LABEL, IDLE_POOL_LABEL, RUN_POOL_LABEL, label_value
 from batchpilot.cluster.readiness import TPU_RESOURCE, PoolNodes, kube_api_client
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
@@ -55,15 +56,9 @@ from batchpilot.planning.tpu import TpuSlice, TpuSlices, is_zone, slice_pool_nam
 
 logger = logging.getLogger(__name__)
 
-CREATED_BY_LABEL = "batchpilot.dev/slice-of"
-"""Node label (`NodeConfig.labels`) on every slice pool batchpilot creates; its value is
-`cluster.node_pool`. Only pools that carry it are ever deleted."""
-
 
 def run_labels(run: str) -> dict[str, str]:
     """The resource labels of a slice pool created for `run` (a slice's idle size is 0: it is deleted)."""
-    from batchpilot.cluster.ownership import IDLE_POOL_LABEL, RUN_POOL_LABEL, label_value
-
     return {RUN_POOL_LABEL: label_value(run), IDLE_POOL_LABEL: "0"}
 
 

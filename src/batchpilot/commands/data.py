@@ -8,12 +8,13 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
+from batchpilot.commands.data_megatron import register_import  # its own module: Megatron-LM datasets
+from batchpilot.commands.manifest import print_manifest
 from batchpilot.commands.options import add_out
 from batchpilot.data.corpora import FORMATS, collect_sources, text_sources
 from batchpilot.data.prepare import PrepareInterrupted, PrepareStats, demo_inputs, prepare
-from batchpilot.data.shards import Manifest, read_manifest
+from batchpilot.data.shards import read_manifest
 from batchpilot.data.tokenizers import load_tokenizer, usable_cores
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.units import parse_count
@@ -86,7 +87,6 @@ def register(subparsers: Any) -> None:
     )
     inspect.add_argument("uri", help="file://path or gs://bucket/prefix")
     inspect.set_defaults(handler=run_inspect)
-    from batchpilot.commands.data_megatron import register_import  # its own module: Megatron-LM datasets
 
     register_import(actions)
 
@@ -132,23 +132,3 @@ def run_prepare(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     print_manifest(read_manifest(open_storage(args.uri)), uri=args.uri, console=Console())
     return 0
-
-
-def print_manifest(manifest: Manifest, *, uri: str, console: Console) -> None:
-    """Splits, shards, tokens and bytes of a shard set, with its tokenizer."""
-    table = Table(title=f"shard set {uri}", title_justify="left")
-    for column in ("split", "shards", "tokens", "bytes"):
-        table.add_column(column, justify="left" if column == "split" else "right")
-    for split, shards in manifest.splits.items():
-        table.add_row(
-            split,
-            str(len(shards)),
-            f"{manifest.num_tokens(split):,}",
-            f"{sum(s.num_bytes for s in shards):,}",
-        )
-    console.print(table)
-    tokenizer = ", ".join(f"{key}={value}" for key, value in manifest.tokenizer.items())
-    console.print(
-        f"tokenizer {tokenizer}; vocab_size {manifest.vocab_size}; eos_token_id {manifest.eos_token_id}; "
-        f"dtype {manifest.dtype}"
-    )

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
+from batchpilot.commands.manifest import print_manifest
 from batchpilot.commands.options import add_out
 from batchpilot.data.megatron import Vocabulary, import_megatron
 from batchpilot.data.tokenizers import HuggingFaceTokenizer
@@ -92,7 +93,6 @@ def vocabulary_from_args(args: argparse.Namespace) -> Vocabulary:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from batchpilot.commands.data import print_manifest  # data.py registers this command
 
     vocabulary = vocabulary_from_args(args)
     started = time.perf_counter()

@@ -7,6 +7,7 @@ and writes explore.json, explore.html and explore_metrics.json (`report`).
 
 from batchpilot.explore.recommend import Recommendation
 from batchpilot.explore.records import ProbeRequest, ProbeResult, Setting
-from batchpilot.explore.runner import ExploreResult, run_exploration
+from batchpilot.explore.result import ExploreResult
+from batchpilot.explore.runner import run_exploration
 
 __all__ = ["ExploreResult", "ProbeRequest", "ProbeResult", "Recommendation", "Setting", "run_exploration"]

@@ -25,7 +25,7 @@ from batchpilot.planning.units import (
 )
 
 if TYPE_CHECKING:
-    from batchpilot.explore.runner import ExploreResult
+    from batchpilot.explore.result import ExploreResult
 
 EXPLORE_FORMAT_VERSION = 1
 

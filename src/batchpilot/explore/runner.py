@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from batchpilot.config import Config
@@ -21,6 +21,8 @@ from batchpilot.explore.records import (
     factory_errors,
     probe_layout,
 )
+from batchpilot.explore.report import write_outputs
+from batchpilot.explore.result import SINGLE_PROCESS, ExploreResult
 from batchpilot.explore.search import Candidate, SearchState, next_probe
 from batchpilot.explore.study import (
     NoiseScaleReport,
@@ -36,20 +38,6 @@ from batchpilot.threads import local_trainer_threads
 logger = logging.getLogger(__name__)
 
 Measure = Callable[[ProbeRequest], ProbeResult]
-SINGLE_PROCESS = ProbeLayout()
-
-
-@dataclass
-class ExploreResult:
-    """What `run_exploration` found and where it wrote it."""
-
-    probes: list[ProbeResult]
-    recommendation: Recommendation
-    noise_scale: NoiseScaleReport | None
-    output_dir: Path
-    elapsed_s: float
-    stopped_because: str
-    layout: ProbeLayout = SINGLE_PROCESS
 
 
 def probe_request(
@@ -356,7 +344,6 @@ def run_exploration(
             not fit the model (with the study), a broken model factory, a budget nothing fits in, a failed
             study.
     """
-    from batchpilot.explore.report import write_outputs
 
     started = time.monotonic()
     check_accelerator(config)
