@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from batchpilot import runstate
 from batchpilot.data.shards import read_manifest
 from batchpilot.data.tokenizers import TOKENIZER_OBJECT
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
 from batchpilot.models import hf
-from batchpilot.storage import Storage, join_uri, open_storage
+from batchpilot.storage import join_uri, open_storage
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -109,13 +110,6 @@ def _check_out(out: str | Path, *, force: bool) -> Path:
     return target
 
 
-def checkpoint_steps(storage: Storage) -> list[int]:
-    """The steps of the committed checkpoints (a step folder with meta.json) under `storage`, ascending."""
-    return sorted(
-        int(name[:9]) for name in storage.list() if name.endswith("/meta.json") and name[:9].isdigit()
-    )
-
-
 def find_checkpoint(*, checkpoint_uri: str, step: int | None) -> Checkpoint:
     """The checkpoint `latest` names, or that of `step`; refuses a missing one, listing the steps there are."""
     from batchpilot.train.checkpoint import Checkpointer
@@ -130,7 +124,7 @@ def find_checkpoint(*, checkpoint_uri: str, step: int | None) -> Checkpoint:
                 "train the plan first (batchpilot launch --plan ...), or export the run that wrote one",
             )
         return found
-    steps = checkpoint_steps(checkpointer.storage)
+    steps = runstate.committed_steps(checkpointer.storage)
     if step not in steps:
         there = ", ".join(str(s) for s in steps) if steps else "none"
         raise BatchpilotError(

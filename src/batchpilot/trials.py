@@ -17,7 +17,6 @@ and planned like any run, and launched by `workflow.run_stage` (torchx locally, 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import re
@@ -27,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from batchpilot import runstate
 from batchpilot.config import AdaptiveRampup, Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import (
@@ -38,14 +38,13 @@ from batchpilot.planning.trials import (
     derived_run_name,
 )
 from batchpilot.rundoc import RunDocument
-from batchpilot.storage import ObjectNotFound, join_uri, open_storage
+from batchpilot.storage import join_uri
 from batchpilot.workflow import planned_trials
 
 logger = logging.getLogger(__name__)
 
 TRIALS_PREFIX = "trials"
 """Below the run's checkpoint_uri: the warm-up's and each branch's own checkpoints."""
-LATEST = "latest"  # the checkpoint layout's pointer (train/checkpoint.py), read here without torch
 ERROR_LINE = re.compile(r"batchpilot: error: |^(\w+\.)*\w*(Error|Exception|Interrupt)\b:? ")
 
 
@@ -122,32 +121,14 @@ def _planned(config: Config, document: RunDocument) -> RunDocument:
     return plan(config, micro_batch_size=document.plan.micro_batch_size, announce=False)
 
 
-def latest_checkpoint(uri: str) -> tuple[str, int] | None:
-    """(step folder, consumed_samples) of the checkpoint `latest` names under `uri`, or None."""
-    storage = open_storage(uri)
-    try:
-        folder = storage.read(LATEST).decode().strip()
-    except ObjectNotFound:
-        return None
-    meta = json.loads(storage.read(f"{folder}/meta.json"))
-    return folder, int(meta["consumed_samples"])
-
-
 def copy_checkpoint(source_uri: str, target_uri: str) -> int:
     """Copies the checkpoint `latest` names under `source_uri` to an emptied `target_uri` (its step folder's
     objects, then `latest`, last, as a save commits); returns its consumed_samples."""
-    found = latest_checkpoint(source_uri)
-    if found is None:
+    consumed = runstate.copy_latest_checkpoint(source_uri, target_uri)
+    if consumed is None:
         raise BatchpilotError(
             "trials", f"{source_uri} holds no checkpoint to branch from", "run the warm-up first"
         )
-    folder, consumed = found
-    source, target = open_storage(source_uri), open_storage(target_uri)
-    for name in target.list():  # a previous attempt's checkpoints and metrics: the branch starts over
-        target.delete(name)
-    for name in source.list(f"{folder}/"):
-        target.write(name, source.read(name))
-    target.write(LATEST, f"{folder}\n".encode())
     return consumed
 
 
@@ -188,7 +169,7 @@ def run_warmup(document: RunDocument, *, work_dir: Path | None) -> None:
         logger.info("trials: no warm-up, the branches start from %s", trials.from_checkpoint)
         return
     config = warmup_config(document)
-    found = latest_checkpoint(config.train.checkpoint_uri)
+    found = runstate.latest_checkpoint(config.train.checkpoint_uri)
     if found is not None and found[1] == trials.warmup_samples:
         logger.info("trials: the warm-up is complete (%s)", config.train.checkpoint_uri)
         return
@@ -222,7 +203,7 @@ def run_branch(document: RunDocument, *, index: int, work_dir: Path | None) -> B
         )  # fmt: skip
     branch = trials.branches[index]
     source = trials.from_checkpoint or warmup_uri(document.config)
-    found = latest_checkpoint(source)
+    found = runstate.latest_checkpoint(source)
     if found is None:
         raise BatchpilotError(
             "trials", f"{source} holds no checkpoint to branch from", "run the warm-up first"
@@ -259,7 +240,7 @@ def read_branch_result(
 ) -> BranchResult:
     """The branch's validation curve from the metrics kept beside its checkpoints at `uri`: (samples after the
     start, val_loss) at the plan's evaluation points; failed when any of them is missing."""
-    from batchpilot.train.metrics import load_metrics
+    from batchpilot.runstate import load_metrics
 
     losses = {
         int(record["consumed_samples"]) - start_sample: float(record["val_loss"])
@@ -295,7 +276,7 @@ def failure_reason(folder: Path) -> str:
 
 def warmup_noise_scale(document: RunDocument) -> float | None:
     """The warm-up's last measured B_simple (the metrics kept beside its checkpoints), or None."""
-    from batchpilot.train.metrics import load_metrics
+    from batchpilot.runstate import load_metrics
 
     measured = [
         float(record["noise_scale"])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from batchpilot import runstate
 from batchpilot.checks import check_plan_config
 from batchpilot.config import Config, parse_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
@@ -364,18 +365,17 @@ def current_document(document: RunDocument, *, capacity: bool = True) -> RunDocu
     fewer nodes than planned on the nodes it got (`capacity.json` beside the checkpoints; `capacity=False`:
     as planned, without reading it, e.g. for a dry run, which makes no storage call)."""
     from batchpilot.planner import build_plan, is_adaptive
-    from batchpilot.train.decisions import read_decisions
 
     config = document.config
     if is_adaptive(config):
-        decisions = read_decisions(config.train.checkpoint_uri)
+        decisions = runstate.read_decisions(config.train.checkpoint_uri)
         plan = build_plan(config, micro_batch_size=document.plan.micro_batch_size, decisions=decisions)
         plan = replace(plan, parallelism=document.plan.parallelism)
         # The plan step's memory estimate and cost were for the stages planned then, not these.
         document = replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
     if not capacity or config.cluster.fewer_nodes != "allow":  # only `allow` writes capacity records
         return document
-    return _with_capacity(document, read_capacity(config.train.checkpoint_uri))
+    return _with_capacity(document, runstate.read_capacity(config.train.checkpoint_uri))
 
 
 def select_launch(document: RunDocument, stage: str | int) -> Launch:
@@ -574,7 +574,7 @@ def prepare_launch_pool(document: RunDocument, *, slot: int) -> int | None:
         record = _fewer_nodes(document, launch, short=short, waited_s=time.monotonic() - started)
         return record.nodes
     if config.cluster.fewer_nodes == "allow":
-        _record_capacity(config, launch, None)  # a retry that got every node trains on them
+        record_capacity(config, launch, None)  # a retry that got every node trains on them
     return planned
 
 
@@ -626,36 +626,8 @@ def _fewer_nodes(
     # nodes the cloud would still bring mid-launch (the stockout ends) would only idle.
     node_pool_for(config).resize(nodes)
     logger.info("pool set to the %d node(s) %s trains on", nodes, launch.name)
-    _record_capacity(config, launch, record)
+    record_capacity(config, launch, record)
     return record
-
-
-CAPACITY_OBJECT = "capacity.json"
-"""Beside the checkpoints: the launches that train on fewer nodes than planned (`LaunchCapacity`)."""
-
-
-def read_capacity(checkpoint_uri: str) -> list[LaunchCapacity]:
-    """The capacity records of the run (none when every launch got its planned nodes)."""
-    from batchpilot.storage import ObjectNotFound, open_storage
-
-    try:
-        data = json.loads(open_storage(checkpoint_uri).read(CAPACITY_OBJECT))
-    except ObjectNotFound:
-        return []
-    return [LaunchCapacity.from_dict(item) for item in data["launches"]]
-
-
-def _record_capacity(config: Config, launch: Launch, record: LaunchCapacity | None) -> None:
-    """Replaces the launch's record (None: removes it; nothing is written when nothing changes)."""
-    from batchpilot.storage import open_storage
-
-    uri = config.train.checkpoint_uri
-    before = read_capacity(uri)
-    after = [r for r in before if (r.first_stage, r.last_stage) != (launch.first_stage, launch.last_stage)]
-    after += [record] if record is not None else []
-    if after != before:
-        text = json.dumps({"launches": [r.to_dict() for r in after]}, indent=2) + "\n"
-        open_storage(uri).write(CAPACITY_OBJECT, text.encode())
 
 
 def _with_capacity(document: RunDocument, records: Sequence[LaunchCapacity]) -> RunDocument:
@@ -698,11 +670,10 @@ def train_stage(document: RunDocument, *, launch_index: int, work_dir: Path | No
 def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
     """The launch's last recorded step (loss, samples, batch, throughput), from the metrics kept beside
     the checkpoints, plus the last validation loss (`val_loss`) when one was recorded."""
-    from batchpilot.train.metrics import load_metrics
 
     records = [
         r
-        for r in load_metrics(document.config.train.checkpoint_uri)
+        for r in runstate.load_metrics(document.config.train.checkpoint_uri)
         if launch.first_stage <= r["stage"] <= launch.last_stage
     ]
     decided = [
@@ -937,15 +908,7 @@ def canary(
 
 def read_canary(config: Config) -> dict[str, Any] | None:
     """The last canary's canary.json under the checkpoint URI, or None when no canary ran there."""
-    from batchpilot.cluster.canary import result_uri
-    from batchpilot.storage import ObjectNotFound, open_storage
-    from batchpilot.train.canary import CANARY_FILE
-
-    try:
-        data: dict[str, Any] = json.loads(open_storage(result_uri(config)).read(CANARY_FILE))
-    except ObjectNotFound:
-        return None
-    return data
+    return runstate.read_canary(config.train.checkpoint_uri)
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -956,10 +919,9 @@ def report(
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Writes the run report (HTML + Markdown plan table); returns its headline numbers and the records."""
     from batchpilot.report import write_report
-    from batchpilot.train.metrics import load_metrics
 
     document = current_document(document)  # an adaptive ramp-up's stages as the run decided them
-    records = load_metrics(document.config.train.checkpoint_uri)
+    records = runstate.load_metrics(document.config.train.checkpoint_uri)
     explore_json = explore_dir / "explore.json" if explore_dir is not None else None
     explore_data = json.loads(explore_json.read_text()) if explore_json and explore_json.is_file() else None
     summary = write_report(
@@ -981,3 +943,13 @@ def keep_copies(run_dir: str | Path, files: dict[str, Path]) -> None:
     """Copies step outputs into the local run folder (`batchpilot run --output DIR`)."""
     for name, source in files.items():
         write_atomically(Path(run_dir) / name, source.read_bytes())
+
+
+def record_capacity(config: Config, launch: Launch, record: LaunchCapacity | None) -> None:
+    """Replaces the launch's capacity record beside the checkpoints (None: removes it)."""
+    runstate.record_capacity(
+        config.train.checkpoint_uri,
+        first_stage=launch.first_stage,
+        last_stage=launch.last_stage,
+        record=record,
+    )

@@ -28,7 +28,7 @@ import pytest
 import yaml
 from test_gke_simulated import RUN_PIPELINE, PipelineRun, bucket, gcs, gke_config  # noqa: F401 (fixtures)
 
-from batchpilot.train.metrics import load_metrics
+from batchpilot.runstate import load_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from gke_sim import SimulatedGke, simulated_gke

@@ -41,8 +41,8 @@ import yaml
 from batchpilot.cluster.gke import GkeNodePool, PoolRef
 from batchpilot.cluster.readiness import PoolNodes
 from batchpilot.kfp import pipeline
+from batchpilot.runstate import load_metrics
 from batchpilot.storage import open_storage
-from batchpilot.train.metrics import load_metrics
 from helpers import processes_with, tiny_config, write_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchpilot.train.metrics import read_metrics
+from batchpilot.runstate import read_metrics
 from helpers import REPO
 
 pytestmark = pytest.mark.slow

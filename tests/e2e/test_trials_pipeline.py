@@ -15,7 +15,7 @@ import yaml
 from batchpilot.planning.trials import TrialsOutcome
 from batchpilot.planning.units import format_loss
 from batchpilot.rundoc import read_run_document
-from batchpilot.train.metrics import read_metrics
+from batchpilot.runstate import read_metrics
 from helpers import run_batchpilot, tiny_config
 
 pytestmark = pytest.mark.slow

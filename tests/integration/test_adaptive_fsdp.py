@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from batchpilot.planning.noise import NoiseMeasurement, noise_measurement
-from batchpilot.train.metrics import read_metrics
+from batchpilot.runstate import read_metrics
 from helpers import run_batchpilot, write_plan
 
 pytestmark = pytest.mark.slow

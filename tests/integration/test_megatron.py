@@ -17,8 +17,8 @@ from batchpilot.data.megatron import document_pieces, open_source, read_index
 from batchpilot.data.prepare import is_validation
 from batchpilot.data.sampling import num_samples, sample_at
 from batchpilot.data.shards import read_manifest
+from batchpilot.runstate import read_metrics
 from batchpilot.storage import open_storage
-from batchpilot.train.metrics import read_metrics
 from helpers import run_batchpilot, tiny_config, write_plan
 
 

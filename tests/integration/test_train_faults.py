@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE
+from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import DELAY_ENV, Checkpointer
-from batchpilot.train.metrics import read_metrics
 from helpers import (
     launch,
     processes_with,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from batchpilot.exitcodes import EXIT_PREEMPTED
+from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
-from batchpilot.train.metrics import read_metrics
 from batchpilot.train.shape import model_shape
 from helpers import (
     launch,

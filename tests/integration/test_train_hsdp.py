@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
-from batchpilot.train.metrics import read_metrics
 from helpers import launch, run_batchpilot, tiny_config, trainer_ranks, wait_for_steps, write_plan
 
 pytestmark = pytest.mark.slow

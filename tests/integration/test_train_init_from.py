@@ -17,7 +17,7 @@ import yaml
 from torch.nn import functional as F
 
 from batchpilot.data.loader import TokenLoader
-from batchpilot.train.metrics import read_metrics
+from batchpilot.runstate import read_metrics
 from helpers import run_batchpilot
 from hf_files import LLAMA_ARGS, write_hf_llama
 

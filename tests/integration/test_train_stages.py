@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from batchpilot.data.sampling import num_samples, sample_at
-from batchpilot.train.metrics import read_metrics
+from batchpilot.runstate import read_metrics
 from helpers import run_batchpilot, tiny_config, write_plan
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import yaml
 
 from batchpilot.planning.trials import BranchResult, TrialsOutcome
 from batchpilot.rundoc import read_run_document
-from batchpilot.train.metrics import load_metrics
+from batchpilot.runstate import load_metrics
 from batchpilot.train.step import INJECT_OOM_ENV
 from batchpilot.trials import branch_uri, decide_trials, run_branch, warmup_uri
 from helpers import run_batchpilot, tiny_config, write_plan

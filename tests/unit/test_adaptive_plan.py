@@ -15,7 +15,7 @@ from batchpilot.config import load_config, parse_config
 from batchpilot.planner import accepted_batch_sizes, build_plan, make_run_document, num_stages
 from batchpilot.planning.adaptive import Decision, StageDecision
 from batchpilot.planning.launches import launch_summary
-from batchpilot.train.decisions import read_decisions, write_decisions
+from batchpilot.runstate import read_decisions, write_decisions
 from batchpilot.workflow import current_document, pipeline_launch, pipeline_launch_names
 from helpers import write_manifest
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchpilot.errors import BatchpilotError
+from batchpilot.runstate import METRIC_KEYS, METRICS_OBJECT, MetricsLog, load_metrics, read_metrics
 from batchpilot.storage import PreconditionFailed, open_storage
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
-from batchpilot.train.metrics import METRIC_KEYS, METRICS_OBJECT, MetricsLog, load_metrics, read_metrics
 
 
 def state(value: float) -> dict:

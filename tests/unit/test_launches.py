@@ -142,7 +142,7 @@ def test_launch_metrics_are_the_last_step_of_its_stages_with_the_last_validation
          "tokens_per_s": 1000.0 + s, "val_loss": v}
         for s, v in [(0, None), (1, 4.5), (2, None), (3, None), (4, 3.0)]
     ]  # fmt: skip
-    monkeypatch.setattr("batchpilot.train.metrics.load_metrics", lambda uri: records)
+    monkeypatch.setattr("batchpilot.runstate.load_metrics", lambda uri: records)
     metrics = stage_metrics(document, launch=launches(document.plan)[0])
     assert metrics == {
         "loss": 2.0,
@@ -152,7 +152,7 @@ def test_launch_metrics_are_the_last_step_of_its_stages_with_the_last_validation
         "val_loss": 4.5,
     }
     without = [{k: v for k, v in r.items() if k != "val_loss"} for r in records]
-    monkeypatch.setattr("batchpilot.train.metrics.load_metrics", lambda uri: without)
+    monkeypatch.setattr("batchpilot.runstate.load_metrics", lambda uri: without)
     assert "val_loss" not in stage_metrics(document, launch=launches(document.plan)[1])
     assert json.dumps(metrics)  # plain floats for KFP's Metrics
 

@@ -37,6 +37,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "models": frozenset({"models", "errors"}),
     # storage: file:// and gs:// behind one protocol; credentials for GCS.
     "storage": frozenset({"storage", "errors", "credentials"}),
+    # runstate: what sits beside the checkpoints (layout, metrics, records), torch-free.
+    "runstate": frozenset({"runstate", "storage", "planning", "errors", "files"}),
     "data": frozenset({"data", "storage", "planning", "errors", "files", "logs", "credentials"}),
     # checks: the trainer repeats the plan's train.init_from shape check on the config.json it loads.
     "train": frozenset(
@@ -44,6 +46,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "train",
             "data",
             "storage",
+            "runstate",
             "models",
             "planning",
             "config",
@@ -71,14 +74,14 @@ ALLOWED: dict[str, frozenset[str]] = {
         }
     ),
     "cluster": frozenset(
-        {"cluster", "config", "planning", "errors", "exitcodes", "files", "logs", "credentials"}
+        {"cluster", "runstate", "config", "planning", "errors", "exitcodes", "files", "logs", "credentials"}
     ),
     "schedule": frozenset({"schedule", "config", "planning", "errors"}),
     # models: only its torch-free modules (hf, llama_config), for train.init_from's config.json check.
     "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data", "storage", "models"}),
     # `batchpilot export`: a run's checkpoint (train) of its model (models) as a Hugging Face folder.
     "export": frozenset(
-        {"export", "data", "storage", "models", "train", "rundoc", "errors", "files", "logs"}
+        {"export", "runstate", "data", "storage", "models", "train", "rundoc", "errors", "files", "logs"}
     ),
     "planner": frozenset(
         {"planner", "checks", "schedule", "rundoc", "config", "planning", "errors", "files"}
@@ -244,7 +247,7 @@ def test_the_rules_catch_what_they_should():
     cases = {
         Import("batchpilot.train.trainer", "batchpilot.planner", 1): "train may import only",
         Import("batchpilot.explore.runner", "batchpilot.cluster.launch", 1): "explore may import only",
-        Import("batchpilot.cluster.launch", "batchpilot.train.metrics", 1): "cluster may import only",
+        Import("batchpilot.cluster.launch", "batchpilot.train.checkpoint", 1): "cluster may import only",
         Import("batchpilot.planning.stages", "numpy", 1): "planning imports the standard library only",
         Import("batchpilot.report", "torch", 1): "report must not import torch",
         Import("batchpilot.workflow", "batchpilot.kfp.compile", 1): "['cli', 'commands', 'doctor', 'kfp']",
@@ -269,7 +272,7 @@ def test_imports_are_found_at_any_depth_and_resolved_to_modules():
 from typing import TYPE_CHECKING
 from batchpilot import __version__, workflow
 from . import checkpoint
-from .metrics import read_metrics
+from .parallel import wrap_model
 if TYPE_CHECKING:
     from batchpilot.planning import Plan
 def lazy():
@@ -283,14 +286,14 @@ def lazy():
             "batchpilot",
             "batchpilot.workflow",
             "batchpilot.train.checkpoint",
-            "batchpilot.train.metrics",
+            "batchpilot.train.parallel",
             "batchpilot.planning",
             "torch.distributed",
             "batchpilot.data.shards",
         ]
     )
-    package = imports_in("from . import metrics", module="batchpilot.train", is_package=True)
-    assert [found.name for found in package] == ["batchpilot.train.metrics"]
+    package = imports_in("from . import parallel", module="batchpilot.train", is_package=True)
+    assert [found.name for found in package] == ["batchpilot.train.parallel"]
     assert package_of("batchpilot") == ROOT and package_of("batchpilot.train.step") == "train"
 
 
@@ -316,7 +319,7 @@ def test_the_checks_import_only_the_torch_free_model_modules():
 
 def test_metrics_readers_and_the_report_load_no_torch():
     # Workflow code reads metrics and renders the report without torch installed in its image.
-    assert_loads_none_of(("torch",), "batchpilot.train.metrics", "batchpilot.report")
+    assert_loads_none_of(("torch",), "batchpilot.runstate", "batchpilot.report")
 
 
 def assert_loads_none_of(heavy: tuple[str, ...], *modules: str) -> None:

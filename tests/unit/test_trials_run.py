@@ -13,12 +13,12 @@ import pytest
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import BranchResult, trial_run_names
+from batchpilot.runstate import latest_checkpoint
 from batchpilot.trials import (
     branch_config,
     copy_checkpoint,
     decide_trials,
     failure_reason,
-    latest_checkpoint,
     warmup_config,
 )
 from batchpilot.workflow import plan
@@ -198,7 +198,7 @@ def test_an_adaptive_ramp_is_calibrated_from_the_trials_and_the_warm_ups_noise_s
     noise-scale measurement, in the metrics kept beside its checkpoints)."""
     import yaml
 
-    from batchpilot.train.metrics import METRICS_OBJECT
+    from batchpilot.runstate import METRICS_OBJECT
     from batchpilot.trials import warmup_uri
 
     config = yaml.safe_load((REPO / "configs" / "demo_adaptive.yaml").read_text())
@@ -236,7 +236,7 @@ def test_branches_from_an_existing_checkpoint_skip_the_warm_up_and_resume_at_its
 ):
     """trials.from_checkpoint: no warm-up; each branch starts from a copy of that checkpoint at its sample."""
     import batchpilot.trials as trials_module
-    from batchpilot.train.metrics import METRICS_OBJECT
+    from batchpilot.runstate import METRICS_OBJECT
     from batchpilot.trials import branch_uri, run_branch, run_warmup
 
     existing = tmp_path / "pretrained"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batchpilot.train.metrics import read_metrics
+from batchpilot.runstate import read_metrics
 from helpers import tiny_config, write_plan
 
 

@@ -22,6 +22,7 @@ from batchpilot.cluster.machines import expected_bus_bandwidth_bytes_per_s
 from batchpilot.config import Config
 from batchpilot.exitcodes import CANARY_FAILED_MARKER
 from batchpilot.planning.gpudirect import MACHINE_STACKS, PRIMARY_NIC_GBPS
+from batchpilot.runstate import canary_uri
 
 CANARY_NAME = "canary"
 """The canary's launch name: its job's stage label and name suffix (`<run>-canary`)."""
@@ -45,7 +46,7 @@ def canary_nodes(*, max_nodes: int, first_launch_nodes: int | None, max_stage_no
 
 def result_uri(config: Config) -> str:
     """`<train.checkpoint_uri>/canary`: where the probes go and rank 0 writes canary.json."""
-    return f"{config.train.checkpoint_uri.rstrip('/')}/{CANARY_FOLDER}"
+    return canary_uri(config.train.checkpoint_uri)
 
 
 def canary_spec(config: Config, *, num_nodes: int) -> dict[str, Any]:

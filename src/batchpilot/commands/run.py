@@ -212,7 +212,7 @@ def _launch_groups(names: list[str]) -> str:
 def _summary(console: Console, output: Path, *, elapsed_s: float) -> None:
     from batchpilot.planning.launches import launches
     from batchpilot.rundoc import read_run_document
-    from batchpilot.train.metrics import read_metrics
+    from batchpilot.runstate import read_metrics
 
     records = read_metrics(output / "metrics.jsonl")
     plan = read_run_document(output / "plan.json").plan

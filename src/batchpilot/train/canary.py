@@ -29,8 +29,8 @@ from typing import Any
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import CANARY_FAILED_MARKER
+from batchpilot.runstate import CANARY_FILE, write_canary
 
-CANARY_FILE = "canary.json"
 CANARY_TIMEOUT_S = 300
 """Bound on the process group forming and on each collective: a node that never joins fails the canary."""
 MIN_BANDWIDTH_FRACTION = 0.25
@@ -261,11 +261,11 @@ def _checked_and_measured(mine: RankResult, *, spec: dict[str, Any], config: Any
     if mine.rank != 0:
         return 0
     summary = summarize(results, spec=spec, backend=backend, all_reduce_bytes=num_bytes, time_s=time_s)
-    from batchpilot.storage import join_uri, open_storage
+    from batchpilot.storage import join_uri
 
     uri = join_uri(spec["result_uri"], CANARY_FILE)
     try:
-        open_storage(spec["result_uri"]).write(CANARY_FILE, json.dumps(asdict(summary), indent=1).encode())
+        write_canary(spec["result_uri"], asdict(summary))
     except Exception as error:
         mine.error = f"cannot write {uri}: {_one_line(error)}"
         print(failure_line(mine), file=sys.stderr, flush=True)

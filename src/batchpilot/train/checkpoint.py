@@ -28,11 +28,9 @@ import contextlib
 import datetime
 import hashlib
 import io
-import json
 import logging
 import os
 import random
-import re
 import threading
 import time
 import warnings
@@ -50,12 +48,11 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from batchpilot import __version__
+from batchpilot import __version__, runstate
 from batchpilot.errors import BatchpilotError
 from batchpilot.storage import (
     LocalStorage,
     ObjectNotFound,
-    PreconditionFailed,
     Storage,
     join_uri,
     open_storage,
@@ -64,10 +61,8 @@ from batchpilot.train.dcp_storage import StorageReader, StorageWriter
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
 SHARDED = "sharded"
 _FILES = ("model.pt", "optimizer.pt", "rng.pt")
-_STEP_DIR = re.compile(r"^(\d{9})/")
 UPLOAD_THREADS = 4
 """Objects each rank writes per checkpoint, uploaded in parallel (one object per thread)."""
 DELAY_ENV = "BATCHPILOT_TEST_CHECKPOINT_DELAY_S"
@@ -245,13 +240,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The step `latest` points to, or None before the first checkpoint."""
-        try:
-            text = self.storage.read(LATEST).decode().strip()
-        except ObjectNotFound:
-            return None
-        if not text.isdigit():
-            raise BatchpilotError(f"{self.uri}/{LATEST}", f"does not name a step ({text[:40]!r})")
-        return int(text)
+        return runstate.latest_step(self.storage)
 
     def save(
         self,
@@ -264,7 +253,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
     ) -> str:
         """Writes a `full` checkpoint (the format before sharding) from one process, then moves `latest`."""
-        folder = f"{step:09d}"
+        folder = runstate.step_folder(step)
         blobs = {"model.pt": _to_bytes(model), "optimizer.pt": _to_bytes(optimizer), "rng.pt": _to_bytes(rng)}
         for name, data in blobs.items():
             self.storage.write(f"{folder}/{name}", data)
@@ -324,7 +313,7 @@ class Checkpointer:
             )
         staged = self._stager.stage(state)
         assert isinstance(staged, dict)  # synchronous staging returns the copy itself
-        where = f"{self.uri.rstrip('/')}/{step:09d}"
+        where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
         in_flight = _InFlight(step=step, where=where, started_s=time.monotonic())
 
         def run() -> None:
@@ -343,7 +332,9 @@ class Checkpointer:
         self._in_flight = in_flight
         # A daemon thread: a process that ends without waiting (a crash) abandons the save; `latest` has not
         # moved, and the next successful save removes the partial folder.
-        in_flight.thread = threading.Thread(target=run, name=f"checkpoint-{step:09d}", daemon=True)
+        in_flight.thread = threading.Thread(
+            target=run, name=f"checkpoint-{runstate.step_folder(step)}", daemon=True
+        )
         in_flight.thread.start()
         return where
 
@@ -413,7 +404,7 @@ class Checkpointer:
     ) -> str | None:
         """Every rank's files, then rank 0's commit; every rank learns whether it committed; then rank 0
         prunes (nobody waits for that)."""
-        folder = f"{step:09d}"
+        folder = runstate.step_folder(step)
         distributed = dist.is_initialized()
         writer = StorageWriter(self.storage, folder, thread_count=self.upload_threads)
         with user_errors_of_dcp(), dcp_quietly():
@@ -477,7 +468,6 @@ class Checkpointer:
         self, *, step: int, consumed_samples: int, files: dict[str, Any], extra: dict[str, Any] | None
     ) -> str:
         """meta.json of a step whose files are all written, then `latest`."""
-        folder = f"{step:09d}"
         meta = {
             "step": step,
             "consumed_samples": consumed_samples,
@@ -486,29 +476,19 @@ class Checkpointer:
             "files": files,
             **(extra or {}),
         }
-        self.storage.write(f"{folder}/meta.json", json.dumps(meta, indent=2).encode())
-        try:
-            generation = self.storage.stat(LATEST).generation
-        except ObjectNotFound:
-            generation = 0
-        # The precondition makes a concurrent writer fail loudly instead of two runs silently interleaving.
-        try:
-            self.storage.write(LATEST, f"{folder}\n".encode(), if_generation_match=generation)
-        except PreconditionFailed:
-            # A retried write whose first attempt succeeded (response lost) also lands here: that is ours.
-            if self.latest_step() != step:
-                raise
-        return f"{self.uri.rstrip('/')}/{folder}"
+        runstate.write_meta(self.storage, step, meta)
+        runstate.move_latest(self.storage, step)
+        return f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
 
     def _prune(self, *, current: int) -> None:
-        steps = sorted({int(m.group(1)) for name in self.storage.list() if (m := _STEP_DIR.match(name))})
-        complete = [s for s in steps if s <= current and self.storage.exists(f"{s:09d}/meta.json")]
+        steps = runstate.step_numbers(self.storage)
+        complete = [s for s in steps if s <= current and self.storage.exists(runstate.meta_name(s))]
         keep = set(complete[-self.keep_last :])
         for step in steps:
             if step <= current and step not in keep:
                 if isinstance(self.storage, LocalStorage):  # a killed save's temporary files, first
-                    self.storage.delete_temporaries(f"{step:09d}")
-                for name in self.storage.list(f"{step:09d}/"):
+                    self.storage.delete_temporaries(runstate.step_folder(step))
+                for name in self.storage.list(f"{runstate.step_folder(step)}/"):
                     self.storage.delete(name)
 
     def load(self, step: int | None = None) -> Checkpoint | None:
@@ -517,12 +497,12 @@ class Checkpointer:
             step = self.latest_step()
             if step is None:
                 return None
-        folder = f"{step:09d}"
+        folder = runstate.step_folder(step)
         try:
-            meta = json.loads(self.storage.read(f"{folder}/meta.json"))
+            meta = runstate.read_meta(self.storage, step)
         except ObjectNotFound:
             raise BatchpilotError(
-                f"{self.uri}/{folder}/meta.json", "is missing: the checkpoint is incomplete"
+                f"{self.uri}/{runstate.meta_name(step)}", "is missing: the checkpoint is incomplete"
             ) from None
         if meta.get("format") == SHARDED:
             rng = self._read_checked(folder, "rng.pt", meta)

@@ -26,10 +26,9 @@ from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_M
 from batchpilot.planning import LRSchedule, Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun, NoisePoint, StageDecision, decide
 from batchpilot.planning.noise import noise_measurement, splits_step
+from batchpilot.runstate import METRICS_OBJECT, MetricsLog, restore_metrics, write_decisions
 from batchpilot.train.checkpoint import Checkpointer
-from batchpilot.train.decisions import write_decisions
 from batchpilot.train.evaluate import ValidatorBase
-from batchpilot.train.metrics import METRICS_OBJECT, MetricsLog
 from batchpilot.train.noise import NoiseScaleEMA, noise_terms
 from batchpilot.train.steps import progress_line, stage_done_line, step_record
 
@@ -385,13 +384,6 @@ def data_order(config: Config) -> dict[str, Any]:
     }
 
 
-def restore_metrics(metrics: MetricsLog, checkpointer: Checkpointer, *, consumed: int) -> None:
-    """Starts from the metrics kept beside the checkpoints (a new pod has no local copy), up to `consumed`."""
-    if checkpointer.storage.exists(METRICS_OBJECT):
-        metrics.replace_with(checkpointer.storage.read(METRICS_OBJECT).decode())
-    metrics.truncate_to(consumed)
-
-
 def prepare_outputs(
     output_dir: Path, *, is_main: bool, checkpointer: Checkpointer, consumed: int, audit: bool
 ) -> tuple[MetricsLog | None, Path | None]:
@@ -401,7 +393,7 @@ def prepare_outputs(
     (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)  # a previous run's marker is not this run's
     metrics = MetricsLog(output_dir / "metrics.jsonl") if is_main else None
     if metrics is not None:
-        restore_metrics(metrics, checkpointer, consumed=consumed)
+        restore_metrics(metrics, checkpointer.storage, consumed=consumed)
     audit_dir = output_dir / "audit" if audit else None
     if audit_dir is not None:
         audit_dir.mkdir(parents=True, exist_ok=True)

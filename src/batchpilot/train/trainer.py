@@ -8,7 +8,6 @@ training (stage, batch, accumulation, LR, data order) is a function of `consumed
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from batchpilot import runstate
 from batchpilot.config import Config, resolved_runtime
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
@@ -33,7 +33,6 @@ from batchpilot.planning import Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
-from batchpilot.storage import ObjectNotFound
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state, restore_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.evaluate import Validator
@@ -70,11 +69,6 @@ def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Opti
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
-
-
-MICRO_BATCH_OBJECT = "micro_batch.json"
-"""Beside the checkpoints: the micro batch each stage was halved to after running out of memory, so a
-retried or resumed stage starts with the size that fits (`{"stages": {"<index>": size}}`)."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -118,20 +112,6 @@ def model_flops_per_token(config: Config) -> float:
         hidden_size=shape.hidden_size,
         seq_len=config.data.seq_len,
     )
-
-
-def read_micro_batch_overrides(checkpointer: Checkpointer) -> dict[int, int]:
-    """The halved micro batches recorded by earlier attempts (MICRO_BATCH_OBJECT), by stage index."""
-    try:
-        data = json.loads(checkpointer.storage.read(MICRO_BATCH_OBJECT))
-    except ObjectNotFound:
-        return {}
-    return {int(index): int(size) for index, size in data["stages"].items()}
-
-
-def write_micro_batch_overrides(checkpointer: Checkpointer, overrides: dict[int, int]) -> None:
-    data = {"stages": {str(index): size for index, size in sorted(overrides.items())}}
-    checkpointer.storage.write(MICRO_BATCH_OBJECT, json.dumps(data, indent=2).encode())
 
 
 def check_same_data_order(config: Config, checkpoint: Checkpoint | None) -> None:
@@ -279,7 +259,7 @@ class _Loop(LoopBase):
         if self.ctx.device.type == "cuda":  # peak_memory_bytes reports the attempts that fit, not this one
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         if self.ctx.is_main:
-            write_micro_batch_overrides(self.checkpointer, self.micro_override)
+            runstate.write_micro_batch_overrides(self.checkpointer.storage, self.micro_override)
         log(
             self.ctx,
             f"out of memory at micro_batch_size={micro} (agreed by all ranks): retrying the same global batch "
@@ -292,13 +272,13 @@ class _Loop(LoopBase):
         backward under DDP): record the halved size where the retry reads it, and end this process at once
         (torchrun, or the pod's exit, stops the others)."""
         self.micro_override[stage.index] = self._halved(stage, micro)
-        write_micro_batch_overrides(self.checkpointer, self.micro_override)
+        runstate.write_micro_batch_overrides(self.checkpointer.storage, self.micro_override)
         logger.error(
             "rank %d ran out of memory at micro_batch_size=%d in %s under %s, inside collectives where the "
             "ranks cannot agree to retry: recorded micro_batch_size=%d in %s; the stage's retry resumes from "
             "the last checkpoint with it",
             self.ctx.rank, micro, stage.name, self.parallel.strategy, micro // 2,
-            f"{self.checkpointer.uri.rstrip('/')}/{MICRO_BATCH_OBJECT}",
+            runstate.micro_batch_uri(self.checkpointer.storage),
         )  # fmt: skip
         sys.stdout.flush()
         sys.stderr.flush()
@@ -474,7 +454,7 @@ def train(
     if checkpoint is not None:
         loop.restore_trace(checkpoint.meta)
     loop.saved_step = loop.step if checkpoint else -1
-    loop.micro_override = read_micro_batch_overrides(checkpointer)
+    loop.micro_override = runstate.read_micro_batch_overrides(checkpointer.storage)
     if checkpoint is not None and "noise_scale_ema" in checkpoint.meta:
         loop.noise.load_state_dict(checkpoint.meta["noise_scale_ema"])
     log(

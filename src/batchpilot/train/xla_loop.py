@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchpilot import runstate
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
@@ -54,7 +55,6 @@ from batchpilot.train.trainer import (
     device_peak,
     make_optimizer,
     model_flops_per_token,
-    read_micro_batch_overrides,
 )
 from batchpilot.train.xla import (
     XLA_RUNTIME,
@@ -428,7 +428,7 @@ def train_xla(
         validator=validator if validator.enabled else None,
         flops_per_token=model_flops_per_token(config),
         peak_flops=device_peak(config, torch.device("xla"), bf16=bf16),
-        micro_override=read_micro_batch_overrides(checkpointer),
+        micro_override=runstate.read_micro_batch_overrides(checkpointer.storage),
         preempted_file=output_dir / PREEMPTED_FILE,
         adaptive=adaptive,
         **restored,
