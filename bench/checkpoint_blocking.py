@@ -29,8 +29,8 @@ import torch
 
 from batchpilot.models.gpt import build
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+from batchpilot.train.setup import make_optimizer
 from batchpilot.train.state import training_state
-from batchpilot.train.trainer import make_optimizer
 
 MODEL_ARGS = {"n_layer": 6, "n_head": 12, "n_embd": 768, "block_size": 64, "vocab_size": 32000}
 BATCH, SEQ = 1, 64

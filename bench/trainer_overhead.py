@@ -47,10 +47,12 @@ from batchpilot.cli import main as cli_main
 from batchpilot.config import Config, parse_config
 from batchpilot.models.factory import build_model, compile_model
 from batchpilot.planner import build_plan, make_run_document
-from batchpilot.train import trainer as trainer_module
+from batchpilot.train.eager import autocast_factory
+from batchpilot.train.loop import TrainingLoop
 from batchpilot.train.parallel import shard_units
+from batchpilot.train.setup import make_optimizer
 from batchpilot.train.shape import model_shape
-from batchpilot.train.trainer import autocast_factory, make_optimizer, train
+from batchpilot.train.trainer import train
 
 FACTORY = "batchpilot.models.gpt:build"
 MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 128, "vocab_size": 257}
@@ -134,18 +136,18 @@ def step_ends(clock: Callable[[], float] = time.perf_counter) -> Iterator[list[f
     line), so the steady state is timed inside one run: start-up, data opening and the final checkpoint
     stay out, with no second run to subtract."""
     ends: list[float] = []
-    finish_step = trainer_module._Loop._finish_step
+    finish_step = TrainingLoop._finish_step
 
     def timed(self, *args, **kwargs):
         result = finish_step(self, *args, **kwargs)
         ends.append(clock())
         return result
 
-    trainer_module._Loop._finish_step = timed  # type: ignore[method-assign]
+    TrainingLoop._finish_step = timed  # type: ignore[method-assign]
     try:
         yield ends
     finally:
-        trainer_module._Loop._finish_step = finish_step  # type: ignore[method-assign]
+        TrainingLoop._finish_step = finish_step  # type: ignore[method-assign]
 
 
 def steady_seconds(ends: list[float], steps: int) -> float:

@@ -29,7 +29,9 @@ from batchpilot.models.gpt import build
 from batchpilot.planner import build_plan
 from batchpilot.train import trainer
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.loop import TrainingLoop
 from batchpilot.train.parallel import wrap_model
+from batchpilot.train.setup import make_optimizer
 from batchpilot.train.step import accumulate_gradients
 
 STEPS = 4
@@ -38,7 +40,7 @@ SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
 
 
 def count_host_syncs() -> Counter:
-    """Counts host synchronisations made by the training code (`batchpilot/train/`) inside `_Loop._attempt`
+    """Counts host synchronisations made by the training code (`batchpilot/train/`) inside `TrainingLoop._attempt`
     and `_finish_step` (one optimizer step: the passes, clipping, the optimizer, metrics), by `file:line`.
     The loader's token ids are host memory by design (`data/`), not device values."""
     counts: Counter = Counter()
@@ -54,7 +56,7 @@ def count_host_syncs() -> Counter:
 
         setattr(torch.Tensor, name, counting)
     for method in ("_attempt", "_finish_step"):
-        original_method = getattr(trainer._Loop, method)
+        original_method = getattr(TrainingLoop, method)
 
         def counted(self, *args, _original=original_method, **kwargs):
             inside[0] = True
@@ -63,7 +65,7 @@ def count_host_syncs() -> Counter:
             finally:
                 inside[0] = False
 
-        setattr(trainer._Loop, method, counted)
+        setattr(TrainingLoop, method, counted)
     return counts
 
 
@@ -140,7 +142,7 @@ def test_step_numbers_are_unchanged_by_reading_them_once():
     model = build(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     parallel = wrap_model(model, ctx, strategy="ddp", bf16=False)
-    optimizer = trainer.make_optimizer(model, weight_decay=0.1)
+    optimizer = make_optimizer(model, weight_decay=0.1)
     for group in optimizer.param_groups:
         group["lr"] = 1e-3
     generator = torch.Generator().manual_seed(3)

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from batchpilot.models.gpt import build
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.eager import EagerRuntime
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.parallel import Strategy, wrap_model
 
@@ -41,13 +42,10 @@ def validation_loss(
         seq_len=SEQ_LEN,
         eval_samples=eval_samples,
         eval_every_samples=0,
-        ctx=ctx,
+        runtime=EagerRuntime(ctx),
         expansion_factor=expansion,
     )
-    try:
-        return validator.evaluate(model, micro_batch_size=MICRO, autocast=contextlib.nullcontext)
-    finally:
-        validator.close()
+    return validator.evaluate(model, micro_batch_size=MICRO, autocast=contextlib.nullcontext)
 
 
 def _worker(

@@ -10,8 +10,8 @@ import torch
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.gpt import build
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+from batchpilot.train.setup import make_optimizer
 from batchpilot.train.state import restore_training_state, training_state
-from batchpilot.train.trainer import make_optimizer
 
 ARGS = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32}
 

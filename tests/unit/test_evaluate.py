@@ -16,6 +16,7 @@ from batchpilot.data.tokenizers import ByteTokenizer
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.gpt import build
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.eager import EagerRuntime
 from batchpilot.train.evaluate import Validator, evaluation_due, samples_per_rank
 
 SEQ_LEN = 16
@@ -62,7 +63,7 @@ def validator(uri: str, *, eval_samples: int, eval_every_samples: int = 0) -> Va
         seq_len=SEQ_LEN,
         eval_samples=eval_samples,
         eval_every_samples=eval_every_samples,
-        ctx=ONE_PROCESS,
+        runtime=EagerRuntime(ONE_PROCESS),
     )
 
 
@@ -133,7 +134,6 @@ def test_evaluate_is_the_mean_token_loss_of_the_first_validation_samples(shard_u
     assert again == pytest.approx(first, rel=1e-6)
     assert all(p.grad is None for p in model.parameters())
     assert checker.due(64, 128, stage_end=False) and not checker.due(0, 64, stage_end=False)
-    checker.close()
     assert checker.evaluate(model, micro_batch_size=micro, autocast=contextlib.nullcontext) == first
 
 
@@ -155,4 +155,3 @@ def test_a_shard_set_without_a_validation_split_is_refused_before_training(tmp_p
     assert "--validation-fraction" in error.value.fix
     off = validator(uri, eval_samples=0, eval_every_samples=64)  # validation off: the split is not needed
     assert not off.enabled and not off.due(0, 128, stage_end=True)
-    off.close()

@@ -11,7 +11,7 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.planner import build_plan
 from batchpilot.storage import LocalStorage
 from batchpilot.train.checkpoint import Checkpoint
-from batchpilot.train.trainer import (
+from batchpilot.train.setup import (
     check_resume_point,
     check_same_data_order,
     check_vocabulary,

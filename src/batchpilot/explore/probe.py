@@ -44,15 +44,10 @@ from batchpilot.explore.records import (
 )
 from batchpilot.models.factory import build_model, compile_model, set_activation_checkpointing
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.eager import autocast_factory, peak_memory_bytes, uses_bf16
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
+from batchpilot.train.setup import check_vocabulary, make_optimizer
 from batchpilot.train.step import UnagreedOutOfMemory, accumulate_gradients
-from batchpilot.train.trainer import (
-    autocast_factory,
-    check_vocabulary,
-    make_optimizer,
-    peak_memory_bytes,
-    uses_bf16,
-)
 
 WATCHDOG_INTERVAL_S = 0.005
 MAX_TIMED_STEPS = 200

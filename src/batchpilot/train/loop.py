@@ -1,24 +1,30 @@
-"""What the eager and the XLA training loops share: the loop's state, the step's batch arithmetic and LR, the
-checkpoint policy (stage end, every N steps, every N seconds), the save, the preemption stop, the metrics
-record and the progress line. `trainer._Loop` (one process per device) and `xla_loop.XlaLoop` (one process
-per host, SPMD) add how a step runs on their device and how a checkpoint is written.
+"""The training loop, one for every runtime: it steps from the run's position to the last stage's end sample.
+
+Read `TrainingLoop.run` top to bottom: each step takes its stage, batch split and LR from
+`consumed_samples`, asks the runtime (runtime.py: eager or XLA) for the passes, clips and steps the
+optimizer, reads the step's numbers with one host synchronisation, then evaluates, measures the noise
+scale, records metrics, and applies the checkpoint policy (stage end, every N steps or seconds), the
+adaptive ramp-up's decision and a SIGTERM's stop. An out-of-memory error the ranks agree on halves the
+micro batch and retries the same global batch (only the eager runtime reports one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
+from batchpilot import runstate
 from batchpilot.config import Config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
@@ -27,18 +33,22 @@ from batchpilot.planning import LRSchedule, Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun, NoisePoint, StageDecision, decide
 from batchpilot.planning.noise import noise_measurement, splits_step
 from batchpilot.runstate import METRICS_OBJECT, MetricsLog, restore_metrics, write_decisions
-from batchpilot.train.checkpoint import Checkpointer
-from batchpilot.train.evaluate import ValidatorBase
+from batchpilot.train.checkpoint import Checkpoint, Checkpointer
+from batchpilot.train.evaluate import Validator
 from batchpilot.train.noise import NoiseScaleEMA, noise_terms
-from batchpilot.train.steps import progress_line, stage_done_line, step_record
+from batchpilot.train.runtime import Runtime, StepOutcome
+from batchpilot.train.setup import data_order
+from batchpilot.train.step import UnagreedOutOfMemory
+from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class LoopBase:
-    """State of a training loop for one invocation, and the parts that do not touch the device."""
+class TrainingLoop:
+    """The state of one invocation's training, and the loop that advances it."""
 
+    runtime: Runtime
     config: Config
     plan: Plan
     stages: list[Stage]
@@ -51,7 +61,6 @@ class LoopBase:
     consumed: int
     step: int
     audit_dir: Path | None
-    autocast: Callable[[], contextlib.AbstractContextManager]
     flops_per_token: float = 0.0
     peak_flops: float | None = None
     noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
@@ -61,46 +70,139 @@ class LoopBase:
     last_log_s: float = 0.0
     last_save_s: float = field(default_factory=time.monotonic)
     preempted_file: Path | None = None
-    validator: ValidatorBase | None = None
+    validator: Validator | None = None
     adaptive: AdaptiveRun | None = None
     trace: list[NoisePoint] = field(default_factory=list)
     """An adaptive ramp-up's noise measurements so far (every step that measured one), in checkpoints."""
     decided: StageDecision | None = None
     """The decision that ended the open stage in this process, if it fired."""
 
-    # -- what each runtime says about itself ------------------------------------------------------------
-
     @property
     def is_main(self) -> bool:
-        raise NotImplementedError
+        return self.runtime.is_main
 
     @property
     def world_size(self) -> int:
         """Data-parallel ranks: processes (eager) or devices (XLA)."""
-        raise NotImplementedError
+        return self.runtime.world_size
 
-    @property
-    def world_label(self) -> str:
-        """The world as the progress line names it."""
-        return str(self.world_size)
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        """The runtime's own entries of a checkpoint's meta.json."""
-        return {}
-
-    def write_checkpoint(
-        self, *, extra: dict[str, Any], side: dict[str, bytes] | None
-    ) -> tuple[str | None, bool]:
-        """Writes (or starts writing) this step's checkpoint; returns (its URI on the main process, whether
-        it is being written in the background)."""
-        raise NotImplementedError
-
-    def peak_memory_bytes(self) -> int:
-        raise NotImplementedError
+    # -- the loop --------------------------------------------------------------------------------------
 
     def run(self) -> int:
         """Steps until the last stage's end sample; returns the exit code."""
-        raise NotImplementedError
+        end = self.stages[-1].end_sample
+        while self.consumed < end:
+            stage = self.plan.stage_at(self.consumed)
+            try:
+                outcome, micro, accumulation, started, lr = self._attempt(stage)
+            except UnagreedOutOfMemory as error:
+                self._end_after_unagreed_oom(stage, error.micro_batch_size)
+            if outcome.out_of_memory:
+                self._halve_micro_batch(stage, micro)
+                continue
+            # The step's one host synchronisation also agrees on a SIGTERM on any process and on the main
+            # process's clock saying a time checkpoint is due (every process must enter the save together).
+            stop, checkpoint_due = self._finish_step(stage, outcome, micro, accumulation, started, lr)
+            code = self.after_step(stage, stop=stop, checkpoint_due=checkpoint_due)
+            if code is not None:
+                return code
+        self.wait_for_checkpoint()  # the last stage's checkpoint is committed before the process exits
+        return 0
+
+    def _attempt(self, stage: Stage) -> tuple[StepOutcome, int, int, float, float]:
+        """Runs the passes of one step: (outcome, micro batch, accumulation, perf_counter at the start, lr)."""
+        micro, accumulation = self.batch_split(stage)
+        lr = self.set_lr(stage)
+        started = time.perf_counter()
+        batches = self.loader.micro_batches(
+            consumed_samples=self.consumed,
+            global_batch_size=stage.global_batch_size,
+            micro_batch_size=self.runtime.rows_per_pass(micro),
+            gradient_accumulation_steps=accumulation,
+        )
+        outcome = self.runtime.run_passes(
+            self.model,
+            batches,
+            micro_batch_size=micro,
+            split=self.splits_for_noise(micro, accumulation),
+            measure_noise=self.config.train.measure_noise_scale,
+            measure_coherence=self.config.train.measure_coherence,
+        )
+        if outcome.completed and self.audit_dir is not None:
+            append_audit(
+                self.audit_dir, stage, consumed=self.consumed, micro=micro, world_size=self.world_size,
+                ranks=self.runtime.audit_ranks(),
+            )  # fmt: skip
+        return outcome, micro, accumulation, started, lr
+
+    def _finish_step(
+        self, stage: Stage, outcome: StepOutcome, micro: int, accumulation: int, started: float, lr: float
+    ) -> tuple[bool, bool]:
+        """Clips, steps the optimizer, reads the step's numbers and writes its metrics; returns the agreed
+        (stop, checkpoint due)."""
+        clip = self.config.train.grad_clip or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        values, (stop, checkpoint_due) = self.runtime.read_step(
+            outcome, norm, flags=[self.stop_requested, self.time_checkpoint_due()]
+        )
+        step_time_s = time.perf_counter() - started
+        before = self.consumed
+        self.consumed += stage.global_batch_size
+        self.step += 1
+        val_loss = self.validation_loss(stage, before=before, micro=micro)
+        measured = values.small_sq_norm is not None
+        noise_scale = self.measure_noise(
+            stage, small_batch=outcome.small_batch if measured else None,
+            small_sq_norm=values.small_sq_norm or 0.0, big_sq_norm=values.grad_norm**2,
+        )  # fmt: skip
+        extra = self.runtime.step_extra() | (self.adaptive_record(stage) or {})
+        self.record(
+            stage, micro=micro, accumulation=accumulation, lr=lr, loss=values.loss, grad_norm=values.grad_norm,
+            step_time_s=step_time_s, noise_scale=noise_scale, coherence=values.coherence, val_loss=val_loss,
+            extra=extra,
+        )  # fmt: skip
+        return stop, checkpoint_due
+
+    # -- out of memory (eager) ---------------------------------------------------------------------------
+
+    def _halved(self, stage: Stage, micro: int) -> int:
+        if micro % 2:
+            raise BatchpilotError(
+                "batch.micro_batch_size",
+                f"out of memory at micro batch {micro} in {stage.name}, which cannot be halved evenly",
+                "use a smaller micro batch (batchpilot explore finds one that fits)",
+            )
+        return micro // 2
+
+    def _halve_micro_batch(self, stage: Stage, micro: int) -> None:
+        self.micro_override[stage.index] = self._halved(stage, micro)
+        self.runtime.after_out_of_memory()
+        if self.is_main:
+            runstate.write_micro_batch_overrides(self.checkpointer.storage, self.micro_override)
+        self.log(
+            f"out of memory at micro_batch_size={micro} (agreed by all ranks): retrying the same global batch "
+            f"{stage.global_batch_size} with micro_batch_size={micro // 2}, "
+            f"gradient_accumulation_steps={stage.global_batch_size // (micro // 2 * self.world_size)}",
+        )
+
+    def _end_after_unagreed_oom(self, stage: Stage, micro: int) -> NoReturn:
+        """An OOM inside collectives the other ranks wait in (any pass under FSDP, the last micro-batch's
+        backward under DDP): record the halved size where the retry reads it, and end this process at once
+        (torchrun, or the pod's exit, stops the others)."""
+        self.micro_override[stage.index] = self._halved(stage, micro)
+        runstate.write_micro_batch_overrides(self.checkpointer.storage, self.micro_override)
+        logger.error(
+            "rank %d ran out of memory at micro_batch_size=%d in %s under %s, inside collectives where the "
+            "ranks cannot agree to retry: recorded micro_batch_size=%d in %s; the stage's retry resumes from "
+            "the last checkpoint with it",
+            self.runtime.rank, micro, stage.name, self.runtime.noise_strategy, micro // 2,
+            runstate.micro_batch_uri(self.checkpointer.storage),
+        )  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     # -- shared ----------------------------------------------------------------------------------------
 
@@ -127,11 +229,6 @@ class LoopBase:
             )
         return micro, stage.global_batch_size // per_pass
 
-    @property
-    def noise_strategy(self) -> str:
-        """The layout name `planning.noise` decides by: the plan's parallelism (the XLA loop says xla)."""
-        return self.plan.parallelism
-
     def splits_for_noise(self, micro: int, accumulation: int) -> bool:
         """Whether this step runs its one micro-batch as two halves to measure the noise scale
         (`planning.noise`: accumulation 1, every `train.measure_noise_every_steps` steps)."""
@@ -139,7 +236,7 @@ class LoopBase:
         if not train.measure_noise_scale:
             return False
         measurement = noise_measurement(
-            strategy=self.noise_strategy,
+            strategy=self.runtime.noise_strategy,
             world_size=self.world_size,
             micro_batch_size=micro,
             accumulation=accumulation,
@@ -186,7 +283,7 @@ class LoopBase:
             before, self.consumed, stage_end=self.consumed == stage.end_sample
         ):
             return None
-        return self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.autocast)
+        return self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.runtime.autocast)
 
     def measure_noise(
         self, stage: Stage, *, small_batch: int | None, small_sq_norm: float, big_sq_norm: float
@@ -251,8 +348,15 @@ class LoopBase:
         self.log(f"{stage.name} ends (adaptive ramp-up): {self.decided.decision.describe()}")
         return True
 
-    def restore_trace(self, meta: dict[str, Any]) -> None:
-        """An adaptive ramp-up's trace from a checkpoint's meta.json."""
+    def resume_from(self, checkpoint: Checkpoint | None) -> None:
+        """The loop's own state from the checkpoint it resumes from: its step counts as saved, the noise
+        scale's running average and an adaptive ramp-up's trace continue from its meta.json."""
+        if checkpoint is None:
+            return
+        meta = checkpoint.meta
+        self.saved_step = checkpoint.step
+        if "noise_scale_ema" in meta:
+            self.noise.load_state_dict(meta["noise_scale_ema"])
         if self.adaptive is not None:
             self.trace = [
                 NoisePoint(int(c), float(g2), float(s)) for c, g2, s in meta.get("adaptive_trace", [])
@@ -294,7 +398,7 @@ class LoopBase:
                 seq_len=self.config.data.seq_len,
                 flops_per_token=self.flops_per_token,
                 peak_flops=self.peak_flops,
-                peak_memory_bytes=self.peak_memory_bytes(),
+                peak_memory_bytes=self.runtime.peak_memory_bytes(),
                 noise_scale=noise_scale,
                 coherence=coherence,
                 val_loss=val_loss,
@@ -311,7 +415,7 @@ class LoopBase:
             or record["val_loss"] is not None
         ):
             self.last_log_s = now
-            self.log(progress_line(stage, record, world=self.world_label))
+            self.log(progress_line(stage, record, world=self.runtime.world_label))
         return record
 
     def save(self, why: str = "", *, wait: bool = False) -> None:
@@ -336,10 +440,13 @@ class LoopBase:
                 if self.adaptive is not None
                 else {}
             ),
-            **self.checkpoint_extra(),
+            **self.runtime.checkpoint_extra(),
         }
         started = time.perf_counter()
-        where, background = self.write_checkpoint(extra=extra, side=side)
+        where, background = self.runtime.write_checkpoint(
+            self.checkpointer, model=self.model, optimizer=self.optimizer, step=self.step,
+            consumed_samples=self.consumed, extra=extra, side=side,
+        )  # fmt: skip
         blocked_s = time.perf_counter() - started
         how = "writing in the background" if background else "committed"
         self.log(
@@ -370,20 +477,6 @@ class LoopBase:
         return EXIT_PREEMPTED
 
 
-def data_order(config: Config) -> dict[str, Any]:
-    """The settings that decide which sample each position reads; a resumed run must use the same."""
-    data = config.data
-    return {
-        "uri": data.uri,
-        "split": data.split,
-        "seq_len": data.seq_len,
-        "seed": config.train.seed,
-        "shuffle": data.shuffle,
-        "shuffle_block_samples": data.shuffle_block_samples,
-        "shuffle_window_blocks": data.shuffle_window_blocks,
-    }
-
-
 def prepare_outputs(
     output_dir: Path, *, is_main: bool, checkpointer: Checkpointer, consumed: int, audit: bool
 ) -> tuple[MetricsLog | None, Path | None]:
@@ -400,7 +493,7 @@ def prepare_outputs(
     return metrics, audit_dir
 
 
-def run_loop(loop: LoopBase, *, closing: list[Callable[[], None]]) -> int:
+def run_loop(loop: TrainingLoop, *, closing: list[Callable[[], None]]) -> int:
     """Runs `loop` with SIGTERM asking it to stop at the end of a step; then, also when it failed, ends the
     checkpoint in flight and calls each of `closing` (loaders)."""
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stop_requested", True))

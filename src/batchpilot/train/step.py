@@ -5,13 +5,13 @@ the gradient reduction averages over ranks, so the accumulated gradient is the g
 over the global batch whatever the split (world x accumulation x micro).
 
 No pass waits for the device: losses and noise-scale terms stay on it (`StepOutcome` holds tensors) and
-the trainer reads them once per optimizer step, with the ranks' stop and checkpoint flags (trainer.py).
+the loop reads them once per optimizer step, with the ranks' stop and checkpoint flags (eager.py).
 
 - DDP synchronises only on the last micro-batch (`no_sync` on the others). Out of memory (CUDA): a rank
   that runs out skips its remaining passes (they have no collectives under `no_sync`), and before the
   last, synchronising backward all ranks agree whether any ran out (the step's one extra agreement
   under ddp); if so, every rank drops the step's partial gradients and the trainer retries the same
-  global batch with half the micro batch. An OOM *inside* the last micro-batch's backward cannot be
+  global batch with half the micro batch (loop.py). An OOM *inside* the last micro-batch's backward cannot be
   agreed on (the other ranks are already in its all-reduce): it raises `UnagreedOutOfMemory`, handled
   as under FSDP.
 - FSDP reduce-scatters every micro-batch's gradients into the shards (no unsharded gradient is kept
@@ -19,7 +19,7 @@ the trainer reads them once per optimizer step, with the ranks' stop and checkpo
   last pass only (parallel.py). Their forward and backward passes are full of collectives (a block's
   parameters are all-gathered before it runs), so an OOM on one rank cannot be agreed on at all:
   `accumulate_sharded` raises `UnagreedOutOfMemory` and the trainer records the halved micro batch and
-  ends the job, whose retry resumes from the last checkpoint with it (trainer.py).
+  ends the job, whose retry resumes from the last checkpoint with it (loop.py).
 
 Gradient noise scale (McCandlish et al. 2018, appendix A) needs the squared norm of a small-batch and a
 big-batch gradient. DDP: each rank's own accumulated gradient (batch micro x accumulation) before the
@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from batchpilot.train.parallel import (
     set_cross_node_reduction,
     squared_norm_tensor,
 )
+from batchpilot.train.runtime import StepOutcome
 
 # Testing hook: simulate a device on which micro-batches larger than this run out of memory (rank 0).
 INJECT_OOM_ENV = "BATCHPILOT_INJECT_OOM_ABOVE_MICRO_BATCH"
@@ -62,23 +62,6 @@ class UnagreedOutOfMemory(Exception):
     def __init__(self, micro_batch_size: int) -> None:
         super().__init__(f"out of memory at micro batch {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
-
-
-@dataclass
-class StepOutcome:
-    """What happened in one attempt at an optimizer step (gradients are ready only if `completed`).
-
-    The numbers are device scalars (float64), read by the trainer once per step: `loss` is this rank's
-    mean micro-batch loss, `small_sq_norm` the squared norm of the small-batch gradient of `small_batch`
-    samples, `coherence` the cosine between the first two passes' gradients (NaN when one is zero).
-    """
-
-    completed: bool
-    loss: torch.Tensor | None = None
-    small_sq_norm: torch.Tensor | None = None
-    small_batch: int | None = None
-    coherence: torch.Tensor | None = None
-    out_of_memory: bool = False
 
 
 def install_oom_injection(model: nn.Module, ctx: DistContext) -> None:

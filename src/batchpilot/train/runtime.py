@@ -1,0 +1,224 @@
+"""The runtime protocol: what the one training loop (loop.py) asks of the device side.
+
+A runtime places the model on its devices and spreads it over them (`parallelize`), runs the forward and
+backward passes of one optimizer step (`run_passes`), reads the step's numbers with one host
+synchronisation (`read_step`), writes and restores checkpoints, and says who it is in the job. Two
+implement it:
+
+- `eager.EagerRuntime`: one process per device under torchrun; ddp, fsdp or hsdp (parallel.py); the
+  passes and out-of-memory recovery of step.py; checkpoints written in the background.
+- `xla_runtime.XlaRuntime`: one process per host driving every device of a TPU slice with SPMD
+  (torch_xla); checkpoints written synchronously through the SPMD planner.
+
+Everything else (stages, batch arithmetic, LR, sample order, checkpoint policy, validation schedule, noise
+scale, adaptive ramp-up, metrics) is the loop's and is the same for both. A new parallelism (a 2-D data x
+tensor mesh) is a new `parallelize` function of a runtime, not a new loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchpilot.config import Config
+from batchpilot.planning import Stage
+from batchpilot.train.checkpoint import Checkpoint, Checkpointer
+
+
+@dataclass
+class StepOutcome:
+    """What happened in one attempt at an optimizer step (gradients are ready only if `completed`).
+
+    The numbers are device scalars, read once per step by `Runtime.read_step`: `loss` is the mean
+    micro-batch loss (this rank's under eager), `small_sq_norm` the squared norm of the small-batch
+    gradient of `small_batch` samples (None: not measured), `coherence` the cosine between the first two
+    passes' gradients (NaN when one is zero).
+    """
+
+    completed: bool
+    loss: torch.Tensor | None = None
+    small_sq_norm: torch.Tensor | None = None
+    small_batch: int | None = None
+    coherence: torch.Tensor | None = None
+    out_of_memory: bool = False
+
+
+@dataclass(frozen=True)
+class StepValues:
+    """One step's numbers on the host: the mean loss over the data-parallel ranks, the gradient norm, the
+    small-batch gradient's squared norm (None: not measured) and the passes' gradient coherence (None: not
+    measured)."""
+
+    loss: float
+    grad_norm: float
+    small_sq_norm: float | None
+    coherence: float | None
+
+
+class Runtime(ABC):
+    """The device side of the training loop; see the module docstring."""
+
+    name: str
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    # -- who this process is -----------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def is_main(self) -> bool:
+        """The process that logs, writes metrics.jsonl and commits checkpoints."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's index in the job (a rank under eager, a host under XLA)."""
+
+    @property
+    @abstractmethod
+    def rank_label(self) -> str:
+        """This process as a log line names it: `rank 3`, `host 1`."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Data-parallel ranks: processes (eager) or devices (XLA)."""
+
+    @property
+    def world_label(self) -> str:
+        """The world as the progress line names it."""
+        return str(self.world_size)
+
+    @property
+    @abstractmethod
+    def noise_strategy(self) -> str:
+        """The layout `planning.noise` decides by: the parallelism (eager) or `xla`."""
+
+    @property
+    @abstractmethod
+    def reader(self) -> tuple[int, int, int]:
+        """(rank, world size, processes per node) of this process among the job's data readers: every
+        eager rank reads its own samples; every XLA host reads its devices' samples."""
+
+    def rows_per_pass(self, micro_batch_size: int) -> int:
+        """Samples this process reads per accumulation pass (its devices' micro batches)."""
+        return micro_batch_size
+
+    def audit_ranks(self) -> Iterable[int]:
+        """The data-parallel ranks whose trained positions this process records (`--audit`)."""
+        return [self.rank]
+
+    # -- set-up ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def check_world(self, stages: Sequence[Stage], *, devices_per_node: int) -> None:
+        """Refuses stages planned for another world size than this job's."""
+
+    def first_start_rank(self) -> int:
+        """The local rank under which this process reads `train.init_from` (its node's copy)."""
+        return 0
+
+    @abstractmethod
+    def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
+        """Moves the fp32 `model` to the devices and spreads it over them as `strategy` says; returns
+        how, in words."""
+
+    @abstractmethod
+    def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's state laid out before the first step (XLA: sharded as its parameters)."""
+
+    @abstractmethod
+    def restore(self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Loads a checkpoint (any runtime, any world size) into the placed model and its optimizer."""
+
+    @abstractmethod
+    def resumed_line(self, checkpoint: Checkpoint, *, uri: str) -> str:
+        """The log line of a resume."""
+
+    @abstractmethod
+    def training_line(self, stage_names: str, *, consumed: int, how: str) -> str:
+        """The log line that starts training: the stages, the world, `how` the model is spread."""
+
+    @abstractmethod
+    def peak_flops(self, config: Config) -> float | None:
+        """The bf16 peak FLOP/s of one device, for MFU (None: fp32 or unknown)."""
+
+    # -- a step ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def run_passes(
+        self,
+        model: nn.Module,
+        batches: Sequence[torch.Tensor],
+        *,
+        micro_batch_size: int,
+        split: bool,
+        measure_noise: bool,
+        measure_coherence: bool,
+    ) -> StepOutcome:
+        """Forward and backward of every accumulation pass of one step (`batches`: this process's rows of
+        each pass); with `split`, the one pass runs as two halves to measure the noise scale."""
+
+    @abstractmethod
+    def read_step(
+        self, outcome: StepOutcome, grad_norm: torch.Tensor, *, flags: list[bool]
+    ) -> tuple[StepValues, list[bool]]:
+        """The step's numbers with one host synchronisation, and for each of `flags` whether any process
+        set it."""
+
+    def step_extra(self) -> dict[str, Any]:
+        """The runtime's own entries of a step's metrics record."""
+        return {}
+
+    @abstractmethod
+    def after_out_of_memory(self) -> None:
+        """After an agreed out-of-memory error, before the retry with half the micro batch."""
+
+    @abstractmethod
+    def peak_memory_bytes(self) -> int:
+        """The peak memory of this process's device(s) so far."""
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The runtime's own entries of a checkpoint's meta.json."""
+        return {}
+
+    @abstractmethod
+    def write_checkpoint(
+        self,
+        checkpointer: Checkpointer,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        consumed_samples: int,
+        extra: dict[str, Any],
+        side: dict[str, bytes] | None,
+    ) -> tuple[str | None, bool]:
+        """Writes (or starts writing) a checkpoint; returns (its URI on the main process, whether it is
+        being written in the background)."""
+
+    # -- validation --------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def validation_loss(
+        self,
+        model: nn.Module,
+        rows: torch.Tensor,
+        *,
+        micro_batch_size: int,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        num_samples: int,
+    ) -> float:
+        """The mean token loss over every process's validation `rows` (this process's: `[rows_per_pass(share),
+        seq_len + 1]`, int32) in passes of `micro_batch_size` per device; `num_samples` over all of them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Training ended on this process: leave its process groups before the interpreter finalises."""

@@ -1,0 +1,325 @@
+"""The XLA runtime (`train.runtime: xla`): one process per host, SPMD over every device of the stage.
+
+The same loop, stages, batches, sample order, LR schedule, clipping, checkpoints and metrics as the eager
+runtime; what differs is here:
+
+- One process per host drives all of that host's devices; the world size is the slice's device count
+  (`xr.global_runtime_device_count()`), one logical data-parallel rank per device.
+- Every accumulation pass is one batch of `micro x devices` rows sharded along dim 0: device `d` holds
+  rows `[d x micro, (d + 1) x micro)`, the positions rank `d` trains on a GPU job of the same world size
+  (`rank_micro_batches`). A host reads only its devices' rows (its loader is rank `host` of `num_hosts`
+  with `micro x local devices` samples per pass: hosts own consecutive devices of the mesh).
+- Each pass ends with `torch_xla.sync()` (one compiled graph per pass, the same graph every pass); the
+  loss and the norms stay on the device until the step ends.
+- Checkpoints are the eager runtime's sharded DCP format, keyed by parameter name, written through the
+  SPMD save planner (each host writes its own shards); they load on any device count and in the eager
+  runtime.
+
+Not implemented (refused with one line, see `xla.refuse_unsupported` and `refuse`): loading hosts,
+torch.compile, and the halving of the micro batch after an out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchpilot.config import Config
+from batchpilot.errors import BatchpilotError
+from batchpilot.planning import Stage
+from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
+from batchpilot.train.runtime import Runtime, StepOutcome, StepValues
+from batchpilot.train.setup import device_peak
+from batchpilot.train.step import INJECT_OOM_ENV, micro_batch_loss
+from batchpilot.train.xla import (
+    XLA_RUNTIME,
+    Layout,
+    XlaHost,
+    init_optimizer_state,
+    make_layout,
+    move_to_xla,
+    refuse_unsupported,
+    shard_blocks,
+    shard_parameters,
+    start_runtime,
+    uses_bf16_on_xla,
+)
+from batchpilot.train.xla_state import (
+    agree,
+    peak_memory_bytes,
+    restore_xla_state,
+    save_xla_checkpoint,
+    send_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+
+
+def _gradients(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach() for p in model.parameters() if p.grad is not None]
+
+
+def refuse(config: Config) -> None:
+    """What the XLA runtime does not implement, refused before anything starts."""
+    refuse_unsupported(config)
+    if os.environ.get(INJECT_OOM_ENV):
+        raise BatchpilotError(
+            INJECT_OOM_ENV, "halving the micro batch after out of memory is not implemented for runtime xla"
+        )
+
+
+class XlaRuntime(Runtime):
+    """One process per host; `host` is its place in the slice, `layout` the mesh of the plan's parallelism."""
+
+    name = XLA_RUNTIME
+
+    def __init__(self, host: XlaHost, layout: Layout) -> None:
+        self.host, self.layout = host, layout
+        self.compiles_seen = 0
+
+    @classmethod
+    def start(cls, config: Config, *, strategy: str, devices_per_node: int) -> XlaRuntime:
+        """Refuses what is not implemented, then starts the XLA runtime (SPMD) and lays out its mesh."""
+        refuse(config)
+        host = start_runtime()
+        layout = make_layout(
+            strategy=strategy, num_devices=host.num_devices, devices_per_node=devices_per_node
+        )
+        return cls(host, layout)
+
+    @property
+    def is_main(self) -> bool:
+        return self.host.is_main
+
+    @property
+    def rank(self) -> int:
+        return self.host.host
+
+    @property
+    def rank_label(self) -> str:
+        return f"host {self.host.host}"
+
+    @property
+    def world_size(self) -> int:
+        return self.host.num_devices
+
+    @property
+    def world_label(self) -> str:
+        return f"{self.world_size} devices"
+
+    @property
+    def noise_strategy(self) -> str:
+        return XLA_RUNTIME
+
+    @property
+    def reader(self) -> tuple[int, int, int]:
+        return self.host.host, self.host.num_hosts, 1
+
+    def rows_per_pass(self, micro_batch_size: int) -> int:
+        return micro_batch_size * self.host.num_local_devices
+
+    def audit_ranks(self) -> Iterable[int]:
+        """The positions every device (logical rank) trained, recorded by host 0."""
+        return range(self.world_size) if self.host.is_main else []
+
+    def check_world(self, stages: Sequence[Stage], *, devices_per_node: int) -> None:
+        """A stage or a launch runs on its planned devices (`num_nodes x devices_per_node`), as under eager."""
+        wrong = next((s for s in stages if s.world_size != self.host.num_devices), None)
+        if wrong is not None:
+            raise BatchpilotError(
+                "--stage",
+                f"{wrong.name} is planned for {wrong.num_nodes} node(s) x {devices_per_node} = {wrong.world_size} "
+                f"devices, this XLA job has {self.host.num_devices} ({self.host.num_hosts} host process(es))",
+                "start it at the planned size (locally: CPU_NUM_DEVICES set to the stage's devices, "
+                "PJRT_DEVICE=CPU)",
+            )
+
+    def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
+        move_to_xla(model)
+        sharded = shard_parameters(model, self.layout)
+        shard_blocks(model, self.layout)
+        if uses_bf16_on_xla(config.train.precision):
+            self.autocast = lambda: torch.autocast(device_type="xla", dtype=torch.bfloat16)
+        if self.layout.param_axis is None:
+            return "parameters replicated (ddp)"
+        return (
+            f"all {sharded} parameters sharded {self.layout.shard_degree} ways on their largest dimension over "
+            f"mesh axis {self.layout.param_axis!r}"
+        )
+
+    def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        init_optimizer_state(
+            model, optimizer, self.layout
+        )  # the first step compiles the graph every step runs
+
+    def restore(self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        restore_xla_state(checkpoint, model=model, optimizer=optimizer, layout=self.layout)
+
+    def resumed_line(self, checkpoint: Checkpoint, *, uri: str) -> str:
+        meta = checkpoint.meta
+        return (
+            f"resumed from step {checkpoint.step} ({checkpoint.consumed_samples:,} samples) of {uri} (saved by "
+            f"{meta.get('world_size', '?')} device(s) under {meta.get('parallelism', 'ddp')}, runtime "
+            f"{meta.get('runtime', 'eager')})"
+        )
+
+    def training_line(self, stage_names: str, *, consumed: int, how: str) -> str:
+        return (
+            f"training {stage_names} on {self.host.num_devices} XLA device(s) of {self.host.num_hosts} host(s) "
+            f"(runtime xla, SPMD; {how}) from sample {consumed:,}"
+        )
+
+    def peak_flops(self, config: Config) -> float | None:
+        return device_peak(config, torch.device("xla"), bf16=uses_bf16_on_xla(config.train.precision))
+
+    def run_passes(
+        self,
+        model: nn.Module,
+        batches: Sequence[torch.Tensor],
+        *,
+        micro_batch_size: int,
+        split: bool,
+        measure_noise: bool,
+        measure_coherence: bool,
+    ) -> StepOutcome:
+        """Forward and backward of every pass (gradients accumulate in the parameters' layout)."""
+        import torch_xla
+
+        micro, accumulation, pass_rows = micro_batch_size, len(batches), micro_batch_size
+        if split:
+            # Each device's rows as two halves (device d keeps its samples): two passes of micro / 2 rows per
+            # device, the same gradient; the first half over all devices is the noise scale's small batch.
+            (rows,) = batches
+            per_device = rows.reshape(self.host.num_local_devices, micro, -1)
+            half = micro // 2
+            batches = [
+                per_device[:, :half].reshape(-1, rows.shape[-1]),
+                per_device[:, half:].reshape(-1, rows.shape[-1]),
+            ]
+            accumulation, pass_rows = 2, half
+        measure = accumulation > 1
+        total: torch.Tensor | None = None
+        outcome = StepOutcome(completed=True)
+        first: list[torch.Tensor] | None = None
+        for index, rows in enumerate(batches):
+            batch = send_rows(rows, self.layout)
+            loss = micro_batch_loss(model, batch, self.autocast())
+            (loss / accumulation).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            if index == 0 and measure and measure_noise:
+                # The first pass's mean gradient over all devices: batch micro x devices (as under fsdp).
+                outcome.small_sq_norm = _sq_norm(_gradients(model)) * accumulation**2
+                outcome.small_batch = pass_rows * self.world_size
+            if index == 0 and measure and measure_coherence:
+                first = [g.clone() for g in _gradients(model)]
+            if index == 1 and first is not None:
+                second = [g - f for g, f in zip(_gradients(model), first, strict=True)]
+                dot = torch.stack(
+                    [(a.float() * b.float()).sum() for a, b in zip(first, second, strict=True)]
+                ).sum()
+                outcome.coherence = dot / (_sq_norm(first) * _sq_norm(second)).sqrt()
+                first = None
+            torch_xla.sync()
+        assert total is not None
+        outcome.loss = total / accumulation
+        return outcome
+
+    def read_step(
+        self, outcome: StepOutcome, grad_norm: torch.Tensor, *, flags: list[bool]
+    ) -> tuple[StepValues, list[bool]]:
+        """The step's graph runs; its numbers come to the host; the hosts agree on the flags."""
+        import torch_xla
+
+        torch_xla.sync()
+        values = [outcome.loss, grad_norm, outcome.small_sq_norm, outcome.coherence]
+        loss, norm, small_sq, coherence = (None if v is None else float(v.item()) for v in values)
+        assert loss is not None and norm is not None
+        return StepValues(loss=loss, grad_norm=norm, small_sq_norm=small_sq, coherence=coherence), agree(
+            *flags
+        )
+
+    def step_extra(self) -> dict[str, Any]:
+        return {"runtime": XLA_RUNTIME, "xla_compiles": self._new_compiles()}
+
+    def _new_compiles(self) -> int:
+        """Graphs XLA compiled since the last step's record: the first step's training graph, a stage's new
+        batch shape, the first evaluation; any other is a recompilation that costs every step its time."""
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        total = int(data[0]) if data else 0
+        new, self.compiles_seen = total - self.compiles_seen, total
+        return new
+
+    def after_out_of_memory(self) -> None:
+        raise AssertionError("the XLA runtime reports no out-of-memory error to recover from (see `refuse`)")
+
+    def peak_memory_bytes(self) -> int:
+        return peak_memory_bytes()
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"runtime": XLA_RUNTIME, "num_hosts": self.host.num_hosts}
+
+    def write_checkpoint(
+        self,
+        checkpointer: Checkpointer,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        consumed_samples: int,
+        extra: dict[str, Any],
+        side: dict[str, bytes] | None,
+    ) -> tuple[str | None, bool]:
+        # Synchronous: each host writes its devices' shards through torch_xla's SPMD planner, which reads
+        # them from the devices; there is no staged CPU copy to write in the background.
+        where = save_xla_checkpoint(
+            checkpointer,
+            model=model,
+            optimizer=optimizer,
+            step=step,
+            consumed_samples=consumed_samples,
+            rng=capture_rng_state(),
+            extra=extra,
+            side_objects=side,
+        )
+        return where, False
+
+    def close(self) -> None:
+        """Nothing to leave: the hosts' CPU group (DCP's) lives as long as the process."""
+
+    def validation_loss(
+        self,
+        model: nn.Module,
+        rows: torch.Tensor,
+        *,
+        micro_batch_size: int,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        num_samples: int,
+    ) -> float:
+        """This host's devices' rows (device d's samples are rank d's), `micro_batch_size` of each device's
+        per pass, split along the batch over the mesh; the mean is one transfer to the host."""
+        import torch_xla
+
+        local = self.host.num_local_devices
+        mine = rows.reshape(local, rows.shape[0] // local, -1)
+        share, seq = mine.shape[1], mine.shape[2] - 1
+        total = torch.zeros((), device=torch_xla.device())
+        for start in range(0, share, micro_batch_size):
+            part = mine[:, start : start + micro_batch_size]
+            batch = send_rows(part.reshape(-1, part.shape[-1]).long(), self.layout)
+            # Each pass's loss is the mean over all devices' rows of this pass: weighted by its tokens.
+            loss = micro_batch_loss(model, batch, autocast())
+            total = total + loss.float() * (part.shape[1] * self.host.num_devices * seq)
+            torch_xla.sync()
+        return float(total.cpu()) / (num_samples * seq)
