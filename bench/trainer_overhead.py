@@ -46,7 +46,8 @@ from torch.nn import functional as F
 from batchpilot.cli import main as cli_main
 from batchpilot.config import Config, parse_config
 from batchpilot.models.factory import build_model, compile_model
-from batchpilot.planner import build_plan, make_run_document
+from batchpilot.plan.planner import make_run_document
+from batchpilot.plan.stages import build_plan
 from batchpilot.train.eager import autocast_factory
 from batchpilot.train.loop import TrainingLoop
 from batchpilot.train.parallel import shard_units

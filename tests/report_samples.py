@@ -8,8 +8,8 @@ import dataclasses
 from typing import Any
 
 from batchpilot import workflow
+from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.cost import estimate_cost
-from batchpilot.rundoc import RunDocument
 from helpers import REPO
 
 STEP_TIME_S = 0.5

@@ -69,7 +69,7 @@ def export_hf(*, plan: str | Path, out: str | Path, step: int | None = None, dty
     Raises:
         BatchpilotError: one line for every refusal, before anything is written.
     """
-    from batchpilot.rundoc import read_run_document
+    from batchpilot.plan.rundoc import read_run_document
 
     target = _check_out(out, force=force)
     if dtype not in DTYPES:

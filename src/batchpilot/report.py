@@ -18,6 +18,7 @@ from typing import Any
 from batchpilot.explore.report import probe_table, recommendation_sentence, study_section
 from batchpilot.files import write_atomically
 from batchpilot.htmlpage import Html, bullets, figure, page, table
+from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning import CostEstimate, Plan
 from batchpilot.planning.launches import launches
 from batchpilot.planning.memory import MemoryPlan
@@ -32,7 +33,6 @@ from batchpilot.planning.units import (
     format_ratio,
 )
 from batchpilot.report_figures import loss_figure, png, run_figures, trials_figure, validation_points
-from batchpilot.rundoc import RunDocument
 
 __all__ = ["loss_figure", "plan_html", "plan_markdown", "write_report"]
 

@@ -29,6 +29,7 @@ from typing import Any
 from batchpilot import runstate
 from batchpilot.config import AdaptiveRampup, Config, parse_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.trials import (
     BranchResult,
     TrialBranch,
@@ -37,7 +38,6 @@ from batchpilot.planning.trials import (
     decide,
     derived_run_name,
 )
-from batchpilot.rundoc import RunDocument
 from batchpilot.storage import join_uri
 from batchpilot.workflow import planned_trials
 
@@ -78,7 +78,7 @@ def _derived(
 def warmup_config(document: RunDocument) -> Config:
     """The warm-up's config: samples [0, warmup_samples) at the start batch on the first stage's nodes,
     under the run's LR rule (reference batch explicit), warmed up within the warm-up, then constant."""
-    from batchpilot.planner import lr_schedule
+    from batchpilot.plan.stages import lr_schedule
 
     trials = planned_trials(document)
     config = document.config

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from batchpilot import runstate
-from batchpilot.checks import check_plan_config
 from batchpilot.config import Config, parse_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
-from batchpilot.planner import make_run_document, num_stages
+from batchpilot.plan.checks import check_plan_config
+from batchpilot.plan.planner import make_run_document
+from batchpilot.plan.rundoc import RunDocument
+from batchpilot.plan.stages import num_stages
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.planning.trials import BranchResult, TrialsOutcome, TrialsPlan, trial_run_names
-from batchpilot.rundoc import RunDocument
 
 if TYPE_CHECKING:
     from batchpilot.cluster.capacity import CapacityShortfall
@@ -213,7 +214,7 @@ def check_data(config: Config) -> None:
     """What `config check` and `plan` verify of a local shard set (`checks.data_problems`): it exists, has a
     manifest, and its vocabulary fits the model. Not `compile`: a pipeline may be compiled before the data
     is prepared."""
-    from batchpilot.checks import data_problems
+    from batchpilot.plan.inputs import data_problems
     from batchpilot.planning.batch import raise_problems
     from batchpilot.train.shape import model_shape  # torch: only when a local manifest was read
 
@@ -364,7 +365,8 @@ def current_document(document: RunDocument, *, capacity: bool = True) -> RunDocu
     the trainers recorded so far (`adaptive.json` beside the checkpoints); and each launch whose resize got
     fewer nodes than planned on the nodes it got (`capacity.json` beside the checkpoints; `capacity=False`:
     as planned, without reading it, e.g. for a dry run, which makes no storage call)."""
-    from batchpilot.planner import build_plan, is_adaptive
+    from batchpilot.plan.adaptive import is_adaptive
+    from batchpilot.plan.stages import build_plan
 
     config = document.config
     if is_adaptive(config):
@@ -488,7 +490,8 @@ def pipeline_launch_names(config: Config) -> tuple[str, ...]:
     micro batch: one slot per stage (`launch-0`, `launch-1`, ...), of which the plan's launches take the
     first and the rest do nothing.
     """
-    from batchpilot.planner import build_plan, is_adaptive
+    from batchpilot.plan.adaptive import is_adaptive
+    from batchpilot.plan.stages import build_plan
 
     micro = config.batch.micro_batch_size
     if micro == "explore" or config.batch.global_batch_size == "auto" or is_adaptive(config):
@@ -583,20 +586,15 @@ def _fewer_nodes(
 ) -> LaunchCapacity:
     """Moves `launch` to the nodes that came (see `prepare_launch_pool`); returns the record it keeps."""
     from batchpilot.cluster.nodepool import node_pool_for
-    from batchpilot.planner import memory_on_fewer_nodes
+    from batchpilot.plan.memory import memory_on_fewer_nodes
+    from batchpilot.plan.schedule import placement
     from batchpilot.planning.capacity import fewer_nodes
-    from batchpilot.schedule import loading_factor
     from batchpilot.train.shape import model_shape
 
     config = document.config
     planned = launch.requested_nodes
     stages = document.plan.stages[launch.first_stage : launch.last_stage + 1]
-    nodes = fewer_nodes(
-        stages, available=short.ready, min_nodes=config.cluster.min_nodes,
-        devices_per_node=config.cluster.devices_per_node,
-        pipeline_parallel_size=config.batch.pipeline_parallel_size,
-        tensor_parallel_size=config.batch.tensor_parallel_size, loading_factor=loading_factor(config),
-    )  # fmt: skip
+    nodes = fewer_nodes(stages, available=short.ready, placement=placement(config))
     if nodes is None:
         batches = ", ".join(str(stage.global_batch_size) for stage in stages)
         raise BatchpilotError(

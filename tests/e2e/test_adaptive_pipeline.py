@@ -15,7 +15,7 @@ import yaml
 from test_local_pipeline import run_pipeline
 
 from batchpilot.config import load_config
-from batchpilot.planner import adaptive_run
+from batchpilot.plan.adaptive import adaptive_run
 from batchpilot.planning.adaptive import NoisePoint, decide
 from batchpilot.runstate import read_metrics
 from helpers import REPO, run_batchpilot, trainer_ranks, wait_for_steps, write_plan

@@ -12,7 +12,7 @@ import yaml
 from test_local_pipeline import run_pipeline
 
 from batchpilot.models.factory import build_model
-from batchpilot.rundoc import read_run_document
+from batchpilot.plan.rundoc import read_run_document
 from batchpilot.train.checkpoint import Checkpointer
 from helpers import REPO, run_batchpilot
 

@@ -41,8 +41,8 @@ def run_pipeline(
 
 def launches_of(plan_json: Path) -> list[tuple[str, list[int]]]:
     """(launch name, its stage indices) of a run document's plan."""
+    from batchpilot.plan.rundoc import read_run_document
     from batchpilot.planning.launches import launches
-    from batchpilot.rundoc import read_run_document
 
     plan = read_run_document(plan_json).plan
     return [(g.name, list(range(g.first_stage, g.last_stage + 1))) for g in launches(plan)]

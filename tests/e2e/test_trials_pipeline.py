@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from batchpilot.plan.rundoc import read_run_document
 from batchpilot.planning.trials import TrialsOutcome
 from batchpilot.planning.units import format_loss
-from batchpilot.rundoc import read_run_document
 from batchpilot.runstate import read_metrics
 from helpers import run_batchpilot, tiny_config
 

@@ -22,7 +22,7 @@ from batchpilot.cli import main
 from batchpilot.cluster.jobset import JobSetScheduler
 from batchpilot.config import parse_config
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_LOG_MARKER
-from batchpilot.planner import make_run_document
+from batchpilot.plan.planner import make_run_document
 
 COMPLETED = {
     "conditions": [{"type": "Completed", "status": "True", "message": "jobset completed successfully"}]

@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from batchpilot.checks import explore_problems
 from batchpilot.config import Config, explore_fingerprint, parse_config
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
 from batchpilot.explore.records import ProbeRequest, ProbeResult
 from batchpilot.explore.runner import run_exploration
+from batchpilot.plan.inputs import explore_problems
 from hf_files import LLAMA_ARGS, LLAMA_FACTORY, write_hf_llama
 
 SEQ_LEN = 32

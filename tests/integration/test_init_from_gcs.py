@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot.checks import init_from_problems
 from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
+from batchpilot.plan.init_from import init_from_problems
 from batchpilot.storage.gcs import GCSStorage
 from batchpilot.train.init_from import SOURCE_FILE, load_init_from, node_cache_folder
 from helpers import tiny_config

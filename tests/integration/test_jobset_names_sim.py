@@ -20,7 +20,7 @@ from torchx.util.strings import normalize_str
 
 from batchpilot.cli import main
 from batchpilot.config import parse_config
-from batchpilot.planner import make_run_document
+from batchpilot.plan.planner import make_run_document
 from batchpilot.planning.launches import launches
 
 NS = "batchpilot"

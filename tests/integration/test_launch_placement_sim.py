@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from batchpilot.cluster import launch, launch_spec
-from batchpilot.rundoc import read_run_document
+from batchpilot.plan.rundoc import read_run_document
 from batchpilot.workflow import select_launch
 from helpers import gke_a3_config, write_plan
 

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 import batchpilot
 from batchpilot.config import parse_config
 from batchpilot.models.gpt import build
-from batchpilot.planner import build_plan
+from batchpilot.plan.stages import build_plan
 from batchpilot.train import trainer
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.loop import TrainingLoop

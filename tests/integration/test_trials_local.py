@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from batchpilot.plan.rundoc import read_run_document
 from batchpilot.planning.trials import BranchResult, TrialsOutcome
-from batchpilot.rundoc import read_run_document
 from batchpilot.runstate import load_metrics
 from batchpilot.train.step import INJECT_OOM_ENV
 from batchpilot.trials import branch_uri, decide_trials, run_branch, warmup_uri

@@ -9,8 +9,9 @@ from __future__ import annotations
 import yaml
 
 from batchpilot.config import parse_config
-from batchpilot.planner import accepted_batch_sizes, make_run_document
-from batchpilot.planning.nodes import walk_nodes
+from batchpilot.plan.adaptive import accepted_batch_sizes
+from batchpilot.plan.planner import make_run_document
+from batchpilot.planning.nodes import Placement, walk_nodes
 from batchpilot.train.shape import model_shape
 from helpers import REPO
 
@@ -36,7 +37,9 @@ def test_sizes_whose_stage_would_not_fit_are_never_accepted():
         config, micro_batch_size=micro, memory=document.memory, shape=shape
     )
     assert 272 in everything and 272 in too_big and 272 not in accepted
-    assert walk_nodes(batch_sizes=[272], micro_batch_size=micro, devices_per_node=8, max_nodes=16) == [1]
+    assert walk_nodes(
+        batch_sizes=[272], micro_batch_size=micro, placement=Placement(devices_per_node=8, max_nodes=16)
+    ) == [1]
     assert too_big[272].startswith("on 1 node(s) it needs ") and "under fsdp (shard degree 8)" in too_big[272]
     assert sorted(accepted + list(too_big)) == everything
     assert 128 in accepted and 256 in accepted and accepted[-1] == config.batch.target_bound

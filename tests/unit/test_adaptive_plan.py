@@ -12,7 +12,9 @@ import yaml
 
 from batchpilot.cli import main
 from batchpilot.config import load_config, parse_config
-from batchpilot.planner import accepted_batch_sizes, build_plan, make_run_document, num_stages
+from batchpilot.plan.adaptive import accepted_batch_sizes
+from batchpilot.plan.planner import make_run_document
+from batchpilot.plan.stages import build_plan, num_stages
 from batchpilot.planning.adaptive import Decision, StageDecision
 from batchpilot.planning.launches import launch_summary
 from batchpilot.runstate import read_decisions, write_decisions

@@ -25,7 +25,7 @@ from batchpilot.cluster.launch_spec import cluster_launch_spec
 from batchpilot.cluster.placement import gpu_node_selector, gpu_tolerations
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import make_run_document
+from batchpilot.plan.planner import make_run_document
 from batchpilot.threads import local_trainer_threads
 from helpers import validate_crd
 

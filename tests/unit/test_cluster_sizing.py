@@ -33,7 +33,7 @@ from batchpilot.cluster.readiness import (
     smallest_allocatable,
 )
 from batchpilot.config import load_config, parse_config
-from batchpilot.planner import make_run_document
+from batchpilot.plan.planner import make_run_document
 from helpers import REPO
 
 NEMO = REPO / "configs" / "nemo_gpt3_5b.yaml"

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 
 from batchpilot import workflow
-from batchpilot.checks import check_plan_config
 from batchpilot.cluster.capacity import CapacityShortfall
 from batchpilot.cluster.nodepool import LocalNodePool
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan
+from batchpilot.plan.checks import check_plan_config
+from batchpilot.plan.rundoc import parse_run_document
+from batchpilot.plan.stages import build_plan
 from batchpilot.planning.capacity import LaunchCapacity, apply_capacity, fewer_nodes, stage_on_nodes
 from batchpilot.planning.launches import launches
-from batchpilot.rundoc import parse_run_document
+from batchpilot.planning.nodes import Placement
 from helpers import gke_a3_config, tiny_config
 
 
@@ -37,13 +38,39 @@ def test_the_largest_node_count_the_batches_split_over_is_taken():
     final = plan.stages[-1]
     assert (final.global_batch_size, final.num_nodes) == (64, 4)
     # 64 = 2 x 4 devices x n x accumulation: 4, 2 and 1 nodes split it; 3 nodes (12 devices) do not.
-    assert fewer_nodes([final], available=3, min_nodes=1, devices_per_node=4) == 2
-    assert fewer_nodes([final], available=1, min_nodes=1, devices_per_node=4) == 1
-    assert fewer_nodes([final], available=3, min_nodes=3, devices_per_node=4) is None
-    assert fewer_nodes([final], available=0, min_nodes=1, devices_per_node=4) is None
+    assert (
+        fewer_nodes([final], available=3, placement=Placement(devices_per_node=4, max_nodes=4, min_nodes=1))
+        == 2
+    )
+    assert (
+        fewer_nodes([final], available=1, placement=Placement(devices_per_node=4, max_nodes=4, min_nodes=1))
+        == 1
+    )
+    assert (
+        fewer_nodes([final], available=3, placement=Placement(devices_per_node=4, max_nodes=4, min_nodes=3))
+        is None
+    )
+    assert (
+        fewer_nodes([final], available=0, placement=Placement(devices_per_node=4, max_nodes=4, min_nodes=1))
+        is None
+    )
     # Loading hosts: every 2nd host loads, so only even node counts run.
-    assert fewer_nodes([final], available=3, min_nodes=1, devices_per_node=4, loading_factor=2) == 2
-    assert fewer_nodes([final], available=1, min_nodes=1, devices_per_node=4, loading_factor=2) is None
+    assert (
+        fewer_nodes(
+            [final],
+            available=3,
+            placement=Placement(devices_per_node=4, max_nodes=4, min_nodes=1, loading_factor=2),
+        )
+        == 2
+    )
+    assert (
+        fewer_nodes(
+            [final],
+            available=1,
+            placement=Placement(devices_per_node=4, max_nodes=4, min_nodes=1, loading_factor=2),
+        )
+        is None
+    )
 
 
 def test_a_stage_on_fewer_nodes_keeps_its_batch_samples_and_lr_and_accumulates_more():

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from test_cluster_launch import dryrun, gke_config, validate_k8s
 
-from batchpilot.checks import plan_problems
 from batchpilot.cluster.canary import canary_launch_spec, canary_spec
 from batchpilot.cluster.gpudirect import GPUDirectPod
 from batchpilot.cluster.launch import render_cluster_yaml
 from batchpilot.config import parse_config
+from batchpilot.plan.checks import plan_problems
 from batchpilot.planning.gpudirect import MACHINE_STACKS, TCPX
 from helpers import gke_a3_config, validate_crd
 

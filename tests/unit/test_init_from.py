@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchpilot.checks import init_from_problems
 from batchpilot.config import Config, ConfigError, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
+from batchpilot.plan.init_from import init_from_problems
 from batchpilot.train.init_from import load_init_from
 from helpers import tiny_config
 from hf_files import LLAMA_ARGS, LLAMA_FACTORY, max_logits_difference, write_hf_llama

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan, make_run_document
+from batchpilot.plan.planner import make_run_document
+from batchpilot.plan.stages import build_plan
 from batchpilot.planning.launches import launch_containing, launch_of, launches
 from batchpilot.planning.table import plan_footer
 from batchpilot.workflow import check_pipeline_launches, pipeline_launch_names, select_launch, stage_metrics

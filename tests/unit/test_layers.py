@@ -40,7 +40,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     # runstate: what sits beside the checkpoints (layout, metrics, records), torch-free.
     "runstate": frozenset({"runstate", "storage", "planning", "errors", "files"}),
     "data": frozenset({"data", "storage", "planning", "errors", "files", "logs", "credentials"}),
-    # checks: the trainer repeats the plan's train.init_from shape check on the config.json it loads.
     "train": frozenset(
         {
             "train",
@@ -50,7 +49,6 @@ ALLOWED: dict[str, frozenset[str]] = {
             "models",
             "planning",
             "config",
-            "checks",
             "errors",
             "exitcodes",
             "files",
@@ -65,7 +63,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "storage",
             "models",
             "planning",
-            "planner",
+            "plan",
             "config",
             "errors",
             "files",
@@ -76,19 +74,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cluster": frozenset(
         {"cluster", "runstate", "config", "planning", "errors", "exitcodes", "files", "logs", "credentials"}
     ),
-    "schedule": frozenset({"schedule", "config", "planning", "errors"}),
-    # models: only its torch-free modules (hf, llama_config), for train.init_from's config.json check.
-    "checks": frozenset({"checks", "schedule", "config", "planning", "errors", "data", "storage", "models"}),
+    # plan: checked config -> run document. models: only its torch-free modules (hf, llama_config), for
+    # train.init_from's config.json check; data and storage: a local shard set, a gs:// checkpoint folder.
+    "plan": frozenset({"plan", "config", "planning", "errors", "files", "data", "storage", "models"}),
     # `batchpilot export`: a run's checkpoint (train) of its model (models) as a Hugging Face folder.
     "export": frozenset(
-        {"export", "runstate", "data", "storage", "models", "train", "rundoc", "errors", "files", "logs"}
+        {"export", "runstate", "data", "storage", "models", "train", "plan", "errors", "files", "logs"}
     ),
-    "planner": frozenset(
-        {"planner", "checks", "schedule", "rundoc", "config", "planning", "errors", "files"}
-    ),
-    "rundoc": frozenset({"rundoc", "planner", "config", "planning", "errors", "files"}),
     "report": frozenset(
-        {"report", "report_figures", "htmlpage", "explore", "planning", "rundoc", "files", "logs", "errors"}
+        {"report", "report_figures", "htmlpage", "explore", "planning", "plan", "files", "logs", "errors"}
     ),
     "report_figures": frozenset({"report_figures", "planning", "errors"}),
     "htmlpage": frozenset(),  # the look of report.html and explore.html: standard library only
@@ -101,8 +95,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "storage",
             "train",
             "kfp",
-            "planner",
-            "checks",
+            "plan",
             "config",
             "planning",
             "errors",
@@ -165,7 +158,7 @@ def module_name(path: Path) -> str:
 
 
 def package_of(module: str) -> str:
-    """`batchpilot.train.step` -> `train`, `batchpilot.planner` -> `planner`, `batchpilot` -> ROOT."""
+    """`batchpilot.train.step` -> `train`, `batchpilot.plan.planner` -> `plan`, `batchpilot` -> ROOT."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ROOT
 
@@ -245,7 +238,7 @@ def test_every_exception_is_still_needed():
 def test_the_rules_catch_what_they_should():
     # The table itself, on imports that would break it: each must name its rule.
     cases = {
-        Import("batchpilot.train.trainer", "batchpilot.planner", 1): "train may import only",
+        Import("batchpilot.train.trainer", "batchpilot.plan.planner", 1): "train may import only",
         Import("batchpilot.explore.runner", "batchpilot.cluster.launch", 1): "explore may import only",
         Import("batchpilot.cluster.launch", "batchpilot.train.checkpoint", 1): "cluster may import only",
         Import("batchpilot.planning.stages", "numpy", 1): "planning imports the standard library only",
@@ -253,7 +246,7 @@ def test_the_rules_catch_what_they_should():
         Import("batchpilot.workflow", "batchpilot.kfp.compile", 1): "['cli', 'commands', 'doctor', 'kfp']",
         Import("batchpilot.doctor", "batchpilot.commands.run", 1): "only ['cli', 'commands']",
         Import("batchpilot.doctor", "batchpilot.report", 1): "doctor may import only",
-        Import("batchpilot.planner", "batchpilot.doctor", 1): "only ['cli', 'commands', 'doctor']",
+        Import("batchpilot.plan.planner", "batchpilot.doctor", 1): "only ['cli', 'commands', 'doctor']",
         Import("batchpilot.kfp.compile", "batchpilot.commands.run", 1): "only ['cli', 'commands']",
         Import(
             "batchpilot.report", "batchpilot.workflow", 1
@@ -309,11 +302,11 @@ def test_the_checks_import_only_the_torch_free_model_modules():
     found = {
         imp.name
         for imp in all_imports()
-        if package_of(imp.module) == "checks" and package_of(imp.name) == "models"
+        if package_of(imp.module) == "plan" and package_of(imp.name) == "models"
     }
     assert found and found <= TORCH_FREE_MODELS, found
     assert_loads_none_of(
-        ("torch", "safetensors", "transformers"), *sorted(TORCH_FREE_MODELS), "batchpilot.checks"
+        ("torch", "safetensors", "transformers"), *sorted(TORCH_FREE_MODELS), "batchpilot.plan.checks"
     )
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from batchpilot.planning import LRSchedule, estimate_cost, explicit_schedule, plan_stages
+from batchpilot.planning.nodes import Placement
 
 
 def schedule(**overrides):
@@ -59,10 +60,8 @@ def test_cost_estimate_against_a_pool_held_at_max_nodes():
         schedule=explicit_schedule("0:16 320:32 960:64", target=64, seq_len=32),
         total_samples=2048,
         micro_batch_size=8,
-        devices_per_node=2,
-        max_nodes=2,
-        min_nodes=1,
         lr_schedule=schedule(),
+        placement=Placement(devices_per_node=2, max_nodes=2, min_nodes=1),
     )
     assert [(s.global_batch_size, s.num_nodes, s.num_samples) for s in plan.stages] == [
         (16, 1, 320),

@@ -14,6 +14,7 @@ from batchpilot.planning.memory import (
     plan_memory,
     shard_degree,
 )
+from batchpilot.planning.nodes import Placement
 
 GIB = 2**30
 H100 = device_memory_bytes("nvidia-h100-80gb")
@@ -34,9 +35,6 @@ STAGES = plan_stages(
     schedule=megatron_rampup(start=256, increment=256, ramp_samples=10_000_000, target=2048),
     total_samples=20_000_000,
     micro_batch_size=4,
-    devices_per_node=8,
-    max_nodes=16,
-    min_nodes=1,
     lr_schedule=LRSchedule(
         lr=1.6e-4,
         scaling="none",
@@ -46,6 +44,7 @@ STAGES = plan_stages(
         decay_end_samples=0,
         min_lr_ratio=0,
     ),
+    placement=Placement(devices_per_node=8, max_nodes=16, min_nodes=1),
 ).stages
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from batchpilot.config import explore_fingerprint, parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import make_run_document
+from batchpilot.plan.planner import make_run_document
 from helpers import gke_a3_config
 
 NOT_COMPARED = "explore.json records no fingerprint"

@@ -9,7 +9,6 @@ import copy
 import pytest
 from test_cluster_launch import dryrun, gke_config, validate_k8s
 
-from batchpilot.checks import plan_problems
 from batchpilot.cluster.provisioning import (
     CLASS_ANNOTATION,
     CONSUME_ANNOTATION,
@@ -20,6 +19,7 @@ from batchpilot.cluster.provisioning import (
     provisioning_request_manifest,
 )
 from batchpilot.config import parse_config
+from batchpilot.plan.checks import plan_problems
 from helpers import validate_crd
 
 CRD = "autoscaling.x-k8s.io_provisioningrequests.yaml"

@@ -8,8 +8,8 @@ import pytest
 
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import make_run_document
-from batchpilot.rundoc import FORMAT_VERSION, parse_run_document
+from batchpilot.plan.planner import make_run_document
+from batchpilot.plan.rundoc import FORMAT_VERSION, parse_run_document
 from helpers import tiny_config
 
 

@@ -17,6 +17,7 @@ from batchpilot.planning import (
     schedule_nodes,
     unschedulable_stages,
 )
+from batchpilot.planning.nodes import Placement
 
 LR = LRSchedule(
     lr=1e-3,
@@ -66,9 +67,7 @@ def valid_setups(draw):
         schedule=schedule,
         total_samples=total,
         micro_batch_size=micro,
-        devices_per_node=devices_per_node,
-        max_nodes=max_nodes,
-        min_nodes=1,
+        placement=Placement(devices_per_node=devices_per_node, max_nodes=max_nodes, min_nodes=1),
         lr_schedule=LR,
     )
 
@@ -92,7 +91,7 @@ def test_stages_tile_divide_and_agree_with_the_schedule(setup):
         assert stage.global_batch_size % per_pass == 0
         assert stage.gradient_accumulation_steps * per_pass == stage.global_batch_size
         assert (stage.end_sample - stage.start_sample) == stage.num_steps * stage.global_batch_size
-        assert 1 <= stage.num_nodes <= setup["max_nodes"]
+        assert 1 <= stage.num_nodes <= setup["placement"].max_nodes
         # batch(consumed) at every step start agrees with the stage list
         for step in range(stage.num_steps):
             consumed = stage.start_sample + step * stage.global_batch_size
@@ -137,10 +136,8 @@ def plan_megatron(
         schedule=schedule,
         total_samples=total,
         micro_batch_size=micro,
-        devices_per_node=devices_per_node,
-        max_nodes=max_nodes,
-        min_nodes=min_nodes,
         lr_schedule=LR,
+        placement=Placement(devices_per_node=devices_per_node, max_nodes=max_nodes, min_nodes=min_nodes),
     )
 
 
@@ -249,8 +246,8 @@ MULTIPLES = st.lists(st.integers(1, 12), min_size=1, max_size=6, unique=True).ma
 def test_batches_that_split_over_the_fewest_nodes_get_whole_loading_groups(setup, multiples):
     where, micro, fewest = setup
     batches = [micro * where["devices_per_node"] * fewest * k for k in multiples]
-    assert unschedulable_stages(batch_sizes=batches, **where) == []
-    nodes = schedule_nodes(batch_sizes=batches, micro_batch_size=micro, **where)
+    assert unschedulable_stages(batch_sizes=batches, placement=Placement(**where)) == []
+    nodes = schedule_nodes(batch_sizes=batches, micro_batch_size=micro, placement=Placement(**where))
     assert nodes == sorted(nodes)
     for batch, n in zip(batches, nodes, strict=True):
         assert n % where["loading_factor"] == 0 and where["min_nodes"] <= n <= where["max_nodes"]
@@ -285,15 +282,15 @@ def test_a_stage_micro_batch_1_cannot_place_no_micro_batch_can(setup, multiples,
         batches, bad = [*batches, top], len(batches)
     else:  # fewer samples than devices on the fewest nodes
         batches, bad = [data.draw(st.integers(1, devices_per_node * fewest - 1)), *batches], 0
-    assert unschedulable_stages(batch_sizes=batches, **where) == [bad]
+    assert unschedulable_stages(batch_sizes=batches, placement=Placement(**where)) == [bad]
     with pytest.raises(BatchpilotError) as info:
-        schedule_nodes(batch_sizes=batches, micro_batch_size=micro, **where)
+        schedule_nodes(batch_sizes=batches, micro_batch_size=micro, placement=Placement(**where))
     assert info.value.field == f"stage {bad} (global_batch_size={batches[bad]})"
     assert f"micro_batch_size={micro} x devices_per_node={devices_per_node}" in info.value.problem
     assert "\n" not in str(info.value)
     other = data.draw(st.integers(1, 8), label="another micro batch")
     with pytest.raises(BatchpilotError, match="no node count in"):
-        schedule_nodes(batch_sizes=batches, micro_batch_size=other, **where)
+        schedule_nodes(batch_sizes=batches, micro_batch_size=other, placement=Placement(**where))
 
 
 @settings(max_examples=100, deadline=None)
@@ -305,10 +302,9 @@ def test_a_loading_factor_that_divides_no_node_count_is_refused(loading_factor, 
         schedule_nodes(
             batch_sizes=[loading_factor * 64],
             micro_batch_size=1,
-            devices_per_node=1,
-            max_nodes=max_nodes,
-            min_nodes=min_nodes,
-            loading_factor=loading_factor,
+            placement=Placement(
+                devices_per_node=1, max_nodes=max_nodes, min_nodes=min_nodes, loading_factor=loading_factor
+            ),
         )
     assert info.value.field == "data.expansion_factor_real_data"
     assert f"{loading_factor} divides no node count in [{min_nodes}, {max_nodes}]" in info.value.problem

@@ -13,9 +13,9 @@ import yaml
 from batchpilot.cli import main
 from batchpilot.config import load_config, resolved_runtime
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan
+from batchpilot.plan.stages import build_plan
 from batchpilot.planning.launches import launch_summary
-from batchpilot.planning.nodes import walk_nodes
+from batchpilot.planning.nodes import Placement, walk_nodes
 from batchpilot.planning.table import plan_table
 from batchpilot.planning.tpu import TPU_TYPES, check_host_range, slice_pool_name, topology_chips, tpu_slices
 from helpers import write_manifest
@@ -82,15 +82,15 @@ def test_host_range_must_end_on_a_slice():
 def test_the_node_walk_only_picks_slice_host_counts():
     # Micro batch 2 on 4-chip hosts: a pass takes 8 samples per host. Without the slice rule 48 would go to
     # 6 hosts; with it, the largest slice that splits 48 is 2 hosts (4x4 = 4 hosts would need 64).
-    free = walk_nodes(batch_sizes=[16, 32, 48, 64], micro_batch_size=2, devices_per_node=4, max_nodes=8)
+    free = walk_nodes(
+        batch_sizes=[16, 32, 48, 64], micro_batch_size=2, placement=Placement(devices_per_node=4, max_nodes=8)
+    )
     assert free == [2, 4, 6, 8]
     allowed = slices().host_counts()
     walked = walk_nodes(
         batch_sizes=[16, 32, 48, 64],
         micro_batch_size=2,
-        devices_per_node=4,
-        max_nodes=8,
-        allowed_nodes=allowed,
+        placement=Placement(devices_per_node=4, max_nodes=8, allowed_nodes=allowed),
     )
     assert walked == [2, 2, 2, 8]
 

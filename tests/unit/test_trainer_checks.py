@@ -8,7 +8,7 @@ from torch import nn
 
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planner import build_plan
+from batchpilot.plan.stages import build_plan
 from batchpilot.storage import LocalStorage
 from batchpilot.train.checkpoint import Checkpoint
 from batchpilot.train.setup import (

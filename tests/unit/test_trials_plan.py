@@ -8,6 +8,7 @@ import yaml
 
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.plan.rundoc import parse_run_document
 from batchpilot.planning.trials import (
     BranchResult,
     TrialsOutcome,
@@ -15,7 +16,6 @@ from batchpilot.planning.trials import (
     decide,
     plan_trials,
 )
-from batchpilot.rundoc import parse_run_document
 from batchpilot.workflow import config_from_text, plan
 from helpers import REPO, write_manifest
 

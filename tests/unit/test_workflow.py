@@ -8,7 +8,7 @@ import yaml
 
 from batchpilot import workflow
 from batchpilot.errors import BatchpilotError
-from batchpilot.rundoc import parse_run_document
+from batchpilot.plan.rundoc import parse_run_document
 from helpers import REPO, run_batchpilot, write_manifest
 
 DEMO = (REPO / "configs" / "demo.yaml").read_text()

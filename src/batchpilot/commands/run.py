@@ -210,8 +210,8 @@ def _launch_groups(names: list[str]) -> str:
 
 
 def _summary(console: Console, output: Path, *, elapsed_s: float) -> None:
+    from batchpilot.plan.rundoc import read_run_document
     from batchpilot.planning.launches import launches
-    from batchpilot.rundoc import read_run_document
     from batchpilot.runstate import read_metrics
 
     records = read_metrics(output / "metrics.jsonl")

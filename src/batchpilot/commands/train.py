@@ -14,7 +14,7 @@ from typing import Any
 from batchpilot.commands.options import add_dry_run, add_out
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
-from batchpilot.rundoc import read_run_document
+from batchpilot.plan.rundoc import read_run_document
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from batchpilot.config import resolved_runtime
-    from batchpilot.planner import accepted_batch_sizes, adaptive_run, is_adaptive
+    from batchpilot.plan.adaptive import accepted_batch_sizes, adaptive_run, is_adaptive
     from batchpilot.train.accelerators import require_planned_accelerator
     from batchpilot.train.shape import model_shape
     from batchpilot.train.trainer import train

@@ -58,8 +58,8 @@ def default_parallel(*, parallelism: int, backend: str, processes_per_branch: in
 
 def run(args: argparse.Namespace) -> int:
     from batchpilot import trials, workflow
+    from batchpilot.plan.rundoc import read_run_document
     from batchpilot.planning.trials import BranchResult, TrialBranch
-    from batchpilot.rundoc import read_run_document
 
     document = read_run_document(args.plan)
     plan = workflow.planned_trials(document)

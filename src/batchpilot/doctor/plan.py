@@ -8,7 +8,7 @@ from batchpilot.doctor.core import Check, Context, Largest, fail, nodes_text, ok
 def check_plan(context: Context) -> Check:
     """The largest launch, from the planner without exploring (cluster.max_nodes when the micro batch or
     the target is decided at run time)."""
-    from batchpilot.planner import build_plan
+    from batchpilot.plan.stages import build_plan
     from batchpilot.planning.launches import launches
 
     config = context.config

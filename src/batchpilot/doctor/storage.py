@@ -43,9 +43,9 @@ def _unreachable_storage(context: Context, name: str, uri: str) -> Check | None:
 def check_data(context: Context) -> Check:
     """The shard set's manifest is readable, has the split, at least one sample, and a vocabulary the
     model embeds."""
-    from batchpilot.checks import vocabulary_problem
     from batchpilot.data.sampling import num_samples
     from batchpilot.data.shards import read_manifest
+    from batchpilot.plan.inputs import vocabulary_problem
 
     data, config = context.config.data, context.config
     if skipped := _unreachable_storage(context, "data", data.uri):

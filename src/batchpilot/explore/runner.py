@@ -90,7 +90,7 @@ def probe_request(
 def layout_of(config: Config) -> ProbeLayout:
     """How this exploration's probes run: the strategy the stages will run (`planner.probe_parallelism`,
     from the model's meta-device shape), and the processes of one node under fsdp/hsdp."""
-    from batchpilot.planner import probe_parallelism
+    from batchpilot.plan.memory import probe_parallelism
     from batchpilot.train.shape import model_shape
 
     with factory_errors(config.model.factory):
@@ -351,10 +351,11 @@ def run_exploration(
     minutes = max_minutes if max_minutes is not None else config.explore.max_minutes
     _check_inputs(config=config, max_probes=probes, max_minutes=minutes, sizes=micro_batch_sizes)
     if study and config.train.init_from is not None:
-        from batchpilot.train.init_from import check_init_from
+        from batchpilot.plan.init_from import init_from_problems
+        from batchpilot.planning.batch import raise_problems
 
         # As `plan` does, before any probe (under train.parallelism auto, layout_of's plan checks it too).
-        check_init_from(config)
+        raise_problems(init_from_problems(config))
     timeout_s = config.explore.probe_timeout_s
     layout = layout_of(config)
     logger.info(layout.line())
@@ -392,7 +393,7 @@ def run_exploration(
 
 def plan_error(config: Config, micro_batch_size: int) -> str | None:
     """Why the config's ramp-up cannot use this micro batch (None: every stage fits)."""
-    from batchpilot.planner import build_plan
+    from batchpilot.plan.stages import build_plan
 
     try:
         build_plan(config, micro_batch_size=micro_batch_size)

@@ -100,7 +100,7 @@ def canary(config_yaml: str, plan_json: str, run_dir: str, canary_metrics: Outpu
 
     from batchpilot import workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     document = parse_run_document(plan_json) if plan_json else None
@@ -115,7 +115,7 @@ def resize_pool(plan_json: str, launch_index: int) -> int:
     nodes; an unused launch slot leaves the pool alone (returns -1)."""
     from batchpilot import workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     nodes = workflow.prepare_launch_pool(parse_run_document(plan_json), slot=launch_index)
@@ -129,7 +129,7 @@ def train_stage(plan_json: str, launch_index: int, run_dir: str, launch_metrics:
 
     from batchpilot import workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     document = parse_run_document(plan_json)
@@ -145,7 +145,7 @@ def prepare_trials_pool(plan_json: str) -> int:
     side by side) before the warm-up; returns that node count."""
     from batchpilot import workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     return workflow.prepare_trials_pool(parse_run_document(plan_json))
@@ -159,7 +159,7 @@ def trials_warmup(plan_json: str, run_dir: str) -> list[int]:
 
     from batchpilot import trials, workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     document = parse_run_document(plan_json)
@@ -176,7 +176,7 @@ def trial_branch(plan_json: str, branch_index: int, run_dir: str, branch_metrics
 
     from batchpilot import trials, workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     document = parse_run_document(plan_json)
@@ -204,9 +204,9 @@ def decide_trials(
 
     from batchpilot import trials, workflow
     from batchpilot.logs import configure_console
+    from batchpilot.plan.rundoc import parse_run_document
     from batchpilot.planning.trials import BranchResult
     from batchpilot.report import plan_markdown
-    from batchpilot.rundoc import parse_run_document
 
     configure_console()
     branch_results = [BranchResult.from_dict(json.loads(text)) for text in results]
@@ -246,7 +246,7 @@ def report(
 
     from batchpilot import workflow
     from batchpilot.logs import configure_console
-    from batchpilot.rundoc import parse_run_document
+    from batchpilot.plan.rundoc import parse_run_document
 
     configure_console()
     document = parse_run_document(plan_json)

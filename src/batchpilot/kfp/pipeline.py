@@ -20,7 +20,7 @@ from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.images import check_image
 from batchpilot.kfp.components import build_components
-from batchpilot.planner import is_adaptive
+from batchpilot.plan.adaptive import is_adaptive
 from batchpilot.planning.stages import stage_name
 from batchpilot.workflow import (
     TaskTimeouts,

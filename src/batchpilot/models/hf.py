@@ -251,8 +251,8 @@ def llama_args_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """
     _check_llama_architecture(hf_config)
     get = _reader(hf_config)
-    n_embd, n_head = get("hidden_size", int), get("num_attention_heads", int)
-    n_kv_head = hf_config.get("num_key_value_heads") or n_head
+    n_embd, n_head = get(HF_CONFIG_KEYS["n_embd"], int), get(HF_CONFIG_KEYS["n_head"], int)
+    n_kv_head = hf_config.get(HF_CONFIG_KEYS["n_kv_head"]) or n_head
     for field, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if field in hf_config and hf_config[field] != ours:
             _refuse_feature(field, hf_config[field], f"batchpilot's Llama has {field} {json.dumps(ours)}")
@@ -266,17 +266,18 @@ def llama_args_from_hf_config(hf_config: dict[str, Any]) -> dict[str, Any]:
         _refuse_feature(
             "pretraining_tp", hf_config["pretraining_tp"], "batchpilot's Llama computes in one part"
         )
+    key = HF_CONFIG_KEYS
     args = {
-        "n_layer": get("num_hidden_layers", int),
+        "n_layer": get(key["n_layer"], int),
         "n_head": n_head,
         "n_kv_head": int(n_kv_head),
         "n_embd": n_embd,
         "max_seq_len": int(hf_config.get("max_position_embeddings", 2048)),
-        "vocab_size": get("vocab_size", int),
-        "ffn_hidden_size": get("intermediate_size", int),
+        "vocab_size": get(key["vocab_size"], int),
+        "ffn_hidden_size": get(key["ffn_hidden_size"], int),
         "rope_theta": _rope_theta(hf_config),
-        "norm_eps": float(hf_config.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+        "norm_eps": float(hf_config.get(key["norm_eps"], 1e-6)),
+        "tie_embeddings": bool(hf_config.get(key["tie_embeddings"], False)),
     }
     try:
         _model_config(LLAMA_FACTORY, args)
@@ -505,3 +506,67 @@ def _shards(state: Mapping[str, Tensor], *, max_shard_bytes: int) -> list[dict[s
         shards[-1][name] = tensor
         size += nbytes
     return shards
+
+
+INIT_FROM_FIELD = "train.init_from"
+
+HF_CONFIG_KEYS = {
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_kv_head": "num_key_value_heads",
+    "n_embd": "hidden_size",
+    "vocab_size": "vocab_size",
+    "ffn_hidden_size": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+"""The Llama args a checkpoint fixes, with the config.json key that holds each (for the error lines).
+`max_seq_len` is not among them: it only sizes the rotary tables, whose rows do not depend on it."""
+
+
+def llama_shape_problems(
+    *, model_factory: str, model_args: Mapping[str, Any], seq_len: int, hf_config: Any, path: Path | str
+) -> list[BatchpilotError]:
+    """A config.json (`path`, for the messages) against a config's model (`model.factory`, `model.args`):
+    another architecture, or each Llama arg that differs, one error each (naming `train.init_from` or the
+    arg); and model.args.max_seq_len below `seq_len` (data.seq_len). Torch-free: the plan's checks and the
+    trainer both ask it."""
+    from batchpilot.models.llama_config import LlamaConfig
+
+    if not isinstance(hf_config, dict):
+        return [BatchpilotError(INIT_FROM_FIELD, f"{path} holds no JSON object")]
+    try:
+        theirs = llama_args_from_hf_config(hf_config)
+    except BatchpilotError as error:
+        fix = error.fix or "give a LlamaForCausalLM checkpoint (other architectures are not read)"
+        return [BatchpilotError(INIT_FROM_FIELD, f"{path} {error.problem}", fix)]
+    try:
+        ours = LlamaConfig(**model_args)
+    except (TypeError, ValueError) as error:
+        return [BatchpilotError("model.args", f"{model_factory} rejected its arguments: {error}")]
+    problems = []
+    for arg, key in HF_CONFIG_KEYS.items():
+        value = ours.resolved_ffn_hidden_size if arg == "ffn_hidden_size" else getattr(ours, arg)
+        if value != theirs[arg]:
+            problems.append(
+                BatchpilotError(
+                    f"model.args.{arg}",
+                    f"is {_yaml(value)} but {path} has {key} {_yaml(theirs[arg])}",
+                    f"set model.args.{arg}: {_yaml(theirs[arg])}",
+                )
+            )
+    if ours.max_seq_len < seq_len:
+        problems.append(
+            BatchpilotError(
+                "model.args.max_seq_len",
+                f"is {ours.max_seq_len}, shorter than data.seq_len {seq_len}",
+                f"set model.args.max_seq_len: {max(seq_len, theirs['max_seq_len'])}",
+            )
+        )
+    return problems
+
+
+def _yaml(value: object) -> str:
+    """A value as the config's YAML writes it (true, not True)."""
+    return json.dumps(value)

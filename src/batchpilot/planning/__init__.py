@@ -12,6 +12,7 @@ from batchpilot.planning.batch import (
 from batchpilot.planning.cost import CostEstimate, estimate_cost
 from batchpilot.planning.lr import LRSchedule
 from batchpilot.planning.nodes import (
+    Placement,
     data_parallel_size,
     node_counts,
     schedule_nodes,
@@ -32,6 +33,7 @@ __all__ = [
     "BatchSchedule",
     "CostEstimate",
     "LRSchedule",
+    "Placement",
     "Plan",
     "Problems",
     "Stage",

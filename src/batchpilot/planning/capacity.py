@@ -19,7 +19,7 @@ from typing import Any
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.batch import gradient_accumulation_steps, num_loading_hosts
 from batchpilot.planning.launches import launches
-from batchpilot.planning.nodes import data_parallel_size, fits
+from batchpilot.planning.nodes import Placement, data_parallel_size
 from batchpilot.planning.stages import Plan, Stage
 from batchpilot.planning.tpu import is_tpu
 
@@ -62,28 +62,15 @@ class LaunchCapacity:
         )
 
 
-def fewer_nodes(
-    stages: Sequence[Stage],
-    *,
-    available: int,
-    min_nodes: int,
-    devices_per_node: int,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
-    loading_factor: int = 1,
-) -> int | None:
+def fewer_nodes(stages: Sequence[Stage], *, available: int, placement: Placement) -> int | None:
     """The largest node count in [min_nodes, available] that every stage's global batch splits over in
-    whole micro batches (the node scheduling rule of `planning.nodes.fits`); None when there is none."""
-    for num_nodes in range(available, min_nodes - 1, -1):
+    whole micro batches (the node scheduling rule of `Placement.fits`); None when there is none."""
+    for num_nodes in range(available, placement.min_nodes - 1, -1):
         if num_nodes > 0 and all(
-            fits(
+            placement.fits(
                 global_batch_size=stage.global_batch_size,
                 num_nodes=num_nodes,
                 micro_batch_size=stage.micro_batch_size,
-                devices_per_node=devices_per_node,
-                pipeline_parallel_size=pipeline_parallel_size,
-                tensor_parallel_size=tensor_parallel_size,
-                loading_factor=loading_factor,
             )
             for stage in stages
         ):

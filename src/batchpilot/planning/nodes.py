@@ -10,6 +10,7 @@ every f-th host a loading host and refuses a node count that f does not divide.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from batchpilot.errors import BatchpilotError
@@ -24,32 +25,59 @@ def data_parallel_size(
     return devices // model_parallel if devices % model_parallel == 0 else None
 
 
-def fits(
-    *,
-    global_batch_size: int,
-    num_nodes: int,
-    micro_batch_size: int,
-    devices_per_node: int,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
-    loading_factor: int = 1,
-    allowed_nodes: Collection[int] | None = None,
-) -> bool:
-    """Whether `global_batch_size` splits into whole micro-batches on `num_nodes` nodes, the loading
-    hosts (one per `loading_factor` nodes) divide the node count, and the count is one of `allowed_nodes`
-    (a TPU type's slice host counts; None: any)."""
-    dp = data_parallel_size(
-        num_nodes=num_nodes,
-        devices_per_node=devices_per_node,
-        pipeline_parallel_size=pipeline_parallel_size,
-        tensor_parallel_size=tensor_parallel_size,
-    )
-    return (
-        dp is not None
-        and num_nodes % loading_factor == 0
-        and (allowed_nodes is None or num_nodes in allowed_nodes)
-        and global_batch_size % (micro_batch_size * dp) == 0
-    )
+@dataclass(frozen=True)
+class Placement:
+    """Where a stage's batch may run: the node range and the rules every node count must meet.
+
+    Attributes:
+        devices_per_node: devices (processes under eager) per node.
+        max_nodes, min_nodes: the node range (`cluster.max_nodes`, `cluster.min_nodes`).
+        pipeline_parallel_size, tensor_parallel_size: devices one model replica spans.
+        loading_factor: node counts must be multiples of it (loading hosts; 1: no rule).
+        allowed_nodes: the only node counts allowed (a TPU type's slice host counts; None: any).
+    """
+
+    devices_per_node: int
+    max_nodes: int
+    min_nodes: int = 1
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    loading_factor: int = 1
+    allowed_nodes: frozenset[int] | None = None
+
+    def data_parallel_size(self, num_nodes: int) -> int | None:
+        """The data-parallel size on `num_nodes` nodes, or None when the model-parallel sizes do not divide it."""
+        return data_parallel_size(
+            num_nodes=num_nodes,
+            devices_per_node=self.devices_per_node,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+    def allows(self, num_nodes: int) -> bool:
+        """Whether a stage may run on `num_nodes`: a multiple of the loading factor, among `allowed_nodes`."""
+        return num_nodes % self.loading_factor == 0 and (
+            self.allowed_nodes is None or num_nodes in self.allowed_nodes
+        )
+
+    def fits(self, *, global_batch_size: int, num_nodes: int, micro_batch_size: int) -> bool:
+        """Whether `global_batch_size` splits into whole micro-batches on `num_nodes` nodes, the loading
+        hosts (one per `loading_factor` nodes) divide the node count, and the count is allowed."""
+        dp = self.data_parallel_size(num_nodes)
+        return dp is not None and self.allows(num_nodes) and global_batch_size % (micro_batch_size * dp) == 0
+
+    def node_counts(self, *, up_to: int | None = None) -> list[int]:
+        """The node counts a stage may run on, ascending: [min_nodes, up_to or max_nodes], allowed ones."""
+        return node_counts(
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes if up_to is None else up_to,
+            loading_factor=self.loading_factor,
+            allowed_nodes=self.allowed_nodes,
+        )
+
+    def capped(self, max_nodes: int) -> Placement:
+        """The same rules on at most `max_nodes` nodes."""
+        return replace(self, max_nodes=max_nodes)
 
 
 def node_counts(
@@ -107,16 +135,7 @@ def nearest_valid_batch_sizes(
 
 
 def walk_nodes(
-    *,
-    batch_sizes: Sequence[int],
-    micro_batch_size: int,
-    devices_per_node: int,
-    max_nodes: int,
-    min_nodes: int = 1,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
-    loading_factor: int = 1,
-    allowed_nodes: Collection[int] | None = None,
+    *, batch_sizes: Sequence[int], micro_batch_size: int, placement: Placement
 ) -> list[int | None]:
     """The NeMo walk: node count per (ascending) batch size, None where no count in [min_nodes, cap] fits.
 
@@ -124,21 +143,14 @@ def walk_nodes(
     """
     assert list(batch_sizes) == sorted(batch_sizes), batch_sizes
     nodes: list[int | None] = [None] * len(batch_sizes)
-    cap = max_nodes
+    cap = placement.max_nodes
     for index in reversed(range(len(batch_sizes))):
         chosen = next(
             (
                 n
-                for n in range(cap, min_nodes - 1, -1)
-                if fits(
-                    global_batch_size=batch_sizes[index],
-                    num_nodes=n,
-                    micro_batch_size=micro_batch_size,
-                    devices_per_node=devices_per_node,
-                    pipeline_parallel_size=pipeline_parallel_size,
-                    tensor_parallel_size=tensor_parallel_size,
-                    loading_factor=loading_factor,
-                    allowed_nodes=allowed_nodes,
+                for n in range(cap, placement.min_nodes - 1, -1)
+                if placement.fits(
+                    global_batch_size=batch_sizes[index], num_nodes=n, micro_batch_size=micro_batch_size
                 )
             ),
             None,
@@ -148,71 +160,31 @@ def walk_nodes(
     return nodes
 
 
-def unschedulable_stages(
-    *,
-    batch_sizes: Sequence[int],
-    devices_per_node: int,
-    max_nodes: int,
-    min_nodes: int = 1,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
-    loading_factor: int = 1,
-    allowed_nodes: Collection[int] | None = None,
-) -> list[int]:
+def unschedulable_stages(*, batch_sizes: Sequence[int], placement: Placement) -> list[int]:
     """Indexes of the stages that no micro batch can place on the cluster.
 
     Every micro batch is a multiple of 1, so a stage that micro batch 1 cannot split over any node count
     the walk allows cannot be split with any other micro batch either (a larger micro batch only removes
     node counts, and the walk's caps only shrink with it).
     """
-    nodes = walk_nodes(
-        batch_sizes=batch_sizes,
-        micro_batch_size=1,
-        devices_per_node=devices_per_node,
-        max_nodes=max_nodes,
-        min_nodes=min_nodes,
-        pipeline_parallel_size=pipeline_parallel_size,
-        tensor_parallel_size=tensor_parallel_size,
-        loading_factor=loading_factor,
-        allowed_nodes=allowed_nodes,
-    )
+    nodes = walk_nodes(batch_sizes=batch_sizes, micro_batch_size=1, placement=placement)
     return [index for index, n in enumerate(nodes) if n is None]
 
 
-def schedule_nodes(
-    *,
-    batch_sizes: Sequence[int],
-    micro_batch_size: int,
-    devices_per_node: int,
-    max_nodes: int,
-    min_nodes: int = 1,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
-    loading_factor: int = 1,
-    allowed_nodes: Collection[int] | None = None,
-) -> list[int]:
+def schedule_nodes(*, batch_sizes: Sequence[int], micro_batch_size: int, placement: Placement) -> list[int]:
     """Node count for each (ascending) global batch size.
 
     Raises:
         BatchpilotError: one line naming the first stage (from the top) that cannot fit, every other
             stage that cannot, the nearest batch sizes that would and micro batch sizes that fit them all.
     """
+    min_nodes, max_nodes, loading_factor = placement.min_nodes, placement.max_nodes, placement.loading_factor
     if min_nodes > max_nodes:
         raise BatchpilotError("cluster.min_nodes", f"{min_nodes} exceeds cluster.max_nodes {max_nodes}")
     check_loading_factor(loading_factor=loading_factor, min_nodes=min_nodes, max_nodes=max_nodes)
 
     def walk(micro: int) -> list[int | None]:
-        return walk_nodes(
-            batch_sizes=batch_sizes,
-            micro_batch_size=micro,
-            devices_per_node=devices_per_node,
-            max_nodes=max_nodes,
-            min_nodes=min_nodes,
-            pipeline_parallel_size=pipeline_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            loading_factor=loading_factor,
-            allowed_nodes=allowed_nodes,
-        )
+        return walk_nodes(batch_sizes=batch_sizes, micro_batch_size=micro, placement=placement)
 
     nodes = walk(micro_batch_size)
     failed = [index for index in reversed(range(len(nodes))) if nodes[index] is None]
@@ -222,23 +194,22 @@ def schedule_nodes(
     cap = next((n for n in nodes[first + 1 :] if n is not None), max_nodes)
     below, above = nearest_valid_batch_sizes(
         batch_sizes[first],
-        node_range=node_counts(
-            min_nodes=min_nodes, max_nodes=cap, loading_factor=loading_factor, allowed_nodes=allowed_nodes
-        ),
+        node_range=placement.node_counts(up_to=cap),
         micro_batch_size=micro_batch_size,
-        devices_per_node=devices_per_node,
-        pp=pipeline_parallel_size,
-        tp=tensor_parallel_size,
+        devices_per_node=placement.devices_per_node,
+        pp=placement.pipeline_parallel_size,
+        tp=placement.tensor_parallel_size,
     )
     suggestions = " or ".join(str(b) for b in (below, above) if b is not None) or "none"
     others = ", ".join(f"{index} ({batch_sizes[index]})" for index in failed[1:])
     loading = f" divisible by the loading factor {loading_factor}" if loading_factor > 1 else ""
-    loading += f" among the slice host counts {sorted(allowed_nodes)}" if allowed_nodes is not None else ""
+    if placement.allowed_nodes is not None:
+        loading += f" among the slice host counts {sorted(placement.allowed_nodes)}"
     micros = _fitting_micro_batches(micro_batch_size, walk=walk, largest=min(batch_sizes))
     raise BatchpilotError(
         f"stage {first} (global_batch_size={batch_sizes[first]})",
         f"no node count in [{min_nodes}, {cap}]{loading} splits it into whole micro-batches of "
-        f"micro_batch_size={micro_batch_size} x devices_per_node={devices_per_node}"
+        f"micro_batch_size={micro_batch_size} x devices_per_node={placement.devices_per_node}"
         + (f"; nor stage(s) {others}" if others else ""),
         f"use a nearby global batch size ({suggestions}) in batch.rampup/schedule"
         + (

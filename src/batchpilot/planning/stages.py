@@ -15,7 +15,7 @@ from batchpilot.planning.batch import (
     num_loading_hosts,
 )
 from batchpilot.planning.lr import LRSchedule
-from batchpilot.planning.nodes import data_parallel_size, schedule_nodes, whole_loading_factor
+from batchpilot.planning.nodes import Placement, schedule_nodes
 from batchpilot.planning.rampup import BatchSchedule
 from batchpilot.planning.tpu import TpuSlices
 from batchpilot.planning.units import format_count
@@ -186,19 +186,15 @@ def plan_stages(
     schedule: BatchSchedule,
     total_samples: int,
     micro_batch_size: int,
-    devices_per_node: int,
-    max_nodes: int,
-    min_nodes: int,
+    placement: Placement,
     lr_schedule: LRSchedule,
     expansion_factor: Fraction = Fraction(1),
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
     num_pipeline_microbatches: int | None = None,
     tpu: TpuSlices | None = None,
     each_stage_alone: bool = False,
 ) -> Plan:
-    """Turns a batch schedule into validated stages with node counts (with `tpu`, only host counts that
-    form a slice of the TPU type, and each stage's topology).
+    """Turns a batch schedule into validated stages with node counts on `placement` (with `tpu`, whose host
+    counts are `placement.allowed_nodes`, each stage's slice topology).
 
     Raises:
         BatchpilotError: a stage that the micro batch cannot place (one line naming every such stage), or
@@ -207,19 +203,11 @@ def plan_stages(
     if micro_batch_size <= 0:
         raise BatchpilotError("batch.micro_batch_size", f"must be positive, got {micro_batch_size}")
     ranges = sample_ranges(schedule, total_samples=total_samples)
-    loading_factor = whole_loading_factor(expansion_factor)  # node counts must be multiples of it
+    devices_per_node, max_nodes = placement.devices_per_node, placement.max_nodes
 
     def nodes_for(batch_sizes: list[int], cap: int) -> list[int]:
         return schedule_nodes(
-            batch_sizes=batch_sizes,
-            micro_batch_size=micro_batch_size,
-            devices_per_node=devices_per_node,
-            max_nodes=cap,
-            min_nodes=min_nodes,
-            pipeline_parallel_size=pipeline_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            loading_factor=loading_factor,
-            allowed_nodes=tpu.host_counts() if tpu else None,
+            batch_sizes=batch_sizes, micro_batch_size=micro_batch_size, placement=placement.capped(cap)
         )
 
     batches = [batch for batch, _, _ in ranges]
@@ -232,17 +220,12 @@ def plan_stages(
         nodes = nodes_for(batches, max_nodes)
     stages = []
     for index, ((batch, start, end), num_nodes) in enumerate(zip(ranges, nodes, strict=True)):
-        dp = data_parallel_size(
-            num_nodes=num_nodes,
-            devices_per_node=devices_per_node,
-            pipeline_parallel_size=pipeline_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+        dp = placement.data_parallel_size(num_nodes)
         assert dp is not None
         if num_pipeline_microbatches is not None:
             check_pipeline_microbatches(
                 num_pipeline_microbatches=num_pipeline_microbatches,
-                pipeline_parallel_size=pipeline_parallel_size,
+                pipeline_parallel_size=placement.pipeline_parallel_size,
                 per_pass_batch=micro_batch_size * dp,
             )
         is_final = index == len(ranges) - 1

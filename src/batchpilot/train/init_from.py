@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchpilot.checks import init_from_problems, init_from_shape_problems
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.batch import raise_problems
@@ -250,25 +249,27 @@ def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
         BatchpilotError: a missing folder or file, another architecture or shape, weights missing or left
             over, or safetensors not installed (one line each).
     """
-    from batchpilot.models.hf import LLAMA_FACTORY
+    from batchpilot.models.hf import LLAMA_FACTORY, llama_shape_problems
 
     if config.model.factory != LLAMA_FACTORY:  # plan refuses it; a hand-edited plan is refused by its hash
         raise BatchpilotError(FIELD, f"loads a Llama, but model.factory is {config.model.factory}")
     path, hf_config = _checkpoint_config(folder)
-    raise_problems(init_from_shape_problems(config, hf_config, path=path))
+    raise_problems(
+        llama_shape_problems(
+            model_factory=config.model.factory,
+            model_args=config.model.args,
+            seq_len=config.data.seq_len,
+            hf_config=hf_config,
+            path=path,
+        )
+    )
     return _copy_checkpoint(model, hf_config=hf_config, folder=folder)
-
-
-def check_init_from(config: Config) -> None:
-    """Refuses a `train.init_from` that does not fit the config (`checks.init_from_problems`, one line per
-    problem): what `batchpilot plan` asks, for explore, whose study loads the checkpoint without a plan."""
-    raise_problems(init_from_problems(config))
 
 
 def load_weights(model: nn.Module, *, folder: Path) -> int:
     """Copies the checkpoint in `folder` into `model` (as `load_init_from`, without a Config: explore's study
     process has only model.factory and model.args). The config's shape was checked against the checkpoint
-    before (`check_init_from`); `copy_weights` still refuses a missing, left-over or misshapen tensor.
+    before (`plan.init_from.init_from_problems`); `copy_weights` still refuses a missing, left-over or misshapen tensor.
     Returns the number of tensors loaded.
     """
     _, hf_config = _checkpoint_config(folder)

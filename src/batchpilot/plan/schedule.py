@@ -1,15 +1,15 @@
 """The config read as the planning layer's narrow arguments: the batch schedule of whichever ramp-up form
-is set, and where its batches can be placed (node range, loading factor, TPU slices).
+is set, and where its batches can be placed (`Placement`: node range, model parallelism, loading factor,
+TPU slices).
 
-One home for both readers of the config: the checks (`batchpilot.checks`) judge these, the planner
-(`batchpilot.planner`) plans with them.
+One home for both readers of the config: the checks (`plan.checks`) judge these, the planner
+(`plan.stages`, `plan.planner`) plans with them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
 
 from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup
 from batchpilot.errors import BatchpilotError
@@ -19,10 +19,9 @@ from batchpilot.planning import (
     explicit_schedule,
     maxtext_rampup,
     megatron_rampup,
-    node_counts,
 )
 from batchpilot.planning.adaptive import StageDecision, adaptive_schedule
-from batchpilot.planning.nodes import whole_loading_factor
+from batchpilot.planning.nodes import Placement, whole_loading_factor
 from batchpilot.planning.tpu import TpuSlices, is_tpu, tpu_slices
 
 
@@ -85,27 +84,22 @@ def loading_factor(config: Config) -> int:
     return whole_loading_factor(Fraction(str(config.data.expansion_factor_real_data)))
 
 
-def placement(config: Config) -> dict[str, Any]:
-    """The node walk's arguments (`walk_nodes`, `unschedulable_stages`) besides the batch sizes."""
+def placement(config: Config) -> Placement:
+    """Where the config's stages may run: the node range, the model-parallel sizes, the loading factor and,
+    on a TPU type, the host counts that form a slice."""
     cluster, batch = config.cluster, config.batch
     slices = tpu_plan_slices(config)
-    return {
-        "devices_per_node": cluster.devices_per_node,
-        "max_nodes": cluster.max_nodes,
-        "min_nodes": cluster.min_nodes,
-        "pipeline_parallel_size": batch.pipeline_parallel_size,
-        "tensor_parallel_size": batch.tensor_parallel_size,
-        "loading_factor": loading_factor(config),
-        "allowed_nodes": slices.host_counts() if slices else None,
-    }
+    return Placement(
+        devices_per_node=cluster.devices_per_node,
+        max_nodes=cluster.max_nodes,
+        min_nodes=cluster.min_nodes,
+        pipeline_parallel_size=batch.pipeline_parallel_size,
+        tensor_parallel_size=batch.tensor_parallel_size,
+        loading_factor=loading_factor(config),
+        allowed_nodes=frozenset(slices.host_counts()) if slices else None,
+    )
 
 
 def allowed_node_counts(config: Config) -> list[int]:
     """Every node count a stage may run on: the node range, multiples of the loading factor, whole slices."""
-    arguments = placement(config)
-    return node_counts(
-        min_nodes=arguments["min_nodes"],
-        max_nodes=arguments["max_nodes"],
-        loading_factor=arguments["loading_factor"],
-        allowed_nodes=arguments["allowed_nodes"],
-    )
+    return placement(config).node_counts()

@@ -1,7 +1,7 @@
 """Every check of a config's plan that does not depend on the micro batch, each problem one error line.
 
 `config check`, `plan` and `compile` run these first (`check_plan_config`), so a config with
-`micro_batch_size: explore` is refused as early as one with an integer; the planner (`batchpilot.planner`)
+`micro_batch_size: explore` is refused as early as one with an integer; the planner (`plan.stages`)
 then assembles the plan from a checked config. Fixes are written in the user's form: a corrected
 `rampup: [start, increment, samples]` or `schedule: "..."` (docs/planning.md).
 
@@ -11,16 +11,20 @@ explore.json (`explore_problems`).
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from fractions import Fraction
-from importlib.util import find_spec
-from pathlib import Path
-from typing import Any
 
-from batchpilot.config import Config, MaxTextRampup, MegatronRampup, explore_fingerprint, resolved_runtime
+from batchpilot.config import Config, MaxTextRampup, MegatronRampup, resolved_runtime
 from batchpilot.errors import BatchpilotError
+from batchpilot.plan.init_from import init_from_problems
+from batchpilot.plan.schedule import (
+    allowed_node_counts,
+    batch_schedule,
+    loading_factor,
+    placement,
+    tpu_plan_slices,
+)
 from batchpilot.planning import MAX_STAGES, nearest_ramp, unschedulable_stages
 from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.capacity import capacity_problems
@@ -32,13 +36,6 @@ from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import sample_ranges
 from batchpilot.planning.tpu import check_host_range, is_zone
 from batchpilot.planning.units import format_count
-from batchpilot.schedule import (
-    allowed_node_counts,
-    batch_schedule,
-    loading_factor,
-    placement,
-    tpu_plan_slices,
-)
 
 SHOWN_STAGES = 8
 """How many unplaceable stages one error line names; it counts the rest (a ramp may have hundreds)."""
@@ -111,7 +108,7 @@ def ramp_problems(config: Config) -> list[BatchpilotError]:
         return [_with_corrected_ramp(config, line) for line in split_problems(error)]
     problems: list[BatchpilotError] = []
     batches = [batch for batch, _, _ in ranges]
-    unplaceable = unschedulable_stages(batch_sizes=batches, **placement(config))
+    unplaceable = unschedulable_stages(batch_sizes=batches, placement=placement(config))
     if unplaceable:
         problems.append(_unplaceable_stages(config, batches, unplaceable))
     if len(ranges) > MAX_STAGES:
@@ -225,7 +222,7 @@ def _explore_on_xla(config: Config) -> list[BatchpilotError]:
 
 
 def _placeable(config: Config, batch_sizes: Sequence[int]) -> bool:
-    return not unschedulable_stages(batch_sizes=batch_sizes, **placement(config))
+    return not unschedulable_stages(batch_sizes=batch_sizes, placement=placement(config))
 
 
 def _nearest_placeable(config: Config, batch: int) -> tuple[int | None, int | None]:
@@ -375,246 +372,4 @@ def _count_text(value: int) -> str:
 # --- the config against its inputs ------------------------------------------------------------------
 
 
-def data_problems(*, data_uri: str, model_vocab_size: Callable[[], int]) -> list[BatchpilotError]:
-    """A local shard set (file://) against the config: it exists, holds a readable manifest, and the model
-    embeds every token id of its vocabulary (`model_vocab_size` is asked only then: it builds the model's
-    shape). A gs:// set is left to `batchpilot doctor`, which has the credentials to read it.
-    """
-    if not data_uri.startswith("file://"):
-        return []
-    from batchpilot.data.shards import read_manifest
-    from batchpilot.storage import open_storage
-
-    fix = f"prepare it with `batchpilot data prepare ... --out {data_uri}` (--demo for the demo set) or point data.uri at a shard set"
-    folder = Path(data_uri.removeprefix("file://"))
-    if not folder.is_dir():
-        where = "" if folder.is_absolute() else f" in {Path.cwd()} (a relative file:// URI starts there)"
-        return [BatchpilotError("data.uri", f"{data_uri} does not exist{where}", fix)]
-    try:
-        manifest = read_manifest(open_storage(data_uri))
-    except BatchpilotError as error:
-        return [
-            BatchpilotError("data.uri", f"{data_uri} holds no shard set: {error.field} {error.problem}", fix)
-        ]
-    problem = vocabulary_problem(
-        model_vocab_size=model_vocab_size(), data_vocab_size=manifest.vocab_size, data_uri=data_uri
-    )
-    return [] if problem is None else [problem]
-
-
-def vocabulary_problem(
-    *, model_vocab_size: int, data_vocab_size: int, data_uri: str
-) -> BatchpilotError | None:
-    """The rule between a shard set and the model (`plan` on local data, `doctor` on any): the model embeds
-    every token id of the vocabulary the set was tokenized into (its manifest's `vocab_size`)."""
-    if model_vocab_size >= data_vocab_size:
-        return None
-    return BatchpilotError(
-        "model.args.vocab_size",
-        f"the model embeds {model_vocab_size} token ids but {data_uri}'s vocabulary has {data_vocab_size}",
-        f"set model.args.vocab_size to at least {data_vocab_size}",
-    )
-
-
-def explore_problems(config: Config, explore: dict[str, Any] | None) -> list[BatchpilotError]:
-    """An explore.json measured for another model or setting than the config's: one error naming every
-    field that differs. An explore.json without a fingerprint (written before explore recorded one) names
-    nothing to compare and is taken as it is."""
-    recorded = (explore or {}).get("fingerprint")
-    if not isinstance(recorded, dict):
-        return []
-    expected = json.loads(json.dumps(explore_fingerprint(config)))  # as explore.json reads back
-    differences = []
-    for key, value in expected.items():
-        there = recorded.get(key)
-        if key == "model.args" and isinstance(there, dict) and isinstance(value, dict):
-            differences += [
-                f"model.args.{arg} {there.get(arg)!r} there, {value.get(arg)!r} here"
-                for arg in sorted(set(there) | set(value))
-                if there.get(arg) != value.get(arg)
-            ]
-        elif there != value:
-            differences.append(f"{key} {there!r} there, {value!r} here")
-    if not differences:
-        return []
-    return [
-        BatchpilotError(
-            "--explore",
-            f"was measured for another model or setting than this config's: {'; '.join(differences)}",
-            "run `batchpilot explore` with this config, or plan with the config explore measured",
-        )
-    ]
-
-
 # --- train.init_from: a Hugging Face Llama checkpoint against the config ---------------------------------
-
-INIT_FROM = "train.init_from"
-
-HF_CONFIG_KEYS = {
-    "n_layer": "num_hidden_layers",
-    "n_head": "num_attention_heads",
-    "n_kv_head": "num_key_value_heads",
-    "n_embd": "hidden_size",
-    "vocab_size": "vocab_size",
-    "ffn_hidden_size": "intermediate_size",
-    "rope_theta": "rope_theta",
-    "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings",
-}
-"""The Llama args a checkpoint fixes, with the config.json key that holds each (for the error lines).
-`max_seq_len` is not among them: it only sizes the rotary tables, whose rows do not depend on it."""
-
-
-def init_from_problems(config: Config) -> list[BatchpilotError]:
-    """`train.init_from` against the config, one error per problem: the Llama factory, the eager runtime, a
-    folder the trainers can read (gs:// off the local backend), the `hf` extra, and the checkpoint's
-    config.json and weights (`init_from_folder_problems`, `init_from_gcs_problems`). Reads config.json (and
-    for gs:// the objects' metadata) only, never the weights."""
-    source = config.train.init_from
-    if source is None:
-        return []
-    from batchpilot.models.hf import INSTALL_FIX, LLAMA_FACTORY
-
-    if config.model.factory != LLAMA_FACTORY:
-        return [
-            BatchpilotError(
-                INIT_FROM,
-                f"loads a Hugging Face Llama, but model.factory is {config.model.factory}",
-                f"set model.factory: {LLAMA_FACTORY} with the checkpoint's shape in model.args",
-            )
-        ]
-    problems = []
-    folder = config.train.init_from_folder
-    if folder is not None and config.cluster.backend != "local":
-        problems.append(
-            BatchpilotError(
-                INIT_FROM,
-                f"is the local folder {folder}, which the trainer pods on {config.cluster.backend} do not see",
-                f"use a gs:// folder (gcloud storage cp -r {folder} gs://BUCKET/PATH)",
-            )
-        )
-        return problems
-    if config.cluster.backend == "local" and find_spec("safetensors") is None:
-        problems.append(
-            BatchpilotError(INIT_FROM, "needs safetensors to read the checkpoint's weights", INSTALL_FIX)
-        )
-    if folder is None:
-        return problems + init_from_gcs_problems(config, source)
-    return problems + init_from_folder_problems(config, folder)
-
-
-def init_from_gcs_problems(config: Config, uri: str) -> list[BatchpilotError]:
-    """A gs:// checkpoint folder, as `init_from_folder_problems` a local one: its config.json (read through
-    the storage layer and its credentials) against model.args, and safetensors weights beside it."""
-    from batchpilot.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
-    from batchpilot.storage import ObjectNotFound, StorageError, join_uri, open_storage
-
-    path = join_uri(uri, CONFIG_FILE)
-    try:
-        storage = open_storage(uri)
-        text = storage.read(CONFIG_FILE)
-        has_weights = storage.exists(WEIGHTS_FILE) or storage.exists(INDEX_FILE)
-    except ObjectNotFound as error:  # the object, or the bucket
-        problem = f"{uri} has no {CONFIG_FILE}" if error.field == path else f"{error.field} does not exist"
-        return [
-            BatchpilotError(
-                INIT_FROM, problem, "give the gs:// folder `save_pretrained` wrote (config.json and weights)"
-            )
-        ]
-    except StorageError as error:
-        return [error]
-    try:
-        hf_config = json.loads(text)
-    except ValueError as error:
-        return [BatchpilotError(INIT_FROM, f"{path} is not readable JSON ({error})")]
-    problems = init_from_shape_problems(config, hf_config, path=path)
-    if not has_weights:
-        problems.append(
-            BatchpilotError(
-                INIT_FROM,
-                f"{uri} has neither {WEIGHTS_FILE} nor {INDEX_FILE}",
-                "save the weights as safetensors: model.save_pretrained(folder, safe_serialization=True)",
-            )
-        )
-    return problems
-
-
-def init_from_folder_problems(config: Config, folder: Path) -> list[BatchpilotError]:
-    """The checkpoint folder: a config.json of a LlamaForCausalLM whose shape is the config's model.args
-    (one error per differing arg, naming both values and the fix), safetensors weights, and a max_seq_len
-    that covers data.seq_len. The trainer asks the same before it loads the weights."""
-    from batchpilot.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
-
-    if not folder.is_dir():
-        return [
-            BatchpilotError(
-                INIT_FROM, f"{folder} does not exist", "give the folder of a Hugging Face Llama checkpoint"
-            )
-        ]
-    path = folder / CONFIG_FILE
-    try:
-        hf_config = json.loads(path.read_text())
-    except FileNotFoundError:
-        return [
-            BatchpilotError(
-                INIT_FROM,
-                f"{folder} has no {CONFIG_FILE}",
-                "give the folder `save_pretrained` wrote (config.json and model.safetensors)",
-            )
-        ]
-    except (OSError, ValueError) as error:
-        return [BatchpilotError(INIT_FROM, f"{path} is not readable JSON ({error})")]
-    problems = init_from_shape_problems(config, hf_config, path=path)
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
-        problems.append(
-            BatchpilotError(
-                INIT_FROM,
-                f"{folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}",
-                "save the weights as safetensors: model.save_pretrained(folder, safe_serialization=True)",
-            )
-        )
-    return problems
-
-
-def init_from_shape_problems(config: Config, hf_config: Any, *, path: Path | str) -> list[BatchpilotError]:
-    """A config.json (`path`, for the messages) against the config's model: another architecture, or each
-    Llama arg that differs, one error each; and model.args.max_seq_len below data.seq_len."""
-    from batchpilot.models.hf import llama_args_from_hf_config
-    from batchpilot.models.llama_config import LlamaConfig
-
-    if not isinstance(hf_config, dict):
-        return [BatchpilotError(INIT_FROM, f"{path} holds no JSON object")]
-    try:
-        theirs = llama_args_from_hf_config(hf_config)
-    except BatchpilotError as error:
-        fix = error.fix or "give a LlamaForCausalLM checkpoint (other architectures are not read)"
-        return [BatchpilotError(INIT_FROM, f"{path} {error.problem}", fix)]
-    try:
-        ours = LlamaConfig(**config.model.args)
-    except (TypeError, ValueError) as error:
-        return [BatchpilotError("model.args", f"{config.model.factory} rejected its arguments: {error}")]
-    problems = []
-    for arg, key in HF_CONFIG_KEYS.items():
-        value = ours.resolved_ffn_hidden_size if arg == "ffn_hidden_size" else getattr(ours, arg)
-        if value != theirs[arg]:
-            problems.append(
-                BatchpilotError(
-                    f"model.args.{arg}",
-                    f"is {_yaml(value)} but {path} has {key} {_yaml(theirs[arg])}",
-                    f"set model.args.{arg}: {_yaml(theirs[arg])}",
-                )
-            )
-    if ours.max_seq_len < config.data.seq_len:
-        problems.append(
-            BatchpilotError(
-                "model.args.max_seq_len",
-                f"is {ours.max_seq_len}, shorter than data.seq_len {config.data.seq_len}",
-                f"set model.args.max_seq_len: {max(config.data.seq_len, theirs['max_seq_len'])}",
-            )
-        )
-    return problems
-
-
-def _yaml(value: object) -> str:
-    """A value as the config's YAML writes it (true, not True)."""
-    return json.dumps(value)

@@ -1,0 +1,168 @@
+"""Per-device memory of a plan's stages (the memory model of `planning.memory` read with the config's
+settings and explore's measured activations): the strategy `train.parallelism: auto` resolves to, explore's
+probe strategy, and the check of a launch moved to fewer nodes or of a stage an adaptive ramp-up may decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from batchpilot.config import Config, resolved_runtime
+from batchpilot.errors import BatchpilotError
+from batchpilot.plan.stages import build_plan
+from batchpilot.planning import Plan
+from batchpilot.planning.devices import device_memory_bytes
+from batchpilot.planning.memory import (
+    RESERVE_FIXED_BYTES,
+    MemoryEstimate,
+    MemoryPlan,
+    ModelShape,
+    StageMemory,
+    activation_bytes_per_sample,
+    estimate_memory,
+    plan_memory,
+)
+from batchpilot.planning.stages import Stage
+
+
+def memory_plan(
+    config: Config, plan: Plan, *, shape: ModelShape, explore: dict[str, Any] | None
+) -> MemoryPlan:
+    """Per-device memory of every stage and the strategy (`train.parallelism`, auto resolved); refuses a
+    strategy that does not fit the device. Local runs check against explore's CPU memory budget."""
+    cluster = config.cluster
+    local = cluster.backend == "local"
+    device_memory = cluster.device_memory_bytes or (
+        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
+    )
+    return plan_memory(
+        # SPMD under xla shards over every device of the slice: the memory of fsdp.
+        requested="fsdp" if resolved_runtime(config) == "xla" else config.train.parallelism,
+        shape=shape,
+        stages=plan.stages,
+        devices_per_node=cluster.devices_per_node,
+        seq_len=config.data.seq_len,
+        mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=explored_activation_bytes(config, explore),
+        device_memory_bytes=device_memory,
+        reserve_fixed_bytes=_reserve_fixed_bytes(config),
+    )
+
+
+def mixed_precision(config: Config) -> bool:
+    """Whether the trainers will compute in bf16: `train.precision: bf16`, or `auto` on a GPU pool (local
+    runs are planned as CPU runs)."""
+    precision = config.train.precision
+    on_accelerator = config.cluster.backend == "gke" and config.cluster.accelerator_type is not None
+    return precision == "bf16" or (precision == "auto" and on_accelerator)
+
+
+def _reserve_fixed_bytes(config: Config) -> int:
+    """The runtime's fixed reserve per device: none on the CPU (local runs, or no accelerator)."""
+    cluster = config.cluster
+    return 0 if cluster.backend == "local" or cluster.accelerator_type is None else RESERVE_FIXED_BYTES
+
+
+def _estimate_like(
+    config: Config,
+    planned: MemoryEstimate,
+    *,
+    shape: ModelShape,
+    strategy: Any,
+    world_size: int,
+    micro_batch_size: int,
+) -> MemoryEstimate:
+    """A stage's per-device memory on `world_size` devices under `strategy`, with the activations of the
+    `planned` estimate (measured ones per sample; the micro batch is the plan's)."""
+    measured = planned.activations_source == "explore"
+    return estimate_memory(
+        shape=shape, strategy=strategy, world_size=world_size, devices_per_node=config.cluster.devices_per_node,
+        micro_batch_size=micro_batch_size, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=planned.activations / micro_batch_size if measured else None,
+        reserve_fixed_bytes=_reserve_fixed_bytes(config),
+    )  # fmt: skip
+
+
+def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) -> float | None:
+    """Activation memory per sample from explore's fitting probes of the trained setting (the slope of the
+    per-device peak over the micro batch), or None when explore did not measure two sizes of it."""
+    if explore is None:
+        return None
+    points = [
+        (int(p["micro_batch_size"]), int(p["peak_memory_bytes"]))
+        for p in explore.get("probes", [])
+        if p.get("fits")
+        and p.get("peak_memory_bytes")
+        and bool(p.get("activation_checkpointing")) == config.train.activation_checkpointing
+        and not p.get("compile")
+    ]
+    return activation_bytes_per_sample(points)
+
+
+def probe_parallelism(config: Config, shape: ModelShape) -> str:
+    """The strategy explore's probes run under, so that they measure what the stages will run: the
+    config's, or for `auto` the one the memory model picks at micro batch 1 (fsdp when even that does
+    not fit: explore then finds out what does)."""
+    if config.train.parallelism != "auto":
+        return config.train.parallelism
+    plan = build_plan(config, micro_batch_size=1)
+    try:
+        return memory_plan(config, plan, shape=shape, explore=None).strategy
+    except BatchpilotError:
+        return "fsdp"
+
+
+def memory_on_fewer_nodes(
+    config: Config, memory: MemoryPlan, *, stages: Sequence[Stage], shape: ModelShape
+) -> tuple[StageMemory, ...]:
+    """The per-device memory of `stages` (a launch moved to fewer nodes) under the plan's strategy, with
+    the activations the plan estimated (the micro batch is unchanged; only the shard degree moves).
+
+    Raises:
+        BatchpilotError: a stage that no longer fits the device (fsdp's share grows as the world shrinks).
+    """
+    planned = {item.stage: item.estimate for item in memory.stages}
+    checked = []
+    for stage in stages:
+        estimate = _estimate_like(
+            config, planned[stage.name], shape=shape, strategy=memory.strategy,
+            world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
+        )  # fmt: skip
+        limit = memory.device_memory_bytes
+        if limit is not None and estimate.total > limit:
+            raise BatchpilotError(
+                "cluster.fewer_nodes",
+                f"{stage.name} on {stage.num_nodes} node(s) needs {estimate.describe()} per device under "
+                f"{memory.strategy} (shard degree {estimate.shard_degree}), more than the device's "
+                f"{limit / 2**30:.1f} GiB",
+                "wait for the planned nodes (raise cluster.capacity_timeout_s) or set cluster.fewer_nodes: fail",
+            )
+        checked.append(StageMemory(stage.name, estimate))
+    return tuple(checked)
+
+
+def does_not_fit(
+    config: Config,
+    memory: MemoryPlan | None,
+    shape: ModelShape | None,
+    *,
+    num_nodes: int,
+    micro_batch_size: int,
+) -> str | None:
+    """Why a stage on `num_nodes` would not fit the device under the plan's strategy (None: it fits, or
+    memory is unknown), with the activations the plan estimated for its first stage."""
+    if memory is None or shape is None or memory.device_memory_bytes is None or not memory.stages:
+        return None
+    estimate = _estimate_like(
+        config, memory.stages[0].estimate, shape=shape, strategy=memory.strategy,
+        world_size=num_nodes * config.cluster.devices_per_node, micro_batch_size=micro_batch_size,
+    )  # fmt: skip
+    if estimate.total <= memory.device_memory_bytes:
+        return None
+    return (
+        f"on {num_nodes} node(s) it needs {estimate.describe()} per device under {memory.strategy} (shard "
+        f"degree {estimate.shard_degree}), more than the device's {memory.device_memory_bytes / 2**30:.1f} GiB"
+    )
