@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from batchpilot import workflow
+from batchpilot.config import config_from_text
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.cost import estimate_cost
+from batchpilot.workflow.plan import plan
 from helpers import REPO
 
 STEP_TIME_S = 0.5
@@ -21,9 +22,7 @@ STAGE_GAP_S = 30.0
 
 def sample_document() -> RunDocument:
     """The demo plan at micro batch 16, taken from explore (48 was its fastest), with a cost estimate."""
-    document = workflow.plan(
-        workflow.config_from_text((REPO / "configs" / "demo.yaml").read_text()), micro_batch_size=16
-    )
+    document = plan(config_from_text((REPO / "configs" / "demo.yaml").read_text()), micro_batch_size=16)
     return dataclasses.replace(
         document,
         micro_batch_source="explore",
@@ -51,7 +50,7 @@ def sample_trials_document() -> RunDocument:
     from batchpilot.planning.trials import BranchResult, TrialsOutcome, decide
 
     config = (REPO / "configs" / "demo.yaml").read_text() + "trials: {enabled: true, tokens: 32768}\n"
-    trials = workflow.plan(workflow.config_from_text(config), micro_batch_size=16, announce=False).trials
+    trials = plan(config_from_text(config), micro_batch_size=16, announce=False).trials
     assert trials is not None
     results = tuple(
         BranchResult(

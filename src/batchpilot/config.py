@@ -854,3 +854,15 @@ def load_config(path: str | Path) -> Config:
 def config_schema() -> dict[str, Any]:
     """The JSON Schema of the config file."""
     return Config.model_json_schema()
+
+
+def config_from_text(text: str, *, micro_batch_size: int = 0, total_samples: int = 0) -> Config:
+    """The run's config from YAML (or JSON) text, with the pipeline's run-time overrides (0 = keep)."""
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise BatchpilotError("config_yaml", "is not a YAML mapping")
+    if micro_batch_size:
+        data.setdefault("batch", {})["micro_batch_size"] = micro_batch_size
+    if total_samples:
+        data.setdefault("train", {}).update(total_samples=total_samples, total_tokens=None)
+    return parse_config(data)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot import workflow
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.storage import open_storage
+from batchpilot.workflow.canary import canary, read_canary
 from helpers import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def local_config(tmp_path: Path, *, data_uri: str, checkpoint_uri: str):
 
 def test_a_two_node_canary_writes_its_figures_beside_the_checkpoints(tmp_path, demo_data_uri, batchpilot_log):
     config = local_config(tmp_path, data_uri=demo_data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt")
-    metrics = workflow.canary(config, work_dir=tmp_path / "work")
+    metrics = canary(config, work_dir=tmp_path / "work")
     summary = json.loads((tmp_path / "ckpt" / "canary" / "canary.json").read_text())
     assert (summary["num_nodes"], summary["processes_per_node"], summary["backend"]) == (2, 1, "gloo")
     assert summary["all_reduce_bytes"] == 4 * 2**20 and summary["bus_bandwidth_bytes_per_s"] > 0
@@ -47,7 +47,7 @@ def test_a_two_node_canary_writes_its_figures_beside_the_checkpoints(tmp_path, d
     assert any(
         r.getMessage().startswith("canary: 2 node(s) x 1 process(es) passed") for r in batchpilot_log.records
     )
-    assert workflow.read_canary(config) == summary  # what the report reads
+    assert read_canary(config) == summary  # what the report reads
 
 
 def test_a_checkpoint_uri_that_cannot_be_written_fails_with_one_line_naming_it(tmp_path, demo_data_uri):
@@ -55,7 +55,7 @@ def test_a_checkpoint_uri_that_cannot_be_written_fails_with_one_line_naming_it(t
     checkpoint_uri = f"file://{tmp_path}/afile/ckpt"
     config = local_config(tmp_path, data_uri=demo_data_uri, checkpoint_uri=checkpoint_uri)
     with pytest.raises(BatchpilotError) as failed:
-        workflow.canary(config, work_dir=tmp_path / "work")
+        canary(config, work_dir=tmp_path / "work")
     message = str(failed.value)
     assert len(message.splitlines()) == 1
     assert message.startswith("canary: node 0 (rank 0, host ")
@@ -69,7 +69,7 @@ def test_missing_data_shards_fail_the_canary_with_one_line_naming_the_data_uri(t
     shard.unlink()
     config = local_config(tmp_path, data_uri=f"file://{data}", checkpoint_uri=f"file://{tmp_path}/ckpt")
     with pytest.raises(BatchpilotError) as failed:
-        workflow.canary(config, work_dir=tmp_path / "work")
+        canary(config, work_dir=tmp_path / "work")
     message = str(failed.value)
     assert len(message.splitlines()) == 1
     assert message.startswith("canary: node 0 (rank 0, host ")
@@ -86,6 +86,6 @@ def test_a_canary_on_gcs_reads_and_writes_through_the_emulator(
     config = local_config(
         tmp_path, data_uri=f"gs://{gcs_bucket}/data", checkpoint_uri=f"gs://{gcs_bucket}/ckpt"
     )
-    metrics = workflow.canary(config, work_dir=tmp_path / "work")
+    metrics = canary(config, work_dir=tmp_path / "work")
     assert metrics["min_read_mb_per_s"] > 0 and metrics["max_checkpoint_write_ms"] > 0
     assert open_storage(f"gs://{gcs_bucket}/ckpt/canary").list() == ["canary.json"]

@@ -218,8 +218,8 @@ def test_a_launch_deletes_a_running_leftover_of_its_run_s_other_launches(kube, t
 
 
 def test_scale_down_deletes_the_run_s_jobsets_before_the_pool_shrinks(kube, tmp_path, monkeypatch):
-    from batchpilot import workflow
     from batchpilot.cluster import nodepool
+    from batchpilot.workflow.pool import scale_down
 
     kube.state.jobset_statuses = [RUNNING]
     plan = write_plan(tmp_path)
@@ -244,7 +244,7 @@ def test_scale_down_deletes_the_run_s_jobsets_before_the_pool_shrinks(kube, tmp_
 
     monkeypatch.setattr(nodepool, "node_pool_for", lambda config, state_path=None: Pool())
     config = parse_config(json.loads(Path(plan).read_text())["config"])
-    workflow.scale_down(config)
+    scale_down(config)
     assert left_at_resize == ["other-run"]
     assert deletes(kube) == [(name, "Foreground")]
     first.communicate(timeout=60)  # its JobSet is gone: the launch ends

@@ -21,7 +21,7 @@ from batchpilot.cluster.tpu_pool import TpuSlicePool
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.tpu import tpu_slices
-from batchpilot.workflow import prepare_pool, scale_down
+from batchpilot.workflow.pool import prepare_pool, scale_down
 
 ZONE = f"{LOCATION}-b"
 PARENT = f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}"

@@ -100,7 +100,7 @@ def test_gke_refuses_to_size_a_queued_provisioning_pool_and_to_create_one_with_a
 
 
 def test_the_exit_handler_deletes_the_runs_leftover_requests_and_resizes_nothing(gke, tmp_path, monkeypatch):
-    from batchpilot import workflow
+    from batchpilot.workflow.pool import scale_down
 
     monkeypatch.setenv("KUBECONFIG", str(gke.write_kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -118,7 +118,7 @@ def test_the_exit_handler_deletes_the_runs_leftover_requests_and_resizes_nothing
                 name=name, namespace="batchpilot", labels=labels, count=1, max_run_duration_s=3600
             ),
         )
-    workflow.scale_down(config)
+    scale_down(config)
     assert sorted(name for _, name in gke.sim.provisioning.requests) == [
         "other-final-00000000"
     ]  # another run's

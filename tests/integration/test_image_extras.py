@@ -152,7 +152,7 @@ def test_a_venv_with_the_image_extras_imports_everything_batchpilot_imports(tmp_
     assert optional <= set(OPTIONAL_EXTRAS.items()), optional
     wanted = sorted(item for item in found if item[0].split(".")[0] not in {"torch_xla", *OPTIONAL_EXTRAS})
     assert {"matplotlib", "kfp", "torchx.components.dist"} <= {module for module, _, _ in wanted}
-    assert {"batchpilot.workflow", "batchpilot.logs"} <= component_imports()
+    assert {"batchpilot.workflow.stage", "batchpilot.logs"} <= component_imports()
 
     # The build context the Dockerfile sees (.dockerignore), copied so that building the wheel writes
     # nothing into the working tree.

@@ -15,7 +15,7 @@ import pytest
 
 from batchpilot.cluster import launch, launch_spec
 from batchpilot.plan.rundoc import read_run_document
-from batchpilot.workflow import select_launch
+from batchpilot.workflow.stage import select_launch
 from helpers import gke_a3_config, write_plan
 
 NS = "batchpilot"

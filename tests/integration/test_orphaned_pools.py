@@ -16,7 +16,7 @@ from batchpilot.cluster.labels import IDLE_POOL_LABEL, RUN_POOL_LABEL
 from batchpilot.cluster.ownership import lease_name, renew_lease
 from batchpilot.config import Config, parse_config
 from batchpilot.errors import BatchpilotError
-from batchpilot.workflow import prepare_pool, scale_down
+from batchpilot.workflow.pool import prepare_pool, scale_down
 
 NS = "batchpilot"
 

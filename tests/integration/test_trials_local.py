@@ -15,7 +15,7 @@ from batchpilot.plan.rundoc import read_run_document
 from batchpilot.planning.trials import BranchResult, TrialsOutcome
 from batchpilot.runstate import load_metrics
 from batchpilot.train.step import INJECT_OOM_ENV
-from batchpilot.trials import branch_uri, decide_trials, run_branch, warmup_uri
+from batchpilot.workflow.trial_runs import branch_uri, decide_trials, run_branch, warmup_uri
 from helpers import run_batchpilot, tiny_config, write_plan
 
 pytestmark = pytest.mark.slow

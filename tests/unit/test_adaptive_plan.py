@@ -12,13 +12,15 @@ import yaml
 
 from batchpilot.cli import main
 from batchpilot.config import load_config, parse_config
+from batchpilot.kfp.shape import pipeline_launch_names
 from batchpilot.plan.adaptive import accepted_batch_sizes
 from batchpilot.plan.planner import make_run_document
 from batchpilot.plan.stages import build_plan, num_stages
 from batchpilot.planning.adaptive import Decision, StageDecision
 from batchpilot.planning.launches import launch_summary
 from batchpilot.runstate import read_decisions, write_decisions
-from batchpilot.workflow import current_document, pipeline_launch, pipeline_launch_names
+from batchpilot.workflow.document import current_document
+from batchpilot.workflow.stage import pipeline_launch
 from helpers import write_manifest
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_adaptive.yaml"

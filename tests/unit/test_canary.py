@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchpilot import workflow
 from batchpilot.cluster.canary import _FailureLines, canary_launch_spec, canary_nodes, canary_spec
 from batchpilot.cluster.machines import expected_bus_bandwidth_bytes_per_s
 from batchpilot.config import parse_config
@@ -25,6 +24,8 @@ from batchpilot.train.canary import (
     summarize,
     summary_line,
 )
+from batchpilot.workflow import canary as canary_step
+from batchpilot.workflow.plan import plan
 from helpers import REPO, gke_a3_config, tiny_config
 
 MIB = 2**20
@@ -78,10 +79,10 @@ def test_canary_nodes():
 
 def test_canary_nodes_of_a_plan(tmp_path):
     config = parse_config(tiny_config(data_uri=f"file://{tmp_path}/d", checkpoint_uri=f"file://{tmp_path}/c"))
-    document = workflow.plan(config, announce=False)
+    document = plan(config, announce=False)
     assert [stage.num_nodes for stage in document.plan.stages] == [1, 2, 2]
-    assert workflow.canary_nodes(config, document) == 2  # the first launch is 1 node, stage 1 needs 2
-    assert workflow.canary_nodes(config) == 2
+    assert canary_step.canary_nodes(config, document) == 2  # the first launch is 1 node, stage 1 needs 2
+    assert canary_step.canary_nodes(config) == 2
 
 
 # --- the spec and the launch ---------------------------------------------------------------------

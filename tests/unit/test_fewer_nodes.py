@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot import workflow
 from batchpilot.cluster.capacity import CapacityShortfall
 from batchpilot.cluster.nodepool import LocalNodePool
 from batchpilot.config import parse_config
@@ -21,6 +20,11 @@ from batchpilot.plan.stages import build_plan
 from batchpilot.planning.capacity import LaunchCapacity, apply_capacity, fewer_nodes, stage_on_nodes
 from batchpilot.planning.launches import launches
 from batchpilot.planning.nodes import Placement
+from batchpilot.workflow.canary import prepare_canary_pool
+from batchpilot.workflow.capacity import prepare_launch_pool
+from batchpilot.workflow.document import current_document, with_capacity
+from batchpilot.workflow.plan import plan
+from batchpilot.workflow.stage import pipeline_launch
 from helpers import gke_a3_config, tiny_config
 
 
@@ -112,13 +116,13 @@ def test_a_record_moves_only_the_launch_it_was_made_for_and_launches_stay_the_pl
 
 def test_plan_json_names_planned_nodes_only_where_a_launch_got_fewer(tmp_path):
     config, _ = nemo_like_plan()
-    document = workflow.plan(config, announce=False)
+    document = plan(config, announce=False)
     assert all("planned_nodes" not in stage for stage in json.loads(document.to_json())["stages"])
     assert "capacity" not in json.loads(document.to_json())
     record = LaunchCapacity(
         "final", 2, 2, planned_nodes=4, ready_nodes=3, nodes=2, waited_s=61.5, reason="stockout"
     )
-    moved = workflow._with_capacity(document, [record])
+    moved = with_capacity(document, [record])
     data = json.loads(moved.to_json())
     assert [stage.get("planned_nodes") for stage in data["stages"]] == [None, None, 4]
     assert data["capacity"] == [record.to_dict()]
@@ -157,7 +161,7 @@ def test_a_local_pool_grants_at_most_its_capacity_and_says_how_many_came(tmp_pat
 def local_document(tmp_path: Path, **cluster):
     config = tiny_config(data_uri="file:///data", checkpoint_uri=f"file://{tmp_path}/ckpt")
     config["cluster"].update(pool_state_path=str(tmp_path / "pool.json"), **cluster)
-    return workflow.plan(parse_config(config), announce=False)
+    return plan(parse_config(config), announce=False)
 
 
 def test_the_resize_step_trains_a_short_launch_on_fewer_nodes_only_when_allowed(tmp_path):
@@ -165,20 +169,20 @@ def test_the_resize_step_trains_a_short_launch_on_fewer_nodes_only_when_allowed(
     refused = local_document(tmp_path, local_capacity_nodes=1)
     assert [(g.name, g.num_nodes) for g in launches(refused.plan)] == [("stage-0", 1), ("stages-1-final", 2)]
     with pytest.raises(BatchpilotError) as error:
-        workflow.prepare_launch_pool(refused, slot=1)
+        prepare_launch_pool(refused, slot=1)
     assert "stages-1-final needs 2 node(s): the local pool granted 1 of 2 node(s)" in str(error.value)
     assert "set cluster.fewer_nodes: allow" in str(error.value)
     assert not (tmp_path / "ckpt" / "capacity.json").exists()
 
     document = local_document(tmp_path, local_capacity_nodes=1, fewer_nodes="allow")
-    assert workflow.prepare_launch_pool(document, slot=1) == 1
+    assert prepare_launch_pool(document, slot=1) == 1
     recorded = json.loads((tmp_path / "ckpt" / "capacity.json").read_text())["launches"]
     assert [(r["launch"], r["planned_nodes"], r["ready_nodes"], r["nodes"]) for r in recorded] == [
         ("stages-1-final", 2, 1, 1)
     ]
     # The train task (and the report) see the launch on 1 node at its planned batches.
-    current = workflow.current_document(document)
-    launch = workflow.pipeline_launch(document, slot=1)
+    current = current_document(document)
+    launch = pipeline_launch(document, slot=1)
     assert launch is not None and (launch.num_nodes, launch.planned_nodes) == (1, 2)
     assert [
         (s.global_batch_size, s.num_nodes, s.gradient_accumulation_steps) for s in current.plan.stages
@@ -189,9 +193,9 @@ def test_the_resize_step_trains_a_short_launch_on_fewer_nodes_only_when_allowed(
     ]
     # A retry that gets the planned nodes clears the record: the launch trains as planned.
     roomy = local_document(tmp_path, fewer_nodes="allow")
-    assert workflow.prepare_launch_pool(roomy, slot=1) == 2
+    assert prepare_launch_pool(roomy, slot=1) == 2
     assert json.loads((tmp_path / "ckpt" / "capacity.json").read_text())["launches"] == []
-    assert workflow.current_document(roomy).plan == roomy.plan
+    assert current_document(roomy).plan == roomy.plan
 
 
 def test_the_canary_pool_takes_the_nodes_that_came_only_when_allowed(tmp_path):
@@ -199,6 +203,6 @@ def test_the_canary_pool_takes_the_nodes_that_came_only_when_allowed(tmp_path):
     config = tiny_config(data_uri="file:///data", checkpoint_uri=f"file://{tmp_path}/ckpt")
     config["cluster"].update(pool_state_path=str(tmp_path / "pool.json"), local_capacity_nodes=1)
     with pytest.raises(CapacityShortfall, match="the local pool granted 1 of 2 node"):
-        workflow.prepare_canary_pool(parse_config(config))
+        prepare_canary_pool(parse_config(config))
     config["cluster"]["fewer_nodes"] = "allow"
-    assert workflow.prepare_canary_pool(parse_config(config)) == 1
+    assert prepare_canary_pool(parse_config(config)) == 1

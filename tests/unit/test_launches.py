@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.kfp.shape import check_pipeline_launches, pipeline_launch_names
 from batchpilot.plan.planner import make_run_document
 from batchpilot.plan.stages import build_plan
 from batchpilot.planning.launches import launch_containing, launch_of, launches
 from batchpilot.planning.table import plan_footer
-from batchpilot.workflow import check_pipeline_launches, pipeline_launch_names, select_launch, stage_metrics
+from batchpilot.workflow.stage import select_launch, stage_metrics
 from helpers import REPO
 
 # Kubernetes label values (Labels and Selectors) and KFP task names: lower case, digits, dashes.
@@ -163,7 +164,7 @@ def test_the_plan_task_logs_the_launches_and_the_cost_estimate_as_kfp_metrics(tm
 
     from batchpilot.kfp.components import plan as plan_component
     from batchpilot.kfp.pipeline import config_parameter
-    from batchpilot.workflow import plan_metrics
+    from batchpilot.kfp.shape import plan_metrics
 
     config = load_config(REPO / "configs" / "nemo_gpt3_5b.yaml")
     document = make_run_document(config, samples_per_s_per_device=10.0)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from batchpilot.config import config_from_text
 from batchpilot.errors import BatchpilotError
-from batchpilot.workflow import config_from_text, plan, trials_pool_nodes
+from batchpilot.workflow.plan import plan
+from batchpilot.workflow.trials import trials_pool_nodes
 from helpers import REPO, gke_a3_config, run_batchpilot, tiny_config, write_manifest
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from batchpilot.config import parse_config
+from batchpilot.config import config_from_text, parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.rundoc import parse_run_document
 from batchpilot.planning.trials import (
@@ -16,7 +16,7 @@ from batchpilot.planning.trials import (
     decide,
     plan_trials,
 )
-from batchpilot.workflow import config_from_text, plan
+from batchpilot.workflow.plan import plan
 from helpers import REPO, write_manifest
 
 

@@ -1,5 +1,5 @@
 """The runs the batch trials derive from a plan (warm-up and branches), the checkpoint a branch starts from,
-a failed launch's reason, and the plan made again with the decision (`batchpilot.trials`)."""
+a failed launch's reason, and the plan made again with the decision (`batchpilot.workflow.trial_runs`)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import BranchResult, trial_run_names
 from batchpilot.runstate import latest_checkpoint
-from batchpilot.trials import (
+from batchpilot.workflow.plan import plan
+from batchpilot.workflow.trial_runs import (
     branch_config,
     copy_checkpoint,
     decide_trials,
     failure_reason,
     warmup_config,
 )
-from batchpilot.workflow import plan
 from helpers import REPO, tiny_config, write_manifest
 
 
@@ -166,8 +166,8 @@ def test_a_trial_on_gke_keeps_the_owning_runs_lease_alive_while_it_trains(tmp_pa
     import contextlib
 
     import batchpilot.cluster.ownership as ownership
-    import batchpilot.workflow as workflow
-    from batchpilot import trials as trials_module
+    import batchpilot.workflow.stage as stage_module
+    from batchpilot.workflow import trial_runs as trials_module
 
     renewed: list[str] = []
     launched: list[tuple[str, list[str]]] = []
@@ -179,7 +179,7 @@ def test_a_trial_on_gke_keeps_the_owning_runs_lease_alive_while_it_trains(tmp_pa
 
     monkeypatch.setattr(ownership, "lease_renewed", lease_renewed)
     monkeypatch.setattr(
-        workflow,
+        stage_module,
         "run_stage",
         lambda document, **_: launched.append((document.config.name, list(renewed))) or 0,
     )
@@ -199,7 +199,7 @@ def test_an_adaptive_ramp_is_calibrated_from_the_trials_and_the_warm_ups_noise_s
     import yaml
 
     from batchpilot.runstate import METRICS_OBJECT
-    from batchpilot.trials import warmup_uri
+    from batchpilot.workflow.trial_runs import warmup_uri
 
     config = yaml.safe_load((REPO / "configs" / "demo_adaptive.yaml").read_text())
     config["data"]["uri"] = write_manifest(tmp_path / "data")
@@ -235,9 +235,9 @@ def test_branches_from_an_existing_checkpoint_skip_the_warm_up_and_resume_at_its
     tmp_path, monkeypatch
 ):
     """trials.from_checkpoint: no warm-up; each branch starts from a copy of that checkpoint at its sample."""
-    import batchpilot.trials as trials_module
+    import batchpilot.workflow.trial_runs as trials_module
     from batchpilot.runstate import METRICS_OBJECT
-    from batchpilot.trials import branch_uri, run_branch, run_warmup
+    from batchpilot.workflow.trial_runs import branch_uri, run_branch, run_warmup
 
     existing = tmp_path / "pretrained"
     write_checkpoint(existing, 20, 320)

@@ -6,9 +6,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchpilot import workflow
+from batchpilot.config import config_from_text
 from batchpilot.errors import BatchpilotError
+from batchpilot.kfp.shape import expected_stage_count, explore_in_pipeline, pipeline_launch_names
 from batchpilot.plan.rundoc import parse_run_document
+from batchpilot.workflow.explore import read_explore
+from batchpilot.workflow.plan import plan
 from helpers import REPO, run_batchpilot, write_manifest
 
 DEMO = (REPO / "configs" / "demo.yaml").read_text()
@@ -32,21 +35,21 @@ def explore_file(
 
 
 def test_run_time_overrides():
-    config = workflow.config_from_text(DEMO, micro_batch_size=8, total_samples=8192)
+    config = config_from_text(DEMO, micro_batch_size=8, total_samples=8192)
     assert config.batch.micro_batch_size == 8 and config.total_samples == 8192
-    assert workflow.config_from_text(DEMO).batch.micro_batch_size == "explore"
+    assert config_from_text(DEMO).batch.micro_batch_size == "explore"
     as_json = json.dumps(yaml.safe_load(DEMO))  # the compiled default is one line of JSON
-    assert workflow.config_from_text(as_json) == workflow.config_from_text(DEMO)
+    assert config_from_text(as_json) == config_from_text(DEMO)
 
 
 def test_plan_uses_the_explored_micro_batch_and_records_what_it_used(tmp_path):
-    explore = workflow.read_explore(explore_file(tmp_path, micro=64, compatible=16))
-    document = workflow.plan(workflow.config_from_text(DEMO), explore=explore, expected_num_stages=4)
+    explore = read_explore(explore_file(tmp_path, micro=64, compatible=16))
+    document = plan(config_from_text(DEMO), explore=explore, expected_num_stages=4)
     assert document.plan.micro_batch_size == 16 and document.micro_batch_source == "explore"
     assert [s.num_nodes for s in document.plan.stages] == [1, 1, 1, 2]
     assert document.explore is not None and document.explore["recommendation"]["micro_batch_size"] == 64
     assert "does not fit every stage" in document.notes[0]
-    overridden = workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=8, explore=explore)
+    overridden = plan(config_from_text(DEMO), micro_batch_size=8, explore=explore)
     assert overridden.plan.micro_batch_size == 8 and overridden.micro_batch_source == "override"
     assert any("explore recommends micro_batch_size=16" in note for note in overridden.notes)
 
@@ -54,16 +57,16 @@ def test_plan_uses_the_explored_micro_batch_and_records_what_it_used(tmp_path):
 def test_the_stages_run_the_setting_explore_measured(tmp_path):
     """A size that fits only with activation checkpointing is trained with it: the plan's resolved config
     takes explore's setting, says so, and sizes memory with it."""
-    explore = workflow.read_explore(explore_file(tmp_path, micro=16, checkpointing=True))
-    document = workflow.plan(workflow.config_from_text(DEMO), explore=explore)
+    explore = read_explore(explore_file(tmp_path, micro=16, checkpointing=True))
+    document = plan(config_from_text(DEMO), explore=explore)
     assert document.config.train.activation_checkpointing is True
     assert any(
         "train.activation_checkpointing: true (explore measured micro_batch_size=16" in n
         for n in document.notes
     )
     assert parse_run_document(document.to_json()).config.train.activation_checkpointing is True
-    integer = workflow.config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 16"))
-    assert workflow.plan(integer, explore=explore).config.train.activation_checkpointing is False
+    integer = config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 16"))
+    assert plan(integer, explore=explore).config.train.activation_checkpointing is False
 
 
 def test_the_studys_advice_is_shown_beside_the_configs_numbers(tmp_path):
@@ -75,7 +78,7 @@ def test_the_studys_advice_is_shown_beside_the_configs_numbers(tmp_path):
         "lr_scaling": "sqrt",
     }
     path.write_text(json.dumps(data))
-    document = workflow.plan(workflow.config_from_text(DEMO), explore=workflow.read_explore(path))
+    document = plan(config_from_text(DEMO), explore=read_explore(path))
     assert document.config.batch.global_batch_size == 64  # the user's numbers stand
     assert any(
         "critical batch ~183 samples, advises a target global batch of 192 with train.lr_scaling: sqrt; this plan "
@@ -85,17 +88,15 @@ def test_the_studys_advice_is_shown_beside_the_configs_numbers(tmp_path):
 
 
 def test_an_integer_in_the_config_stands_and_explore_is_noted(tmp_path):
-    config = workflow.config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 8"))
-    explore = workflow.read_explore(explore_file(tmp_path, micro=16))
-    document = workflow.plan(config, explore=explore)
+    config = config_from_text(DEMO.replace("micro_batch_size: explore", "micro_batch_size: 8"))
+    explore = read_explore(explore_file(tmp_path, micro=16))
+    document = plan(config, explore=explore)
     assert document.plan.micro_batch_size == 8 and document.micro_batch_source == "config"
     assert document.cost is None  # explore measured 16, not 8: no throughput for the estimate
 
 
 def test_the_cost_comes_from_explores_throughput_at_the_planned_size(tmp_path):
-    document = workflow.plan(
-        workflow.config_from_text(DEMO), explore=workflow.read_explore(explore_file(tmp_path, micro=16))
-    )
+    document = plan(config_from_text(DEMO), explore=read_explore(explore_file(tmp_path, micro=16)))
     assert document.cost is not None and document.cost.samples_per_s_per_device == 400.0
     data = json.loads(document.to_json())
     assert data["cost"]["node_hours"] == pytest.approx(document.cost.node_hours)
@@ -106,12 +107,12 @@ def test_a_config_with_another_stage_count_asks_for_a_recompile():
     with pytest.raises(
         BatchpilotError, match=r"implies 7 stage\(s\) but this pipeline was compiled for 4"
     ) as info:
-        workflow.plan(workflow.config_from_text(longer_ramp, micro_batch_size=8), expected_num_stages=4)
+        plan(config_from_text(longer_ramp, micro_batch_size=8), expected_num_stages=4)
     assert "batchpilot compile" in str(info.value)
 
 
 def test_the_run_document_round_trips_and_refuses_an_edited_config():
-    document = workflow.plan(workflow.config_from_text(DEMO), micro_batch_size=16)
+    document = plan(config_from_text(DEMO), micro_batch_size=16)
     text = document.to_json()
     data = json.loads(text)
     # What the document says, against the demo's ramp [16, 16, 4096] to 64 over 16,384 samples on 1-2 nodes
@@ -233,11 +234,11 @@ def test_the_plan_component_without_an_exploration_uses_the_configs_micro_batch(
 
 
 def test_explore_in_the_pipeline_only_when_there_is_something_to_explore():
-    searched = workflow.config_from_text(DEMO)
-    fixed = workflow.config_from_text(DEMO, micro_batch_size=16)
+    searched = config_from_text(DEMO)
+    fixed = config_from_text(DEMO, micro_batch_size=16)
     no_study = fixed.model_copy(update={"explore": fixed.explore.model_copy(update={"study": False})})
-    assert workflow.explore_in_pipeline(searched) and workflow.explore_in_pipeline(fixed)
-    assert not workflow.explore_in_pipeline(no_study)
+    assert explore_in_pipeline(searched) and explore_in_pipeline(fixed)
+    assert not explore_in_pipeline(no_study)
 
 
 AUTO = DEMO.replace("global_batch_size: 64", "global_batch_size: auto\n  max_global_batch_size: 256")
@@ -259,8 +260,8 @@ def test_an_auto_target_takes_the_studys_advice_rounded_to_what_the_ramp_accepts
     """global_batch_size: auto (#13): the demo's ramp [16, 16, 4096] on 1-2 nodes at micro 16 accepts
     multiples of 16 above 16; the study's 100 becomes 96, with the sqrt rule (96 <= 2 x 90)."""
     assert "global_batch_size: auto" in AUTO
-    explore = workflow.read_explore(study_file(tmp_path, critical=90.0, recommended=100))
-    document = workflow.plan(workflow.config_from_text(AUTO), explore=explore)
+    explore = read_explore(study_file(tmp_path, critical=90.0, recommended=100))
+    document = plan(config_from_text(AUTO), explore=explore)
     assert document.config.batch.global_batch_size == 96
     assert document.config.train.lr_scaling == "sqrt"
     assert [s.global_batch_size for s in document.plan.stages] == [16, 32, 48, 64, 80, 96]
@@ -272,15 +273,15 @@ def test_an_auto_target_takes_the_studys_advice_rounded_to_what_the_ramp_accepts
 
 
 def test_an_auto_target_stays_within_its_bound_and_needs_the_study(tmp_path):
-    explore = workflow.read_explore(study_file(tmp_path, critical=600.0, recommended=1000))
-    document = workflow.plan(workflow.config_from_text(AUTO), explore=explore)
+    explore = read_explore(study_file(tmp_path, critical=600.0, recommended=1000))
+    document = plan(config_from_text(AUTO), explore=explore)
     assert document.config.batch.global_batch_size == 256  # max_global_batch_size
     assert any("at most max_global_batch_size 256" in n for n in document.notes)
-    no_study = workflow.read_explore(explore_file(tmp_path, micro=16))
+    no_study = read_explore(explore_file(tmp_path, micro=16))
     with pytest.raises(
         BatchpilotError, match=r"batch\.global_batch_size: is auto, which takes the target from"
     ):
-        workflow.plan(workflow.config_from_text(AUTO), explore=no_study)
+        plan(config_from_text(AUTO), explore=no_study)
 
 
 @pytest.mark.parametrize(
@@ -297,7 +298,7 @@ def test_an_auto_target_needs_a_bound(edit, message):
     from batchpilot.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        workflow.config_from_text(AUTO.replace(*edit))
+        config_from_text(AUTO.replace(*edit))
 
 
 def test_the_pipeline_of_an_auto_target_has_slots_and_takes_any_stage_count(tmp_path):
@@ -307,9 +308,9 @@ def test_the_pipeline_of_an_auto_target_has_slots_and_takes_any_stage_count(tmp_
 
     from batchpilot.kfp.components import plan as plan_component
 
-    config = workflow.config_from_text(AUTO)
-    assert workflow.pipeline_launch_names(config)[0] == "launch-0"
-    assert len(workflow.pipeline_launch_names(config)) == workflow.expected_stage_count(config) == 16
+    config = config_from_text(AUTO)
+    assert pipeline_launch_names(config)[0] == "launch-0"
+    assert len(pipeline_launch_names(config)) == expected_stage_count(config) == 16
     study_file(tmp_path, critical=90.0, recommended=100)
     from kfp.dsl import Input  # noqa: F401  (the component takes an artifact with a .path)
 

@@ -41,20 +41,21 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from batchpilot import workflow
+    from batchpilot.kfp.shape import expected_stage_count
     from batchpilot.planning.units import format_bytes
+    from batchpilot.workflow.plan import check_data, preflight
 
     path = _config_path(args)
     config = load_config(path)
-    document = workflow.preflight(config)
-    workflow.check_data(config)
+    document = preflight(config)
+    check_data(config)
     if config.batch.global_batch_size == "auto":
         detail = (
             f"global_batch_size auto: explore's study sets it, at most {config.batch.target_bound}; the stages "
             "at that bound are placeable, the chosen target's are checked when it is planned"
         )
     elif document is None:
-        count = workflow.expected_stage_count(config)
+        count = expected_stage_count(config)
         detail = (
             f"{count} stage(s), each placeable at some micro batch; their divisibility at the chosen micro "
             "batch is checked once it is explored"

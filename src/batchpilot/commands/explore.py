@@ -53,8 +53,8 @@ def parse_sizes(text: str | None) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot import workflow
     from batchpilot.planning.units import parse_bytes
+    from batchpilot.workflow.explore import explore
 
     config = load_config(args.config)
     output_dir = check_output_dir(args.out or f"runs/{config.name}/explore", field="--out")
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         config = config.model_copy(
             update={"explore": config.explore.model_copy(update={"memory_budget_bytes": budget})}
         )
-    result = workflow.explore(
+    result = explore(
         config,
         output_dir=output_dir,
         max_probes=args.max_probes,

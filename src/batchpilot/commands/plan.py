@@ -45,22 +45,23 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot import workflow
     from batchpilot.logs import configure_console
+    from batchpilot.workflow.explore import read_explore
+    from batchpilot.workflow.plan import check_data, plan
 
     if args.json:  # stdout carries the document alone; notes go to stderr
         configure_console(stream=sys.stderr)
     config = load_config(args.config)
-    explore = workflow.read_explore(args.explore) if args.explore else None
+    explore = read_explore(args.explore) if args.explore else None
     if args.out:
         check_output_file(args.out, field="--out", force=args.force)
-    document = workflow.plan(
+    document = plan(
         config,
         micro_batch_size=args.micro_batch_size,
         explore=explore,
         samples_per_s_per_device=args.samples_per_s_per_device,
     )
-    workflow.check_data(config)  # before anything is written
+    check_data(config)  # before anything is written
     text = document.to_json()
     if args.out:
         write_atomically(args.out, text)

@@ -61,16 +61,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def run_resize(args: argparse.Namespace) -> int:
-    from batchpilot import workflow
+    from batchpilot.workflow.pool import prepare_pool
 
-    workflow.prepare_pool(
+    prepare_pool(
         load_config(args.config), num_nodes=args.nodes, timeout_s=args.timeout_s, state_path=args.pool_state
     )
     return 0
 
 
 def run_scale_down(args: argparse.Namespace) -> int:
-    from batchpilot import workflow
+    from batchpilot.workflow.pool import scale_down
 
     if args.orphaned:
         from batchpilot.cluster.ownership import scale_down_orphaned
@@ -78,12 +78,12 @@ def run_scale_down(args: argparse.Namespace) -> int:
         for line in scale_down_orphaned(load_config(args.config).cluster):
             print(line)
         return 0
-    workflow.scale_down(load_config(args.config), state_path=args.pool_state)
+    scale_down(load_config(args.config), state_path=args.pool_state)
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from batchpilot import workflow
+    from batchpilot.workflow.pool import pool_status
 
-    print(workflow.pool_status(load_config(args.config), state_path=args.pool_state))
+    print(pool_status(load_config(args.config), state_path=args.pool_state))
     return 0

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         local_run_config,
         run_pipeline,
     )
-    from batchpilot.workflow import expected_stage_count, pipeline_launch_names
+    from batchpilot.kfp.shape import expected_stage_count, pipeline_launch_names
 
     output = check_output_dir(args.out, field="--out")
     config = local_run_config(load_config(args.config or str(EMBEDDED_CONFIG)), output=output)

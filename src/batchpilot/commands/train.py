@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot.commands.options import add_dry_run, add_out
-from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
 from batchpilot.plan.rundoc import read_run_document
 
@@ -64,11 +63,10 @@ def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from batchpilot.config import resolved_runtime
-    from batchpilot.plan.adaptive import accepted_batch_sizes, adaptive_run, is_adaptive
+    from batchpilot.plan.adaptive import is_adaptive
     from batchpilot.train.accelerators import require_planned_accelerator
-    from batchpilot.train.shape import model_shape
     from batchpilot.train.trainer import train
-    from batchpilot.workflow import current_document
+    from batchpilot.workflow.stage import adaptive_stage
 
     document = read_run_document(args.plan)
     cluster = document.config.cluster
@@ -82,31 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
     output_dir = check_output_dir(args.out or f"runs/{document.config.name}", field="--out")
     adaptive = None
     if is_adaptive(document.config):
-        # The stages as the decisions so far make them (adaptive.json beside the checkpoints), and the rule.
-        document = current_document(document)
-        if len(document.plan.select(args.stage, allow_all=True)) != 1:
-            raise BatchpilotError(
-                "--stage",
-                f"{args.stage!r} names several stages, but an adaptive ramp-up trains one stage per launch (the "
-                "next stage's batch is decided when it ends)",
-                f"give one stage: {document.plan.stages[-1].index} is the last one decided so far",
-            )
-        # Sizes whose stage would not fit the device (fsdp on fewer nodes) are never grown to.
-        shape = model_shape(factory=document.config.model.factory, args=document.config.model.args)
-        accepted, too_big = accepted_batch_sizes(
-            document.config,
-            micro_batch_size=document.plan.micro_batch_size,
-            memory=document.memory,
-            shape=shape,
-        )
-        for size, why in too_big.items():
-            logger.warning("adaptive ramp-up: batch %d is never decided: %s", size, why)
-        adaptive = adaptive_run(
-            document.config,
-            micro_batch_size=document.plan.micro_batch_size,
-            decisions=document.decisions,
-            accepted=accepted,
-        )
+        document, adaptive = adaptive_stage(document, stage=args.stage)
     return train(
         config=document.config,
         plan=document.plan,
@@ -119,15 +93,15 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_launch(args: argparse.Namespace) -> int:
     # No trainer import here: a launcher (a pipeline task, a laptop) needs no torch.
-    from batchpilot import workflow
     from batchpilot.logs import configure_console
+    from batchpilot.workflow.stage import render_stage_job, run_stage
 
     document = read_run_document(args.plan)
     if args.dry_run:
         configure_console(stream=sys.stderr)  # stdout carries the YAML alone
-        print(workflow.render_stage_job(document, stage=args.stage, audit=args.audit), end="")
+        print(render_stage_job(document, stage=args.stage, audit=args.audit), end="")
         return 0
-    return workflow.run_stage(
+    return run_stage(
         document,
         stage=args.stage,
         work_dir=check_output_dir(args.out, field="--out") if args.out else None,

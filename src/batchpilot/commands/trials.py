@@ -57,12 +57,13 @@ def default_parallel(*, parallelism: int, backend: str, processes_per_branch: in
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot import trials, workflow
     from batchpilot.plan.rundoc import read_run_document
     from batchpilot.planning.trials import BranchResult, TrialBranch
+    from batchpilot.workflow.trial_runs import decide_trials, run_branch, run_warmup
+    from batchpilot.workflow.trials import TRIALS_FILE, keep_trials_record, planned_trials
 
     document = read_run_document(args.plan)
-    plan = workflow.planned_trials(document)
+    plan = planned_trials(document)
     if args.parallel is not None and args.parallel < 1:
         raise BatchpilotError("--parallel", f"is {args.parallel}", "give at least 1")
     out = check_output_dir(args.out, field="--out")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         cpus=os.cpu_count() or 1,
     )  # fmt: skip
 
-    trials.run_warmup(document, work_dir=work_dir)
+    run_warmup(document, work_dir=work_dir)
     lock = threading.Lock()
 
     def say(line: str) -> None:  # one whole line at a time from the branches' threads
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         say(
             f"> {branch.name}: batch {branch.global_batch_size}, LR {branch.lr:.4g} on {branch.num_nodes} node(s)"
         )
-        result = trials.run_branch(document, index=branch.index, work_dir=work_dir)
+        result = run_branch(document, index=branch.index, work_dir=work_dir)
         if result.final_loss is not None:
             say(
                 f"< {branch.name}: batch {branch.global_batch_size}, LR {branch.lr:.4g}: validation loss "
@@ -101,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"trials: {len(plan.branches)} branch(es), {parallel} at once")
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         results = list(pool.map(one, plan.branches))
-    decided = trials.decide_trials(document, results)
-    workflow.keep_trials_record(out, decided)
+    decided = decide_trials(document, results)
+    keep_trials_record(out, decided)
     assert decided.trials_outcome is not None
     decision = decided.trials_outcome.decision
     for excluded in decision.excluded:
@@ -110,5 +111,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"decision: {decision.reason}")
     final = decided.plan.stages[-1]
     print(f"the run's target: global batch {final.global_batch_size} at LR {final.lr:.4g}")
-    print(f"wrote {out / workflow.TRIALS_FILE}, {out / 'plan.json'}")
+    print(f"wrote {out / TRIALS_FILE}, {out / 'plan.json'}")
     return 0

@@ -12,7 +12,8 @@ from pathlib import Path
 from batchpilot.config import Config, load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
-from batchpilot.workflow import expected_stage_count, pipeline_launch_names, preflight
+from batchpilot.kfp.shape import expected_stage_count, pipeline_launch_names
+from batchpilot.workflow.plan import preflight
 
 logger = logging.getLogger(__name__)
 

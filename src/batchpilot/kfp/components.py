@@ -23,18 +23,20 @@ def explore(
     import json
     from pathlib import Path
 
-    from batchpilot import workflow
+    from batchpilot.config import config_from_text
     from batchpilot.logs import configure_console
+    from batchpilot.workflow.explore import EXPLORE_FILES, explore
+    from batchpilot.workflow.report import keep_copies
 
     configure_console()
-    config = workflow.config_from_text(config_yaml, micro_batch_size=micro_batch_size)
+    config = config_from_text(config_yaml, micro_batch_size=micro_batch_size)
     folder = Path(explore_dir.path)
-    workflow.explore(config, output_dir=folder, keep_configured_micro_batch=True)
+    explore(config, output_dir=folder, keep_configured_micro_batch=True)
     Path(explore_report.path).write_bytes((folder / "explore.html").read_bytes())
     for name, value in json.loads((folder / "explore_metrics.json").read_text()).items():
         explore_metrics.log_metric(name, value)
     if run_dir:
-        workflow.keep_copies(run_dir, {f"explore/{name}": folder / name for name in workflow.EXPLORE_FILES})
+        keep_copies(run_dir, {f"explore/{name}": folder / name for name in EXPLORE_FILES})
 
 
 def plan(
@@ -57,40 +59,45 @@ def plan(
     the cost estimate, when there is one, go to `plan_metrics` (the pipeline always passes one)."""
     from pathlib import Path
 
-    from batchpilot import workflow
+    from batchpilot.config import config_from_text
+    from batchpilot.kfp import shape
     from batchpilot.logs import configure_console
     from batchpilot.report import plan_markdown
+    from batchpilot.workflow.explore import read_explore
+    from batchpilot.workflow.plan import plan
+    from batchpilot.workflow.report import keep_copies
 
     configure_console()
-    document = workflow.plan(
-        workflow.config_from_text(config_yaml, total_samples=total_samples),
+    document = plan(
+        config_from_text(config_yaml, total_samples=total_samples),
         micro_batch_size=micro_batch_size or None,
-        explore=workflow.read_explore(Path(explore_dir.path) / "explore.json") if explore_dir else None,
+        explore=read_explore(Path(explore_dir.path) / "explore.json") if explore_dir else None,
         expected_num_stages=expected_num_stages,
     )
-    workflow.check_pipeline_launches(
+    shape.check_pipeline_launches(
         document, expected=[n for n in expected_launches.split(",") if n], num_slots=num_launch_slots or None
     )
     if plan_metrics is not None:
-        for name, value in workflow.plan_metrics(document).items():
+        for name, value in shape.plan_metrics(document).items():
             plan_metrics.log_metric(name, value)
     text = document.to_json()
     Path(plan_file.path).write_text(text)
     Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost, document.memory))
     if run_dir:
-        workflow.keep_copies(run_dir, {"plan.json": Path(plan_file.path), "plan.md": Path(plan_table.path)})
+        keep_copies(run_dir, {"plan.json": Path(plan_file.path), "plan.md": Path(plan_table.path)})
     return text
 
 
 def prepare_explore_pool(config_yaml: str) -> int:
     """Brings the node pool up to the canary's nodes, which explore then measures on (the pool may idle at
     zero nodes)."""
-    from batchpilot import workflow
+    from batchpilot.config import config_from_text
     from batchpilot.logs import configure_console
+    from batchpilot.workflow.canary import prepare_canary_pool
 
     configure_console()
-    config = workflow.config_from_text(config_yaml)
-    return workflow.prepare_canary_pool(config)
+    config = config_from_text(config_yaml)
+    return prepare_canary_pool(config)
 
 
 def canary(config_yaml: str, plan_json: str, run_dir: str, canary_metrics: Output[Metrics]):
@@ -98,14 +105,15 @@ def canary(config_yaml: str, plan_json: str, run_dir: str, canary_metrics: Outpu
     checkpoint URI); fails with the failing rank's one line. `plan_json` "": no plan yet (explore follows)."""
     from pathlib import Path
 
-    from batchpilot import workflow
+    from batchpilot.config import config_from_text
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.canary import canary
 
     configure_console()
     document = parse_run_document(plan_json) if plan_json else None
     work_dir = Path(run_dir) / "canary" if run_dir else None
-    metrics = workflow.canary(workflow.config_from_text(config_yaml), document, work_dir=work_dir)
+    metrics = canary(config_from_text(config_yaml), document, work_dir=work_dir)
     for name, value in metrics.items():
         canary_metrics.log_metric(name, value)
 
@@ -113,12 +121,12 @@ def canary(config_yaml: str, plan_json: str, run_dir: str, canary_metrics: Outpu
 def resize_pool(plan_json: str, launch_index: int) -> int:
     """Resizes the node pool to the node count of the plan's launch `launch_index` and waits for ready
     nodes; an unused launch slot leaves the pool alone (returns -1)."""
-    from batchpilot import workflow
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.capacity import prepare_launch_pool
 
     configure_console()
-    nodes = workflow.prepare_launch_pool(parse_run_document(plan_json), slot=launch_index)
+    nodes = prepare_launch_pool(parse_run_document(plan_json), slot=launch_index)
     return -1 if nodes is None else nodes
 
 
@@ -127,15 +135,13 @@ def train_stage(plan_json: str, launch_index: int, run_dir: str, launch_metrics:
     checkpointing at every stage end; logs the last step's metrics."""
     from pathlib import Path
 
-    from batchpilot import workflow
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.stage import train_stage
 
     configure_console()
     document = parse_run_document(plan_json)
-    metrics = workflow.train_stage(
-        document, launch_index=launch_index, work_dir=Path(run_dir) if run_dir else None
-    )
+    metrics = train_stage(document, launch_index=launch_index, work_dir=Path(run_dir) if run_dir else None)
     for name, value in metrics.items():
         launch_metrics.log_metric(name, value)
 
@@ -143,12 +149,12 @@ def train_stage(plan_json: str, launch_index: int, run_dir: str, launch_metrics:
 def prepare_trials_pool(plan_json: str) -> int:
     """Brings the node pool to what the trials hold at once (the warm-up, or `trials.parallelism` branches
     side by side) before the warm-up; returns that node count."""
-    from batchpilot import workflow
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.trials import prepare_trials_pool
 
     configure_console()
-    return workflow.prepare_trials_pool(parse_run_document(plan_json))
+    return prepare_trials_pool(parse_run_document(plan_json))
 
 
 def trials_warmup(plan_json: str, run_dir: str) -> list[int]:
@@ -157,14 +163,15 @@ def trials_warmup(plan_json: str, run_dir: str) -> list[int]:
     go to `run_dir/trials/warmup`, each branch's to `run_dir/trials/<branch name>`."""
     from pathlib import Path
 
-    from batchpilot import trials, workflow
+    from batchpilot.kfp import shape
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.trial_runs import run_warmup
 
     configure_console()
     document = parse_run_document(plan_json)
-    trials.run_warmup(document, work_dir=Path(run_dir) / "trials" if run_dir else None)
-    return workflow.trial_indices(document)
+    run_warmup(document, work_dir=Path(run_dir) / "trials" if run_dir else None)
+    return shape.trial_indices(document)
 
 
 def trial_branch(plan_json: str, branch_index: int, run_dir: str, branch_metrics: Output[Metrics]) -> str:
@@ -174,15 +181,16 @@ def trial_branch(plan_json: str, branch_index: int, run_dir: str, branch_metrics
     import json
     from pathlib import Path
 
-    from batchpilot import trials, workflow
+    from batchpilot.kfp import shape
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.trial_runs import run_branch
 
     configure_console()
     document = parse_run_document(plan_json)
     work_dir = Path(run_dir) / "trials" if run_dir else None
-    result = trials.run_branch(document, index=branch_index, work_dir=work_dir)
-    for name, value in workflow.branch_metrics(document, result).items():
+    result = run_branch(document, index=branch_index, work_dir=work_dir)
+    for name, value in shape.branch_metrics(document, result).items():
         branch_metrics.log_metric(name, value)
     return json.dumps(dataclasses.asdict(result))
 
@@ -202,35 +210,39 @@ def decide_trials(
     import json
     from pathlib import Path
 
-    from batchpilot import trials, workflow
+    from batchpilot.kfp import shape
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
     from batchpilot.planning.trials import BranchResult
     from batchpilot.report import plan_markdown
+    from batchpilot.workflow.report import keep_copies
+    from batchpilot.workflow.trial_runs import decide_trials
+    from batchpilot.workflow.trials import keep_trials_record
 
     configure_console()
     branch_results = [BranchResult.from_dict(json.loads(text)) for text in results]
-    document = trials.decide_trials(parse_run_document(plan_json), branch_results)
-    workflow.check_pipeline_launches(
+    document = decide_trials(parse_run_document(plan_json), branch_results)
+    shape.check_pipeline_launches(
         document, expected=[n for n in expected_launches.split(",") if n], num_slots=num_launch_slots or None
     )
-    for name, value in workflow.trials_metrics(document).items():
+    for name, value in shape.trials_metrics(document).items():
         trials_metrics.log_metric(name, value)
     Path(plan_table.path).write_text(plan_markdown(document.plan, document.cost, document.memory))
     if run_dir:
-        workflow.keep_trials_record(run_dir, document)
-        workflow.keep_copies(run_dir, {"plan.md": Path(plan_table.path)})
+        keep_trials_record(run_dir, document)
+        keep_copies(run_dir, {"plan.md": Path(plan_table.path)})
     return document.to_json()
 
 
 def scale_down(config_yaml: str):
     """Scales the node pool back down (exit handler). It reads the config, not the plan, so it still runs
     when planning failed."""
-    from batchpilot import workflow
+    from batchpilot.config import config_from_text
     from batchpilot.logs import configure_console
+    from batchpilot.workflow.pool import scale_down
 
     configure_console()
-    workflow.scale_down(workflow.config_from_text(config_yaml))
+    scale_down(config_from_text(config_yaml))
 
 
 def report(
@@ -244,13 +256,13 @@ def report(
     """The run report: exploration, plan table, batch-size ramp and loss curve."""
     from pathlib import Path
 
-    from batchpilot import workflow
     from batchpilot.logs import configure_console
     from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.report import keep_copies, keep_run_record, report
 
     configure_console()
     document = parse_run_document(plan_json)
-    summary, _ = workflow.report(
+    summary, _ = report(
         document,
         explore_dir=Path(explore_dir.path) if explore_dir else None,
         html_path=Path(run_report.path),
@@ -259,8 +271,8 @@ def report(
     for name, value in summary.items():
         run_metrics.log_metric(name, value)
     if run_dir:
-        workflow.keep_copies(run_dir, {"report.html": Path(run_report.path)})
-        workflow.keep_run_record(run_dir, document)
+        keep_copies(run_dir, {"report.html": Path(run_report.path)})
+        keep_run_record(run_dir, document)
 
 
 COMPONENT_FUNCTIONS = (

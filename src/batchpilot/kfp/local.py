@@ -59,7 +59,7 @@ def check_local_run(config: Config, output: Path, *, resume: bool) -> None:
             f"{output} is not empty (a run in it stopped or failed?)",
             "pass --resume to continue the run in it, or choose a new folder",
         )
-    from batchpilot.workflow import check_data
+    from batchpilot.workflow.plan import check_data
 
     check_data(config)  # the shard set and its vocabulary, as `config check` and `plan` check them
 

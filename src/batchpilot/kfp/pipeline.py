@@ -20,15 +20,10 @@ from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.images import check_image
 from batchpilot.kfp.components import build_components
+from batchpilot.kfp.shape import expected_stage_count, explore_in_pipeline, pipeline_launch_names
 from batchpilot.plan.adaptive import is_adaptive
 from batchpilot.planning.stages import stage_name
-from batchpilot.workflow import (
-    TaskTimeouts,
-    expected_stage_count,
-    explore_in_pipeline,
-    pipeline_launch_names,
-    task_timeouts,
-)
+from batchpilot.workflow.timeouts import TaskTimeouts, task_timeouts
 
 DEFAULT_IMAGE = f"batchpilot:{__version__}"
 """The image name of a local pipeline, which kfp.local never pulls; a gke pipeline runs cluster.image."""

@@ -148,7 +148,7 @@ def prepare_request(
     """Loads and compiles the config and checks every option; no network call."""
     from batchpilot.config import load_config
     from batchpilot.kfp.compile import compile_pipeline
-    from batchpilot.workflow import expected_stage_count
+    from batchpilot.kfp.shape import expected_stage_count
 
     host = check_host(host)
     if upload_only:

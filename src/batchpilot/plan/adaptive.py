@@ -39,6 +39,7 @@ def accepted_batch_sizes(
     config: Config,
     *,
     micro_batch_size: int,
+    target_nodes: int | None = None,
     memory: MemoryPlan | None = None,
     shape: ModelShape | None = None,
 ) -> tuple[list[int], dict[int, str]]:
@@ -47,7 +48,8 @@ def accepted_batch_sizes(
     `memory` and the model's `shape`, the placeable sizes left out because their stage would not fit the
     device (fsdp's share of the model grows on fewer nodes), each with the reason in one line."""
     rule = adaptive_rule(config)
-    target_nodes = build_plan(config, micro_batch_size=micro_batch_size).stages[-1].num_nodes
+    if target_nodes is None:  # the target stage's nodes, from a plan made here
+        target_nodes = build_plan(config, micro_batch_size=micro_batch_size).stages[-1].num_nodes
     where = placement(config).capped(target_nodes)
     accepted: list[int] = []
     too_big: dict[int, str] = {}

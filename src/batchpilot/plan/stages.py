@@ -27,6 +27,12 @@ def build_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[Sta
             the stages this micro batch cannot place.
     """
     check_plan_config(config)
+    return assemble_plan(config, micro_batch_size=micro_batch_size, decisions=decisions)
+
+
+def assemble_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[StageDecision] = ()) -> Plan:
+    """`build_plan` of a config the plan step has checked already (a run document's): the stages at
+    `micro_batch_size` and, for an adaptive ramp-up, with its `decisions` so far, without the checks."""
     plan = plan_stages(
         schedule=batch_schedule(config, decisions),
         total_samples=config.total_samples,

@@ -7,7 +7,7 @@ evaluate all of them on the same validation samples at the same sample counts. T
 largest batch whose validation loss at the budget stays within a tolerance of the best smaller batch's.
 
 This module is arithmetic only: which branches, how many samples each, when they evaluate, what they cost,
-and the decision from their results. Running them is `batchpilot.trials`.
+and the decision from their results. Running them is `batchpilot.workflow.trial_runs`.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from batchpilot.planning.trials import (
     derived_run_name,
 )
 from batchpilot.storage import join_uri
-from batchpilot.workflow import planned_trials
+from batchpilot.workflow.trials import planned_trials
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _on_nodes(config: Config, nodes: int) -> Config:
 
 
 def _planned(config: Config, document: RunDocument) -> RunDocument:
-    from batchpilot.workflow import plan
+    from batchpilot.workflow.plan import plan
 
     return plan(config, micro_batch_size=document.plan.micro_batch_size, announce=False)
 
@@ -138,7 +138,7 @@ def _launch(document: RunDocument, *, work_dir: Path | None, owner: str) -> int:
     On GKE the derived run renews its own Lease while it trains, under its own name; the pool is labelled
     with the run that owns it (`owner`), whose Lease must stay alive too, or a trial longer than
     cluster.orphan_ttl_s would leave the pool looking orphaned to the next run."""
-    from batchpilot.workflow import run_stage
+    from batchpilot.workflow.stage import run_stage
 
     log_dir = None
     if work_dir is not None:
@@ -289,7 +289,7 @@ def warmup_noise_scale(document: RunDocument) -> float | None:
 def decide_trials(document: RunDocument, results: Sequence[BranchResult]) -> RunDocument:
     """The decision (`planning.trials.decide` with the plan's tolerance) and the run's plan made again with
     the outcome (the configured `auto` target when the trials decide it), recorded in the returned document."""
-    from batchpilot.workflow import plan
+    from batchpilot.workflow.plan import plan
 
     trials = planned_trials(document)
     outcome = TrialsOutcome(
