@@ -12,20 +12,17 @@ import contextlib
 import math
 import resource
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from batchpilot.config import Config
-from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import compile_model
-from batchpilot.planning import Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
-from batchpilot.train.runtime import Runtime, StepOutcome, StepValues
+from batchpilot.train.runtime import Evaluation, Passes, Place, Runtime, Save, StepOutcome, StepValues
 from batchpilot.train.setup import device_peak
 from batchpilot.train.state import restore_training_state, training_state
 from batchpilot.train.step import accumulate_gradients, install_oom_injection, micro_batch_loss
@@ -55,49 +52,27 @@ class EagerRuntime(Runtime):
     """One process per device; `ctx` is its place in the torchrun job."""
 
     name = "eager"
+    relaunch_fix = "start it with `batchpilot launch` (or torchrun) at the planned size"
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
+        self.place = Place(
+            rank=ctx.rank,
+            is_main=ctx.is_main,
+            label=f"rank {ctx.rank}",
+            world_size=ctx.world_size,
+            world_label=str(ctx.world_size),
+            reader=(ctx.rank, ctx.world_size, ctx.local_world_size),
+            unit="processes",
+            counted="process(es)",
+            local_rank=ctx.local_rank,
+        )
         self.parallel: Parallel | None = None
-        self.precision = "fp32"
-
-    @property
-    def is_main(self) -> bool:
-        return self.ctx.is_main
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def rank_label(self) -> str:
-        return f"rank {self.ctx.rank}"
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
 
     @property
     def noise_strategy(self) -> str:
         assert self.parallel is not None, "parallelize first"
         return self.parallel.strategy
-
-    @property
-    def reader(self) -> tuple[int, int, int]:
-        return self.ctx.rank, self.ctx.world_size, self.ctx.local_world_size
-
-    def check_world(self, stages: Sequence[Stage], *, devices_per_node: int) -> None:
-        wrong = next((s for s in stages if s.world_size != self.ctx.world_size), None)
-        if wrong is not None:
-            raise BatchpilotError(
-                "--stage",
-                f"{wrong.name} is planned for {wrong.num_nodes} node(s) x {devices_per_node} = "
-                f"{wrong.world_size} processes, this job has {self.ctx.world_size}",
-                "start it with `batchpilot launch` (or torchrun) at the planned size",
-            )
-
-    def first_start_rank(self) -> int:
-        return self.ctx.local_rank
 
     def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
         device = self.ctx.device
@@ -105,10 +80,9 @@ class EagerRuntime(Runtime):
         if config.train.compile:
             compile_model(model)
         install_oom_injection(model, self.ctx)
-        self.precision = config.train.precision
-        bf16 = uses_bf16(device, self.precision)
+        bf16 = uses_bf16(device, config.train.precision)
         self.parallel = wrap_model(model, self.ctx, strategy=strategy_of(strategy), bf16=bf16)
-        self.autocast = autocast_factory(device, self.precision, self.parallel)
+        self.autocast = autocast_factory(device, config.train.precision, self.parallel)
         return self.parallel.describe()
 
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -117,34 +91,15 @@ class EagerRuntime(Runtime):
     def restore(self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         restore_training_state(checkpoint, model, optimizer)
 
-    def resumed_line(self, checkpoint: Checkpoint, *, uri: str) -> str:
-        saved = checkpoint.meta.get("parallelism", "ddp")
-        return (
-            f"resumed from step {checkpoint.step} ({checkpoint.consumed_samples:,} samples) of {uri} "
-            f"(saved by {checkpoint.meta.get('world_size', '?')} process(es) under {saved})"
-        )
-
-    def training_line(self, stage_names: str, *, consumed: int, how: str) -> str:
-        return (
-            f"training {stage_names} on {self.ctx.world_size} process(es) ({self.ctx.device.type}, "
-            f"{how}) from sample {consumed:,}"
-        )
+    def world_line(self, how: str) -> str:
+        return f"{self.ctx.world_size} process(es) ({self.ctx.device.type}, {how})"
 
     def peak_flops(self, config: Config) -> float | None:
         return device_peak(config, self.ctx.device, bf16=uses_bf16(self.ctx.device, config.train.precision))
 
-    def run_passes(
-        self,
-        model: nn.Module,
-        batches: Sequence[torch.Tensor],
-        *,
-        micro_batch_size: int,
-        split: bool,
-        measure_noise: bool,
-        measure_coherence: bool,
-    ) -> StepOutcome:
+    def run_passes(self, model: nn.Module, batches: Sequence[torch.Tensor], passes: Passes) -> StepOutcome:
         assert self.parallel is not None, "parallelize first"
-        if split:
+        if passes.split:
             # The same samples on this rank, as two passes of half the micro batch: the same gradient, and
             # the first half's, over all ranks, is the noise scale's small batch (planning/noise.py).
             batches = list(batches[0].chunk(2))
@@ -154,8 +109,8 @@ class EagerRuntime(Runtime):
             micro_batches=batches,
             ctx=self.ctx,
             autocast=self.autocast,
-            measure_noise=measure_noise,
-            measure_coherence=measure_coherence,
+            measure_noise=passes.measure_noise,
+            measure_coherence=passes.measure_coherence,
         )
 
     def read_step(
@@ -187,43 +142,27 @@ class EagerRuntime(Runtime):
     def peak_memory_bytes(self) -> int:
         return peak_memory_bytes(self.ctx.device)
 
-    def write_checkpoint(
-        self,
-        checkpointer: Checkpointer,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        step: int,
-        consumed_samples: int,
-        extra: dict[str, Any],
-        side: dict[str, bytes] | None,
-    ) -> tuple[str | None, bool]:
+    def write_checkpoint(self, checkpointer: Checkpointer, save: Save) -> tuple[str | None, bool]:
         # Blocks while this rank's state is copied to CPU memory; the files are written in the background.
         where = checkpointer.start_save_sharded(
-            step=step,
-            consumed_samples=consumed_samples,
-            state=training_state(model, optimizer),
+            step=save.step,
+            consumed_samples=save.consumed_samples,
+            state=training_state(save.model, save.optimizer),
             rng=capture_rng_state(),
-            extra=extra,
-            side_objects=side,
+            extra=save.extra,
+            side_objects=save.side,
         )
         return where, True
 
-    def validation_loss(
-        self,
-        model: nn.Module,
-        rows: torch.Tensor,
-        *,
-        micro_batch_size: int,
-        autocast: Callable[[], contextlib.AbstractContextManager],
-        num_samples: int,
-    ) -> float:
+    def validation_loss(self, model: nn.Module, rows: torch.Tensor, evaluation: Evaluation) -> float:
         """This rank's share in passes of the micro batch (the last possibly smaller: every rank runs as many
         passes, which fsdp's gathers need), weighted by tokens, then the mean over the ranks."""
         device = self.ctx.device
         loss_tokens = torch.zeros((), dtype=torch.float64, device=device)
-        for batch in torch.split(rows, micro_batch_size):
-            loss = micro_batch_loss(model, batch.to(device, dtype=torch.long, non_blocking=True), autocast())
+        for batch in torch.split(rows, evaluation.micro_batch_size):
+            loss = micro_batch_loss(
+                model, batch.to(device, dtype=torch.long, non_blocking=True), evaluation.autocast()
+            )
             loss_tokens += loss.double() * batch[:, 1:].numel()
         total, tokens = self.ctx.mean([loss_tokens.item(), float(rows[:, 1:].numel())])
         return total / tokens

@@ -28,7 +28,7 @@ from batchpilot.data.loader import TokenLoader
 from batchpilot.data.shards import MANIFEST_NAME, read_manifest
 from batchpilot.errors import BatchpilotError
 from batchpilot.storage import join_uri, open_storage
-from batchpilot.train.runtime import Runtime
+from batchpilot.train.runtime import Evaluation, Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,8 @@ class Validator:
         if eval_samples == 0:
             return
         check_validation_split(uri)
-        rank, readers, per_node = runtime.reader
-        world = runtime.world_size
+        rank, readers, per_node = runtime.place.reader
+        world = runtime.place.world_size
         loader = TokenLoader(
             uri=uri,
             seq_len=seq_len,
@@ -138,14 +138,14 @@ class Validator:
             (rows,) = loader.micro_batches(
                 consumed_samples=0,
                 global_batch_size=share * world,
-                micro_batch_size=runtime.rows_per_pass(share),
+                micro_batch_size=runtime.place.rows_per_pass(share),
                 gradient_accumulation_steps=1,
             )
         finally:
             loader.close()  # the samples stay in memory: the loader's thread and files are not needed any more
         self._rows = rows.to(torch.int32)
         self.num_samples = share * world
-        if runtime.is_main:
+        if runtime.place.is_main:
             self._log_count(world)
 
     @classmethod
@@ -195,10 +195,8 @@ class Validator:
         model.eval()
         try:
             with torch.no_grad():
-                return self.runtime.validation_loss(
-                    model, self._rows, micro_batch_size=micro_batch_size, autocast=autocast,
-                    num_samples=self.num_samples,
-                )  # fmt: skip
+                evaluation = Evaluation(micro_batch_size, autocast, self.num_samples)
+                return self.runtime.validation_loss(model, self._rows, evaluation)
         finally:
             model.train(was_training)
 

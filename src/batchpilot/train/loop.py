@@ -36,7 +36,7 @@ from batchpilot.runstate import METRICS_OBJECT, MetricsLog, restore_metrics, wri
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.noise import NoiseScaleEMA, noise_terms
-from batchpilot.train.runtime import Runtime, StepOutcome
+from batchpilot.train.runtime import Passes, Runtime, Save, StepOutcome
 from batchpilot.train.setup import data_order
 from batchpilot.train.step import UnagreedOutOfMemory
 from batchpilot.train.steps import append_audit, progress_line, stage_done_line, step_record
@@ -79,12 +79,12 @@ class TrainingLoop:
 
     @property
     def is_main(self) -> bool:
-        return self.runtime.is_main
+        return self.runtime.place.is_main
 
     @property
     def world_size(self) -> int:
         """Data-parallel ranks: processes (eager) or devices (XLA)."""
-        return self.runtime.world_size
+        return self.runtime.place.world_size
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -117,17 +117,16 @@ class TrainingLoop:
         batches = self.loader.micro_batches(
             consumed_samples=self.consumed,
             global_batch_size=stage.global_batch_size,
-            micro_batch_size=self.runtime.rows_per_pass(micro),
+            micro_batch_size=self.runtime.place.rows_per_pass(micro),
             gradient_accumulation_steps=accumulation,
         )
-        outcome = self.runtime.run_passes(
-            self.model,
-            batches,
+        passes = Passes(
             micro_batch_size=micro,
             split=self.splits_for_noise(micro, accumulation),
             measure_noise=self.config.train.measure_noise_scale,
             measure_coherence=self.config.train.measure_coherence,
         )
+        outcome = self.runtime.run_passes(self.model, batches, passes)
         if outcome.completed and self.audit_dir is not None:
             append_audit(
                 self.audit_dir, stage, consumed=self.consumed, micro=micro, world_size=self.world_size,
@@ -197,7 +196,7 @@ class TrainingLoop:
             "rank %d ran out of memory at micro_batch_size=%d in %s under %s, inside collectives where the "
             "ranks cannot agree to retry: recorded micro_batch_size=%d in %s; the stage's retry resumes from "
             "the last checkpoint with it",
-            self.runtime.rank, micro, stage.name, self.runtime.noise_strategy, micro // 2,
+            self.runtime.place.rank, micro, stage.name, self.runtime.noise_strategy, micro // 2,
             runstate.micro_batch_uri(self.checkpointer.storage),
         )  # fmt: skip
         sys.stdout.flush()
@@ -415,7 +414,7 @@ class TrainingLoop:
             or record["val_loss"] is not None
         ):
             self.last_log_s = now
-            self.log(progress_line(stage, record, world=self.runtime.world_label))
+            self.log(progress_line(stage, record, world=self.runtime.place.world_label))
         return record
 
     def save(self, why: str = "", *, wait: bool = False) -> None:
@@ -443,10 +442,8 @@ class TrainingLoop:
             **self.runtime.checkpoint_extra(),
         }
         started = time.perf_counter()
-        where, background = self.runtime.write_checkpoint(
-            self.checkpointer, model=self.model, optimizer=self.optimizer, step=self.step,
-            consumed_samples=self.consumed, extra=extra, side=side,
-        )  # fmt: skip
+        save = Save(self.model, self.optimizer, self.step, self.consumed, extra, side)
+        where, background = self.runtime.write_checkpoint(self.checkpointer, save)
         blocked_s = time.perf_counter() - started
         how = "writing in the background" if background else "committed"
         self.log(

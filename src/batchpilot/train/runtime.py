@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from batchpilot.config import Config
-from batchpilot.planning import Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer
 
 
@@ -61,67 +60,98 @@ class StepValues:
     coherence: float | None
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where this process stands in the job.
+
+    Attributes:
+        rank: this process's index (a rank under eager, a host under XLA).
+        is_main: the process that logs, writes metrics.jsonl and commits checkpoints.
+        label: this process as a log line names it (`rank 3`, `host 1`).
+        world_size: data-parallel ranks: processes (eager) or devices (XLA).
+        world_label: the world as the progress line names it.
+        reader: (rank, count, per node) of this process among the job's data readers: every eager rank
+            reads its own samples; every XLA host reads its devices' samples.
+        local_devices: devices this process drives (its rows per pass are `local_devices` micro batches).
+        local_rank: the process's index on its node (the copy of `train.init_from` it reads).
+    """
+
+    rank: int
+    is_main: bool
+    label: str
+    world_size: int
+    world_label: str
+    reader: tuple[int, int, int]
+    unit: str
+    """What a data-parallel rank is, plural: `processes`, `devices`."""
+    counted: str
+    """The same after a count that may be one: `process(es)`, `device(s)`."""
+    job: str = "this job"
+    """The job as a message names it (`this XLA job of 2 host process(es)`)."""
+    local_devices: int = 1
+    local_rank: int = 0
+
+    def rows_per_pass(self, micro_batch_size: int) -> int:
+        """Samples this process reads per accumulation pass (its devices' micro batches)."""
+        return micro_batch_size * self.local_devices
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How one step's passes run: the micro batch per device, whether the one pass runs as two halves to
+    measure the noise scale (`split`), and what is measured."""
+
+    micro_batch_size: int
+    split: bool
+    measure_noise: bool
+    measure_coherence: bool
+
+
+@dataclass(frozen=True)
+class Save:
+    """A checkpoint to write: the model and optimizer at `step` / `consumed_samples`, meta.json's extra
+    entries, and `side` objects the main process writes before `latest` moves."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int
+    consumed_samples: int
+    extra: dict[str, Any]
+    side: dict[str, bytes] | None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How the validation samples run: `micro_batch_size` per device and pass, under `autocast`, and how
+    many samples all processes hold together."""
+
+    micro_batch_size: int
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    num_samples: int
+
+
 class Runtime(ABC):
     """The device side of the training loop; see the module docstring."""
 
     name: str
+    place: Place
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     # -- who this process is -----------------------------------------------------------------------------
 
     @property
     @abstractmethod
-    def is_main(self) -> bool:
-        """The process that logs, writes metrics.jsonl and commits checkpoints."""
-
-    @property
-    @abstractmethod
-    def rank(self) -> int:
-        """This process's index in the job (a rank under eager, a host under XLA)."""
-
-    @property
-    @abstractmethod
-    def rank_label(self) -> str:
-        """This process as a log line names it: `rank 3`, `host 1`."""
-
-    @property
-    @abstractmethod
-    def world_size(self) -> int:
-        """Data-parallel ranks: processes (eager) or devices (XLA)."""
-
-    @property
-    def world_label(self) -> str:
-        """The world as the progress line names it."""
-        return str(self.world_size)
-
-    @property
-    @abstractmethod
     def noise_strategy(self) -> str:
         """The layout `planning.noise` decides by: the parallelism (eager) or `xla`."""
 
-    @property
-    @abstractmethod
-    def reader(self) -> tuple[int, int, int]:
-        """(rank, world size, processes per node) of this process among the job's data readers: every
-        eager rank reads its own samples; every XLA host reads its devices' samples."""
-
-    def rows_per_pass(self, micro_batch_size: int) -> int:
-        """Samples this process reads per accumulation pass (its devices' micro batches)."""
-        return micro_batch_size
-
     def audit_ranks(self) -> Iterable[int]:
         """The data-parallel ranks whose trained positions this process records (`--audit`)."""
-        return [self.rank]
+        return [self.place.rank]
 
     # -- set-up ------------------------------------------------------------------------------------------
 
-    @abstractmethod
-    def check_world(self, stages: Sequence[Stage], *, devices_per_node: int) -> None:
-        """Refuses stages planned for another world size than this job's."""
-
-    def first_start_rank(self) -> int:
-        """The local rank under which this process reads `train.init_from` (its node's copy)."""
-        return 0
+    relaunch_fix: str
+    """How to start a stage at its planned size (the fix of a world-size mismatch)."""
 
     @abstractmethod
     def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
@@ -137,12 +167,8 @@ class Runtime(ABC):
         """Loads a checkpoint (any runtime, any world size) into the placed model and its optimizer."""
 
     @abstractmethod
-    def resumed_line(self, checkpoint: Checkpoint, *, uri: str) -> str:
-        """The log line of a resume."""
-
-    @abstractmethod
-    def training_line(self, stage_names: str, *, consumed: int, how: str) -> str:
-        """The log line that starts training: the stages, the world, `how` the model is spread."""
+    def world_line(self, how: str) -> str:
+        """This job's world as the line that starts training names it, with `how` the model is spread."""
 
     @abstractmethod
     def peak_flops(self, config: Config) -> float | None:
@@ -151,18 +177,9 @@ class Runtime(ABC):
     # -- a step ------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def run_passes(
-        self,
-        model: nn.Module,
-        batches: Sequence[torch.Tensor],
-        *,
-        micro_batch_size: int,
-        split: bool,
-        measure_noise: bool,
-        measure_coherence: bool,
-    ) -> StepOutcome:
+    def run_passes(self, model: nn.Module, batches: Sequence[torch.Tensor], passes: Passes) -> StepOutcome:
         """Forward and backward of every accumulation pass of one step (`batches`: this process's rows of
-        each pass); with `split`, the one pass runs as two halves to measure the noise scale."""
+        each pass); with `passes.split`, the one pass runs as two halves to measure the noise scale."""
 
     @abstractmethod
     def read_step(
@@ -190,34 +207,16 @@ class Runtime(ABC):
         return {}
 
     @abstractmethod
-    def write_checkpoint(
-        self,
-        checkpointer: Checkpointer,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        step: int,
-        consumed_samples: int,
-        extra: dict[str, Any],
-        side: dict[str, bytes] | None,
-    ) -> tuple[str | None, bool]:
+    def write_checkpoint(self, checkpointer: Checkpointer, save: Save) -> tuple[str | None, bool]:
         """Writes (or starts writing) a checkpoint; returns (its URI on the main process, whether it is
         being written in the background)."""
 
     # -- validation --------------------------------------------------------------------------------------
 
     @abstractmethod
-    def validation_loss(
-        self,
-        model: nn.Module,
-        rows: torch.Tensor,
-        *,
-        micro_batch_size: int,
-        autocast: Callable[[], contextlib.AbstractContextManager],
-        num_samples: int,
-    ) -> float:
+    def validation_loss(self, model: nn.Module, rows: torch.Tensor, evaluation: Evaluation) -> float:
         """The mean token loss over every process's validation `rows` (this process's: `[rows_per_pass(share),
-        seq_len + 1]`, int32) in passes of `micro_batch_size` per device; `num_samples` over all of them."""
+        seq_len + 1]`, int32) in passes of `evaluation.micro_batch_size` per device."""
 
     @abstractmethod
     def close(self) -> None:

@@ -5,7 +5,7 @@ initial model, the optimizer, the training loader, and the FLOPs and device peak
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint
 from batchpilot.train.init_from import start_from
+from batchpilot.train.runtime import Place
 from batchpilot.train.shape import model_shape
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,18 @@ def data_order(config: Config) -> dict[str, Any]:
         "shuffle_block_samples": data.shuffle_block_samples,
         "shuffle_window_blocks": data.shuffle_window_blocks,
     }
+
+
+def check_world(stages: Sequence[Stage], *, place: Place, devices_per_node: int, fix: str) -> None:
+    """A stage or a launch runs on its planned world (`num_nodes x devices_per_node` data-parallel ranks)."""
+    wrong = next((s for s in stages if s.world_size != place.world_size), None)
+    if wrong is not None:
+        raise BatchpilotError(
+            "--stage",
+            f"{wrong.name} is planned for {wrong.num_nodes} node(s) x {devices_per_node} = {wrong.world_size} "
+            f"{place.unit}, {place.job} has {place.world_size}",
+            fix,
+        )
 
 
 def check_resume_point(*, stages: list[Stage], checkpoint: Checkpoint | None, uri: str) -> int:

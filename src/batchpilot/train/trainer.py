@@ -25,6 +25,7 @@ from batchpilot.train.runtime import Runtime
 from batchpilot.train.setup import (
     check_resume_point,
     check_same_data_order,
+    check_world,
     initial_model,
     make_optimizer,
     model_flops_per_token,
@@ -64,13 +65,15 @@ def train(
     runtime = start_runtime(config, plan)
 
     def say(message: str) -> None:
-        if runtime.is_main:
+        if runtime.place.is_main:
             logger.info(message)
 
     # `all` trains every stage on whatever world divides them (tests, one-machine runs); a stage or a range
     # of stages (one launch) runs at its planned size.
     if stage != "all":
-        runtime.check_world(stages, devices_per_node=plan.devices_per_node)
+        check_world(
+            stages, place=runtime.place, devices_per_node=plan.devices_per_node, fix=runtime.relaunch_fix
+        )
     uri = config.train.checkpoint_uri
     checkpointer = Checkpointer(uri=uri, keep_last=config.train.keep_checkpoints)
     checkpoint = checkpointer.load()
@@ -79,13 +82,13 @@ def train(
     if consumed == stages[-1].end_sample:
         say(f"{stages[-1].name} is already complete ({consumed:,} samples): nothing to do")
         return 0
-    loader = train_loader(config, reader=runtime.reader)
+    loader = train_loader(config, reader=runtime.place.reader)
     validator = Validator.from_config(
         config, runtime
     )  # a missing validation split fails here, before training
     model = initial_model(
-        config, vocab_size=loader.vocab_size, checkpoint=checkpoint, local_rank=runtime.first_start_rank(),
-        say=say, say_every_rank=lambda message: logger.info(f"[{runtime.rank_label}] {message}"),
+        config, vocab_size=loader.vocab_size, checkpoint=checkpoint, local_rank=runtime.place.local_rank,
+        say=say, say_every_rank=lambda message: logger.info(f"[{runtime.place.label}] {message}"),
     )  # fmt: skip
     how = runtime.parallelize(model, config, strategy=plan.parallelism)
     optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)  # after sharding: on the shards
@@ -93,9 +96,14 @@ def train(
     if checkpoint is not None:
         runtime.restore(checkpoint, model, optimizer)
         restore_rng_state(checkpoint.rng)
-        say(runtime.resumed_line(checkpoint, uri=uri))
+        meta = checkpoint.meta
+        say(
+            f"resumed from step {checkpoint.step} ({consumed:,} samples) of {uri} (saved by "
+            f"{meta.get('world_size', '?')} {runtime.place.counted} under {meta.get('parallelism', 'ddp')}, runtime "
+            f"{meta.get('runtime', 'eager')})"
+        )
     metrics, audit_dir = prepare_outputs(
-        output_dir, is_main=runtime.is_main, checkpointer=checkpointer, consumed=consumed, audit=audit
+        output_dir, is_main=runtime.place.is_main, checkpointer=checkpointer, consumed=consumed, audit=audit
     )
     loop = TrainingLoop(
         runtime=runtime,
@@ -119,7 +127,7 @@ def train(
         adaptive=adaptive,
     )
     loop.resume_from(checkpoint)
-    say(runtime.training_line(", ".join(s.name for s in stages), consumed=consumed, how=how))
+    say(f"training {', '.join(s.name for s in stages)} on {runtime.world_line(how)} from sample {consumed:,}")
     code = run_loop(loop, closing=[loader.close])
     runtime.close()  # training ended on every process: its process groups go before the interpreter finalises
     return code

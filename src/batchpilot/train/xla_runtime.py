@@ -21,10 +21,9 @@ torch.compile, and the halving of the micro batch after an out-of-memory error.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -32,9 +31,8 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning import Stage
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
-from batchpilot.train.runtime import Runtime, StepOutcome, StepValues
+from batchpilot.train.runtime import Evaluation, Passes, Place, Runtime, Save, StepOutcome, StepValues
 from batchpilot.train.setup import device_peak
 from batchpilot.train.step import INJECT_OOM_ENV, micro_batch_loss
 from batchpilot.train.xla import (
@@ -82,9 +80,24 @@ class XlaRuntime(Runtime):
     """One process per host; `host` is its place in the slice, `layout` the mesh of the plan's parallelism."""
 
     name = XLA_RUNTIME
+    relaunch_fix = (
+        "start it at the planned size (locally: CPU_NUM_DEVICES set to the stage's devices, PJRT_DEVICE=CPU)"
+    )
 
     def __init__(self, host: XlaHost, layout: Layout) -> None:
         self.host, self.layout = host, layout
+        self.place = Place(
+            rank=host.host,
+            is_main=host.is_main,
+            label=f"host {host.host}",
+            world_size=host.num_devices,
+            world_label=f"{host.num_devices} devices",
+            reader=(host.host, host.num_hosts, 1),
+            unit="devices",
+            counted="device(s)",
+            job=f"this XLA job ({host.num_hosts} host process(es))",
+            local_devices=host.num_local_devices,
+        )
         self.compiles_seen = 0
 
     @classmethod
@@ -98,51 +111,12 @@ class XlaRuntime(Runtime):
         return cls(host, layout)
 
     @property
-    def is_main(self) -> bool:
-        return self.host.is_main
-
-    @property
-    def rank(self) -> int:
-        return self.host.host
-
-    @property
-    def rank_label(self) -> str:
-        return f"host {self.host.host}"
-
-    @property
-    def world_size(self) -> int:
-        return self.host.num_devices
-
-    @property
-    def world_label(self) -> str:
-        return f"{self.world_size} devices"
-
-    @property
     def noise_strategy(self) -> str:
         return XLA_RUNTIME
 
-    @property
-    def reader(self) -> tuple[int, int, int]:
-        return self.host.host, self.host.num_hosts, 1
-
-    def rows_per_pass(self, micro_batch_size: int) -> int:
-        return micro_batch_size * self.host.num_local_devices
-
     def audit_ranks(self) -> Iterable[int]:
         """The positions every device (logical rank) trained, recorded by host 0."""
-        return range(self.world_size) if self.host.is_main else []
-
-    def check_world(self, stages: Sequence[Stage], *, devices_per_node: int) -> None:
-        """A stage or a launch runs on its planned devices (`num_nodes x devices_per_node`), as under eager."""
-        wrong = next((s for s in stages if s.world_size != self.host.num_devices), None)
-        if wrong is not None:
-            raise BatchpilotError(
-                "--stage",
-                f"{wrong.name} is planned for {wrong.num_nodes} node(s) x {devices_per_node} = {wrong.world_size} "
-                f"devices, this XLA job has {self.host.num_devices} ({self.host.num_hosts} host process(es))",
-                "start it at the planned size (locally: CPU_NUM_DEVICES set to the stage's devices, "
-                "PJRT_DEVICE=CPU)",
-            )
+        return range(self.host.num_devices) if self.host.is_main else []
 
     def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
         move_to_xla(model)
@@ -165,38 +139,20 @@ class XlaRuntime(Runtime):
     def restore(self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         restore_xla_state(checkpoint, model=model, optimizer=optimizer, layout=self.layout)
 
-    def resumed_line(self, checkpoint: Checkpoint, *, uri: str) -> str:
-        meta = checkpoint.meta
-        return (
-            f"resumed from step {checkpoint.step} ({checkpoint.consumed_samples:,} samples) of {uri} (saved by "
-            f"{meta.get('world_size', '?')} device(s) under {meta.get('parallelism', 'ddp')}, runtime "
-            f"{meta.get('runtime', 'eager')})"
-        )
-
-    def training_line(self, stage_names: str, *, consumed: int, how: str) -> str:
-        return (
-            f"training {stage_names} on {self.host.num_devices} XLA device(s) of {self.host.num_hosts} host(s) "
-            f"(runtime xla, SPMD; {how}) from sample {consumed:,}"
-        )
+    def world_line(self, how: str) -> str:
+        host = self.host
+        return f"{host.num_devices} XLA device(s) of {host.num_hosts} host(s) (runtime xla, SPMD; {how})"
 
     def peak_flops(self, config: Config) -> float | None:
         return device_peak(config, torch.device("xla"), bf16=uses_bf16_on_xla(config.train.precision))
 
-    def run_passes(
-        self,
-        model: nn.Module,
-        batches: Sequence[torch.Tensor],
-        *,
-        micro_batch_size: int,
-        split: bool,
-        measure_noise: bool,
-        measure_coherence: bool,
-    ) -> StepOutcome:
+    def run_passes(self, model: nn.Module, batches: Sequence[torch.Tensor], passes: Passes) -> StepOutcome:
         """Forward and backward of every pass (gradients accumulate in the parameters' layout)."""
         import torch_xla
 
-        micro, accumulation, pass_rows = micro_batch_size, len(batches), micro_batch_size
-        if split:
+        micro = pass_rows = passes.micro_batch_size
+        accumulation = len(batches)
+        if passes.split:
             # Each device's rows as two halves (device d keeps its samples): two passes of micro / 2 rows per
             # device, the same gradient; the first half over all devices is the noise scale's small batch.
             (rows,) = batches
@@ -216,11 +172,11 @@ class XlaRuntime(Runtime):
             loss = micro_batch_loss(model, batch, self.autocast())
             (loss / accumulation).backward()
             total = loss.detach() if total is None else total + loss.detach()
-            if index == 0 and measure and measure_noise:
+            if index == 0 and measure and passes.measure_noise:
                 # The first pass's mean gradient over all devices: batch micro x devices (as under fsdp).
                 outcome.small_sq_norm = _sq_norm(_gradients(model)) * accumulation**2
-                outcome.small_batch = pass_rows * self.world_size
-            if index == 0 and measure and measure_coherence:
+                outcome.small_batch = pass_rows * self.host.num_devices
+            if index == 0 and measure and passes.measure_coherence:
                 first = [g.clone() for g in _gradients(model)]
             if index == 1 and first is not None:
                 second = [g - f for g, f in zip(_gradients(model), first, strict=True)]
@@ -270,43 +226,25 @@ class XlaRuntime(Runtime):
     def checkpoint_extra(self) -> dict[str, Any]:
         return {"runtime": XLA_RUNTIME, "num_hosts": self.host.num_hosts}
 
-    def write_checkpoint(
-        self,
-        checkpointer: Checkpointer,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        step: int,
-        consumed_samples: int,
-        extra: dict[str, Any],
-        side: dict[str, bytes] | None,
-    ) -> tuple[str | None, bool]:
+    def write_checkpoint(self, checkpointer: Checkpointer, save: Save) -> tuple[str | None, bool]:
         # Synchronous: each host writes its devices' shards through torch_xla's SPMD planner, which reads
         # them from the devices; there is no staged CPU copy to write in the background.
         where = save_xla_checkpoint(
             checkpointer,
-            model=model,
-            optimizer=optimizer,
-            step=step,
-            consumed_samples=consumed_samples,
+            model=save.model,
+            optimizer=save.optimizer,
+            step=save.step,
+            consumed_samples=save.consumed_samples,
             rng=capture_rng_state(),
-            extra=extra,
-            side_objects=side,
+            extra=save.extra,
+            side_objects=save.side,
         )
         return where, False
 
     def close(self) -> None:
         """Nothing to leave: the hosts' CPU group (DCP's) lives as long as the process."""
 
-    def validation_loss(
-        self,
-        model: nn.Module,
-        rows: torch.Tensor,
-        *,
-        micro_batch_size: int,
-        autocast: Callable[[], contextlib.AbstractContextManager],
-        num_samples: int,
-    ) -> float:
+    def validation_loss(self, model: nn.Module, rows: torch.Tensor, evaluation: Evaluation) -> float:
         """This host's devices' rows (device d's samples are rank d's), `micro_batch_size` of each device's
         per pass, split along the batch over the mesh; the mean is one transfer to the host."""
         import torch_xla
@@ -315,11 +253,11 @@ class XlaRuntime(Runtime):
         mine = rows.reshape(local, rows.shape[0] // local, -1)
         share, seq = mine.shape[1], mine.shape[2] - 1
         total = torch.zeros((), device=torch_xla.device())
-        for start in range(0, share, micro_batch_size):
-            part = mine[:, start : start + micro_batch_size]
+        for start in range(0, share, evaluation.micro_batch_size):
+            part = mine[:, start : start + evaluation.micro_batch_size]
             batch = send_rows(part.reshape(-1, part.shape[-1]).long(), self.layout)
             # Each pass's loss is the mean over all devices' rows of this pass: weighted by its tokens.
-            loss = micro_batch_loss(model, batch, autocast())
+            loss = micro_batch_loss(model, batch, evaluation.autocast())
             total = total + loss.float() * (part.shape[1] * self.host.num_devices * seq)
             torch_xla.sync()
-        return float(total.cpu()) / (num_samples * seq)
+        return float(total.cpu()) / (evaluation.num_samples * seq)
