@@ -17,7 +17,8 @@ import pytest
 import batchpilot.data.corpora as corpora
 from batchpilot.cli import main
 from batchpilot.data.corpora import collect_sources
-from batchpilot.data.prepare import is_validation, prepare, validation_mask
+from batchpilot.data.prepare import prepare
+from batchpilot.data.shard_writer import is_validation, validation_mask
 from batchpilot.data.shards import ShardSet
 from batchpilot.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 from batchpilot.errors import BatchpilotError

@@ -14,8 +14,8 @@ from tests.megatron_files import corpus, megatron_bytes, write_megatron
 
 from batchpilot.cli import main
 from batchpilot.data.megatron import document_pieces, open_source, read_index
-from batchpilot.data.prepare import is_validation
 from batchpilot.data.sampling import num_samples, sample_at
+from batchpilot.data.shard_writer import is_validation
 from batchpilot.data.shards import read_manifest
 from batchpilot.runstate import read_metrics
 from batchpilot.storage import open_storage

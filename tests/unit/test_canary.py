@@ -13,7 +13,7 @@ from batchpilot.cluster.machines import expected_bus_bandwidth_bytes_per_s
 from batchpilot.config import parse_config
 from batchpilot.exitcodes import CANARY_FAILED_MARKER
 from batchpilot.kfp.compile import compile_file
-from batchpilot.report import canary_section
+from batchpilot.report.sections import canary_section
 from batchpilot.train.canary import (
     RankResult,
     bandwidth_warning,

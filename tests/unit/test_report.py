@@ -16,7 +16,7 @@ from batchpilot.explore.report import explore_html
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.capacity import LaunchCapacity, apply_capacity
 from batchpilot.report import loss_figure, write_report
-from batchpilot.report_figures import trials_figure
+from batchpilot.report.figures import trials_figure
 from report_samples import sample_document, sample_explore, sample_records, sample_trials_document
 
 

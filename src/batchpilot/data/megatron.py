@@ -32,10 +32,8 @@ from batchpilot.data.prepare import (
     _claim_destination,
     _missing_folders,
     _remove_partial,
-    _SplitWriter,
-    is_validation,
-    write_noted,
 )
+from batchpilot.data.shard_writer import SplitWriter, is_validation, write_noted
 from batchpilot.data.shards import MANIFEST_NAME, SPLITS, Manifest, token_dtype
 from batchpilot.data.tokenizers import TOKENIZER_OBJECT
 from batchpilot.errors import BatchpilotError
@@ -362,7 +360,7 @@ def _write_shard_set(
     dtype = token_dtype(vocabulary.vocab_size)
     precondition = None if force else 0
     writers = {
-        split: _SplitWriter(
+        split: SplitWriter(
             storage, split, dtype, shard_size_tokens, precondition, pending=[], written=written
         )
         for split in SPLITS

@@ -194,7 +194,7 @@ class ProbeResult(_Configuration):
         return cls(**{key: value for key, value in data.items() if key in known})
 
     def public(self) -> dict[str, Any]:
-        """The explore.json form (the DESIGN.md contract keys first)."""
+        """The explore.json form (the contract keys of docs/architecture.md first)."""
         record = asdict(self)
         record.pop("user_error")
         return record

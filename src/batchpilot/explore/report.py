@@ -49,7 +49,7 @@ def frontier(state: SearchState) -> list[dict[str, Any]]:
 def explore_document(
     *, result: ExploreResult, state: SearchState, config: Config, study_error: str | None
 ) -> dict[str, Any]:
-    """The explore.json contract (DESIGN.md): probes, recommendation, noise_scale."""
+    """The explore.json contract (docs/architecture.md): probes, recommendation, noise_scale."""
     return {
         "format_version": EXPLORE_FORMAT_VERSION,
         "name": config.name,

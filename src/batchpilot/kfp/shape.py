@@ -102,7 +102,7 @@ def branch_metrics(document: RunDocument, result: BranchResult) -> dict[str, flo
 
 def trials_metrics(document: RunDocument) -> dict[str, float]:
     """The trials' decision for the KFP UI, as the report gives it (`report.trials_summary`)."""
-    from batchpilot.report import trials_summary  # the report's figures, one source
+    from batchpilot.report.sections import trials_summary  # the report's figures, one source
 
     recorded_outcome(document)
     return trials_summary(document)

@@ -28,7 +28,7 @@ A ramp with more stages is refused with a coarser ramp of the same shape that st
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the plan (the `plan.json` contract in DESIGN.md, plus derived fields)."""
+    """One stage of the plan (the `plan.json` contract in docs/architecture.md, plus derived fields)."""
 
     index: int
     name: str

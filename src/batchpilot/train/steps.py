@@ -1,5 +1,5 @@
-"""What the eager and the XLA training loops share: a step's metrics record, its progress line, the stage
-summary, and the audit of the sample positions each data-parallel rank trained."""
+"""The loop's records: a step's metrics record, its progress line, the stage summary, and the audit of the
+sample positions each data-parallel rank trained."""
 
 from __future__ import annotations
 
