@@ -77,6 +77,10 @@ def gke_a3_config(**cluster: object) -> dict:
         devices_per_node=8, **cluster,
     )  # fmt: skip
     config["batch"]["micro_batch_size"] = 2
+    if cluster.get("provisioning") == "flex-start":
+        config["explore"] = {
+            "study": False
+        }  # flex-start refuses an explore task (its pool has no node for it)
     return config
 
 

@@ -278,3 +278,36 @@ def test_twin_an_init_from_checkpoint_of_the_configs_shape_passes(tmp_path, comm
     argv = plan_args(config, tmp_path) if command == "plan" else ["config", "check", str(config)]
     outcome = run_cli(*argv)
     assert outcome.code == 0, outcome.stderr
+
+
+# --- flex-start and an explore task -------------------------------------------------------------------
+
+
+def flex_config(folder: Path, **explore: object) -> Path:
+    config = gke_a3_config(provisioning="flex-start")
+    config["explore"] = dict(explore)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("command", ["plan", "config check", "compile"])
+def test_flex_start_with_an_explore_task_is_refused_before_anything_is_asked_for(tmp_path, command):
+    config = flex_config(tmp_path, study=True)  # the study needs the explore task, which has no node there
+    argv = {
+        "plan": plan_args(config, tmp_path),
+        "config check": ["config", "check", str(config)],
+        "compile": ["compile", "--config", str(config), "--out", str(tmp_path / "pipeline.yaml")],
+    }[command]
+    with no_debris(tmp_path):
+        outcome = run_cli(*argv)
+    outcome.assert_refused(
+        "cluster.provisioning: is flex-start, whose pool's nodes come only through a ProvisioningRequest",
+        "explore.study on, which the pipeline's explore task measures on a node of that pool",
+        "set an integer batch.micro_batch_size and explore.study: false",
+    )
+
+
+def test_twin_flex_start_with_a_fixed_micro_batch_and_no_study_plans(tmp_path):
+    outcome = run_cli(*plan_args(flex_config(tmp_path, study=False), tmp_path))
+    assert outcome.code == 0, outcome.stderr

@@ -3,8 +3,11 @@
 Rules (kubernetes/autoscaler cluster-autoscaler/FAQ.md "How does scale-up work?" / "How does
 scale-down work?"; GKE docs "About GKE cluster autoscaling" and the NodePoolAutoscaling reference):
 - scale-up: pods the scheduler marked unschedulable (PodScheduled False, Unschedulable) that would
-  fit an empty node built from the pool's template add nodes, one node per such pod here (trainer
-  pods fill a node), up to the maximum; nodes still starting count as capacity already coming;
+  fit a node built from the pool's template add nodes, one node per such pod here (trainer
+  pods fill a node), up to the maximum; nodes still starting count as capacity already coming. The
+  template is what a node of the machine type offers as the autoscaler predicts it (`gke_nodes.template_node`:
+  cloudprovider/gce/reserved.go and templates.go), with the DaemonSets it would run already on it
+  (`gke_nodes.template_pods`); a pod that does not fit it triggers no scale-up at all;
 - scale-down: a node without pods for `scale_down_unneeded_s` (the autoscaler's
   --scale-down-unneeded-time, 10 minutes by default) is removed, down to the minimum;
 - bounds: `totalMinNodeCount` / `totalMaxNodeCount` count the whole pool, `minNodeCount` /
@@ -38,13 +41,11 @@ def autoscale(sim: ClusterSim, *, scale_down_unneeded_s: float) -> None:
             continue  # a queued-provisioning pool grows only for ProvisioningRequests (provisioning_controller.py)
         low, high = bounds(pool.autoscaling, len(pool.zones))
         members = [n for n, where in sim.nodes.items() if where["pool"] == name]
-        template = gke_nodes.gke_node(
-            name="template", pool=name, zone=pool.zones[0], machine_type=pool.machine_type,
-            ready=True, gpus_published=True,
-        )  # fmt: skip
+        template = gke_nodes.template_node(pool=name, zone=pool.zones[0], machine_type=pool.machine_type)
+        system = template_requests(pool.machine_type)
         waiting = [
             p for p in sim.pods.values()
-            if _unschedulable(p) and not k8s_rules.unfit_reasons(p, template, {})
+            if _unschedulable(p) and not k8s_rules.unfit_reasons(p, template, system)
         ]  # fmt: skip
         starting = [n for n in members if now - sim.node_born[n] < sim.ready_delay_s + sim.gpu_delay_s]
         wanted = min(high, len(members) + max(len(waiting) - len(starting), 0))
@@ -61,6 +62,15 @@ def autoscale(sim: ClusterSim, *, scale_down_unneeded_s: float) -> None:
             elif len(members) > low and idle_since is not None and now - idle_since >= scale_down_unneeded_s:
                 sim._remove_node(node)
                 members.remove(node)
+
+
+def template_requests(machine_type: str) -> dict[str, Any]:
+    """What the system pods the autoscaler puts on a template node of `machine_type` request, summed."""
+    used: dict[str, Any] = {}
+    for pod in gke_nodes.template_pods(machine_type):
+        for resource, amount in k8s_rules.pod_requests(pod["spec"]).items():
+            used[resource] = used.get(resource, 0) + amount
+    return used
 
 
 def _unschedulable(pod: dict[str, Any]) -> bool:

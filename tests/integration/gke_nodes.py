@@ -137,27 +137,59 @@ KERNEL_RESERVED_FRACTION = 0.015
 """Share of the nominal memory a node's kernel does not report as capacity (an assumption, see above)."""
 
 # (name, CPU millicores, memory MiB) requested by each system DaemonSet pod on every node, and on GPU nodes.
-SYSTEM_DAEMONSETS = (("fluentbit-gke", 100, 200), ("gke-metrics-agent", 8, 60), ("kube-proxy", 100, 0),
-                     ("pdcsi-node", 10, 20), ("netd", 2, 30))  # fmt: skip
+SYSTEM_DAEMONSETS = (("fluentbit-gke", 100, 200), ("gke-metrics-agent", 8, 60), ("pdcsi-node", 10, 20),
+                     ("netd", 2, 30))  # fmt: skip
 GPU_DAEMONSETS = (("nvidia-gpu-device-plugin", 50, 20),)
+# GKE's installers on GPU nodes request resources only in an init container (the driver and GPUDirect
+# installers run once, then a pause container stays): the scheduler counts the larger of the init container
+# and the app containers (`k8s_rules.pod_requests`), so a sum over app containers misses them.
+GPU_INIT_DAEMONSETS = (("nvidia-driver-installer", 150, 300),)
+# kube-proxy runs as a static pod on GKE nodes (the kubelet starts it from its manifest folder; the API shows
+# a mirror pod owned by the Node, annotated kubernetes.io/config.mirror): no DaemonSet owns it, and the
+# scheduler counts its requests like any pod's bound to the node.
+STATIC_PODS = (("kube-proxy", 100, 0),)
+
+
+def _system_pod(
+    node: str, name: str, cpu_m: int, memory_mib: int, *, owner: dict[str, Any], init_only: bool = False,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    requests = {"cpu": f"{cpu_m}m", **({"memory": f"{memory_mib}Mi"} if memory_mib else {})}
+    suffix = hashlib.sha256(f"{name}/{node}".encode()).hexdigest()[:5]
+    container = {"name": name, "image": f"gke.gcr.io/{name}", "resources": {"requests": requests}}
+    containers = [{"name": "pause", "image": "gke.gcr.io/pause"}] if init_only else [container]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{name}-{suffix}", "namespace": "kube-system", "uid": f"sys-{name}-{node}",
+                     "labels": {"k8s-app": name}, "ownerReferences": [owner],
+                     **({"annotations": annotations} if annotations else {})},
+        "spec": {"nodeName": node, "containers": containers, **({"initContainers": [container]} if init_only else {})},
+        "status": {"phase": "Running"},
+    }  # fmt: skip
 
 
 def daemonset_pods(node: str, *, gpus: bool) -> list[dict[str, Any]]:
-    """The system DaemonSets' pods bound to `node` (namespace kube-system, owned by their DaemonSet)."""
-    pods = []
-    for name, cpu_m, memory_mib in SYSTEM_DAEMONSETS + (GPU_DAEMONSETS if gpus else ()):
-        requests = {"cpu": f"{cpu_m}m", **({"memory": f"{memory_mib}Mi"} if memory_mib else {})}
-        suffix = hashlib.sha256(f"{name}/{node}".encode()).hexdigest()[:5]
-        pods.append({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"{name}-{suffix}", "namespace": "kube-system", "uid": f"ds-{name}-{node}",
-                         "labels": {"k8s-app": name},
-                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": name,
-                                              "uid": f"ds-{name}", "controller": True}]},
-            "spec": {"nodeName": node, "containers": [{"name": name, "image": f"gke.gcr.io/{name}",
-                                                       "resources": {"requests": requests}}]},
-            "status": {"phase": "Running"},
-        })  # fmt: skip
+    """The system pods bound to `node` (namespace kube-system): GKE's DaemonSets' (owned by their DaemonSet),
+    on GPU nodes one that requests only in its init container, and the static kube-proxy's mirror pod."""
+
+    def owned(name: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "name": name,
+            "uid": f"ds-{name}",
+            "controller": True,
+        }
+
+    pods = [_system_pod(node, name, cpu_m, memory_mib, owner=owned(name))
+            for name, cpu_m, memory_mib in SYSTEM_DAEMONSETS + (GPU_DAEMONSETS if gpus else ())]  # fmt: skip
+    pods += [_system_pod(node, name, cpu_m, memory_mib, owner=owned(name), init_only=True)
+             for name, cpu_m, memory_mib in (GPU_INIT_DAEMONSETS if gpus else ())]  # fmt: skip
+    node_owner = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": f"node-{node}", "controller": True}
+    pods += [_system_pod(node, name, cpu_m, memory_mib, owner=node_owner,
+                         annotations={"kubernetes.io/config.mirror": f"mirror-{name}",
+                                      "kubernetes.io/config.source": "file"})
+             for name, cpu_m, memory_mib in STATIC_PODS]  # fmt: skip
     return pods
 
 
@@ -181,6 +213,48 @@ def reserved_cpu_millis(cpus: int) -> int:
         reserved += part * share
         left -= part
     return round(reserved * 1000)
+
+
+# The cluster autoscaler's template of a node that does not exist yet (kubernetes/autoscaler
+# cluster-autoscaler/cloudprovider/gce/reserved.go, GceReserved.CalculateKernelReserved for Linux on COS, amd64;
+# templates.go, BuildCapacity and CalculateAllocatable): capacity is the machine's memory less what the kernel
+# keeps, and allocatable takes kube-reserved (GKE sets it from the machine's memory; the bands of
+# `reserved_memory_bytes`) and the 100 MiB eviction threshold off that capacity.
+MIB = 2**20
+
+
+def autoscaler_kernel_reserved(physical: int) -> int:
+    """reserved.go: physical/64 + 16 MiB, + 64 MiB above 3 GiB (software IO TLB), + 8 MiB up to 8 GiB, + on COS
+    min(0.00175 x physical, 248 MiB)."""
+    reserved = physical // 64 + 16 * MIB
+    if physical > 3 * GIB:
+        reserved += 64 * MIB
+    if physical <= 8 * GIB:
+        reserved += 8 * MIB
+    return reserved + int(min(0.00175 * physical, 248 * MIB))
+
+
+def template_node(*, pool: str, zone: str, machine_type: str) -> dict[str, Any]:
+    """The Node the autoscaler simulates a scale-up on: a pool member with the template's capacity and
+    allocatable (ready, its GPUs published); `template_pods` are the DaemonSets it puts on it."""
+    node = gke_node(
+        name="template", pool=pool, zone=zone, machine_type=machine_type, ready=True, gpus_published=True
+    )
+    physical = int(MACHINES[machine_type].memory_gib * GIB)
+    capacity = physical - autoscaler_kernel_reserved(physical)
+    node["status"]["capacity"]["memory"] = f"{capacity // 1024}Ki"
+    allocatable = capacity - reserved_memory_bytes(
+        physical
+    )  # kube-reserved of the machine, eviction included
+    node["status"]["allocatable"]["memory"] = f"{allocatable // 1024}Ki"
+    return node
+
+
+def template_pods(machine_type: str) -> list[dict[str, Any]]:
+    """The DaemonSet pods the autoscaler adds to a template node (cluster-autoscaler FAQ, "How can I scale a
+    node group to 0?": the template's node info includes the DaemonSets that would run there); the static
+    kube-proxy too, which every GKE node runs."""
+    return daemonset_pods("template", gpus=bool(MACHINES[machine_type].gpus))
 
 
 def node_name(cluster: str, pool: str, zone: str, index: int) -> str:

@@ -199,14 +199,43 @@ def tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
     return operator == "Equal" and (toleration.get("value") or "") == (taint.get("value") or "")
 
 
+def _container_requests(container: dict[str, Any]) -> dict[str, Fraction]:
+    """One container's requests (a limit alone implies the request: ValidateResourceRequirements' defaulting)."""
+    resources = container.get("resources") or {}
+    asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    return {name: quantity(value) for name, value in asked.items()}
+
+
+def _add(total: dict[str, Fraction], more: dict[str, Fraction]) -> None:
+    for name, value in more.items():
+        total[name] = total.get(name, Fraction(0)) + value
+
+
 def pod_requests(spec: dict[str, Any]) -> dict[str, Fraction]:
-    """The pod's effective requests: the sum over containers (a limit alone implies the request)."""
+    """The pod's effective requests as the scheduler counts them (k8s.io/component-helpers resource/helpers.go,
+    PodRequests and AggregateContainerRequests; the sidecar KEP 753's "Resources calculation for scheduling"):
+    the app containers summed, with every restartable init container (a sidecar, `restartPolicy: Always`)
+    added; each other init container runs alone with the sidecars started before it, and the pod needs the
+    largest of those per resource if it is more; then the pod's `overhead` is added."""
     total: dict[str, Fraction] = {}
     for container in spec.get("containers") or []:
-        resources = container.get("resources") or {}
-        asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-        for name, value in asked.items():
-            total[name] = total.get(name, Fraction(0)) + quantity(value)
+        _add(total, _container_requests(container))
+    sidecars: dict[str, Fraction] = {}
+    init_peak: dict[str, Fraction] = {}
+    for container in spec.get("initContainers") or []:
+        own = _container_requests(container)
+        if container.get("restartPolicy") == "Always":
+            _add(total, own)
+            _add(sidecars, own)
+            running = dict(sidecars)
+        else:
+            running = dict(own)
+            _add(running, sidecars)
+        for name, value in running.items():
+            init_peak[name] = max(init_peak.get(name, Fraction(0)), value)
+    for name, value in init_peak.items():
+        total[name] = max(total.get(name, Fraction(0)), value)
+    _add(total, {name: quantity(value) for name, value in (spec.get("overhead") or {}).items()})
     return total
 
 

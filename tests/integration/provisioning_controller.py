@@ -12,6 +12,8 @@ Rules, and where each comes from:
   the reasons `NotProvisioned` (Provisioned=False while waiting) and `OutOfResources` (a Failed request)
   are the cluster autoscaler's, as its status shows them (kubernetes-sigs/kueue, "Troubleshooting
   Provisioning Requests"); the messages here are the simulator's own;
+- a request whose pods do not fit a new node of its pool (the autoscaler's template node with the DaemonSets it
+  would run, `gke_nodes.template_node`) never provisions: it stays Provisioned=False with the reason why;
 - all or nothing (GKE "Run a large-scale workload with flex-start with queued provisioning"): GKE adds
   every node of a request at once, in one zone of the pool (location policy ANY), only to a pool with
   queued provisioning, and only within the pool's autoscaling maximum; until then the request waits.
@@ -24,8 +26,11 @@ Rules, and where each comes from:
   request` and `autoscaling.x-k8s.io/provisioning-class-name` runs on its request's capacity: here it is
   bound only to the nodes that request brought; a pod naming a request that does not exist stays
   unschedulable;
-- the taint `cloud.google.com/gke-queued=true:NoSchedule` on the pool's nodes (GKE's queued-provisioning
-  node pools carry it; pods that run there tolerate it);
+- the taint `cloud.google.com/gke-queued=true:NoSchedule` and the label `cloud.google.com/gke-flex-start:
+  "true"` on the pool's nodes (GKE's queued-provisioning node pools carry them; pods that run there tolerate
+  the taint, and GKE's Standard example selects the label);
+- a PodTemplate without the label `cloud.google.com/apply-warden-policies: "true"` (GKE's guide: "necessary
+  for GKE to calculate node resource requirements") brings no node: its request stays NotProvisioned;
 - deleting a request cancels it (proposal, "Canceling the requests"): its nodes are no longer kept and
   go by the normal scale-down, once empty for the autoscaler's unneeded time (`scale_down_unneeded_s`).
 Not modelled: BookingExpired (GKE releases provisioned nodes no pod took within the booking window;
@@ -53,6 +58,8 @@ CLASS = "queued-provisioning.gke.io"
 CONSUME = "autoscaling.x-k8s.io/consume-provisioning-request"
 CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 QUEUED_TAINT = {"key": "cloud.google.com/gke-queued", "value": "true", "effect": "NoSchedule"}
+WARDEN = "cloud.google.com/apply-warden-policies"
+FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
 POOL_LABEL = "cloud.google.com/gke-nodepool"
 _NS = r"/namespaces/(?P<ns>[^/]+)"
 TEMPLATES = re.compile(rf"^/api/v1{_NS}/podtemplates(?:/(?P<name>[^/]+))?$")
@@ -180,6 +187,16 @@ class ProvisioningController:
         pool = ((template or {}).get("template", {}).get("spec", {}).get("nodeSelector") or {}).get(
             POOL_LABEL
         )
+        unlabelled = template is not None and (template["metadata"].get("labels") or {}).get(WARDEN) != "true"
+        unfit = (
+            f'PodTemplate {pod_set["podTemplateRef"]["name"]} lacks the label {WARDEN}: "true", which GKE needs '
+            "to calculate the node resources its pods require"
+            if unlabelled
+            else self.unfit_template(sim, pool, template)
+        )
+        if unfit:
+            self._set(status, _condition("Provisioned", "False", "NotProvisioned", unfit))
+            return
         zone = self._zone_for(sim, pool, pod_set["count"])
         if zone is None or pool is None:
             why = (
@@ -196,6 +213,32 @@ class ProvisioningController:
         sim.pool_history.append((pool, sim.pool_size(pool)))
         self._set(status, _condition("Provisioned", "True", "Provisioned",
                                      f"{pod_set['count']} node(s) of pool {pool} in {zone}"))  # fmt: skip
+
+    def unfit_template(
+        self, sim: ClusterSim, pool: str | None, template: dict[str, Any] | None
+    ) -> str | None:
+        """Why the request's pods cannot fit a new node of `pool` (None: they can, or nothing to judge yet).
+
+        The autoscaler serves a request by simulating its pods on the pool's template node with the DaemonSets
+        it would run (`gke_autoscaler`): a pod larger than that never brings a node (cluster-autoscaler
+        `proposals/provisioning-request.md`: the request is provisioned only when its pods' scale-up succeeds)."""
+        import gke_autoscaler
+        import gke_nodes
+        import k8s_rules
+
+        if template is None or pool not in sim.pools:
+            return None
+        machine_type = sim.pools[pool].machine_type
+        node = gke_nodes.template_node(pool=pool, zone=sim.pools[pool].zones[0], machine_type=machine_type)
+        self.taint([node])  # the template of a queued pool's node has what its nodes have
+        pod = {"spec": template["template"]["spec"]}
+        why = k8s_rules.unfit_reasons(pod, node, gke_autoscaler.template_requests(machine_type))
+        if not why:
+            return None
+        return (
+            f"pod didn't trigger scale-up: {', '.join(why)} on a new node of pool {pool} ({machine_type}: what the "
+            "autoscaler's node template offers, less its DaemonSets)"
+        )
 
     @staticmethod
     def _set(status: dict[str, Any], condition: dict[str, Any]) -> None:
@@ -250,7 +293,8 @@ class ProvisioningController:
         return []
 
     def taint(self, nodes: list[dict[str, Any]]) -> None:
-        """The queued-provisioning taint on the nodes of such pools (in place)."""
+        """The queued-provisioning taint and the flex-start label on the nodes of such pools (in place)."""
         for node in nodes:
             if node["metadata"]["labels"].get(POOL_LABEL) in self.queued_pools:
                 node["spec"].setdefault("taints", []).append(dict(QUEUED_TAINT))
+                node["metadata"]["labels"][FLEX_START_LABEL] = "true"

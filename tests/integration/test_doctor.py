@@ -110,7 +110,7 @@ def status_of(lines: list[str]) -> dict[str, str]:
 
 def test_a_cluster_that_is_right_passes_every_check(gke, tmp_path, capsys):
     with kfp_server_running() as kfp:
-        kfp.state.tag_name = "2.5.0"
+        kfp.state.tag_name = "2.14.0"
         code, lines = doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"),
                              "--host", kfp.endpoint)  # fmt: skip
     assert code == 0, lines
@@ -128,7 +128,7 @@ def test_a_cluster_that_is_right_passes_every_check(gke, tmp_path, capsys):
     ) in text
     assert "gpu driver: passed: GKE installs the driver on h100's nodes (gpu_driver_version DEFAULT)" in text
     assert "gpu nodes: passed: 1 node(s) of h100, each with 8 nvidia.com/gpu" in text
-    assert f"kfp: passed: {kfp.endpoint} answers; backend 2.5.0 (2.5.0 or later)" in text
+    assert f"kfp: passed: {kfp.endpoint} answers; backend 2.14.0 (2.14.0 or later)" in text
     # One review per permission a run uses, as the real client sends them.
     reviews = [
         body for method, path, _, body in gke.kube.state.requests if path.endswith("selfsubjectaccessreviews")
@@ -199,6 +199,7 @@ def test_flex_start_needs_provisioning_requests_and_pod_templates(gke, tmp_path,
     code, lines = doctor(tmp_path, capsys, config)
     assert code == 0 and not failed(lines)  # resize provisioning makes no request
     config["cluster"]["provisioning"] = "flex-start"
+    config["explore"] = {"study": False}  # no explore task: its pool would have no node for it
     pool_of(gke)["queuedProvisioning"] = {"enabled": True}
     pool_of(gke)["autoscaling"] = {"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 8}
     line = one_failure(*doctor(tmp_path, capsys, config))
@@ -210,6 +211,7 @@ def test_flex_start_needs_provisioning_requests_and_pod_templates(gke, tmp_path,
 def test_flex_start_needs_a_pool_with_queued_provisioning_and_resize_one_without(gke, tmp_path, capsys):
     config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
     config["cluster"]["provisioning"] = "flex-start"
+    config["explore"] = {"study": False}  # no explore task: its pool would have no node for it
     line = one_failure(*doctor(tmp_path, capsys, config))
     assert line.startswith(
         f"node pool: FAILED: cluster.provisioning is flex-start, but node pool {POOL} has no queued"
@@ -327,14 +329,16 @@ def test_an_unreachable_kfp_host(gke, tmp_path, capsys):
     assert line.endswith("(fix: check the URL and that the KFP API server (or its port-forward) is up)")
 
 
-def test_a_kfp_backend_older_than_2_5_0(gke, tmp_path, capsys):
+@pytest.mark.parametrize("tag", ["2.3.0", "2.13.1"])  # before execution-level retries; before nested ones
+def test_a_kfp_backend_older_than_2_14_0(gke, tmp_path, capsys, tag):
     with kfp_server_running() as kfp:
-        kfp.state.tag_name = "2.3.0"
+        kfp.state.tag_name = tag
         config = gke_config(endpoint=gke.container.endpoint, bucket="doctor")
         line = one_failure(*doctor(tmp_path, capsys, config, "--host", kfp.endpoint))
     assert line == (
-        f"kfp: FAILED: {kfp.endpoint} runs KFP 2.3.0, older than 2.5.0: the Argo backend would never retry a failed "
-        'resize or stage (fix: upgrade the KFP backend to 2.5.0 or later (docs/cluster.md, "KFP version"))'
+        f"kfp: FAILED: {kfp.endpoint} runs KFP {tag}, older than 2.14.0: its Argo compiler drops the retry policy of "
+        "a task inside a nested pipeline, so a failed resize or stage (each launch's group) would never be retried "
+        '(fix: upgrade the KFP backend to 2.14.0 or later (docs/cluster.md, "KFP version"))'
     )
 
 

@@ -98,11 +98,11 @@ def flex(tmp_path: Path, gcs_server, gcs_bucket: str) -> Iterator[Callable[..., 
             autoscaling={"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 2},
         )  # fmt: skip
 
-        def make(**cluster: object) -> Flex:
-            # Sizes below the node's allocatable: without nodes to read, the pods cannot be sized from them.
-            config = gke_a3_config(
-                provisioning="flex-start", cpu_per_node=200, memory_per_node_bytes="1700GiB", **cluster
-            )
+        def make(sized: bool = True, **cluster: object) -> Flex:
+            # `sized`: explicit sizes below the node's allocatable; without them the pods are sized from the
+            # machine type as the cluster autoscaler's template of a new node has it (no node to read yet).
+            sizes = {"cpu_per_node": 200, "memory_per_node_bytes": "1700GiB"} if sized else {}
+            config = gke_a3_config(provisioning="flex-start", **sizes, **cluster)
             config["train"]["checkpoint_uri"] = f"gs://{gcs_bucket}/ckpt"
             config["data"]["uri"] = f"gs://{gcs_bucket}/data"
             plan = write_plan(tmp_path / "run", config)
@@ -143,6 +143,47 @@ def test_a_provisioned_request_brings_every_node_the_jobset_trains_and_the_reque
     while launch.gke.sim.pool_size("gpu") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [size for pool, size in launch.gke.sim.pool_history if pool == "gpu"] == [0, 1, 0]
+
+
+def test_pods_sized_from_the_machine_type_fit_the_autoscalers_template_and_the_request_provisions(flex):
+    """Sized from the nominal memory (the documented reservations alone), a trainer pod is larger than the
+    autoscaler's template node (the kernel's ~29.6 GiB are off it there): the request would never provision."""
+    launch = flex(sized=False, capacity_timeout_s=20)
+    process = launch.launch()
+    launch.finish_trainers(process)
+    code, out = run(process)
+    assert code == 0, out[-3000:]
+    (template,) = launch.posts("/podtemplates")
+    (container,) = template["template"]["spec"]["containers"]
+    assert (
+        container["resources"]["limits"]["memory"] == "1928582M"
+    )  # the template, less the DaemonSets' 2 GiB
+    assert "ProvisioningRequest " + template["metadata"]["name"] + " for 1 node(s): Provisioned" in out
+
+
+def test_a_pod_larger_than_the_template_never_provisions(simulated_cluster):
+    """The simulator's rule on its own: a PodTemplate sized from the nominal figure stays NotProvisioned."""
+    simulated_cluster.add_pool(
+        "gpu",
+        machine_type="a3-highgpu-8g",
+        queued_provisioning=True,
+        autoscaling={"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 2},
+    )
+    controller = simulated_cluster.sim.provisioning
+    nominal = {"cpu": "206", "memory": "1960332M", "nvidia.com/gpu": "8"}
+    template = {"template": {"spec": {
+        "nodeSelector": {"cloud.google.com/gke-nodepool": "gpu", "cloud.google.com/gke-flex-start": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"},
+                        {"key": "cloud.google.com/gke-queued", "operator": "Exists"}],
+        "containers": [{"name": "t", "resources": {"requests": nominal, "limits": nominal}}],
+    }}}  # fmt: skip
+    why = controller.unfit_template(simulated_cluster.sim, "gpu", template)
+    assert why is not None and why.startswith(
+        "pod didn't trigger scale-up: Insufficient memory on a new node"
+    )
+    fitting = {**nominal, "memory": "1928582M"}
+    template["template"]["spec"]["containers"][0]["resources"] = {"requests": fitting, "limits": fitting}
+    assert controller.unfit_template(simulated_cluster.sim, "gpu", template) is None
 
 
 def test_a_request_that_never_gets_capacity_ends_after_the_timeout_in_one_line_and_is_deleted(flex):

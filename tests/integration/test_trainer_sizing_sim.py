@@ -15,6 +15,7 @@ import pytest
 from kubernetes import client
 
 from batchpilot.cluster.launch import trainer_pod_resources
+from batchpilot.cluster.machines import DAEMONSET_RESERVE_BYTES, MACHINE_TYPES, gke_allocatable
 from batchpilot.cluster.pending import PendingWatch
 from batchpilot.config import parse_config
 from helpers import gke_a3_config, tiny_config, write_plan
@@ -50,15 +51,25 @@ def test_a_launch_sizes_its_pods_from_the_ready_nodes_and_they_fit(simulated_clu
     monkeypatch.setenv("KUBECONFIG", str(simulated_cluster.write_kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     cluster = parse_config(gke_a3_config()).cluster
-    planned = trainer_pod_resources(cluster, read_nodes=False)  # the machine table: planning, dry runs
     launched = trainer_pod_resources(cluster, read_nodes=True)  # what a launch asks for
     assert launched.source.startswith("the pool's ready nodes")
-    assert launched.memory_bytes < planned.memory_bytes  # the kernel and the DaemonSets took their share
+    # The machine type's nominal allocatable (the documented reservations on its whole memory) less the
+    # DaemonSet reserve: more than the node's kernel and its system pods leave.
+    machine = MACHINE_TYPES["a3-highgpu-8g"]
+    nominal = gke_allocatable(machine).memory_bytes - DAEMONSET_RESERVE_BYTES
+    assert launched.memory_bytes < nominal  # the kernel and the system pods took their share
     # The nominal figure would leave the pod Pending on the real node; the nodes' figure fits it.
-    fits, message = scheduled(simulated_cluster, trainer_pod(planned.cpu, planned.memory_bytes))
+    fits, message = scheduled(simulated_cluster, trainer_pod(launched.cpu, nominal))
     assert not fits and message.startswith("0/1 nodes are available: 1 Insufficient memory.")
     simulated_cluster.sim.delete_pod(NS, "trainer")
     fits, message = scheduled(simulated_cluster, trainer_pod(launched.cpu, launched.memory_bytes))
+    assert fits, message
+    # Without nodes to read (flex-start, an autoscaled pool from zero), the pods are sized from the cluster
+    # autoscaler's template of a new node, which a real node of the type offers too.
+    simulated_cluster.sim.delete_pod(NS, "trainer")
+    planned = trainer_pod_resources(cluster, read_nodes=False)
+    assert planned.memory_bytes < launched.memory_bytes
+    fits, message = scheduled(simulated_cluster, trainer_pod(planned.cpu, planned.memory_bytes))
     assert fits, message
 
 

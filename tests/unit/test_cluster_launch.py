@@ -39,7 +39,9 @@ def validate_k8s(obj: dict) -> None:
 
 
 def gke_config(**cluster: object) -> dict:
+    flex = cluster.get("provisioning") == "flex-start"  # no explore task then: its pool has no node for one
     return {
+        **({"explore": {"study": False}} if flex else {}),
         "name": "ramp",
         "data": {"uri": "gs://bucket/data", "seq_len": 128},
         "cluster": {

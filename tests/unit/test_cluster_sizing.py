@@ -45,9 +45,14 @@ A3_ALLOCATABLE_MILLICORES = 208_000 - 590
 A3_ALLOCATABLE_BYTES = (
     1872 * GIB - -(-221 * GIB // 5) - 100 * MIB
 )  # 44.2 GiB = 221/5 GiB, rounded up to bytes
-# The trainer: allocatable less 1 CPU and 2 GiB for GKE's DaemonSets, in whole cores and torchx's "M" (10^6).
+# The cluster autoscaler's template node (cluster-autoscaler/cloudprovider/gce/reserved.go, COS, amd64) takes
+# the kernel's share off first: 1872 GiB / 64 = 29.25 GiB, + 16 MiB, + 64 MiB (software IO TLB above 3 GiB),
+# + min(0.175% of the memory, 248 MiB) = 248 MiB: 29.5703125 GiB.
+A3_KERNEL_RESERVED_BYTES = 1872 * GIB // 64 + 16 * MIB + 64 * MIB + 248 * MIB
+A3_TEMPLATE_BYTES = A3_ALLOCATABLE_BYTES - A3_KERNEL_RESERVED_BYTES  # 1798.1 GiB
+# The trainer: the template less 1 CPU and 2 GiB for GKE's DaemonSets, in whole cores and torchx's "M" (10^6).
 A3_TRAINER_CPU = (A3_ALLOCATABLE_MILLICORES - 1000) // 1000  # 206
-A3_TRAINER_MB = (A3_ALLOCATABLE_BYTES - 2 * GIB) // 10**6  # 1960332
+A3_TRAINER_MB = (A3_TEMPLATE_BYTES - 2 * GIB) // 10**6  # 1928582
 
 
 def dryrun(tmp_path: Path, config: dict, stage: str = "0") -> tuple[int, str, str]:
@@ -77,8 +82,8 @@ def test_the_nemo_example_requests_the_a3_node_less_the_daemonset_reserve(tmp_pa
     code, out, err = dryrun(tmp_path, nemo())
     assert code == 0, err
     resources = container_resources(out)
-    assert (A3_TRAINER_CPU, A3_TRAINER_MB) == (206, 1960332)
-    assert resources["limits"] == {"cpu": "206000m", "memory": "1960332M", "nvidia.com/gpu": "8"}
+    assert (A3_TRAINER_CPU, A3_TRAINER_MB) == (206, 1928582)
+    assert resources["limits"] == {"cpu": "206000m", "memory": "1928582M", "nvidia.com/gpu": "8"}
     # Requests equal limits (torchx alone asks 100m CPU and 1024 MB less): the Guaranteed QoS class.
     assert resources["requests"] == resources["limits"]
     assert "2000m" not in out and "1024M" not in out
@@ -137,7 +142,7 @@ def test_explicit_sizes_win_and_must_fit_the_machine(tmp_path):
 
     code, _, err = dryrun(tmp_path / "memory", nemo(memory_per_node_bytes="1872GiB"))
     assert code == 2 and err.count("\n") == 1
-    assert "cluster.memory_per_node_bytes:" in err and f"set at most {A3_ALLOCATABLE_BYTES}" in err
+    assert "cluster.memory_per_node_bytes:" in err and f"set at most {A3_TEMPLATE_BYTES}" in err
 
 
 def test_explicit_sizes_alone_need_no_machine_type(tmp_path):
@@ -209,3 +214,39 @@ def test_the_smallest_node_bounds_cpu_and_memory_separately():
     assert states[0].allocatable_cpu_millicores == 207410 and states[1].allocatable_memory_bytes == 3 * 2**29
     assert smallest_allocatable(states) == Allocatable(cpu_millicores=207_000, memory_bytes=3 * 2**29)
     assert smallest_allocatable([]) is None
+
+
+def test_a_pods_requests_are_counted_as_the_scheduler_counts_them():
+    from batchpilot.cluster.readiness import pod_requests, stays_on_node
+
+    def container(cpu: str, memory: str, **extra: object) -> client.V1Container:
+        return client.V1Container(
+            name="c",
+            resources=client.V1ResourceRequirements(requests={"cpu": cpu, "memory": memory}),
+            **extra,
+        )
+
+    def pod(*, init=(), app=(), overhead=None, owner="DaemonSet", annotations=None) -> client.V1Pod:
+        return client.V1Pod(
+            metadata=client.V1ObjectMeta(
+                owner_references=[client.V1OwnerReference(api_version="v1", kind=owner, name="o", uid="u")],
+                annotations=annotations,
+            ),
+            spec=client.V1PodSpec(containers=list(app), init_containers=list(init), overhead=overhead),
+        )
+
+    # An installer that requests only in its init container: the pod needs the larger of the two.
+    installer = pod(init=[container("150m", "300Mi")], app=[container("0", "0")])
+    assert pod_requests(installer) == (150, 300 * MIB)
+    # A sidecar (restartPolicy Always) runs beside the app containers: added; a later init container runs
+    # with the sidecar, and only its peak counts if it is larger.
+    sidecar = container("100m", "100Mi", restart_policy="Always")
+    later = container("500m", "50Mi")
+    mixed = pod(
+        init=[sidecar, later], app=[container("200m", "200Mi")], overhead={"cpu": "10m", "memory": "1Mi"}
+    )
+    assert pod_requests(mixed) == (600 + 10, 300 * MIB + MIB)
+    assert stays_on_node(installer)
+    assert stays_on_node(pod(owner="Node"))  # a static pod's mirror
+    assert stays_on_node(pod(owner="ReplicaSet", annotations={"kubernetes.io/config.mirror": "x"}))
+    assert not stays_on_node(pod(owner="ReplicaSet"))

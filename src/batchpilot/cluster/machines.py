@@ -164,6 +164,48 @@ def gke_allocatable(machine: MachineType) -> Allocatable:
     )
 
 
+# The cluster autoscaler's node template (kubernetes/autoscaler cluster-autoscaler/cloudprovider/gce/reserved.go,
+# GceReserved.CalculateKernelReserved, Linux on COS, amd64): before the first node of a pool exists, a scale-up
+# (a pending pod, a ProvisioningRequest) simulates the pods on a template node whose memory capacity is the
+# machine's less what the kernel keeps, and whose allocatable takes kube-reserved and the eviction threshold off
+# that (templates.go, CalculateAllocatable). A pod that does not fit the template never triggers a scale-up.
+KERNEL_RESERVED_RATIO = 64
+"""physical / 64 of a node's memory is the kernel's."""
+KERNEL_RESERVED_BYTES = 16 * MIB
+SWIOTLB_RESERVED_BYTES = 64 * MIB
+"""Software IO TLB, on machines with more than `SWIOTLB_THRESHOLD_BYTES`."""
+SWIOTLB_THRESHOLD_BYTES = 3 * GIB
+LOW_MEMORY_OFFSET_BYTES = 8 * MIB
+"""On machines with at most `LOW_MEMORY_THRESHOLD_BYTES`."""
+LOW_MEMORY_THRESHOLD_BYTES = 8 * GIB
+KERNEL_CORRECTION_RATIO = Fraction(175, 100_000)
+"""The autoscaler's statistically fitted correction on COS: 0.175% of the memory, at most 248 MiB."""
+KERNEL_CORRECTION_MAX_BYTES = 248 * MIB
+
+
+def kernel_reserved_bytes(physical_bytes: int) -> int:
+    """Memory the cluster autoscaler expects a new node's kernel to keep (see the comment above)."""
+    reserved = physical_bytes // KERNEL_RESERVED_RATIO + KERNEL_RESERVED_BYTES
+    if physical_bytes > SWIOTLB_THRESHOLD_BYTES:
+        reserved += SWIOTLB_RESERVED_BYTES
+    if physical_bytes <= LOW_MEMORY_THRESHOLD_BYTES:
+        reserved += LOW_MEMORY_OFFSET_BYTES
+    correction = min(KERNEL_CORRECTION_RATIO * physical_bytes, Fraction(KERNEL_CORRECTION_MAX_BYTES))
+    return reserved + int(correction)
+
+
+def template_allocatable(machine: MachineType) -> Allocatable:
+    """What the cluster autoscaler's template node of `machine` offers to pods: the kernel's share off the
+    memory first (`kernel_reserved_bytes`), then GKE's kube-reserved and the eviction threshold (as
+    `gke_allocatable`). A real node reports at least this much, so a pod sized to it fits both the scale-up
+    simulation and the node that comes."""
+    documented = gke_allocatable(machine)
+    return Allocatable(
+        cpu_millicores=documented.cpu_millicores,
+        memory_bytes=documented.memory_bytes - kernel_reserved_bytes(machine.memory_bytes),
+    )
+
+
 def _ceil(value: Fraction) -> int:
     return -(-value.numerator // value.denominator)
 
@@ -226,8 +268,10 @@ def trainer_resources(
        against it and otherwise it is taken whole;
     2. `cluster.cpu_per_node` / `memory_per_node_bytes`, each checked against the machine type's
        allocatable when the type is known;
-    3. `cluster.machine_type`: its GKE allocatable less the DaemonSet reserve, an estimate for dry runs
-       and planning (a node's kernel may report less memory than the type's nominal figure).
+    3. `cluster.machine_type`: the cluster autoscaler's template node of that type (`template_allocatable`:
+       the kernel's share, GKE's kube-reserved and the eviction threshold off the nominal memory) less the
+       DaemonSet reserve: what sizes the pods of a flex-start launch and of an autoscaled pool that starts
+       from zero nodes (a pod larger than the template never triggers a scale-up), and dry runs.
 
     Raises when none does: torchx would substitute 2 CPUs and 1024 MB, and every stage would be
     OOMKilled.
@@ -249,8 +293,8 @@ def trainer_resources(
     explicit = cpu_per_node is not None and memory_per_node_bytes is not None
     # With both sizes given, a machine type the table lacks (a CPU pool, a newer series) is no obstacle.
     if machine_type_name and (machine_type_name in MACHINE_TYPES or not explicit):
-        allocatable = gke_allocatable(machine_type(machine_type_name))
-        where = f"a node of machine type {machine_type_name}"
+        allocatable = template_allocatable(machine_type(machine_type_name))
+        where = f"a node of machine type {machine_type_name} (the cluster autoscaler's template of a new one)"
     elif explicit:
         assert cpu_per_node is not None and memory_per_node_bytes is not None
         return TrainerResources(

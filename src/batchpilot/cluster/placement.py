@@ -30,6 +30,11 @@ TRAINER_UID = 1000
 TERMINATION_GRACE_S = 120
 
 
+FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
+"""On the nodes flex-start brings; GKE's queued-provisioning guide selects it in the pods of its Standard
+example ("Run a large-scale workload with flex-start with queued provisioning")."""
+
+
 def _cluster(config: Config | ClusterConfig) -> ClusterConfig:
     return config.cluster if isinstance(config, Config) else config
 
@@ -42,6 +47,8 @@ def gpu_node_selector(config: Config | ClusterConfig) -> dict[str, str]:
         selector[GKE_NODE_POOL_LABEL] = cluster.node_pool
     if cluster.accelerator_type:
         selector[GKE_ACCELERATOR_LABEL] = cluster.accelerator_type
+    if cluster.provisioning == "flex-start":
+        selector[FLEX_START_LABEL] = "true"
     selector.update(cluster.node_selector)
     return selector
 

@@ -20,7 +20,9 @@ Sources (facts, not text):
   `queued-provisioning.gke.io`, on a node pool created with `--flex-start --enable-queued-provisioning`,
   autoscaling on and no reservation affinity; GKE grants all of a request's nodes at once or none;
   parameter `maxRunDurationSeconds` (at most and by default seven days) bounds how long the nodes stay;
-  GKE taints such nodes `cloud.google.com/gke-queued=true:NoSchedule`.
+  GKE taints such nodes `cloud.google.com/gke-queued=true:NoSchedule`; its Standard example labels the
+  PodTemplate `cloud.google.com/apply-warden-policies: "true"` (GKE needs it to calculate the node resources
+  the pods require) and selects `cloud.google.com/gke-flex-start: "true"` in the pods.
 
 Why the JobSet is created only once the request is Provisioned (the lifecycle above, not fire and
 forget): its pods would otherwise sit Pending for as long as GKE queues the request, and the launch's
@@ -51,6 +53,8 @@ PROVISIONING_CLASS = "queued-provisioning.gke.io"
 CONSUME_ANNOTATION = "autoscaling.x-k8s.io/consume-provisioning-request"
 CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 QUEUED_TAINT_KEY = "cloud.google.com/gke-queued"
+WARDEN_LABEL = "cloud.google.com/apply-warden-policies"
+"""On the PodTemplate: GKE's guide has it there, "necessary for GKE to calculate node resource requirements"."""
 MAX_RUN_DURATION_PARAMETER = "maxRunDurationSeconds"
 MAX_RUN_DURATION_S = 7 * 24 * 3600  # GKE's limit and default for flex-start nodes
 # Conditions that end a request's use: no node is (or will be) there for the launch.
@@ -87,7 +91,7 @@ def pod_template_manifest(
     return {
         "apiVersion": "v1",
         "kind": "PodTemplate",
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "metadata": {"name": name, "namespace": namespace, "labels": {**labels, WARDEN_LABEL: "true"}},
         "template": template,
     }
 

@@ -171,11 +171,11 @@ class PoolNodes:
 
     def smallest_free_for_trainer(self) -> Allocatable | None:
         """What a trainer pod can request on any usable node of the pool: its allocatable (the capacity the
-        kernel reports, less GKE's reservations) less the requests of the DaemonSet pods bound to it (the
-        scheduler counts those against the node). None: no usable node."""
+        kernel reports, less GKE's reservations) less the requests of the system pods bound to it, counted as
+        the scheduler counts them (`system_pod_requests`). None: no usable node."""
         free = []
         for node in self.usable()[0]:
-            cpu_m, memory = self._daemonset_requests(node.name)
+            cpu_m, memory = self._system_requests(node.name)
             free.append(
                 Allocatable(
                     cpu_millicores=node.allocatable_cpu_millicores - cpu_m,
@@ -186,20 +186,19 @@ class PoolNodes:
             return None
         return Allocatable(min(f.cpu_millicores for f in free), min(f.memory_bytes for f in free))
 
-    def _daemonset_requests(self, node: str) -> tuple[int, int]:
-        """(CPU millicores, memory bytes) requested by the running DaemonSet pods on `node` (each container's
-        requests; the pods' init containers have ended)."""
+    def _system_requests(self, node: str) -> tuple[int, int]:
+        """(CPU millicores, memory bytes) requested by the pods on `node` that stay whatever runs there: those
+        of DaemonSets and the static pods' mirrors (kube-proxy on GKE nodes)."""
         pods = self._core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"
         ).items
         cpu_m = memory = 0
         for pod in pods:
-            if not any(ref.kind == "DaemonSet" for ref in pod.metadata.owner_references or []):
+            if not stays_on_node(pod):
                 continue
-            for container in pod.spec.containers:
-                requests = (container.resources.requests if container.resources else None) or {}
-                cpu_m += parse_cpu_millicores(requests.get("cpu", "0"))
-                memory += parse_bytes_quantity(requests.get("memory", "0"))
+            pod_cpu_m, pod_memory = pod_requests(pod)
+            cpu_m += pod_cpu_m
+            memory += pod_memory
         return cpu_m, memory
 
     def wait(
@@ -263,3 +262,52 @@ class PoolNodes:
             f"node pool {self.node_pool!r}: {len(usable)} of {num_nodes} node(s) usable {after}; "
             f"{'; '.join(parts)}"
         )
+
+
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+"""On the API's copy of a static pod (the kubelet starts those from its manifest folder, kubernetes.io
+"Create static Pods")."""
+
+
+def stays_on_node(pod: Any) -> bool:
+    """A pod owned by a DaemonSet, or a static pod's mirror (owned by its Node, or annotated as a mirror)."""
+    owners = {ref.kind for ref in pod.metadata.owner_references or []}
+    annotations = pod.metadata.annotations or {}
+    return bool(owners & {"DaemonSet", "Node"}) or MIRROR_ANNOTATION in annotations
+
+
+def _container_requests(container: Any) -> tuple[int, int]:
+    resources = container.resources
+    asked = {
+        **((resources.limits if resources else None) or {}),
+        **((resources.requests if resources else None) or {}),
+    }
+    return parse_cpu_millicores(asked.get("cpu", "0")), parse_bytes_quantity(asked.get("memory", "0"))
+
+
+def pod_requests(pod: Any) -> tuple[int, int]:
+    """(CPU millicores, memory bytes) the scheduler counts for `pod` (k8s.io/component-helpers resource/helpers.go,
+    PodRequests: the sidecar KEP 753's "Resources calculation for scheduling and Pod admission"): its app
+    containers summed with its restartable init containers (sidecars); each other init container runs with
+    the sidecars started before it, and the pod needs the largest of those if it is more (GKE's driver and
+    GPUDirect installers request only there); then the pod's overhead. A limit without a request is the request."""
+    spec = pod.spec
+    total = [0, 0]
+    for container in spec.containers or []:
+        total = [a + b for a, b in zip(total, _container_requests(container), strict=True)]
+    sidecars, peak = [0, 0], [0, 0]
+    for container in spec.init_containers or []:
+        own = list(_container_requests(container))
+        if getattr(container, "restart_policy", None) == "Always":
+            total = [a + b for a, b in zip(total, own, strict=True)]
+            sidecars = [a + b for a, b in zip(sidecars, own, strict=True)]
+            running = list(sidecars)
+        else:
+            running = [a + b for a, b in zip(own, sidecars, strict=True)]
+        peak = [max(a, b) for a, b in zip(peak, running, strict=True)]
+    total = [max(a, b) for a, b in zip(total, peak, strict=True)]
+    overhead = spec.overhead or {}
+    return (
+        total[0] + parse_cpu_millicores(overhead.get("cpu", "0")),
+        total[1] + parse_bytes_quantity(overhead.get("memory", "0")),
+    )

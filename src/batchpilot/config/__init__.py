@@ -46,6 +46,7 @@ __all__ = [
     "config_from_text",
     "config_schema",
     "explore_fingerprint",
+    "explores",
     "format_validation_error",
     "load_config",
     "parse_config",
@@ -115,6 +116,12 @@ def resolved_runtime(config: Config) -> Literal["eager", "xla"]:
     if runtime != "auto":
         return runtime
     return "xla" if is_tpu(config.cluster.accelerator_type) else "eager"
+
+
+def explores(config: Config) -> bool:
+    """Whether a run of `config` explores on the trainers' pool: a micro batch to find, or the noise-scale
+    study (what the pipeline's explore task does)."""
+    return config.batch.micro_batch_size == "explore" or config.explore.study
 
 
 def explore_fingerprint(config: Config) -> dict[str, Any]:

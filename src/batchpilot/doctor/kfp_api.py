@@ -7,8 +7,10 @@ import re
 
 from batchpilot.doctor.core import CALL_TIMEOUT_S, Check, Context, fail, ok, skip
 
-MIN_KFP_BACKEND = (2, 5, 0)
-"""Task retries on the Argo backend need KFP 2.5.0 (docs/cluster.md, "KFP version")."""
+MIN_KFP_BACKEND = (2, 14, 0)
+"""The resize and train tasks sit in each launch's sub-pipeline, and KFP's Argo compiler gives a task in a nested
+pipeline its retry policy only from 2.14.0 (kubeflow/pipelines #11908, "implement retryStrategy for nested
+pipelines"); docs/cluster.md, "KFP version"."""
 
 
 def check_kfp(context: Context) -> Check:
@@ -39,7 +41,8 @@ def check_kfp(context: Context) -> Check:
     if numbers < MIN_KFP_BACKEND:
         return fail(
             "kfp",
-            f"{host} runs KFP {tag}, older than {minimum}: the Argo backend would never retry a failed resize or stage",
+            f"{host} runs KFP {tag}, older than {minimum}: its Argo compiler drops the retry policy of a task inside a "
+            "nested pipeline, so a failed resize or stage (each launch's group) would never be retried",
             f'upgrade the KFP backend to {minimum} or later (docs/cluster.md, "KFP version")',
         )
     return ok("kfp", f"{host} answers; backend {tag} ({minimum} or later)")

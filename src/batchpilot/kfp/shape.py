@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from batchpilot.config import Config
+from batchpilot.config import Config, explores
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.plan.stages import num_stages
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def explore_in_pipeline(config: Config) -> bool:
     """Whether a pipeline compiled from `config` has an explore task: a micro batch to find, or a study."""
-    return config.batch.micro_batch_size == "explore" or config.explore.study
+    return explores(config)
 
 
 def expected_stage_count(config: Config) -> int:

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from batchpilot.config import Config, MaxTextRampup, MegatronRampup, resolved_runtime
+from batchpilot.config import Config, MaxTextRampup, MegatronRampup, explores, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.init_from import init_from_problems
 from batchpilot.plan.schedule import (
@@ -97,6 +97,22 @@ def cluster_config_problems(config: Config) -> list[BatchpilotError]:
         backend=cluster.backend, gpudirect=cluster.gpudirect, machine_type=cluster.machine_type,
         gpudirect_networks=cluster.gpudirect_networks,
     )  # fmt: skip
+    if cluster.backend == "gke" and cluster.provisioning == "flex-start" and explores(config):
+        # google.container.v1 NodePool.QueuedProvisioning: such a pool's nodes "can be only obtained through
+        # queuing via the ProvisioningRequest API"; the explore task is a pod pinned to the pool with none.
+        what = (
+            "a micro batch to explore" if config.batch.micro_batch_size == "explore" else "explore.study on"
+        )
+        problems.append(
+            BatchpilotError(
+                "cluster.provisioning",
+                f"is flex-start, whose pool's nodes come only through a ProvisioningRequest, but the config has "
+                f"{what}, which the pipeline's explore task measures on a node of that pool and would wait for "
+                "for ever",
+                "set an integer batch.micro_batch_size and explore.study: false (explore once on an on-demand or "
+                "spot pool of the same machine type: `batchpilot explore`, then `batchpilot plan --explore`)",
+            )
+        )
     return problems
 
 
