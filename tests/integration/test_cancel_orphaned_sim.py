@@ -94,9 +94,58 @@ def test_a_terminated_run_whose_exit_hook_never_ran_has_its_pool_scaled_down_aft
     monkeypatch.setattr(ownership, "_now", lambda: later)
     assert main(["pool", "scale-down", "--orphaned", "--config", str(config_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "gpu: orphaned by run tiny (Lease batchpilot-run-tiny expired, no running JobSet); "
-        "scaled down 1 -> 0 node(s)"
+        "gpu: orphaned by run tiny (Lease batchpilot-run-tiny expired); scaled down 1 -> 0 node(s)"
     )
     assert gke.sim.pool_size("gpu") == 0 and labels(gke) == {}
     assert not gke.kube.state.leases
     assert yaml.safe_load(config_path.read_text())["name"] == "tiny"
+
+
+EMISSARY_CHILD = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+"""KFP's launcher as Argo's emissary sees it: it runs the component as a child process and has no SIGTERM
+handler (kubeflow/pipelines backend/src/v2/component/launcher_v2.go), so SIGTERM ends it at once."""
+
+
+@pytest.mark.slow
+def test_a_cancel_that_kills_the_task_before_it_cleans_up_leaves_nothing_after_the_ttl(
+    gke, gcs_server, gcs_bucket, tmp_path, capsys, monkeypatch
+):
+    """Argo's emissary forwards SIGTERM to the container's whole process group and exits as soon as its
+    direct child (KFP's launcher) has exited; the container then ends, killing the component mid-cleanup
+    (argo-workflows cmd/argoexec/commands/emissary.go). Nothing the cancel needs may depend on the task:
+    with no exit hook either, the orphan reaper deletes the run's JobSet once its Lease has expired."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from batchpilot.cluster.eviction import POD_NAME_ENV, POD_NAMESPACE_ENV
+
+    config = gke_config(gke, bucket=gcs_bucket, emulator=gcs_server.endpoint)
+    plan = write_plan(tmp_path, config)
+    config_path = tmp_path / "config.yaml"
+    assert main(["pool", "resize", "--config", str(config_path), "--nodes", "1"]) == 0
+    env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig")),
+           POD_NAME_ENV: train_task_pod(gke.sim), POD_NAMESPACE_ENV: "kubeflow"}  # fmt: skip
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    task = subprocess.Popen(
+        [sys.executable, "-c", EMISSARY_CHILD, sys.executable, "-m", "batchpilot", "launch", "--plan", plan,
+         "--stage", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    jobset = wait_for_running_jobset(gke, task)
+    os.killpg(task.pid, signal.SIGTERM)  # emissary: SIGTERM to the process group
+    task.wait(timeout=30)  # the launcher (its direct child) ends at once ...
+    os.killpg(task.pid, signal.SIGKILL)  # ... and the container ends with it: whatever still runs is killed
+    time.sleep(1.0)
+    # Whatever the component managed before it was killed, the JobSet may still hold the GPUs; the exit hook
+    # never runs. After the run's Lease has expired, the reaper deletes the JobSet, then scales the pool down.
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=3)
+    monkeypatch.setattr(ownership, "_now", lambda: later)
+    capsys.readouterr()
+    assert main(["pool", "scale-down", "--orphaned", "--config", str(config_path)]) == 0
+    out = capsys.readouterr().out
+    assert "gpu: orphaned by run tiny (Lease batchpilot-run-tiny expired); scaled down 1 -> 0 node(s)" in out
+    remaining = gke.sim.jobsets.get((NS, jobset))
+    assert remaining is None or remaining["metadata"].get("deletionTimestamp"), out
+    assert gke.sim.pool_size("gpu") == 0 and labels(gke) == {}

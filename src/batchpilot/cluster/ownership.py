@@ -13,10 +13,11 @@ run also leaves a record that outlives it:
   `cluster.orphan_ttl_s`. The resize task renews it; the train task renews it every third of the TTL
   while it follows its JobSet; the exit handler deletes it after the scale-down.
 
-A pool labelled with a run whose Lease is missing or expired and which has no pending or running
-JobSet is orphaned: the next run that uses the pool takes it over, and `batchpilot pool scale-down
---orphaned` (the chart's optional CronJob) scales it down to its recorded idle size. A pool of another
-live run is refused: two runs must not fight over one pool.
+A pool labelled with a run whose Lease is missing or expired is orphaned: the next run that uses the pool
+takes it over, and `batchpilot pool scale-down --orphaned` (the chart's optional CronJob) deletes the run's
+JobSets and ProvisioningRequests left behind (a cancelled task that was killed before it cleaned up, an
+exit handler that never ran) and scales the pool down to its recorded idle size. A pool of another live run
+is refused: two runs must not fight over one pool.
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def delete_lease(api_client: Any, *, namespace: str, run: str) -> None:
 def run_alive(
     api_client: Any, *, namespace: str, run: str, now: Callable[[], dt.datetime] | None = None
 ) -> tuple[bool, str]:
-    """(alive, why): the run's Lease is unexpired, or a JobSet of the run is pending or running."""
+    """(alive, why): the run's Lease is unexpired. A JobSet of the run does not keep it alive: a train task
+    renews the Lease while it follows its JobSet, so a JobSet still running after the Lease expired is one
+    whose task was cancelled or killed before it could delete it (KFP's launcher and Argo's emissary do
+    not give a task time to clean up after SIGTERM), and it is orphaned with the pool."""
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
@@ -113,32 +117,13 @@ def run_alive(
         expires = lease.spec.renew_time + dt.timedelta(seconds=lease.spec.lease_duration_seconds or 0)
         if expires > (now or _now)():
             return True, f"Lease {lease_name(run)} renewed until {expires:%Y-%m-%dT%H:%M:%SZ}"
-    if jobsets := _live_jobsets(api_client, namespace=namespace, run=run):
-        return True, f"JobSet {jobsets[0]} is running"
-    return (
-        False,
-        f"Lease {lease_name(run)} {'expired' if lease is not None else 'missing'}, no running JobSet",
-    )
-
-
-def _live_jobsets(api_client: Any, *, namespace: str, run: str) -> list[str]:
-    from torchx.specs import AppState
-
-    from batchpilot.cluster import jobset
-
-    return [
-        item["metadata"]["name"]
-        for item in jobset.list_jobsets(api_client, namespace=namespace, labels={})
-        if label_value((item["metadata"].get("labels") or {}).get(RUN_LABEL, "")) == label_value(run)
-        and not item["metadata"].get("deletionTimestamp")
-        and jobset.jobset_state(item.get("status")) in (AppState.PENDING, AppState.RUNNING)
-    ]
+    return False, f"Lease {lease_name(run)} {'expired' if lease is not None else 'missing'}"
 
 
 @contextlib.contextmanager
 def lease_renewed(api_client: Callable[[], Any], *, namespace: str, run: str, ttl_s: float) -> Iterator[None]:
     """Renews the run's Lease now and every third of `ttl_s` in a thread while the block runs; a failed
-    renewal is a warning (the next one may pass, and a running JobSet keeps the run alive anyway)."""
+    renewal is a warning (the next one may pass before the Lease expires)."""
     stop = threading.Event()
 
     def renew() -> None:
@@ -205,13 +190,17 @@ def scale_down_orphans(
     parent: str,
     api_client: Any,
     namespace: str,
-    pool_for: Callable[[str, int, bool], Any],
+    pool_for: Callable[[str, int, bool, bool], Any],
     delete_slice: Callable[[str], None],
+    delete_run: Callable[[str], list[str]],
 ) -> list[str]:
     """Scales every orphaned batchpilot pool of the cluster `parent` down to its recorded idle size and
     releases it, and deletes every orphaned TPU slice pool batchpilot created; one line each.
-    `pool_for(name, idle_nodes, autoscaled)` makes the `GkeNodePool` of a pool (an autoscaled pool gets its
-    bounds set, not its size); `delete_slice(name)` deletes a slice pool and waits for it."""
+    `pool_for(name, idle_nodes, autoscaled, queued)` makes the `GkeNodePool` of a pool (an autoscaled pool gets
+    its bounds set, not its size; a queued-provisioning pool neither: its nodes go with its run's
+    ProvisioningRequests, and bounds of [0, 0] would refuse the next flex-start run); `delete_slice(name)`
+    deletes a slice pool and waits for it; `delete_run(run)` deletes the run's JobSets and ProvisioningRequests
+    and returns their names."""
 
     lines = []
     for node_pool in client.list_node_pools(parent=parent).node_pools:
@@ -223,6 +212,8 @@ def scale_down_orphans(
         if alive:
             lines.append(f"{node_pool.name}: run {run} is alive ({why}); left alone")
             continue
+        for name in delete_run(run):  # its JobSets and ProvisioningRequests go before its nodes
+            lines.append(f"{name}: left running by run {run} ({why}); deleted")
         if CREATED_BY_LABEL in node_pool.config.labels:
             # A multi-host slice pool cannot be resized, and batchpilot made this one for that run only.
             delete_slice(node_pool.name)
@@ -230,7 +221,8 @@ def scale_down_orphans(
             lines.append(f"{node_pool.name}: TPU slice orphaned by run {run} ({why}); deleted")
             continue
         idle = int(labels.get(IDLE_POOL_LABEL, "0"))
-        pool = pool_for(node_pool.name, idle, bool(node_pool.autoscaling.enabled))
+        queued = bool(getattr(node_pool.queued_provisioning, "enabled", False))
+        pool = pool_for(node_pool.name, idle, bool(node_pool.autoscaling.enabled), queued)
         before = pool.current_size()
         pool.resize(idle)
         release_pool(pool, api_client=api_client, namespace=namespace, run=run)
@@ -252,14 +244,23 @@ def scale_down_orphaned(cluster: ClusterConfig) -> list[str]:
     api_client = kube_api_client()
     ref = template.pool
 
-    def pool_for(full_name: str, idle_nodes: int, autoscaled: bool) -> GkeNodePool:
+    def pool_for(full_name: str, idle_nodes: int, autoscaled: bool, queued: bool) -> GkeNodePool:
         name = full_name.rsplit("/", 1)[-1]
         return GkeNodePool(
             client=template.client, pool=PoolRef(ref.project, ref.location, ref.cluster, name),
             pool_mode="autoscale" if autoscaled else "resize", idle_nodes=idle_nodes,
             nodes=PoolNodes(api_client=api_client, node_pool=name, gpus_per_node=0),
-            operation_timeout_s=cluster.operation_timeout_s,
+            operation_timeout_s=cluster.operation_timeout_s, provisioning="flex-start" if queued else "resize",
         )  # fmt: skip
+
+    def delete_run(run: str) -> list[str]:
+        from batchpilot.cluster.lifecycle import delete_labelled
+        from batchpilot.cluster.provisioning import delete_run_requests
+
+        names = delete_labelled(cluster, labels={RUN_LABEL: run}, wait_s=60.0, why=f"run {run} has ended")
+        return names + delete_run_requests(
+            api_client=api_client, namespace=cluster.namespace, run=run, unserved_is_none=True
+        )
 
     def delete_slice(full_name: str) -> None:
         calls = ContainerCalls(client=template.client, operation_timeout_s=cluster.operation_timeout_s)
@@ -274,5 +275,5 @@ def scale_down_orphaned(cluster: ClusterConfig) -> list[str]:
 
     return scale_down_orphans(
         client=template.client, parent=ref.parent, api_client=api_client, namespace=cluster.namespace,
-        pool_for=pool_for, delete_slice=delete_slice,
+        pool_for=pool_for, delete_slice=delete_slice, delete_run=delete_run,
     )  # fmt: skip

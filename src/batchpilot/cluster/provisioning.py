@@ -179,6 +179,18 @@ class Requests:
             )
         return list(found.get("items", []))
 
+    def served(self) -> bool:
+        """Whether the API server serves ProvisioningRequests at all (a 404 on the list: no such API)."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self._objects().list_namespaced_custom_object(limit=1, **self._args())
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
     def get(self, name: str) -> dict[str, Any]:
         return dict(self._objects().get_namespaced_custom_object(name=name, **self._args()))
 
@@ -341,11 +353,16 @@ def flex_start_capacity(
             requests.delete(name, why="the launch ended")
 
 
-def delete_run_requests(*, api_client: Any, namespace: str, run: str) -> list[str]:
+def delete_run_requests(
+    *, api_client: Any, namespace: str, run: str, unserved_is_none: bool = False
+) -> list[str]:
     """Deletes every ProvisioningRequest of the run (label RUN_LABEL=`run`) and its PodTemplate; returns
     their names. The exit handler calls it: a cancelled or evicted launch's request must not keep asking
-    GKE for nodes (or holding them) after the run."""
+    GKE for nodes (or holding them) after the run. `unserved_is_none`: a cluster that serves no
+    ProvisioningRequest API holds none (the orphan reaper, which does not know how the run provisioned)."""
     requests = Requests(api_client, namespace)
+    if unserved_is_none and not requests.served():
+        return []
     names = [item["metadata"]["name"] for item in requests.list({RUN_LABEL: run})]
     for name in names:
         requests.delete(name, why=f"the end of run {run}")

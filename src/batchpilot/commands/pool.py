@@ -40,7 +40,8 @@ def register(subparsers: Any) -> None:
         "--orphaned",
         action="store_true",
         help="gke: instead, scale down every batchpilot pool of the config's cluster whose run is gone "
-        "(its Lease expired, no running JobSet) to the idle size recorded on the pool; one line per pool",
+        "(its Lease expired) to the idle size recorded on the pool, after deleting the JobSets and "
+        "ProvisioningRequests the run left behind; one line per pool and per deleted object",
     )
     down.set_defaults(handler=run_scale_down)
     status = actions.add_parser(

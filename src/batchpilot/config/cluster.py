@@ -166,8 +166,9 @@ class ClusterConfig(_Section):
         1800.0,
         gt=0,
         description="gke: a run's tasks renew its Lease batchpilot-run-<name> for this long; a pool labelled "
-        "with a run whose Lease expired (and no running JobSet) is orphaned and scaled down by the next "
-        "run's resize or `batchpilot pool scale-down --orphaned`",
+        "with a run whose Lease expired is orphaned: the next run's resize takes it over, and "
+        "`batchpilot pool scale-down --orphaned` deletes the run's JobSets and ProvisioningRequests and scales "
+        "it down",
     )
     container_api_endpoint: str | None = Field(
         None,
