@@ -33,9 +33,12 @@ Rules, and where each comes from:
   for GKE to calculate node resource requirements") brings no node: its request stays NotProvisioned;
 - deleting a request cancels it (proposal, "Canceling the requests"): its nodes are no longer kept and
   go by the normal scale-down, once empty for the autoscaler's unneeded time (`scale_down_unneeded_s`).
-Not modelled: BookingExpired (GKE releases provisioned nodes no pod took within the booking window;
-batchpilot creates its JobSet as soon as the request is Provisioned), CapacityRevoked and
-maxRunDurationSeconds (nodes taken back after the run duration), quota.
+- the booking expires (cluster-autoscaler `provisioningrequest/processors/provreq`, `refresh`): a request
+  Provisioned for `defaultReservationTime` (10 minutes; `booking_s` here) gets BookingExpired=True, reason
+  `CapacityReservationTimeExpired`; its nodes are then no longer kept for it (`_release`: an empty one goes
+  by the normal scale-down), while the pods on them keep running.
+Not modelled: CapacityRevoked and maxRunDurationSeconds (nodes taken back after the run duration), quota,
+the processor's Failed after 7 days unprovisioned (`defaultExpirationTime`).
 """
 
 from __future__ import annotations
@@ -98,11 +101,13 @@ class ProvisioningController:
 
     zone_capacity: Callable[[], dict[str, int]] = dict
     fail_with: tuple[str, str] | None = None
+    booking_s: float = 600.0  # the autoscaler's defaultReservationTime
     templates: dict[Key, dict[str, Any]] = field(default_factory=dict)
     requests: dict[Key, dict[str, Any]] = field(default_factory=dict)
     brought: dict[str, Key] = field(default_factory=dict)  # node -> the request that brought it
     queued_pools: set[str] = field(default_factory=set)  # pools created with queued provisioning
     deleted: list[Key] = field(default_factory=list)  # every request deleted, in order
+    provisioned_at: dict[Key, float] = field(default_factory=dict)  # when each request became Provisioned
 
     # -- the API ------------------------------------------------------------------------------------
     @staticmethod
@@ -172,10 +177,12 @@ class ProvisioningController:
         found = {c["type"]: c for c in status.setdefault("conditions", [])}
         if "Accepted" not in found:
             status["conditions"].append(_condition("Accepted", "True", "Accepted", "queued for capacity"))
-        if (
-            found.get("Provisioned", {}).get("status") == "True"
-            or found.get("Failed", {}).get("status") == "True"
-        ):
+        if found.get("Provisioned", {}).get("status") == "True":
+            if "BookingExpired" not in found and time.monotonic() - self.provisioned_at[key] >= self.booking_s:
+                self._set(status, _condition("BookingExpired", "True", "CapacityReservationTimeExpired",
+                                             "Capacity reservation time is expired"))  # fmt: skip
+            return
+        if found.get("Failed", {}).get("status") == "True":
             return
         if self.fail_with is not None:
             reason, message = self.fail_with
@@ -213,6 +220,7 @@ class ProvisioningController:
         sim.pool_history.append((pool, sim.pool_size(pool)))
         self._set(status, _condition("Provisioned", "True", "Provisioned",
                                      f"{pod_set['count']} node(s) of pool {pool} in {zone}"))  # fmt: skip
+        self.provisioned_at[key] = time.monotonic()
 
     def unfit_template(
         self, sim: ClusterSim, pool: str | None, template: dict[str, Any] | None
@@ -268,8 +276,10 @@ class ProvisioningController:
             if p["status"]["phase"] in ("Pending", "Running")
         }
         clock = time.monotonic()
+        booked = {key for key, request in self.requests.items()
+                  if not any(c["type"] == "BookingExpired" for c in request["status"].get("conditions", []))}  # fmt: skip
         for node, key in list(self.brought.items()):
-            if key in self.requests or node not in sim.nodes:
+            if key in booked or node not in sim.nodes:
                 if node not in sim.nodes:
                     del self.brought[node]
                 continue

@@ -248,10 +248,21 @@ def mark_evicted(gke: SimulatedGke, name: str) -> None:
         gke.sim.delete_pod("kubeflow", name)
 
 
-def test_an_evicted_task_leaves_its_request_and_the_retry_adopts_it(flex):
+def booking_expired(gke: SimulatedGke) -> bool:
+    (request,) = gke.sim.provisioning.requests.values()
+    return any(c["type"] == "BookingExpired" and c["status"] == "True" for c in request["status"]["conditions"])
+
+
+@pytest.mark.parametrize("expired", [False, True], ids=["booked", "booking-expired"])
+def test_an_evicted_task_leaves_its_request_and_the_retry_adopts_it(flex, expired):
+    """`booking-expired`: the retry comes after the autoscaler's booking of the request expired (10 minutes after
+    Provisioned, provisioning_controller.py); the JobSet's pods hold its nodes, so the request is still adopted,
+    not replaced by one that asks GKE for the nodes again."""
     launch = flex()
     gke = launch.gke
     gke.sim.kubelet = GracefulKubelet()  # the evicted task pod stays through its grace period
+    if expired:
+        gke.sim.provisioning.booking_s = 0.5
     task = evicted_task_pod(gke)
     first = launch.launch(env={POD_NAME_ENV: task, POD_NAMESPACE_ENV: "kubeflow"})
     launch.wait_for("the JobSet", lambda: bool(gke.sim.jobsets), first)
@@ -260,6 +271,11 @@ def test_an_evicted_task_leaves_its_request_and_the_retry_adopts_it(flex):
     code, out = run(first, timeout_s=60)
     assert code == 75, out[-3000:]
     assert len(gke.sim.provisioning.requests) == 1  # still holding the node for the retry
+    if expired:
+        deadline = time.monotonic() + 30
+        while not booking_expired(gke):
+            assert time.monotonic() < deadline, "the simulator's booking did not expire"
+            time.sleep(0.1)
     (jobset,) = gke.sim.jobsets.values()
     seen = len(gke.kube.state.requests)
     retry = launch.launch()

@@ -480,15 +480,19 @@ def _capacity(
     (`batchpilot.cluster.provisioning`); otherwise the pool was sized by the resize step."""
     if cluster.provisioning != "flex-start":
         return contextlib.nullcontext()
+    from batchpilot.cluster.lifecycle import running_jobset
     from batchpilot.cluster.provisioning import flex_start_capacity
     from batchpilot.cluster.readiness import kube_api_client
 
+    # A retried task whose JobSet still runs adopts it, and the request its pods consumed with it.
+    consumed = bool(spec.labels) and running_jobset(labels=spec.labels, cluster=cluster) is not None
     resource = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels).request.resource
     (replicated,) = resource["spec"]["replicatedJobs"]
     return flex_start_capacity(
         api_client=kube_api_client(), namespace=cluster.namespace, name=resource["metadata"]["name"],
         labels=spec.labels, pod=replicated["template"]["spec"]["template"], count=spec.num_nodes,
         timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s, stage_timeout_s=cluster.stage_timeout_s,
+        consumed=consumed,
     )  # fmt: skip
 
 

@@ -52,6 +52,17 @@ def adoptable_or_cleared(*, labels: dict[str, str], cluster: ClusterConfig, name
     return found
 
 
+def running_jobset(*, labels: dict[str, str], cluster: ClusterConfig) -> str | None:
+    """The name of the launch's JobSet of this plan still pending or running (what `adoptable_or_cleared`
+    would adopt), else None; deletes nothing."""
+    from batchpilot.cluster import jobset
+    from batchpilot.cluster.readiness import kube_api_client
+
+    found = jobset.list_jobsets(kube_api_client(), namespace=cluster.namespace, labels=stage_selector(labels))
+    live = [item for item in found if _adoptable(item, plan=labels[PLAN_LABEL])]
+    return str(live[0]["metadata"]["name"]) if live else None
+
+
 def _labels(item: dict[str, Any]) -> dict[str, str]:
     return item["metadata"].get("labels") or {}
 

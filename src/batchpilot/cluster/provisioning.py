@@ -57,8 +57,12 @@ WARDEN_LABEL = "cloud.google.com/apply-warden-policies"
 """On the PodTemplate: GKE's guide has it there, "necessary for GKE to calculate node resource requirements"."""
 MAX_RUN_DURATION_PARAMETER = "maxRunDurationSeconds"
 MAX_RUN_DURATION_S = 7 * 24 * 3600  # GKE's limit and default for flex-start nodes
-# Conditions that end a request's use: no node is (or will be) there for the launch.
+# Conditions that end a request's use: no node is (or will be) there for the launch. BookingExpired ends only
+# the booking of nodes no pod took yet: the cluster autoscaler sets it 10 minutes after Provisioned
+# (cluster-autoscaler provisioningrequest/processors/provreq, defaultReservationTime), while the launch's
+# pods hold the nodes; a request whose pods run is still the launch's (`consumed`).
 ENDED = ("Failed", "BookingExpired", "CapacityRevoked")
+BOOKING_EXPIRED = "BookingExpired"
 HOW_TO_CREATE_POOL = (
     "create the pool with `gcloud container node-pools create POOL --flex-start --enable-queued-provisioning "
     "--enable-autoscaling --num-nodes=0 --total-min-nodes=0 --total-max-nodes=MAX --location-policy=ANY "
@@ -125,6 +129,16 @@ def conditions(request: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def is_true(request: dict[str, Any], kind: str) -> bool:
     return conditions(request).get(kind, {}).get("status") == "True"
+
+
+def ended(request: dict[str, Any], *, consumed: bool = False) -> bool:
+    """Whether the request can no longer bring or hold the launch's nodes. `consumed`: the launch's pods run
+    on its nodes, so an expired booking (after Provisioned) does not end it."""
+    return any(
+        is_true(request, kind)
+        for kind in ENDED
+        if not (consumed and kind == BOOKING_EXPIRED and is_true(request, "Provisioned"))
+    )
 
 
 def describe(request: dict[str, Any]) -> str:
@@ -244,17 +258,20 @@ def _refusals(namespace: str, verb: str) -> Iterator[None]:
 # --- a launch's request ----------------------------------------------------------------------------
 
 
-def adopt_or_clear(requests: Requests, *, labels: dict[str, str], name: str) -> dict[str, Any] | None:
+def adopt_or_clear(
+    requests: Requests, *, labels: dict[str, str], name: str, consumed: bool = False
+) -> dict[str, Any] | None:
     """The launch's request of this plan that can still bring or hold its nodes (a retried launch: it is
     followed, not asked for twice), else None, after deleting the launch's other requests (another plan,
-    Failed, BookingExpired, CapacityRevoked, being deleted)."""
+    Failed, CapacityRevoked, being deleted, or BookingExpired unless `consumed`: the launch's JobSet runs on
+    its nodes, and the retry adopts both)."""
     existing = requests.list({RUN_LABEL: labels[RUN_LABEL], STAGE_LABEL: labels[STAGE_LABEL]})
     live = [
         item
         for item in existing
         if (item["metadata"].get("labels") or {}).get(PLAN_LABEL) == labels[PLAN_LABEL]
         and not item["metadata"].get("deletionTimestamp")
-        and not any(is_true(item, kind) for kind in ENDED)
+        and not ended(item, consumed=consumed)
     ]
     for item in existing:
         if item not in live[:1]:
@@ -277,10 +294,12 @@ def wait_provisioned(
     count: int,
     timeout_s: float,
     poll_s: float,
+    consumed: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Waits until request `name` is Provisioned, logging each state GKE reports as it changes; raises in
-    one line when it fails (at once) or is not provisioned within `timeout_s`."""
+    one line when it fails (at once) or is not provisioned within `timeout_s`. `consumed`: the launch's pods
+    already run on its nodes (see `ended`)."""
     deadline = clock() + timeout_s
     said = ""
     while True:
@@ -289,9 +308,9 @@ def wait_provisioned(
         if state != said:
             logger.info("ProvisioningRequest %s for %d node(s): %s", name, count, state)
             said = state
-        if is_true(request, "Provisioned") and not any(is_true(request, kind) for kind in ENDED):
+        if is_true(request, "Provisioned") and not ended(request, consumed=consumed):
             return
-        if any(is_true(request, kind) for kind in ENDED):
+        if ended(request, consumed=consumed):
             raise BatchpilotError(
                 "cluster.provisioning",
                 f"ProvisioningRequest {name} for {count} node(s) ended: {state}; it is deleted",
@@ -321,17 +340,20 @@ def flex_start_capacity(
     count: int,
     timeout_s: float,
     stage_timeout_s: float,
+    consumed: bool = False,
     poll_s: float = 2.0,
 ) -> Iterator[None]:
     """The launch's nodes through a ProvisioningRequest named `name` (the JobSet's name): adopts the
     launch's live request or creates one (with its PodTemplate, from the trainer pod template `pod`),
     waits until it is Provisioned, runs the block, then deletes both whatever happened, except when this
     task's pod is evicted (`Evicted`): the retry adopts the JobSet and the request that holds its nodes.
+    `consumed`: the launch's JobSet runs (a retried task adopts it), so its request's expired booking is no
+    end (`ended`).
     """
     requests = Requests(api_client, namespace)
     keep = False
     try:
-        if adopt_or_clear(requests, labels=labels, name=name) is None:
+        if adopt_or_clear(requests, labels=labels, name=name, consumed=consumed) is None:
             template = pod_template_manifest(name=name, namespace=namespace, labels=labels, pod=pod)
             request = provisioning_request_manifest(
                 name=name, namespace=namespace, labels=labels, count=count,
@@ -342,7 +364,9 @@ def flex_start_capacity(
                 count, name, PROVISIONING_CLASS, timeout_s,
             )  # fmt: skip
             requests.create(template=template, request=request)
-        wait_provisioned(requests, name=name, count=count, timeout_s=timeout_s, poll_s=poll_s)
+        wait_provisioned(
+            requests, name=name, count=count, timeout_s=timeout_s, poll_s=poll_s, consumed=consumed
+        )
         yield
     except Evicted:
         keep = True
