@@ -18,6 +18,9 @@ Routes:
   with neither or both of resourceAttributes and nonResourceAttributes is refused 422 Invalid, as
   kubernetes pkg/apis/authorization/validation ValidateSelfSubjectAccessReviewSpec refuses it.
 - DaemonSets (`GET /apis/apps/v1/namespaces/NS/daemonsets/NAME`): those in `daemonsets`, else 404.
+- ConfigMaps (`GET /api/v1/namespaces/NS/configmaps/NAME`): those in `configmaps` (e.g. Argo's
+  workflow-controller-configmap), else 404; (verb, resource) `("get", "configmaps")` in `denied` answers 403
+  Forbidden, as the API server answers a caller without that grant.
 
 Without a simulator the JobSet routes also list (`labelSelector`) and DELETE removes the JobSet's pods
 (any `propagationPolicy` but Orphan), and `.../events` answers the scripted `events`.
@@ -101,6 +104,7 @@ class KubeState:
     git_version: str = "v1.31.4-gke.1000"  # what GET /version reports
     denied: set[tuple[str, str]] = field(default_factory=set)  # SelfSubjectAccessReview: (verb, resource)
     daemonsets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (namespace, name)
+    configmaps: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (namespace, name)
 
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
@@ -178,12 +182,22 @@ class _Handler(QuietHandler):
         return answer is not None
 
     def _cluster_info(self, path: str) -> bool:
-        """`/version` and DaemonSets, with or without a simulator; False for any other path."""
+        """`/version`, DaemonSets and ConfigMaps, with or without a simulator; False for any other path."""
         if path in ("/version", "/version/"):  # the kubernetes client asks for /version/
             major, minor = self.state.git_version.removeprefix("v").split(".")[:2]
             self.reply(200, {"major": major, "minor": minor, "gitVersion": self.state.git_version,
                              "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
                              "goVersion": "go1.23.4", "compiler": "gc", "platform": "linux/amd64"})  # fmt: skip
+            return True
+        if match := CONFIGMAP.match(path):
+            if ("get", "configmaps") in self.state.denied:
+                message = (f'configmaps "{match["name"]}" is forbidden: User cannot get resource "configmaps" in '
+                           f'API group "" in the namespace "{match["ns"]}"')  # fmt: skip
+                self.reply(403, _status(403, "Forbidden", message))
+                return True
+            found = self.state.configmaps.get((match["ns"], match["name"]))
+            message = f'configmaps "{match["name"]}" not found'
+            self.reply(*((200, found) if found else (404, _status(404, "NotFound", message))))
             return True
         if match := DAEMONSET.match(path):
             found = self.state.daemonsets.get((match["ns"], match["name"]))
@@ -303,6 +317,7 @@ class _Handler(QuietHandler):
 
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 DAEMONSET = re.compile(r"^/apis/apps/v1/namespaces/(?P<ns>[^/]+)/daemonsets/(?P<name>[^/]+)$")
+CONFIGMAP = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/configmaps/(?P<name>[^/]+)$")
 
 
 def access_review(body: Any, *, denied: set[tuple[str, str]]) -> tuple[int, dict[str, Any]]:

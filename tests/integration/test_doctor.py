@@ -82,7 +82,24 @@ def gke(
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
         monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "proj")
         monkeypatch.delenv("KFP_TOKEN", raising=False)
+        cluster.kube.state.configmaps[ARGO_CONFIGMAP] = argo_configmap(ARGO_ALWAYS)
         yield cluster
+
+
+ARGO_CONFIGMAP = ("kubeflow", "workflow-controller-configmap")
+ARGO_ALWAYS = "spec:\n  templateDefaults:\n    retryStrategy:\n      retryPolicy: Always\n"
+KFP_2_17_DEFAULTS = (
+    "spec:\n  ttlStrategy:\n    secondsAfterCompletion: 3600\n  templateDefaults:\n    retryStrategy:\n"
+    "      limit: '2'\n      retryPolicy: OnError\n"
+)
+"""What KFP 2.17.0's manifests put in Argo's ConfigMap (kubeflow/pipelines #13485,
+manifests/kustomize/third-party/argo/base/workflow-controller-configmap-patch.yaml)."""
+
+
+def argo_configmap(workflow_defaults: str | None) -> dict[str, Any]:
+    data = {"workflowDefaults": workflow_defaults} if workflow_defaults is not None else {}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "data": data,
+            "metadata": {"name": ARGO_CONFIGMAP[1], "namespace": ARGO_CONFIGMAP[0]}}  # fmt: skip
 
 
 def pool_of(cluster: SimulatedGke, name: str = POOL) -> dict[str, Any]:
@@ -115,9 +132,9 @@ def test_a_cluster_that_is_right_passes_every_check(gke, tmp_path, capsys):
                              "--host", kfp.endpoint)  # fmt: skip
     assert code == 0, lines
     checks = ["plan", "credentials", "node pool", "kubernetes", "quota", "rbac", "jobset crd", "gpu driver",
-              "gpu nodes", "data", "checkpoint", "kfp"]  # fmt: skip
+              "gpu nodes", "data", "checkpoint", "kfp", "argo retries"]  # fmt: skip
     assert status_of(lines) == dict.fromkeys(checks, "passed")
-    assert lines[-1] == "doctor: 12 passed, 0 FAILED, 0 skipped"
+    assert lines[-1] == "doctor: 13 passed, 0 FAILED, 0 skipped"
     text = "\n".join(lines)
     assert "plan: passed: largest launch stages-0-final: 2 node(s) x 8 device(s) = 16 (micro batch 4)" in text
     assert "node pool: passed: h100: a3-highgpu-8g, 8 x nvidia-h100-80gb" in text
@@ -464,3 +481,49 @@ def test_an_unreachable_container_api_fails_its_checks_in_seconds(gke, tmp_path,
         "(fix: check that the Container API (or cluster.container_api_endpoint) is reachable from here)"
     )
     assert "gpu driver: skipped: the node pool was not read" in lines
+
+
+ARGO_FIX = (
+    "(fix: set retryPolicy: Always under workflowDefaults.spec.templateDefaults.retryStrategy in ConfigMap "
+    'kubeflow/workflow-controller-configmap, then restart the workflow controller (docs/cluster.md, "Argo retries"))'
+)
+
+
+@pytest.mark.parametrize(
+    ("configmap", "expected"),
+    [
+        (None, "argo retries: FAILED: retryPolicy OnFailure (Argo's default (no workflow-controller-configmap)): a "
+               "task whose pod is deleted before it ends (a node drain or upgrade, a Spot reclaim) is not retried, so "
+               "the run fails and its exit handler stops the stage's trainers"),
+        ("spec:\n  ttlStrategy:\n    secondsAfterCompletion: 3600\n",
+         "argo retries: FAILED: retryPolicy OnFailure (Argo's default (no retryPolicy in workflowDefaults's "
+         "templateDefaults)): a task whose pod is deleted"),
+        (KFP_2_17_DEFAULTS,
+         "argo retries: FAILED: retryPolicy OnError (workflowDefaults.spec.templateDefaults.retryStrategy.retryPolicy): "
+         "a task that fails on its own is not retried (exit 75 after an eviction, a resize GKE refused for a moment, "
+         "a launch that found no capacity), so batchpilot's retries of the resize and train tasks never run"),
+        ("spec:\n  templateDefaults:\n    retryStrategy:\n      retryPolicy: Sometimes\n",
+         "argo retries: FAILED: ConfigMap kubeflow/workflow-controller-configmap: "
+         "workflowDefaults.spec.templateDefaults.retryStrategy.retryPolicy is 'Sometimes', which Argo refuses (valid: "
+         "Always, OnFailure, OnError, OnTransientError)"),
+    ],
+    ids=["no-configmap", "no-retry-policy", "kfp-2.17-defaults", "unknown-policy"],
+)
+def test_argo_retry_defaults_that_leave_a_case_unretried(gke, tmp_path, capsys, configmap, expected):
+    """Which failed attempts Argo retries follows from its ConfigMap's templateDefaults (argo-workflows operator.go
+    processNodeRetries, RetryPolicyActual; KFP sets no retryPolicy of its own)."""
+    if configmap is None:
+        del gke.kube.state.configmaps[ARGO_CONFIGMAP]
+    else:
+        gke.kube.state.configmaps[ARGO_CONFIGMAP] = argo_configmap(configmap)
+    line = one_failure(*doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor")))
+    assert line.startswith(expected) and line.endswith(ARGO_FIX), line
+
+
+def test_argo_retries_are_skipped_when_the_caller_may_not_read_the_configmap(gke, tmp_path, capsys):
+    gke.kube.state.denied.add(("get", "configmaps"))
+    code, lines = doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"))
+    assert code == 0, lines
+    assert (
+        "argo retries: skipped: the caller may not read ConfigMap kubeflow/workflow-controller-configmap (HTTP 403)"
+    ) in lines

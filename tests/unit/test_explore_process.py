@@ -65,7 +65,8 @@ def test_a_killed_probe_names_the_signal(child_module):
     assert "the probe process was killed by SIGKILL" in ranks.reason
 
 
-# Each rank writes its pid to a file, then rank 0 reports `fits` from the payload at once and rank 1
+# Each rank writes its pid to a file, then rank 0 reports `fits` from the payload as soon as every rank has
+# written its pid (so a slow machine's late start is not taken for a peer that never ran) and rank 1
 # reports fitting after a second, or (HANG) never: it waits, as a rank waits in a dead peer's collective.
 RANKS = f"""
 import json, os, sys, time
@@ -75,6 +76,8 @@ assert os.environ["LOCAL_WORLD_SIZE"] == str(world) and os.environ["MASTER_ADDR"
 Path(os.environ["PIDS"], str(rank)).write_text(str(os.getpid()))
 request = json.loads(sys.stdin.read())
 if rank == 0:
+    while len(os.listdir(os.environ["PIDS"])) < world:
+        time.sleep(0.01)
     print("{RESULT_MARKER} " + json.dumps({{"fits": request["fits"], "rank": rank}}), flush=True)
     sys.exit(0)
 time.sleep(3600 if request["hang"] else 1)

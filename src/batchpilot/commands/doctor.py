@@ -21,12 +21,18 @@ def register(subparsers: Any) -> None:
         description="Checks, in order, what a run of --config needs: credentials, the node pool (machine and "
         "accelerator type, GPU driver), the GPU quota for the plan's largest launch, the Kubernetes API, the "
         "RBAC a run uses, the JobSet CRD, the pool's GPU nodes, the data manifest, a write to the checkpoint "
-        "prefix and (with --host) the KFP API. One line per check: passed, FAILED with the fix, or skipped "
+        "prefix, (with --host) the KFP API, and how the cluster's Argo retries the tasks. One line per check: passed, FAILED with the fix, or skipped "
         "with why. Exit 0 only when nothing failed.",
     )
     add_config(parser)
     parser.add_argument(
         "--host", help="KFP API endpoint with scheme, as for `batchpilot submit` (none: not checked)"
+    )
+    parser.add_argument(
+        "--kfp-namespace",
+        default="kubeflow",
+        help="namespace KFP (and its Argo workflow controller) is installed in, where the argo retries check "
+        "reads workflow-controller-configmap (default: kubeflow)",
     )
     parser.add_argument(
         "--token",
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("google.auth", "urllib3", "kubernetes"):
         logging.getLogger(name).setLevel(logging.ERROR)
     counts = {"passed": 0, "FAILED": 0, "skipped": 0}
-    for check in run_checks(config, kfp_host=args.host, kfp_token=token):
+    for check in run_checks(config, kfp_host=args.host, kfp_token=token, kfp_namespace=args.kfp_namespace):
         print(check.line(), flush=True)
         counts[check.status] += 1
     print(f"doctor: {counts['passed']} passed, {counts['FAILED']} FAILED, {counts['skipped']} skipped")

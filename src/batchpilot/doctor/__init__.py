@@ -7,7 +7,7 @@ skipped, not run (no credentials: no Container API call). Every network call has
 unreachable endpoint costs seconds, not minutes.
 
 Order on gke: plan, credentials, node pool, kubernetes, quota, rbac, jobset crd, gpu driver, gpu nodes,
-data, checkpoint, kfp. On local: plan, cloud (skipped), cpus, (credentials when a URI is gs://), data,
+data, checkpoint, kfp, argo retries. On local: plan, cloud (skipped), cpus, (credentials when a URI is gs://), data,
 checkpoint, kfp. The Kubernetes checks run as whoever the kubeconfig (or the pod's service account) is:
 the KFP run's own account may hold other grants (docs/cluster.md, "Identity").
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from batchpilot.config import Config
+from batchpilot.doctor.argo import check_argo_retries
 from batchpilot.doctor.core import Check, Context, Step, bounded
 from batchpilot.doctor.google import check_credentials, check_node_pool, check_quota
 from batchpilot.doctor.kfp_api import check_kfp
@@ -34,10 +35,10 @@ __all__ = ["Check", "run_checks", "steps"]
 
 
 def run_checks(
-    config: Config, *, kfp_host: str | None = None, kfp_token: str | None = None
+    config: Config, *, kfp_host: str | None = None, kfp_token: str | None = None, kfp_namespace: str = "kubeflow"
 ) -> Iterator[Check]:
     """Every check for `config`, in order, each as soon as it is done."""
-    context = Context(config=config, kfp_host=kfp_host, kfp_token=kfp_token)
+    context = Context(config=config, kfp_host=kfp_host, kfp_token=kfp_token, kfp_namespace=kfp_namespace)
     for name, step in steps(config):
         check = bounded(name, step, context)
         if check.status == "passed":
@@ -62,4 +63,5 @@ def steps(config: Config) -> list[Step]:
         ("gpu driver", check_gpu_driver),
         ("gpu nodes", check_gpu_nodes),
         *storage,
+        ("argo retries", check_argo_retries),
     ]

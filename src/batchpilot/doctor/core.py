@@ -55,6 +55,7 @@ class Context:
     config: Config
     kfp_host: str | None = None
     kfp_token: str | None = None
+    kfp_namespace: str = "kubeflow"
     found: dict[str, Any] = field(default_factory=dict)
 
 
