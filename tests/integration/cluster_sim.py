@@ -51,6 +51,7 @@ class Pool:
     zones: list[str]
     machine_type: str
     autoscaling: dict[str, Any] = field(default_factory=dict)
+    spot: bool = False  # Spot VMs: GKE labels their nodes (gke_nodes.gke_node)
     next_index: int = 0  # a managed instance group never reuses an instance name
 
 
@@ -78,8 +79,8 @@ class ClusterSim(WorkloadControllers):
     provisioning: Any = None  # a provisioning_controller.ProvisioningController: GKE's queued provisioning
 
     # -- node pools ---------------------------------------------------------------------------
-    def add_pool(self, name: str, *, zones: list[str], machine_type: str) -> None:
-        self.pools[name] = Pool(zones=list(zones), machine_type=machine_type)
+    def add_pool(self, name: str, *, zones: list[str], machine_type: str, spot: bool = False) -> None:
+        self.pools[name] = Pool(zones=list(zones), machine_type=machine_type, spot=spot)
 
     def resize_pool(self, name: str, *, per_zone: int, granted: dict[str, int] | None = None) -> None:
         """setSize: `per_zone` nodes in each zone; removed nodes take their pods with them. `granted`
@@ -161,6 +162,7 @@ class ClusterSim(WorkloadControllers):
                         machine_type=pool.machine_type,
                         ready=age >= self.ready_delay_s,
                         gpus_published=age >= self.ready_delay_s + self.gpu_delay_s,
+                        spot=pool.spot,
                     )
                 )
             if self.provisioning is not None:

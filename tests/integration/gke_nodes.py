@@ -265,7 +265,7 @@ def node_name(cluster: str, pool: str, zone: str, index: int) -> str:
 
 
 def gke_node(
-    *, name: str, pool: str, zone: str, machine_type: str, ready: bool, gpus_published: bool
+    *, name: str, pool: str, zone: str, machine_type: str, ready: bool, gpus_published: bool, spot: bool = False
 ) -> dict[str, Any]:
     """The Node object of one pool member (a machine type missing from MACHINES is a test error)."""
     machine = MACHINES[machine_type]
@@ -287,6 +287,8 @@ def gke_node(
         "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64",
     }
+    if spot:  # GKE "Spot VMs": both labels on every Spot node
+        labels.update({"cloud.google.com/gke-spot": "true", "cloud.google.com/gke-provisioning": "spot"})
     taints = []
     if machine.gpus:
         labels["cloud.google.com/gke-accelerator"] = str(machine.accelerator)

@@ -239,6 +239,37 @@ def pod_requests(spec: dict[str, Any]) -> dict[str, Fraction]:
     return total
 
 
+def required_affinity_matches(spec: dict[str, Any], labels: dict[str, str]) -> bool:
+    """The pod's required node affinity against a node's labels (component-helpers scheduling/corev1/
+    nodeaffinity: the nodeSelectorTerms are ORed, a term's matchExpressions ANDed; In, NotIn, Exists,
+    DoesNotExist, Gt, Lt as labels.Selector has them: NotIn and DoesNotExist match a node without the key).
+    matchFields (metadata.name only) are not simulated."""
+    terms = (
+        ((spec.get("affinity") or {}).get("nodeAffinity") or {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+        .get("nodeSelectorTerms")
+    )
+    if not terms:
+        return True
+
+    def matches(expression: dict[str, Any]) -> bool:
+        key, op, values = expression["key"], expression["operator"], expression.get("values") or []
+        present, value = key in labels, labels.get(key)
+        if op == "In":
+            return present and value in values
+        if op == "NotIn":
+            return not present or value not in values
+        if op == "Exists":
+            return present
+        if op == "DoesNotExist":
+            return not present
+        if op in ("Gt", "Lt") and present and value is not None and value.isdigit():
+            return int(value) > int(values[0]) if op == "Gt" else int(value) < int(values[0])
+        return False
+
+    return any(all(matches(e) for e in term.get("matchExpressions") or []) for term in terms)
+
+
 def unfit_reasons(pod: dict[str, Any], node: dict[str, Any], used: dict[str, Fraction]) -> list[str]:
     """Why the scheduler's filters reject `node` for `pod` (empty: it fits), in the plugins' words.
 
@@ -253,7 +284,9 @@ def unfit_reasons(pod: dict[str, Any], node: dict[str, Any], used: dict[str, Fra
             tolerates(t, taint) for t in spec.get("tolerations") or []
         ):  # tainttoleration.ErrReasonNotMatch
             return [f"node(s) had untolerated taint {{{taint['key']}: {taint.get('value', '')}}}"]
-    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()) or not required_affinity_matches(
+        spec, labels
+    ):
         return ["node(s) didn't match Pod's node affinity/selector"]  # nodeaffinity.ErrReasonPod
     allocatable = {k: quantity(v) for k, v in node["status"].get("allocatable", {}).items()}
     reasons = []

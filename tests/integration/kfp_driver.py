@@ -14,6 +14,11 @@ Rules (kubeflow/pipelines backend/src/v2/driver/driver.go, initPodSpecPatch and 
   value, effect, tolerationSeconds); `activeDeadlineSeconds` > 0 -> `spec.activeDeadlineSeconds`;
   `fieldPathAsEnv` -> one env var per entry on the `main` container, `valueFrom.fieldRef.fieldPath`
   (driver/k8s.go: "Get Kubernetes FieldPath Env information", appended to `podSpec.Containers[0].Env`);
+- `nodeAffinity` (driver/k8s.go, extendPodSpecPatch, from KFP 2.14.0, #12028): each term's matchExpressions
+  and matchFields become one NodeSelectorTerm, copied as written; a term with a `weight` goes to
+  `preferredDuringSchedulingIgnoredDuringExecution` as {weight, preference}, one without to
+  `requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms` (terms ORed by the scheduler);
+  `spec.affinity.nodeAffinity` is set to the result (assigned, not merged);
 - `podMetadata.annotations` / `.labels` are not the driver's: the Argo compiler puts them on the executor
   template's metadata, which Argo copies onto the pod, without overwriting what the template already has
   ("the existing podMetadata should have higher privilege than the user definition"; compiler/
@@ -124,6 +129,8 @@ def task_pod(
         spec["tolerations"] = [{k: t[k] for k in keys if t.get(k) not in (None, "")} for t in tolerations]
     if int(config.get("activeDeadlineSeconds") or 0) > 0:
         spec["activeDeadlineSeconds"] = int(config["activeDeadlineSeconds"])
+    if terms := config.get("nodeAffinity"):
+        spec["affinity"] = {"nodeAffinity": _node_affinity(terms)}
     for entry in config.get("fieldPathAsEnv") or []:
         main["env"].append(
             {"name": entry["name"], "valueFrom": {"fieldRef": {"fieldPath": entry["fieldPath"]}}}
@@ -135,6 +142,25 @@ def task_pod(
     }
     _extend_metadata(metadata, config.get("podMetadata") or {})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _node_affinity(terms: list[dict[str, Any]]) -> dict[str, Any]:
+    required: list[dict[str, Any]] = []
+    preferred: list[dict[str, Any]] = []
+    for term in terms:
+        selector = {k: term[k] for k in ("matchExpressions", "matchFields") if term.get(k)}
+        if not selector:
+            continue  # an empty term is skipped (with a warning)
+        if term.get("weight") is not None:
+            preferred.append({"weight": int(term["weight"]), "preference": selector})
+        else:
+            required.append(selector)
+    affinity: dict[str, Any] = {}
+    if required:
+        affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": required}
+    if preferred:
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    return affinity
 
 
 def _extend_metadata(metadata: dict[str, Any], pod_metadata: dict[str, Any]) -> None:

@@ -18,6 +18,8 @@ Routes:
   with neither or both of resourceAttributes and nonResourceAttributes is refused 422 Invalid, as
   kubernetes pkg/apis/authorization/validation ValidateSelfSubjectAccessReviewSpec refuses it.
 - DaemonSets (`GET /apis/apps/v1/namespaces/NS/daemonsets/NAME`): those in `daemonsets`, else 404.
+- With a simulator, PodDisruptionBudgets, the Eviction API and a pod's label patch (`kube_disruption.py`);
+  (verb, resource) `("patch", "pods")` or `("create", "poddisruptionbudgets.policy")` in `denied` answers 403.
 - ConfigMaps (`GET /api/v1/namespaces/NS/configmaps/NAME`): those in `configmaps` (e.g. Argo's
   workflow-controller-configmap), else 404; (verb, resource) `("get", "configmaps")` in `denied` answers 403
   Forbidden, as the API server answers a caller without that grant.
@@ -48,6 +50,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import jobset_webhook
+import kube_disruption
 import kube_leases
 import kube_sim_routes
 import yaml
@@ -105,6 +108,7 @@ class KubeState:
     denied: set[tuple[str, str]] = field(default_factory=set)  # SelfSubjectAccessReview: (verb, resource)
     daemonsets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (namespace, name)
     configmaps: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (namespace, name)
+    budgets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # PDBs (kube_disruption.py)
 
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
@@ -143,6 +147,12 @@ class _Handler(QuietHandler):
         """Answers from the simulator when there is one; False when this server plays the script."""
         if self.state.sim is None:
             return False
+        if refused := self._refused(path):
+            self.reply(*refused)
+            return True
+        if (answer := kube_disruption.route(self.state.sim, self.state.budgets, self.command, path, body)) is not None:
+            self.reply(*answer)
+            return True
         if self.command == "GET" and path.endswith("/log") and query.get("follow", [""])[0].lower() == "true":
             self._follow_log(self.state.sim, path)
             return True
@@ -150,6 +160,24 @@ class _Handler(QuietHandler):
         code, payload = answer or (404, _status(404, "NotFound", f"no route {path}"))
         self.reply(code, payload)
         return True
+
+    def _refused(self, path: str) -> tuple[int, dict[str, Any]] | None:
+        """403 for a pod patch or a budget create that `denied` withholds (as `kubectl auth can-i` names them)."""
+        verb = {"PATCH": "patch", "POST": "create", "DELETE": "delete"}.get(self.command)
+        if kube_disruption.POD.match(path) and verb == "patch":
+            resource = "pods"
+        elif kube_disruption.BUDGETS.match(path) and verb:
+            resource = "poddisruptionbudgets.policy"
+        else:
+            return None
+        if (verb, resource) not in self.state.denied:
+            return None
+        return 403, _status(403, "Forbidden", f'{resource} is forbidden: User cannot {verb} resource "{resource}"')
+
+    def do_PATCH(self) -> None:
+        path, query, body = self._record()
+        if not self._simulated(path, query, body):
+            self.reply(404, _status(404, "NotFound", f"no route {path}"))
 
     def _follow_log(self, sim: ClusterSim, path: str) -> None:
         """`log?follow=true`: the log so far, then what the pod writes, until it ends (the body ends

@@ -156,7 +156,14 @@ def test_a_cluster_that_is_right_passes_every_check(gke, tmp_path, capsys):
         "resource": "jobsets",
         "namespace": "batchpilot",
     } in [review["spec"]["resourceAttributes"] for review in reviews]
-    assert len(reviews) == 14
+    # The task's own pod lives where KFP runs it: its budget is asked for in that namespace.
+    assert {
+        "verb": "create",
+        "group": "policy",
+        "resource": "poddisruptionbudgets",
+        "namespace": "kubeflow",
+    } in [review["spec"]["resourceAttributes"] for review in reviews]
+    assert len(reviews) == 18
     assert open_storage("gs://doctor/ckpt").list() == []  # the checkpoint probe cleaned up after itself
 
 

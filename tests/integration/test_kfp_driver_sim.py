@@ -130,3 +130,30 @@ def test_a_train_task_that_fails_after_hours_is_still_retried_and_each_retry_may
     # The window KFP writes when backoff_max_duration is left out (sdk kfp/dsl/structures.py RetryPolicy).
     old = {**policy, "backoffMaxDuration": "3600s"}
     assert argo_retry(old, attempts=[first], now=first[1]) == (None, "Max duration limit exceeded")
+
+
+def test_the_long_lived_task_pods_never_land_on_a_spot_node():
+    """A Spot VM's reclaim deletes the task pod whatever its disruption budget, and Argo may not retry a
+    deleted pod: train, canary and the pool tasks avoid Spot and preemptible nodes (compiled node affinity,
+    applied by the driver as KFP 2.14+ does; kfp_driver.py), while plan, which nothing follows, may use them."""
+    pipeline, platform = load_compiled(NEMO)
+    with simulated_gke() as gke:
+        gke.add_pool("spot-pool", machine_type="e2-standard-4", per_zone=1)
+        gke.container.state.pools[gke.pool_path("spot-pool")]["config"]["spot"] = True
+        gke.sim.pools["spot-pool"].spot = True  # GKE labels its nodes cloud.google.com/gke-spot=true
+        train = submit(gke, task_pod(pipeline, platform, "stages-0-3/train-stage")).metadata.name
+        resize = submit(gke, task_pod(pipeline, platform, "stages-0-3/resize-pool")).metadata.name
+        plan = submit(gke, task_pod(pipeline, platform, "plan")).metadata.name
+        deadline = time.monotonic() + 5
+        while not read(gke, plan).spec.node_name:
+            assert time.monotonic() < deadline, read(gke, plan).status.conditions
+            time.sleep(0.02)
+        for name in (train, resize):
+            (condition,) = read(gke, name).status.conditions
+            assert condition.reason == "Unschedulable", condition
+            assert "1 node(s) didn't match Pod's node affinity/selector" in condition.message, condition
+        gke.add_pool("default-pool", machine_type="e2-standard-4", per_zone=1)  # on-demand VMs
+        while not (read(gke, train).spec.node_name and read(gke, resize).spec.node_name):
+            assert time.monotonic() < deadline + 5, read(gke, train).status.conditions
+            time.sleep(0.02)
+        assert {gke.sim.nodes[read(gke, n).spec.node_name]["pool"] for n in (train, resize)} == {"default-pool"}

@@ -219,3 +219,58 @@ def test_a_terminated_train_task_deletes_its_jobset(gke, tmp_path):
     )
     # Deleted with propagationPolicy Foreground: it stays, marked, while its trainers checkpoint.
     assert gke.sim.jobsets[(NS, jobset)]["metadata"].get("deletionTimestamp"), output
+
+
+# --- the task's own disruption budget ----------------------------------------------------------------
+
+
+def drain(gke: SimulatedGke, pod: str) -> tuple[int, str]:
+    """What `kubectl drain` (or a node upgrade, or the autoscaler) asks for each pod: an Eviction."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    eviction = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=KFP_NS))
+    try:
+        client.CoreV1Api(gke.kube.api_client()).create_namespaced_pod_eviction(pod, KFP_NS, eviction)
+    except ApiException as error:
+        return error.status, str(error.body)
+    return 201, ""
+
+
+@pytest.mark.slow
+def test_a_drain_cannot_evict_the_task_while_it_follows_its_launch(gke, tmp_path):
+    """The task's budget (minAvailable 1 over its own pod) makes the Eviction API refuse with 429; once the
+    launch ended the budget is gone and the pod can be evicted (kube_disruption.py has the rules)."""
+    plan = plan_file(tmp_path)
+    pod = train_task_pod(gke.sim)
+    proc = start_train_task(gke, plan, pod, tmp_path)
+    wait_for_running_jobset(gke, proc)
+    code, body = drain(gke, pod)
+    assert code == 429 and "Cannot evict pod as it would violate the pod's disruption budget." in body, body
+    assert not gke.sim.pods[(KFP_NS, pod)]["metadata"].get("deletionTimestamp")  # still following
+    for key in list(gke.sim.pods):
+        if key[0] == NS:
+            gke.sim.finish_pod(*key, exit_code=0)
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, output
+    assert f"task pod {pod}: PodDisruptionBudget batchpilot-task-" in output
+    assert not gke.kube.state.budgets, gke.kube.state.budgets
+    assert drain(gke, pod)[0] == 201
+
+
+@pytest.mark.slow
+def test_a_task_that_may_not_make_its_budget_says_so_and_trains(gke, tmp_path):
+    gke.kube.state.denied.add(("create", "poddisruptionbudgets.policy"))
+    plan = plan_file(tmp_path)
+    pod = train_task_pod(gke.sim)
+    proc = start_train_task(gke, plan, pod, tmp_path)
+    wait_for_running_jobset(gke, proc)
+    for key in list(gke.sim.pods):
+        if key[0] == NS:
+            gke.sim.finish_pod(*key, exit_code=0)
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, output
+    assert (
+        f"task pod {pod}: cannot protect it with a PodDisruptionBudget (HTTP 403 Forbidden): a node drain or "
+        "upgrade may evict it (the chart's Role grants pods/patch and poddisruptionbudgets)"
+    ) in output

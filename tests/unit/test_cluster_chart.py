@@ -88,6 +88,8 @@ def test_every_rendered_object_is_valid_kubernetes(tmp_path):
         "ConfigMap",
         "Job",
         "Role",
+        "Role",
+        "RoleBinding",
         "RoleBinding",
         "ServiceAccount",
     ]
@@ -118,14 +120,25 @@ def test_rbac_reads_nodes_pods_and_the_jobset_crd_cluster_wide_and_runs_jobsets_
         },
     ]
     rules = {
-        (r["apiGroups"][0], res): set(r["verbs"]) for r in objects["Role"]["rules"] for res in r["resources"]
+        (r["apiGroups"][0], res): set(r["verbs"])
+        for r in named(render(), "Role", "-launcher")["rules"]
+        for res in r["resources"]
     }
     assert rules[("jobset.x-k8s.io", "jobsets")] >= {"create", "get", "delete", "watch"}
     assert rules[("", "pods/log")] == {"get"} and ("", "events") in rules
     assert not any(group == "batch.volcano.sh" for group, _ in rules)
-    volcano = by_kind(render({"rbac": {"volcano": True}}))["Role"]["rules"]
+    volcano = named(render({"rbac": {"volcano": True}}), "Role", "-launcher")["rules"]
     assert any(r["apiGroups"] == ["batch.volcano.sh"] for r in volcano)
-    assert objects["RoleBinding"]["subjects"][0]["name"] == objects["ServiceAccount"]["metadata"]["name"]
+    binding = named(render(), "RoleBinding", "-launcher")
+    assert binding["subjects"][0]["name"] == objects["ServiceAccount"]["metadata"]["name"]
+    # The task's own pod, in the namespace KFP runs it in: read, labelled and covered by a budget, nothing more.
+    task_pod = named(render(), "Role", "-task-pod")
+    assert task_pod["metadata"]["namespace"] == "kubeflow"
+    assert task_pod["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "delete"]},
+    ]
+    assert named(render(), "RoleBinding", "-task-pod")["metadata"]["namespace"] == "kubeflow"
 
 
 def test_the_config_map_holds_a_valid_batchpilot_config():
@@ -347,7 +360,7 @@ def test_the_orphan_reaper_is_an_optional_hardened_cronjob_scaling_down_orphaned
     # What the reaper (and the pipeline's tasks) call: Leases and JobSets in the namespace, bound to both.
     rules = {
         (r["apiGroups"][0], res): set(r["verbs"])
-        for r in by_kind(objects)["Role"]["rules"]
+        for r in named(objects, "Role", "-launcher")["rules"]
         for res in r["resources"]
     }
     assert rules[("coordination.k8s.io", "leases")] == {"create", "get", "list", "update", "delete"}
@@ -362,20 +375,21 @@ def test_the_chart_grants_every_permission_a_run_calls(provisioning):
     what cluster/ calls, call site by call site (doctor/kube.py run_access)."""
     from batchpilot.doctor.kube import run_access
 
-    kinds = by_kind(render())
+    objects = render()
 
-    def granted(kind: str) -> set[tuple[str, str, str]]:
+    def granted(which: str) -> set[tuple[str, str, str]]:
+        """The grants of the ClusterRole, or of the Role whose name ends with `which`."""
+        found = by_kind(objects)[which] if which == "ClusterRole" else named(objects, "Role", which)
         return {
             (group, resource, verb)
-            for rule in kinds[kind]["rules"]
+            for rule in found["rules"]
             for group in rule["apiGroups"]
             for resource in rule["resources"]
             for verb in rule["verbs"]
         }
 
-    role, cluster_role = granted("Role"), granted("ClusterRole")
+    role, cluster_role, task_pod = granted("-launcher"), granted("ClusterRole"), granted("-task-pod")
     for access in run_access("jobset", provisioning):
         resource = f"{access.resource}/{access.subresource}" if access.subresource else access.resource
-        assert (access.group, resource, access.verb) in (cluster_role if access.cluster_wide else role), (
-            access
-        )
+        where = cluster_role if access.cluster_wide else task_pod if access.task_namespace else role
+        assert (access.group, resource, access.verb) in where, access

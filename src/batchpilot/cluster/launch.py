@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from batchpilot.cluster.disruption import own_pod_budget
 from batchpilot.cluster.eviction import Cancelled, Evicted, sigterm_interrupts
 from batchpilot.cluster.labels import RUN_LABEL
 from batchpilot.cluster.launch_spec import (
@@ -448,6 +449,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
     with (
         sigterm_interrupts(classify=sigterm_cause if cluster.launcher == "jobset" else None),
         _run_lease(spec, cluster=cluster),
+        own_pod_budget(),  # a drain or an upgrade must not evict the task that follows the launch
     ):
         try:
             with _capacity(runner, appdef, spec=spec, cluster=cluster):

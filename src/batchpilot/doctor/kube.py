@@ -68,7 +68,8 @@ def kube_api(context: Context, name: str) -> Any:
 
 @dataclass(frozen=True)
 class Access:
-    """One permission a run uses: `verb` on `resource` (in cluster.namespace unless `cluster_wide`)."""
+    """One permission a run uses: `verb` on `resource` (in cluster.namespace unless `cluster_wide`, or
+    `task_namespace`: the namespace the KFP task pods run in, where a task reads and protects its own pod)."""
 
     verb: str
     resource: str
@@ -76,6 +77,7 @@ class Access:
     subresource: str = ""
     cluster_wide: bool = False
     name: str = ""
+    task_namespace: bool = False
 
     def describe(self, namespace: str) -> str:
         what = f"{self.resource}.{self.group}" if self.group else self.resource
@@ -104,6 +106,9 @@ def run_access(launcher: str, provisioning: str = "resize") -> list[Access]:
         Access("get", "pods", subresource="log"),  # jobset.py log_iter (and following it)
         Access("list", "events"),  # pending.py: a Pending pod's FailedScheduling reason
         Access("list", "nodes", cluster_wide=True),  # readiness.py PoolNodes
+        # eviction.py reads the task's own pod; disruption.py labels it and puts a budget over it
+        *(Access(verb, "pods", task_namespace=True) for verb in ("get", "patch")),
+        *(Access(verb, "poddisruptionbudgets", "policy", task_namespace=True) for verb in ("create", "delete")),
         Access("list", "pods", cluster_wide=True),  # readiness.py: DaemonSet pods on a node, every namespace
         # ownership.py renew_lease, run_alive, delete_lease
         *(Access(verb, "leases", "coordination.k8s.io") for verb in ("get", "create", "update", "delete")),
@@ -134,8 +139,9 @@ def check_rbac(context: Context) -> Check:
     denied = []
     needed = run_access(cluster.launcher, cluster.provisioning)
     for access in needed:
+        namespace = context.kfp_namespace if access.task_namespace else cluster.namespace
         attributes = client.V1ResourceAttributes(
-            namespace=None if access.cluster_wide else cluster.namespace, verb=access.verb, group=access.group,
+            namespace=None if access.cluster_wide else namespace, verb=access.verb, group=access.group,
             resource=access.resource, subresource=access.subresource or None, name=access.name or None,
         )  # fmt: skip
         review = client.V1SelfSubjectAccessReview(
@@ -143,7 +149,7 @@ def check_rbac(context: Context) -> Check:
         )
         answer = authorization.create_self_subject_access_review(review, _request_timeout=CALL_TIMEOUT_S)
         if not answer.status.allowed:
-            denied.append(access.describe(cluster.namespace))
+            denied.append(access.describe(namespace))
     if denied:
         return fail(
             "rbac",

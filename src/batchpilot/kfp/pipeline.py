@@ -93,6 +93,10 @@ TASK_REQUESTS = {
 the first the kubelet evicts under node pressure (Kubernetes "Node-pressure eviction")."""
 
 
+RECLAIMABLE_NODE_LABELS = ("cloud.google.com/gke-spot", "cloud.google.com/gke-preemptible")
+"""The node labels GKE gives Spot and preemptible VMs ("true"): nodes the long-lived and the pool tasks avoid."""
+
+
 def _task_pod(task: Any, *, kind: str) -> None:
     """On a cluster: the task pod's requests, and the annotation that keeps the cluster autoscaler from
     removing its node while it runs.
@@ -108,9 +112,17 @@ def _task_pod(task: Any, *, kind: str) -> None:
     task.set_memory_request(memory)
     kubernetes.add_pod_annotation(task, annotation_key=SAFE_TO_EVICT, annotation_value="false")
     if kind in ("train", "canary"):
-        # Its own pod, read on SIGTERM to tell an eviction from a cancel (batchpilot.cluster.eviction).
+        # Its own pod, read on SIGTERM to tell an eviction from a cancel (batchpilot.cluster.eviction) and
+        # protected by its own disruption budget while it follows its launch (batchpilot.cluster.disruption).
         kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
         kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
+    if kind in ("train", "canary", "pool"):
+        # Never on a node that GKE may take back at any time: a Spot or preemptible VM's reclaim ignores
+        # disruption budgets and deletes the pod, and Argo may not retry a deleted pod (docs/cluster.md,
+        # "Argo retries"). One term, both expressions ANDed; a node without the label matches NotIn.
+        kubernetes.add_node_affinity(task, match_expressions=[
+            {"key": label, "operator": "NotIn", "values": ["true"]} for label in RECLAIMABLE_NODE_LABELS
+        ])  # fmt: skip
 
 
 BACKOFF_FACTOR = 2
