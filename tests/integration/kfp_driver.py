@@ -192,25 +192,36 @@ def _seconds(duration: str) -> float:
 
 
 def argo_retry(
-    policy: dict[str, Any], *, attempts: list[tuple[float, float]], now: float
+    policy: dict[str, Any],
+    *,
+    attempts: list[tuple[float, float]],
+    now: float,
+    phase: str = "Failed",
+    template_defaults: dict[str, Any] | None = None,
 ) -> tuple[float | None, str]:
     """Whether Argo retries a failed task: (when the next attempt starts, its execution deadline) or
-    (None, why not), given each attempt's (started, finished) times and the controller's clock `now`.
+    (None, why not), given each attempt's (started, finished) times, the controller's clock `now`, the
+    last attempt's node phase (`phase`: "Failed" or "Error", see `attempt_phase`) and the cluster's
+    `workflowDefaults.spec.templateDefaults` (`template_defaults`).
 
     KFP compiles the retry policy into the executor template's `retryStrategy` (kubeflow/pipelines
     backend/src/v2/compiler/argocompiler/container.go, getTaskRetryStrategyFromInput: limit =
-    maxRetryCount, backoff.duration, backoff.factor, backoff.maxDuration = backoffMaxDuration). Argo's
-    `processNodeRetries` (argoproj/argo-workflows workflow/controller/operator.go), in its order:
-    - more child attempts than `limit` -> "No more retries left";
+    maxRetryCount, backoff.duration, backoff.factor, backoff.maxDuration = backoffMaxDuration, and no
+    retryPolicy). Argo merges the templateDefaults into the template by strategic merge patch, the
+    template's fields winning (workflow/controller/operator.go, mergedTemplateDefaultsInto), so the
+    policy is the defaults' `retryStrategy.retryPolicy`, else OnFailure (or Always with an expression;
+    workflow_types.go RetryPolicyActual). `processNodeRetries` (operator.go), in its order:
     - maxDuration is counted from the FIRST attempt's StartedAt: `now` after it -> "Max duration limit
       exceeded";
     - the wait is duration x factor^(attempts - 1) after the last attempt's FinishedAt; a wait that ends
       after the maxDuration deadline -> "Backoff would exceed max duration limit";
-    - otherwise the retry starts then, with the maxDuration deadline as its executionDeadline.
+    - the policy: Always retries a Failed and an Error attempt, OnFailure only Failed, OnError only Error,
+      OnTransientError only a transient error (none here); otherwise the node takes the attempt's phase;
+    - more child attempts than `limit` -> "No more retries left";
+    - otherwise the retry starts after the wait, with the maxDuration deadline as its executionDeadline.
     """
-    limit = int(policy.get("maxRetryCount") or 0)
-    if len(attempts) > limit:
-        return None, "No more retries left"
+    strategy = (template_defaults or {}).get("retryStrategy") or {}
+    retry_policy = strategy.get("retryPolicy") or ("Always" if strategy.get("expression") else "OnFailure")
     deadline = attempts[0][0] + _seconds(policy["backoffMaxDuration"])
     if now > deadline:
         return None, "Max duration limit exceeded"
@@ -220,4 +231,31 @@ def argo_retry(
     starts = attempts[-1][1] + wait_s
     if starts > deadline:
         return None, "Backoff would exceed max duration limit"
+    retried = {"Always": ("Failed", "Error"), "OnFailure": ("Failed",), "OnError": ("Error",)}.get(retry_policy, ())
+    if phase not in retried:
+        return None, f"retryPolicy {retry_policy} does not retry an attempt that ended {phase}"
+    limit = int(policy.get("maxRetryCount") or 0)
+    if len(attempts) > limit:
+        return None, "No more retries left"
     return starts, f"retry at {starts:.0f}, execution deadline {deadline:.0f}"
+
+
+def attempt_phase(*, exit_code: int, controller_saw_it_end: bool) -> str:
+    """The phase Argo gives a task attempt whose pod ended with `exit_code`: a pod the controller saw fail
+    with the main container's non-zero exit is Failed (operator.go assessNodeStatus, inferFailedReason);
+    a pod deleted before the controller saw it end is Error, "pod deleted" (operator.go podReconciliation).
+    An evicted task pod is deleted as soon as its containers stop, so which one Argo sees is a race."""
+    if not controller_saw_it_end:
+        return "Error"
+    return "Succeeded" if exit_code == 0 else "Failed"
+
+
+def nested_retry_policy(
+    pipeline: dict[str, Any], task_path: str, *, kfp_version: tuple[int, int, int]
+) -> dict[str, Any]:
+    """The retry policy KFP's Argo compiler gives a task: before 2.14.0 only a task of the root DAG had
+    one (getTaskRetryPolicySpec looked in `root.dag.tasks` only); from 2.14.0 (#11908, "implement
+    retryStrategy for nested pipelines") a task in a sub-pipeline has its own."""
+    if "/" in task_path and kfp_version < (2, 14, 0):
+        return {}
+    return retry_policy(pipeline, task_path)

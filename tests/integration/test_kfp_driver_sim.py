@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from gke_sim import SimulatedGke, simulated_gke
-from kfp_driver import argo_retry, executor_label, load_compiled, retry_policy, task_pod
+from kfp_driver import argo_retry, executor_label, load_compiled, nested_retry_policy, retry_policy, task_pod
 
 ROOT = Path(__file__).resolve().parents[2]
 NEMO = ROOT / "pipelines" / "compiled" / "nemo_gpt3_5b.yaml"
@@ -157,3 +157,16 @@ def test_the_long_lived_task_pods_never_land_on_a_spot_node():
             assert time.monotonic() < deadline + 5, read(gke, train).status.conditions
             time.sleep(0.02)
         assert {gke.sim.nodes[read(gke, n).spec.node_name]["pool"] for n in (train, resize)} == {"default-pool"}
+
+
+
+@pytest.mark.parametrize(("version", "retried"), [((2, 13, 1), False), ((2, 14, 0), True)])
+def test_the_train_and_resize_tasks_sit_in_a_launch_group_whose_retries_need_kfp_2_14(version, retried):
+    """Every launch's resize and train tasks are in its sub-pipeline; before KFP 2.14.0 the Argo compiler gave
+    only root-DAG tasks their retry policy (kfp_driver.nested_retry_policy), so they would never be retried:
+    what `batchpilot doctor`'s KFP floor is for."""
+    pipeline, _ = load_compiled(NEMO)
+    for task in ("final/train-stage", "final/resize-pool"):
+        policy = nested_retry_policy(pipeline, task, kfp_version=version)
+        starts, why = argo_retry(policy, attempts=[(0.0, 60.0)], now=60.0) if policy else (None, "no retryStrategy")
+        assert (starts is not None) == retried, (task, why)

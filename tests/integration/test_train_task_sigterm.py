@@ -7,6 +7,11 @@ Eviction API / a graceful node shutdown does it: condition DisruptionTarget=True
 set before the kubelet sends SIGTERM (kubernetes.io "Pod disruption conditions"); Argo's
 TerminateContainers (a KFP terminate or a deadline) sends SIGTERM and deletes nothing
 (argo-workflows workflow/controller/pod/queue.go).
+
+Whether Argo retries the task after it is lost depends on the cluster's Argo configuration and on what its
+controller saw (kfp_driver.argo_retry, attempt_phase): every configuration is run, with the retry adopting
+the JobSet where Argo retries, and the exit handler deleting it where it does not. A drain cannot get this
+far: the Eviction API refuses it while the task's own disruption budget covers its pod (kube_disruption.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import pytest
 from cluster_sim import ClusterSim
 from container_api_server import GkeClusterSim, container_server_running
 from gke_sim import CLUSTER, SimulatedGke
-from kfp_driver import load_compiled, task_pod
+from kfp_driver import argo_retry, attempt_phase, load_compiled, retry_policy, task_pod
 from kube_api_server import kube_server_running
 from workload_controllers import now
 
@@ -43,11 +48,13 @@ class GracefulKubelet:
 
     def __init__(self) -> None:
         self.stopping: dict[str, float] = {}
+        self.grace_cap_s: float | None = None  # containers that checkpoint faster than their grace period
 
     def start(self, pod: dict[str, Any], *, dns_names: set[str]) -> None:
         del pod, dns_names
 
     def stop(self, pod: dict[str, Any], *, grace_s: float) -> None:
+        grace_s = grace_s if self.grace_cap_s is None else min(grace_s, self.grace_cap_s)
         self.stopping.setdefault(pod["metadata"]["uid"], time.monotonic() + grace_s)
 
     def poll(self, pod: dict[str, Any]) -> dict[str, Any] | None:
@@ -133,13 +140,17 @@ def gke(tmp_path: Path) -> Iterator[SimulatedGke]:
         yield cluster
 
 
-def plan_file(folder: Path) -> str:
+def plan_file(folder: Path, *, endpoint: str | None = None) -> str:
+    """The plan (and config.yaml beside it) of a tiny run on pool `gpu`; `endpoint`: the Container API
+    stand-in's, for the commands that resize the pool (the exit handler's scale-down)."""
     config = tiny_config(data_uri="gs://data/tiny", checkpoint_uri="gs://ckpt/tiny")
     config["cluster"].update(
         backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
         image="registry.example/batchpilot:0.1.0", machine_type="a3-highgpu-8g",
         accelerator_type="nvidia-h100-80gb", devices_per_node=8, namespace=NS,
     )  # fmt: skip
+    if endpoint is not None:
+        config["cluster"]["container_api_endpoint"] = endpoint
     config["batch"]["micro_batch_size"] = 2
     return write_plan(folder, config)
 
@@ -274,3 +285,80 @@ def test_a_task_that_may_not_make_its_budget_says_so_and_trains(gke, tmp_path):
         f"task pod {pod}: cannot protect it with a PodDisruptionBudget (HTTP 403 Forbidden): a node drain or "
         "upgrade may evict it (the chart's Role grants pods/patch and poddisruptionbudgets)"
     ) in output
+
+
+
+# --- an evicted task under each Argo configuration ----------------------------------------------------
+
+KFP_2_17_DEFAULTS = {"retryStrategy": {"limit": "2", "retryPolicy": "OnError"}}  # kubeflow/pipelines #13485
+ALWAYS = {"retryStrategy": {"limit": "2", "retryPolicy": "Always"}}
+
+
+def follow_until_adopted(retry: subprocess.Popen[str], jobset: str) -> str:
+    deadline = time.monotonic() + 90
+    lines: list[str] = []
+    assert retry.stdout is not None
+    while not any("adopting its running JobSet" in line for line in lines):
+        assert time.monotonic() < deadline and retry.poll() is None, "".join(lines)
+        lines.append(retry.stdout.readline())
+    assert f"adopting its running JobSet {jobset}" in "".join(lines)
+    return "".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("defaults", "seen", "retried"),
+    [
+        (None, False, False),  # KFP up to 2.16's manifests: OnFailure, and the pod was gone
+        (None, True, True),  # OnFailure, and the controller saw exit 75
+        (KFP_2_17_DEFAULTS, False, True),  # OnError, the pod was gone: "pod deleted"
+        (KFP_2_17_DEFAULTS, True, False),  # OnError, and the controller saw exit 75
+        (ALWAYS, False, True),
+        (ALWAYS, True, True),
+    ],
+    ids=["onfailure-deleted", "onfailure-seen", "onerror-deleted", "onerror-seen", "always-deleted", "always-seen"],
+)
+def test_a_task_lost_to_its_node_under_each_argo_configuration(gke, tmp_path, defaults, seen, retried):
+    """The task's node shuts down (a graceful node shutdown: no Eviction API, so no budget stops it); the task
+    leaves its JobSet and exits 75. Whether Argo retries it follows from its templateDefaults and from
+    whether its controller saw the exit before the pod was gone (kfp_driver.argo_retry, attempt_phase). Retried,
+    the new attempt adopts the running JobSet; not retried, the run fails and its exit handler deletes the
+    JobSet: nothing keeps the GPUs, and the run's retry starts the stage again from its last checkpoint."""
+    plan = plan_file(tmp_path, endpoint=gke.container.endpoint)
+    pod = train_task_pod(gke.sim)
+    proc = start_train_task(gke, plan, pod, tmp_path)
+    jobset = wait_for_running_jobset(gke, proc)
+    mark_evicted(gke.sim, pod, reason="DeletionByGracefulNodeShutdown")
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, output
+    pipeline, _ = load_compiled(NEMO)
+    phase = attempt_phase(exit_code=proc.returncode, controller_saw_it_end=seen)
+    starts, why = argo_retry(
+        retry_policy(pipeline, "final/train-stage"), attempts=[(0.0, 60.0)], now=60.0, phase=phase,
+        template_defaults=defaults,
+    )  # fmt: skip
+    assert (starts is not None) == retried, why
+    if retried:
+        retry = start_train_task(gke, plan, train_task_pod(gke.sim), tmp_path)
+        lines = follow_until_adopted(retry, jobset)
+        for key in list(gke.sim.pods):
+            if key[0] == NS:
+                gke.sim.finish_pod(*key, exit_code=0)
+        output, _ = retry.communicate(timeout=90)
+        assert retry.returncode == 0, lines + output
+        assert [name for ns, name in gke.sim.jobsets if ns == NS] == [jobset]
+        return
+    # Not retried: the DAG fails and Argo runs the exit handler (the pipeline's scale-down task). Its trainers
+    # checkpoint on SIGTERM in a second here, not in their 120 s grace period.
+    gke.sim.kubelet.grace_cap_s = 1.0
+    env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig"))}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    handler = subprocess.run(
+        [sys.executable, "-m", "batchpilot", "pool", "scale-down", "--config", str(tmp_path / "config.yaml")],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert handler.returncode == 0, handler.stdout + handler.stderr
+    assert f"deleting JobSet(s) {jobset} (the end of run tiny)" in handler.stdout + handler.stderr
+    remaining = gke.sim.jobsets.get((NS, jobset))
+    assert remaining is None or remaining["metadata"].get("deletionTimestamp")
