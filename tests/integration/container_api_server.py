@@ -56,7 +56,9 @@ topology label and a created pool's own labels need the simulated cluster to be 
 Compute Engine's `regions.get` (`GET /compute/v1/projects/P/regions/R`, Compute Engine API v1 reference)
 is served here too, for code that reads a region's quotas from the same emulator: a `compute#region`
 with `quotas[]` of `{metric, limit, usage}`, one GPU metric per type in `accelerator_quota` (the name in
-`COMPUTE_GPU_METRICS`, usage counted from the pools, `region_usage` adding GPUs used elsewhere).
+`COMPUTE_GPU_METRICS`, usage counted from the pools, `region_usage` adding GPUs used elsewhere), and the
+same name prefixed `PREEMPTIBLE_` per type in `preemptible_quota`, which Spot, preemptible and flex-start VMs
+count against (Compute Engine "Preemptible quotas"; GKE "About flex-start provisioning mode").
 
 Point `google.cloud.container_v1.ClusterManagerClient` at it with `transport="rest"`,
 `client_options={"api_endpoint": server.endpoint}` and anonymous credentials.
@@ -138,6 +140,7 @@ class ContainerState:
     fail_operation: str | None = None
     zone_capacity: dict[str, int] = field(default_factory=dict)  # zone -> VMs it can still create per pool
     accelerator_quota: dict[str, int] = field(default_factory=dict)  # accelerator type -> region's devices
+    preemptible_quota: dict[str, int] = field(default_factory=dict)  # the same, for Spot/flex-start VMs
     region_usage: dict[str, int] = field(default_factory=dict)  # accelerator type -> devices used elsewhere
     requests: list[Request] = field(default_factory=list)
     ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
@@ -316,6 +319,10 @@ def region(state: ContainerState, name: str) -> tuple[int, dict[str, Any]]:
         )
         metric = COMPUTE_GPU_METRICS[accelerator]
         quotas.append({"metric": metric, "limit": float(limit), "usage": float(used)})
+    for accelerator, limit in state.preemptible_quota.items():
+        if accelerator in COMPUTE_GPU_METRICS:
+            metric = f"PREEMPTIBLE_{COMPUTE_GPU_METRICS[accelerator]}"
+            quotas.append({"metric": metric, "limit": float(limit), "usage": 0.0})
     return 200, {"kind": "compute#region", "name": name, "status": "UP", "quotas": quotas}
 
 

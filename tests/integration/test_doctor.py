@@ -206,6 +206,25 @@ def test_a_quota_too_small_for_the_largest_launch(gke, tmp_path, capsys):
     )
 
 
+def test_flex_start_is_checked_against_the_preemptible_quota(gke, tmp_path, capsys):
+    """Flex-start VMs count against PREEMPTIBLE_ quotas (GKE "About flex-start provisioning mode"): a project
+    with H100s on demand but none preemptible cannot run a flex-start launch."""
+    gke.add_pool("flex", machine_type="a3-highgpu-8g", zones=["us-central1-a"], queued_provisioning=True,
+                 autoscaling={"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 2})  # fmt: skip
+    pool_of(gke, "flex")["config"]["accelerators"][0]["gpuDriverInstallationConfig"] = {"gpuDriverVersion": "DEFAULT"}
+    gke.container.state.preemptible_quota = {"nvidia-h100-80gb": 8}
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", provisioning="flex-start",
+                        pool_mode="autoscale", node_pool="flex")  # fmt: skip
+    config["explore"] = {"study": False}  # a flex-start pool has no node for explore (config check refuses it)
+    line = one_failure(*doctor(tmp_path, capsys, config))
+    assert line == (
+        "quota: FAILED: PREEMPTIBLE_NVIDIA_H100_GPUS in us-central1: limit 8, 0 in use (0 of them the pool's), 8 "
+        "for the launch; the largest launch needs 16 (2 node(s) x 8 device(s) = 16) (fix: request a "
+        "PREEMPTIBLE_NVIDIA_H100_GPUS quota of at least 16 in us-central1, free GPUs elsewhere, or lower "
+        "cluster.max_nodes)"
+    ), line
+
+
 def test_rbac_that_denies_creating_jobsets(gke, tmp_path, capsys):
     gke.kube.state.denied = {("create", "jobsets.jobset.x-k8s.io")}
     line = one_failure(

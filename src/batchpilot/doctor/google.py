@@ -24,7 +24,7 @@ from batchpilot.errors import BatchpilotError
 COMPUTE_API = "https://compute.googleapis.com"
 
 # GKE accelerator type -> the Compute Engine regional quota metric its GPUs count against (regions.get
-# `quotas[].metric`); Spot and preemptible VMs count against the same name prefixed PREEMPTIBLE_.
+# `quotas[].metric`); Spot, preemptible and flex-start VMs count against the same name prefixed PREEMPTIBLE_.
 # Sources: the Compute Engine v1 API's Quota.Metric enum (NVIDIA_A100_GPUS, NVIDIA_A100_80GB_GPUS,
 # NVIDIA_H100_GPUS, NVIDIA_L4_GPUS, NVIDIA_T4_GPUS, NVIDIA_V100_GPUS, NVIDIA_P100_GPUS, NVIDIA_P4_GPUS,
 # NVIDIA_K80_GPUS and their COMMITTED_ forms); NVIDIA_H100_MEGA_GPUS, NVIDIA_H200_GPUS and NVIDIA_B200_GPUS
@@ -212,7 +212,9 @@ def check_quota(context: Context) -> Check:
         known = ", ".join(GPU_QUOTA_METRICS)
         return skip("quota", f"no quota metric known for {cluster.accelerator_type} (known: {known})")
     pool = context.found.get("node pool")
-    if pool is not None and (pool.config.spot or pool.config.preemptible):
+    # Flex-start VMs (what a ProvisioningRequest brings) count against the preemptible quota too (GKE "About
+    # flex-start provisioning mode", quota requirements), whatever the pool's own Spot setting.
+    if cluster.provisioning == "flex-start" or (pool is not None and (pool.config.spot or pool.config.preemptible)):
         metric = f"PREEMPTIBLE_{metric}"
     region = str(cluster.location).rsplit("-", 1)[0] if is_zone(cluster.location) else str(cluster.location)
     found = _region(google, project=str(cluster.project), region=region).get("quotas", [])
