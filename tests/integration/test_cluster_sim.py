@@ -375,3 +375,56 @@ def test_every_short_resource_is_named_and_each_node_counts_once_for_preemption(
         "0/2 nodes are available: 2 Insufficient cpu, 2 Insufficient memory, 2 Insufficient nvidia.com/gpu. "
         "preemption: 0/2 nodes are available: 2 No preemption victims found for incoming pod."
     )
+
+
+@pytest.mark.slow
+def test_a_launch_follows_every_pod_of_its_jobset_across_a_restart(tmp_path):
+    """A JobSet restart (here after a trainer's exit 75) replaces every pod; the launch relays the new pods'
+    lines too, so the task's log and its preemption check see the whole stage, not only the first attempt."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import tiny_config, write_plan
+
+    config = tiny_config(data_uri="gs://data/tiny", checkpoint_uri="gs://ckpt/tiny")
+    config["cluster"].update(
+        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
+        image="registry.example/batchpilot:0.1.0", machine_type="a3-highgpu-8g",
+        accelerator_type="nvidia-h100-80gb", devices_per_node=8, namespace=NS,
+    )  # fmt: skip
+    config["batch"]["micro_batch_size"] = 2
+    plan = write_plan(tmp_path, config)
+    with simulated_gke() as gke:
+        gke.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
+        env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "batchpilot", "launch", "--plan", plan, "--stage", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+
+        def running_trainer(attempt: str) -> tuple[str, str]:
+            def found() -> tuple[str, str] | None:
+                assert launch.poll() is None, launch.communicate()[0]
+                for key, pod in list(gke.sim.pods.items()):
+                    labels = pod["metadata"].get("labels") or {}
+                    if key[0] == NS and pod["status"]["phase"] == "Running" and (
+                        labels.get("jobset.sigs.k8s.io/restart-attempt") == attempt
+                    ):
+                        return key
+                return None
+
+            return wait_for(found, timeout_s=90)
+
+        first = running_trainer("0")
+        gke.sim.logs[first] = "[rank 0] step 10 loss 4.2 (first attempt)\n"
+        time.sleep(3.0)  # the launch follows it
+        gke.sim.finish_pod(*first, exit_code=75)  # preempted after checkpointing: the JobSet restarts
+        second = running_trainer("1")
+        gke.sim.logs[second] = "[rank 0] resumed from step 10 (after the restart)\n"
+        time.sleep(3.0)
+        gke.sim.finish_pod(*second, exit_code=0)
+        output, _ = launch.communicate(timeout=90)
+    assert launch.returncode == 0, output
+    assert "step 10 loss 4.2 (first attempt)" in output and "resumed from step 10 (after the restart)" in output

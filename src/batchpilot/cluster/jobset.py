@@ -382,8 +382,10 @@ class JobSetScheduler(Scheduler[JobSetOpts]):
         while True:
             pods = self._core().list_namespaced_pod(namespace=namespace, label_selector=selector).items
             started = [p for p in pods if p.status and p.status.phase not in (None, "Pending")]
-            if started:
-                return str(started[-1].metadata.name)
+            if started:  # the newest: after a JobSet restart, the node's replacement pod
+                newest = max(started, key=lambda p: (p.metadata.creation_timestamp is not None,
+                                                     p.metadata.creation_timestamp or 0))  # fmt: skip
+                return str(newest.metadata.name)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(2.0)

@@ -9,6 +9,7 @@ one pod per node, placed on the node pool by its label.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import sys
@@ -87,13 +88,15 @@ def follow(
     via: str,
     where: str,
     stuck: Callable[[], str | None] | None = None,
+    restarts: bool = False,
 ) -> int:
     """Says the job was launched `via` a launcher, streams every node's log lines until it ends; returns 0,
     EXIT_PREEMPTED or 1.
 
     torchrun exits 1 whatever its workers' codes were, so preemption is told by rank 0's log line.
     `stuck` (polled every `wait_interval_s`) says why the job cannot start (a pod Pending past its bound);
-    the job is then cancelled and the reason raised.
+    the job is then cancelled and the reason raised. `restarts`: the job may replace its pods (a JobSet
+    restart), whose successors' logs are followed too.
     """
     from torchx.specs import AppState
 
@@ -103,12 +106,12 @@ def follow(
     )  # fmt: skip
 
     seen: set[str] = set()
-    streams = [
-        threading.Thread(target=_stream, args=(runner, handle, role, k, seen), daemon=True)
-        for k in range(spec.num_nodes)
-    ]
     found: list[str] = []
     done = threading.Event()
+    streams = [
+        threading.Thread(target=_stream, args=(runner, handle, role, k, seen, done if restarts else None), daemon=True)
+        for k in range(spec.num_nodes)
+    ]
     if stuck is not None:
         threading.Thread(
             target=_watch_stuck, args=(runner, handle, stuck, wait_interval_s, found, done), daemon=True
@@ -117,6 +120,7 @@ def follow(
         for thread in streams:
             thread.start()
         status = runner.wait(handle, wait_interval=wait_interval_s)
+        done.set()  # the streams end with their pods' logs, and look for no successor
         if found:
             raise BatchpilotError(
                 "cluster.pending_timeout_s",
@@ -194,14 +198,30 @@ def pending_watch(handle: str, *, cluster: ClusterConfig) -> Callable[[], str | 
     return watch.problem
 
 
-def _stream(runner, handle: str, role: str, replica: int, seen: set[str]) -> None:
+def _stream(
+    runner, handle: str, role: str, replica: int, seen: set[str], done: threading.Event | None
+) -> None:
     """Relays one node's log lines to stdout as they come (they are the trainers' own output, already
-    formatted, not this process's log records), noting the preemption marker."""
-    for line in runner.log_lines(handle, role_name=role, k=replica, should_tail=True):
-        if PREEMPTED_LOG_MARKER in line:
-            seen.add(PREEMPTED_LOG_MARKER)
-        sys.stdout.write(line if line.endswith("\n") else line + "\n")
-        sys.stdout.flush()
+    formatted, not this process's log records), noting the preemption marker.
+
+    A node's pod is not the job's whole life: a JobSet restart (after a disruption or a preemption) replaces
+    every pod, so when one pod's log ends while the job goes on, the node's next pod is followed from that
+    moment on (`since`), until the job is done. `done` None: the scheduler's job has one pod per node for
+    its whole life (a local process), whose log is read once."""
+    since: datetime.datetime | None = None
+    while True:
+        for line in runner.log_lines(handle, role_name=role, k=replica, should_tail=True, since=since):
+            if PREEMPTED_LOG_MARKER in line:
+                seen.add(PREEMPTED_LOG_MARKER)
+            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+            sys.stdout.flush()
+        if done is None or done.wait(RESTREAM_WAIT_S):
+            return
+        since = datetime.datetime.now() - datetime.timedelta(seconds=RESTREAM_WAIT_S)
+
+
+RESTREAM_WAIT_S = 2.0
+"""How long a node's stream waits, after its pod's log ended, before it looks for the pod that replaced it."""
 
 
 # --- GKE: the same launch as a JobSet or a Volcano Job -------------------------------------------
@@ -457,7 +477,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
                 return follow(
                     runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
                     via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
-                    stuck=pending_watch(handle, cluster=cluster),
+                    stuck=pending_watch(handle, cluster=cluster), restarts=cluster.launcher == "jobset",
                 )  # fmt: skip
         except Evicted as evicted:
             logger.warning(
