@@ -89,3 +89,26 @@ def test_a_canary_on_gcs_reads_and_writes_through_the_emulator(
     metrics = canary(config, work_dir=tmp_path / "work")
     assert metrics["min_read_mb_per_s"] > 0 and metrics["max_checkpoint_write_ms"] > 0
     assert open_storage(f"gs://{gcs_bucket}/ckpt/canary").list() == ["canary.json"]
+
+
+def test_a_bus_bandwidth_below_half_the_expected_figure_fails_the_canary_after_writing_its_figures(
+    tmp_path, demo_data_uri, monkeypatch
+):
+    """The ranks compare the measured bus bandwidth with the spec's figure: far below it (here an expected
+    figure no loopback reaches) the canary fails with the rank's one line, and canary.json keeps the figures."""
+    from batchpilot.cluster import canary as cluster_canary
+
+    real = cluster_canary.canary_spec
+
+    def expecting_a_fabric(config, *, num_nodes):
+        return {**real(config, num_nodes=num_nodes), "expected_bus_bandwidth_bytes_per_s": 1e15}
+
+    monkeypatch.setattr(cluster_canary, "canary_spec", expecting_a_fabric)
+    config = local_config(tmp_path, data_uri=demo_data_uri, checkpoint_uri=f"file://{tmp_path}/ckpt")
+    with pytest.raises(BatchpilotError) as failed:
+        canary(config, work_dir=tmp_path / "work")
+    message = str(failed.value)
+    assert len(message.splitlines()) == 1 and "all-reduce bus bandwidth" in message, message
+    assert "of the 1000000 GB/s expected (below 50%)" in message, message
+    summary = read_canary(config)
+    assert summary is not None and summary["bandwidth_problem"] is not None

@@ -61,6 +61,17 @@ class Flex:
     def trainer_pods(self) -> list[tuple[str, str]]:
         return [key for key, pod in list(self.gke.sim.pods.items()) if key[0] == NS]
 
+    def running_nodes(self, process: subprocess.Popen[str]) -> set[str]:
+        """The nodes the launch's trainer pods run on, once they all run (earlier jobs' ended pods aside)."""
+
+        def live() -> list[dict]:
+            pods = [self.gke.sim.pods.get(k) for k in self.trainer_pods()]
+            return [p for p in pods if p is not None and p["status"]["phase"] in ("Pending", "Running")]
+
+        self.wait_for("running trainer pods",
+                      lambda: bool(live()) and all(p["status"]["phase"] == "Running" for p in live()), process)  # fmt: skip
+        return {p["spec"]["nodeName"] for p in live()}
+
     def finish_trainers(self, process: subprocess.Popen[str]) -> None:
         """Once the launch's trainer pods run, they end with exit 0 (a stage trained to its end)."""
         self.wait_for(
@@ -292,3 +303,46 @@ def test_an_evicted_task_leaves_its_request_and_the_retry_adopts_it(flex, expire
     assert "adopting its ProvisioningRequest tiny-stage-0-" in out
     assert len(launch.posts(REQUESTS)) == 1 and len(launch.posts("/jobsets")) == 1  # nothing asked twice
     assert not gke.sim.provisioning.requests and not gke.sim.provisioning.templates
+
+
+CANARY = """
+import sys
+from batchpilot.cluster.canary import canary_spec, run_canary_job
+from batchpilot.logs import configure_console
+from batchpilot.plan.rundoc import read_run_document
+from batchpilot.workflow.canary import _first_launch, canary_nodes
+
+configure_console()
+document = read_run_document(sys.argv[1])
+spec = canary_spec(document.config, num_nodes=canary_nodes(document.config, document))
+code, failure = run_canary_job(document.config, spec=spec, work_dir=None, first_launch=_first_launch(document))
+sys.exit(code)
+"""
+"""The canary task's job on GKE, as workflow.canary runs it (its storage probes and canary.json are the ranks',
+which do not run here)."""
+
+
+def test_the_canary_runs_on_the_first_launchs_request_and_hands_it_over(flex):
+    """A flex-start canary that queued its own request would release those nodes just before the first launch
+    queues again: it uses the first launch's request instead, and leaves it (with its nodes) to that launch."""
+    launch = flex()
+    gke = launch.gke
+    canary = subprocess.Popen(
+        [sys.executable, "-c", CANARY, launch.plan], env=launch.env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    canary_nodes = launch.running_nodes(canary)
+    launch.finish_trainers(canary)
+    code, out = run(canary)
+    assert code == 0, out[-3000:]
+    (request,) = gke.sim.provisioning.requests.values()
+    name = request["metadata"]["name"]
+    assert name.startswith("tiny-stage-0-"), name  # the first launch's, not the canary's own
+    assert f"keeping ProvisioningRequest {name} and its 1 node(s) for {name}" in out
+    first = launch.launch()
+    assert launch.running_nodes(first) == canary_nodes  # the nodes the canary checked are the ones that train
+    launch.finish_trainers(first)
+    code, out = run(first)
+    assert code == 0, out[-3000:]
+    assert f"adopting its ProvisioningRequest {name}" in out
+    assert len(launch.posts(REQUESTS)) == 1  # GKE was asked once, for the canary and the first launch

@@ -16,10 +16,11 @@ from batchpilot.kfp.compile import compile_file
 from batchpilot.report.sections import canary_section
 from batchpilot.train.canary import (
     RankResult,
-    bandwidth_warning,
+    bandwidth_problem,
     bus_bandwidth_bytes_per_s,
     canary_metrics,
     failure_line,
+    nccl_network,
     run_canary,
     summarize,
     summary_line,
@@ -57,11 +58,41 @@ def test_the_expected_figure_is_one_nodes_network_bandwidth_between_nodes_only()
     assert expected_bus_bandwidth_bytes_per_s(machine_type_name=None, num_nodes=2) is None
 
 
-def test_a_bus_bandwidth_below_a_quarter_of_the_expected_figure_is_a_warning():
-    warning = bandwidth_warning(measured=20e9, expected=100e9, machine="a3-highgpu-8g")
-    assert warning is not None and "20%" in warning and "a3-highgpu-8g" in warning and "GPUDirect" in warning
-    assert bandwidth_warning(measured=25e9, expected=100e9, machine="a3-highgpu-8g") is None
-    assert bandwidth_warning(measured=1e6, expected=None, machine="e2-standard-4") is None
+def test_a_bus_bandwidth_below_half_the_expected_figure_fails_the_canary():
+    """TCP over the primary NIC gives a quarter of an A3's TCPX figure: the canary must fail on it."""
+    problem = bandwidth_problem(measured=25e9, expected=100e9, machine="a3-highgpu-8g")
+    assert problem is not None and "25%" in problem and "a3-highgpu-8g" in problem and "GPUDirect" in problem
+    assert bandwidth_problem(measured=49e9, expected=100e9, machine="a3-highgpu-8g") is not None
+    assert bandwidth_problem(measured=50e9, expected=100e9, machine="a3-highgpu-8g") is None
+    assert bandwidth_problem(measured=1e6, expected=None, machine="e2-standard-4") is None
+
+
+NCCL_LOG = """gke-train-h100-0:41:41 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.2<0>
+gke-train-h100-0:41:41 [0] NCCL INFO cudaDriverVersion 12040
+NCCL version 2.21.5+cuda12.4
+gke-train-h100-0:41:80 [0] NCCL INFO NET/Plugin: Could not find: libnccl-net.so. Using internal network plugin.
+gke-train-h100-0:41:80 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.2<0>
+gke-train-h100-0:41:80 [0] NCCL INFO Using network Socket
+"""
+
+
+def test_the_transport_nccl_chose_is_read_from_its_debug_log():
+    assert nccl_network(NCCL_LOG) == "Socket"
+    assert nccl_network(NCCL_LOG.replace("Using network Socket", "Using network GPUDirectTCPX")) == "GPUDirectTCPX"
+    assert nccl_network("NCCL INFO cudaDriverVersion 12040\n") is None
+
+
+def test_the_socket_transport_fails_a_canary_set_up_for_gpudirect():
+    fallen = two_node_summary(time_s=0.004, networks=["GPUDirectTCPX", "GPUDirectTCPX", "Socket", "Socket"])
+    assert fallen["nccl_networks"] == ["GPUDirectTCPX", "Socket"]
+    assert fallen["transport_problem"] == (
+        "NCCL uses its Socket transport (TCP over the primary NIC) on node(s) 1 although the pods are set up "
+        "for GPUDirect-TCPX: its net plugin did not load (check the NCCL plugin installer DaemonSet, the pods' "
+        "GPU NIC networks and the plugin's library path; docs/cluster.md, GPUDirect)"
+    )
+    assert two_node_summary(time_s=0.004, networks=["GPUDirectTCPX"] * 4)["transport_problem"] is None
+    off = two_node_summary(time_s=0.004, networks=["Socket"] * 4, gpudirect="off")
+    assert off["transport_problem"] is None  # TCP is what a pool without GPUDirect has
 
 
 # --- node count ----------------------------------------------------------------------------------
@@ -98,6 +129,10 @@ def test_on_gke_the_spec_rides_in_the_environment_as_the_run_document_does():
     assert yaml.safe_load(launch.env["BATCHPILOT_PLAN_JSON"]) == spec
     assert (launch.num_nodes, launch.processes_per_node) == (2, 8)
     assert launch.labels["batchpilot.dev/stage"] == "canary" and launch.labels["batchpilot.dev/run"] == "tiny"
+    # NCCL logs its version and chosen transport to a file per process, which each rank reads back.
+    assert {k: launch.env[k] for k in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")} == {
+        "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": "/tmp/batchpilot-nccl.%h.%p.log",
+    }  # fmt: skip
 
 
 # --- failure lines -------------------------------------------------------------------------------
@@ -139,18 +174,21 @@ def test_failure_line_names_node_rank_host_and_what():
 # --- canary.json, metrics, report ----------------------------------------------------------------
 
 
-def two_node_summary(*, time_s: float) -> dict:
-    config = gke_a3_config()
+def two_node_summary(*, time_s: float, networks: list[str] | None = None, gpudirect: str = "auto") -> dict:
+    config = gke_a3_config(gpudirect=gpudirect)
     results = [
         result(0, 0, read_bytes=64 * MIB, read_s=0.5, checkpoint_write_ms=40.0, checkpoint_read_ms=10.0),
         result(1, 0),
         result(2, 1, read_bytes=64 * MIB, read_s=0.25, checkpoint_write_ms=80.0, checkpoint_read_ms=20.0),
         result(3, 1),
     ]
+    for rank, network in enumerate(networks or []):
+        results[rank].nccl_network = network
     spec = {"config": config, "expected_bus_bandwidth_bytes_per_s": 125e9}
     from dataclasses import asdict
 
-    return asdict(summarize(results, spec=spec, backend="nccl", all_reduce_bytes=256 * MIB, time_s=time_s))
+    return asdict(summarize(results, spec=spec, backend="nccl", all_reduce_bytes=256 * MIB, time_s=time_s,
+                            nccl_version="2.21.5" if networks else None))  # fmt: skip
 
 
 def test_summary_metrics_and_line():
@@ -158,7 +196,7 @@ def test_summary_metrics_and_line():
     assert [n["read_mb_per_s"] for n in summary["nodes"]] == pytest.approx(
         [64 * MIB / 1e6 / 0.5, 64 * MIB / 1e6 / 0.25]
     )
-    assert summary["bandwidth_warning"] is None
+    assert summary["bandwidth_problem"] is None and summary["transport_problem"] is None
     metrics = canary_metrics(summary)
     assert metrics == pytest.approx({
         "num_nodes": 2.0, "world_size": 4.0, "bus_bandwidth_gb_per_s": 256 * MIB * 1.5 / 0.004 / 1e9,
@@ -170,12 +208,14 @@ def test_summary_metrics_and_line():
     assert "checkpoint write/read 40/10, 80/20 ms" in line
 
 
-def test_the_report_shows_the_canary_and_its_warning():
+def test_the_report_shows_the_canary_and_why_it_failed():
     healthy = canary_section(two_node_summary(time_s=0.004))
     assert "<h2>Canary</h2>" in healthy and "100.66 GB/s" in healthy and "81% of the ~125 GB/s" in healthy
-    assert "Warning" not in healthy and "<td>134</td>" in healthy  # node 0 read 64 MiB in 0.5 s
+    assert "failed" not in healthy and "<td>134</td>" in healthy  # node 0 read 64 MiB in 0.5 s
     slow = canary_section(two_node_summary(time_s=0.04))  # a tenth: 8%
-    assert "Warning: all-reduce bus bandwidth 10.07 GB/s is 8% of the 125 GB/s expected" in slow
+    assert "The canary failed: all-reduce bus bandwidth 10.07 GB/s is 8% of the 125 GB/s expected" in slow
+    fallen = canary_section(two_node_summary(time_s=0.004, networks=["Socket"] * 4))
+    assert "NCCL 2.21.5 over Socket" in fallen and "The canary failed: NCCL uses its Socket transport" in fallen
 
 
 # --- the compiled pipeline ------------------------------------------------------------------------

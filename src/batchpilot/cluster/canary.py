@@ -28,17 +28,30 @@ CANARY_NAME = "canary"
 """The canary's launch name: its job's stage label and name suffix (`<run>-canary`)."""
 CANARY_FOLDER = "canary"
 """Under `train.checkpoint_uri`: the probes and canary.json."""
+NCCL_DEBUG_ENV = {
+    "NCCL_DEBUG": "INFO",
+    "NCCL_DEBUG_SUBSYS": "INIT,NET",
+    "NCCL_DEBUG_FILE": "/tmp/batchpilot-nccl.%h.%p.log",
+}
+"""On the canary's GPU pods: NCCL's INFO lines of its init and network subsystems (its version, the network
+transport it chose), into a file per process rather than the pods' logs (NCCL's environment variables:
+NCCL_DEBUG_FILE expands %h to the host name and %p to the process id); each rank reads its own file."""
 
 
-def canary_nodes(*, max_nodes: int, first_launch_nodes: int | None, max_stage_nodes: int | None) -> int:
+def canary_nodes(
+    *, max_nodes: int, first_launch_nodes: int | None, max_stage_nodes: int | None, flex_start: bool = False
+) -> int:
     """The canary's node count.
 
     With a plan: the first launch's nodes, and at least two when any stage spans more than one node (and
-    `cluster.max_nodes` allows), so the cross-node all-reduce is measured before it is needed. Without one
-    (the pipeline explores first): two nodes when `max_nodes` allows, else one.
+    `cluster.max_nodes` allows), so the cross-node all-reduce is measured before it is needed; with
+    flex-start exactly the first launch's, whose ProvisioningRequest it runs on and hands over. Without a
+    plan (the pipeline explores first): two nodes when `max_nodes` allows, else one.
     """
     if first_launch_nodes is None or max_stage_nodes is None:
         return min(2, max_nodes) if max_nodes > 1 else 1
+    if flex_start:
+        return first_launch_nodes
     if max_stage_nodes > 1 and max_nodes >= 2:
         return max(first_launch_nodes, 2)
     return first_launch_nodes
@@ -83,9 +96,16 @@ def canary_launch_spec(config: Config, *, spec: dict[str, Any], spec_path: str |
         num_nodes=num_nodes,
         processes_per_node=per_node,
         trainer_args=("canary-rank", "--spec", f"{TRAINER_DIR}/plan.json"),
-        env={"BATCHPILOT_PLAN_JSON": compact, **_torchrun_shutdown_env()},
+        env={"BATCHPILOT_PLAN_JSON": compact, **_torchrun_shutdown_env(), **_nccl_env(config)},
         labels=stage_labels(run_name=config.name, stage_name=CANARY_NAME, plan_text=compact),
     )
+
+
+def _nccl_env(config: Config) -> dict[str, str]:
+    from batchpilot.planning.tpu import is_tpu
+
+    gpus = bool(config.cluster.accelerator_type) and not is_tpu(config.cluster.accelerator_type)
+    return dict(NCCL_DEBUG_ENV) if gpus else {}
 
 
 class _FailureLines(io.TextIOBase):
@@ -116,16 +136,23 @@ def failure_lines() -> Iterator[_FailureLines]:
         yield tee
 
 
-def run_canary_job(config: Config, *, spec: dict[str, Any], work_dir: Path | None) -> tuple[int, str | None]:
+def run_canary_job(
+    config: Config, *, spec: dict[str, Any], work_dir: Path | None, first_launch: LaunchSpec | None = None
+) -> tuple[int, str | None]:
     """Runs the canary job (torchx local_cwd with its spec in `work_dir`, or on GKE); returns the job's
-    exit code and the first failure line a rank printed (after CANARY_FAILED_MARKER), if any."""
+    exit code and the first failure line a rank printed (after CANARY_FAILED_MARKER), if any.
+
+    `first_launch` (flex-start): the canary runs on that launch's ProvisioningRequest and, when it passes,
+    leaves the request (and its nodes) to it, instead of queueing for nodes of its own that it would release
+    just before the first launch queues again."""
     from batchpilot.cluster import launch
 
     with failure_lines() as lines:
         if config.cluster.backend == "gke":
             code = launch.run_cluster(
-                canary_launch_spec(config, spec=spec, spec_path=None), cluster=config.cluster
-            )
+                canary_launch_spec(config, spec=spec, spec_path=None), cluster=config.cluster,
+                capacity_of=first_launch if config.cluster.provisioning == "flex-start" else None,
+            )  # fmt: skip
         else:
             assert work_dir is not None
             work_dir.mkdir(parents=True, exist_ok=True)

@@ -409,8 +409,11 @@ def cluster_scheduler(
     }
 
 
-def render_cluster_job(runner, appdef, *, cluster: ClusterConfig, labels: dict[str, str] | None = None):
-    """The torchx dry-run of `appdef` with hardened containers; `.request` is what would be created."""
+def render_cluster_job(
+    runner, appdef, *, cluster: ClusterConfig, labels: dict[str, str] | None = None, request: str | None = None
+):
+    """The torchx dry-run of `appdef` with hardened containers; `.request` is what would be created. With
+    flex-start its pods consume ProvisioningRequest `request` (default: the one named as the job)."""
     from batchpilot.cluster.placement import harden_containers
 
     role = appdef.roles[0]
@@ -429,7 +432,7 @@ def render_cluster_job(runner, appdef, *, cluster: ClusterConfig, labels: dict[s
 
         # The pods consume the launch's ProvisioningRequest, named as its JobSet (cluster/provisioning.py).
         for replicated in resource["spec"]["replicatedJobs"]:
-            consume_request(replicated["template"]["spec"]["template"], name=resource["metadata"]["name"])
+            consume_request(replicated["template"]["spec"]["template"], name=request or resource["metadata"]["name"])
     if scheduler == "kubernetes":
         from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
 
@@ -456,10 +459,13 @@ def render_cluster_yaml(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
     )
 
 
-def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
+def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: LaunchSpec | None = None) -> int:
     """Submits the launch to GKE (or adopts its running JobSet), streams every node's log, returns 0, 75
     (preempted, or this task's pod evicted: the JobSet is left for the retry to adopt) or 1. Ctrl-C, or a
-    SIGTERM that is no eviction (a cancel), deletes the launch's job, then raises KeyboardInterrupt."""
+    SIGTERM that is no eviction (a cancel), deletes the launch's job, then raises KeyboardInterrupt.
+
+    `capacity_of` (flex-start): the job runs on the nodes of that launch's ProvisioningRequest, which is kept
+    for it when the job succeeds (the canary runs on the first launch's nodes, then hands them over)."""
     from batchpilot.cluster.eviction import sigterm_cause
 
     runner = cluster_runner()
@@ -472,13 +478,17 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
         own_pod_budget(),  # a drain or an upgrade must not evict the task that follows the launch
     ):
         try:
-            with _capacity(runner, appdef, spec=spec, cluster=cluster):
-                handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster)
-                return follow(
+            with _capacity(runner, appdef, spec=spec, cluster=cluster, capacity_of=capacity_of) as capacity:
+                request = capacity_of.name if capacity_of is not None else None
+                handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster, request=request)
+                code = follow(
                     runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
                     via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
                     stuck=pending_watch(handle, cluster=cluster), restarts=cluster.launcher == "jobset",
                 )  # fmt: skip
+                if code == 0 and capacity is not None and capacity_of is not None:
+                    capacity.hand_over(capacity_of.name)
+                return code
         except Evicted as evicted:
             logger.warning(
                 "%s: SIGTERM is an eviction (%s): leaving its JobSet running for the retry to adopt; exit %d",
@@ -495,24 +505,29 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig) -> int:
 
 
 def _capacity(
-    runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
-) -> contextlib.AbstractContextManager[None]:
+    runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig, capacity_of: LaunchSpec | None = None
+) -> contextlib.AbstractContextManager[Any]:
     """With `cluster.provisioning: flex-start`, the launch's nodes come through a ProvisioningRequest for its
     node count, provisioned before the JobSet is created and deleted when the launch ends
-    (`batchpilot.cluster.provisioning`); otherwise the pool was sized by the resize step."""
+    (`batchpilot.cluster.provisioning`); otherwise the pool was sized by the resize step. `capacity_of`:
+    the request is that launch's (its name, labels, pods and node count), which the caller may hand over to
+    it (`provisioning.Handover`); the context yields the handover, or None without flex-start."""
     if cluster.provisioning != "flex-start":
         return contextlib.nullcontext()
     from batchpilot.cluster.lifecycle import running_jobset
     from batchpilot.cluster.provisioning import flex_start_capacity
     from batchpilot.cluster.readiness import kube_api_client
 
+    owner = capacity_of or spec
+    if capacity_of is not None:  # its pods are the ones the request's PodTemplate must match
+        appdef = cluster_appdef(capacity_of, cluster=cluster, read_nodes=True)
     # A retried task whose JobSet still runs adopts it, and the request its pods consumed with it.
     consumed = bool(spec.labels) and running_jobset(labels=spec.labels, cluster=cluster) is not None
-    resource = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels).request.resource
+    resource = render_cluster_job(runner, appdef, cluster=cluster, labels=owner.labels).request.resource
     (replicated,) = resource["spec"]["replicatedJobs"]
     return flex_start_capacity(
         api_client=kube_api_client(), namespace=cluster.namespace, name=resource["metadata"]["name"],
-        labels=spec.labels, pod=replicated["template"]["spec"]["template"], count=spec.num_nodes,
+        labels=owner.labels, pod=replicated["template"]["spec"]["template"], count=owner.num_nodes,
         timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s, stage_timeout_s=cluster.stage_timeout_s,
         consumed=consumed,
     )  # fmt: skip
@@ -531,7 +546,9 @@ def _run_lease(spec: LaunchSpec, *, cluster: ClusterConfig) -> contextlib.Abstra
     )
 
 
-def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig) -> tuple[str, str]:
+def _adopt_or_submit(
+    runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig, request: str | None = None
+) -> tuple[str, str]:
     """(handle, how) of the launch's job: its running JobSet of this plan (adopted), else a new one, after
     the launch's others are deleted (`lifecycle.adoptable_or_cleared`) and the JobSet CRD is checked."""
     from torchx.specs.builders import make_app_handle
@@ -548,5 +565,5 @@ def _adopt_or_submit(runner, appdef, *, spec: LaunchSpec, cluster: ClusterConfig
 
         # Before the first pod: a JobSet controller older than v0.6.0 would drop failurePolicy.rules.
         check_jobset_crd(kube_api_client())
-    info = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels)
+    info = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels, request=request)
     return runner.schedule(info), cluster.launcher

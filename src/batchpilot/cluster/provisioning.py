@@ -329,6 +329,19 @@ def wait_provisioned(
         time.sleep(poll_s)
 
 
+@dataclass
+class Handover:
+    """What a flex-start block may do with its request before it ends: leave it to another launch."""
+
+    name: str
+    count: int
+    to: str | None = None
+
+    def hand_over(self, launch: str) -> None:
+        self.to = launch
+        logger.info("keeping ProvisioningRequest %s and its %d node(s) for %s", self.name, self.count, launch)
+
+
 @contextlib.contextmanager
 def flex_start_capacity(
     *,
@@ -342,15 +355,17 @@ def flex_start_capacity(
     stage_timeout_s: float,
     consumed: bool = False,
     poll_s: float = 2.0,
-) -> Iterator[None]:
+) -> Iterator[Handover]:
     """The launch's nodes through a ProvisioningRequest named `name` (the JobSet's name): adopts the
     launch's live request or creates one (with its PodTemplate, from the trainer pod template `pod`),
     waits until it is Provisioned, runs the block, then deletes both whatever happened, except when this
     task's pod is evicted (`Evicted`): the retry adopts the JobSet and the request that holds its nodes.
     `consumed`: the launch's JobSet runs (a retried task adopts it), so its request's expired booking is no
-    end (`ended`).
+    end (`ended`). The block may hand the request over (`Handover.to`): it then stays for the launch that
+    adopts it (the canary, having run on the first launch's nodes, leaves them to it).
     """
     requests = Requests(api_client, namespace)
+    handover = Handover(name=name, count=count)
     keep = False
     try:
         if adopt_or_clear(requests, labels=labels, name=name, consumed=consumed) is None:
@@ -367,7 +382,8 @@ def flex_start_capacity(
         wait_provisioned(
             requests, name=name, count=count, timeout_s=timeout_s, poll_s=poll_s, consumed=consumed
         )
-        yield
+        yield handover
+        keep = handover.to is not None
     except Evicted:
         keep = True
         logger.warning("%s: leaving ProvisioningRequest %s for the retry to adopt", name, name)

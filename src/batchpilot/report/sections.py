@@ -31,7 +31,11 @@ def canary_section(canary: dict[str, Any]) -> str:
         if expected
         else " (no expected figure: one node, or a machine type without a documented network bandwidth)"
     )
-    warning = canary.get("bandwidth_warning")
+    # canary.json before the canary failed on them carried the bandwidth verdict as a warning
+    problem = canary.get("transport_problem") or canary.get("bandwidth_problem") or canary.get("bandwidth_warning")
+    if canary.get("nccl_version"):
+        networks = ", ".join(canary.get("nccl_networks") or []) or "not logged"
+        versus += f"; NCCL {html.escape(str(canary['nccl_version']))} over {html.escape(networks)}"
     rows = "".join(
         f"<tr><td>{n['node']}</td><td>{html.escape(str(n['host']))}</td><td>{n['processes']}</td>"
         f"<td>{n['devices']}</td><td>{_figure(n.get('read_mb_per_s'), '.0f')}</td>"
@@ -43,7 +47,7 @@ def canary_section(canary: dict[str, Any]) -> str:
         f"<h2>Canary</h2><p>{canary['num_nodes']} node(s) x {canary['processes_per_node']} process(es), "
         f"{html.escape(canary['backend'])} all-reduce of {canary['all_reduce_bytes'] / 2**20:.0f} MiB: bus bandwidth "
         f"{measured / 1e9:.2f} GB/s{versus}.</p>"
-        + (f"<p><strong>Warning: {html.escape(warning)}</strong></p>" if warning else "")
+        + (f"<p><strong>The canary failed: {html.escape(problem)}</strong></p>" if problem else "")
         + "<table><tr><th>node</th><th>host</th><th>processes</th><th>GPUs seen</th>"
         "<th>shard read MB/s</th><th>checkpoint write ms</th><th>checkpoint read ms</th></tr>"
         + rows

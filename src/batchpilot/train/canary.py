@@ -7,7 +7,13 @@ One process per planned device, under torchrun on the first launch's nodes (`bat
 3. per node: a loading host reads a range of the training shards through the shard layer (MB/s), and one
    process writes, reads back and deletes an object under `<train.checkpoint_uri>/canary/`;
 4. one all-reduce across all ranks, after a warm-up, timed over a few iterations: its bus bandwidth
-   (nccl-tests: bytes x 2(n-1)/n / time) next to the machine's expected figure (from the spec).
+   (nccl-tests: bytes x 2(n-1)/n / time) next to the machine's expected figure (from the spec);
+5. on GPUs, NCCL's version and the network transport each rank's NCCL chose, read from NCCL's own debug
+   log (`cluster.canary.NCCL_DEBUG_ENV`, set on the canary's GPU pods).
+
+The canary fails, after rank 0 wrote canary.json with the figures, when the bus bandwidth is below half the
+expected figure or when NCCL fell back to its Socket transport although the pods are set up for GPUDirect:
+a silent fallback to TCP over the primary NIC runs at a quarter of TCPX's figure and an eighth of TCPXO's.
 
 Rank 0 gathers every rank's result and writes `canary.json` beside the probes. Any failure ends every
 rank with exit 1 and one line, `CANARY_FAILED_MARKER ...`, naming what failed and where (node, rank, host, URI);
@@ -33,10 +39,15 @@ from batchpilot.runstate import CANARY_FILE, write_canary
 
 CANARY_TIMEOUT_S = 300
 """Bound on the process group forming and on each collective: a node that never joins fails the canary."""
-MIN_BANDWIDTH_FRACTION = 0.25
-"""Below this share of the expected bus bandwidth the canary warns loudly (it does not fail): a quarter
-is far below what a healthy fabric gives under nccl-tests (usually 70-90 %), so it points at a missing
-GPUDirect set-up or a wrong NIC, not at noise."""
+MIN_BANDWIDTH_FRACTION = 0.5
+"""Below this share of the expected bus bandwidth the canary fails: a healthy fabric gives 70-90 % under
+nccl-tests, while NCCL's fallback to TCP over the primary NIC gives 25 % of an A3's TCPX figure (200 of 800
+Gbps) and 12.5 % of an A3 Mega's TCPXO figure (200 of 1600 Gbps): half leaves room for noise and catches
+both."""
+NCCL_NETWORK_LINE = "NCCL INFO Using network "
+"""The line NCCL's init logs (INIT|NET) once it has picked its network transport: `Socket` and `IB` are
+NCCL's own (src/transport/net_socket.cc, net_ib.cc), a net plugin's name otherwise (GPUDirect-TCPX/TCPXO)."""
+SOCKET_NETWORK = "Socket"
 WARMUP_ITERATIONS = 2
 TIMED_ITERATIONS = 5
 ALL_REDUCE_BYTES = {"nccl": 256 * 2**20, "gloo": 4 * 2**20}
@@ -56,15 +67,41 @@ def bus_bandwidth_bytes_per_s(*, num_bytes: int, world_size: int, time_s: float)
     return num_bytes * 2 * (world_size - 1) / world_size / time_s
 
 
-def bandwidth_warning(*, measured: float, expected: float | None, machine: str | None) -> str | None:
-    """The loud line when the bus bandwidth is below MIN_BANDWIDTH_FRACTION of the expected figure;
+def bandwidth_problem(*, measured: float, expected: float | None, machine: str | None) -> str | None:
+    """Why the canary fails when the bus bandwidth is below MIN_BANDWIDTH_FRACTION of the expected figure;
     None when it is not, or when there is nothing to compare with."""
     if expected is None or measured >= MIN_BANDWIDTH_FRACTION * expected:
         return None
+    between = f" between {machine} nodes" if machine else ""
     return (
         f"all-reduce bus bandwidth {measured / 1e9:.2f} GB/s is {measured / expected:.0%} of the "
-        f"{expected / 1e9:.0f} GB/s expected between {machine} nodes (below {MIN_BANDWIDTH_FRACTION:.0%}): "
+        f"{expected / 1e9:.0f} GB/s expected{between} (below {MIN_BANDWIDTH_FRACTION:.0%}): "
         "check the nodes' GPU NICs and GPUDirect set-up (docs/cluster.md) before a long run"
+    )
+
+
+def nccl_network(log_text: str) -> str | None:
+    """The network transport NCCL's debug log says it uses (None: no such line)."""
+    for line in log_text.splitlines():
+        if NCCL_NETWORK_LINE in line:
+            return line.split(NCCL_NETWORK_LINE, 1)[1].strip() or None
+    return None
+
+
+def transport_problem(results: list[RankResult], *, gpudirect: str | None) -> str | None:
+    """Why the canary fails when a rank's NCCL uses its Socket transport although the pods carry the
+    `gpudirect` stack (its GKE title); None otherwise, or without GPUDirect."""
+    if gpudirect is None:
+        return None
+    fallen = [r for r in results if r.nccl_network == SOCKET_NETWORK]
+    if not fallen:
+        return None
+    nodes = sorted({r.node for r in fallen})
+    return (
+        f"NCCL uses its {SOCKET_NETWORK} transport (TCP over the primary NIC) on node(s) "
+        f"{', '.join(map(str, nodes))} although the pods are set up for {gpudirect}: its net plugin did not load "
+        "(check the NCCL plugin installer DaemonSet, the pods' GPU NIC networks and the plugin's library path; "
+        "docs/cluster.md, GPUDirect)"
     )
 
 
@@ -82,6 +119,8 @@ class RankResult:
     read_s: float = 0.0
     checkpoint_write_ms: float | None = None
     checkpoint_read_ms: float | None = None
+    nccl_network: str | None = None
+    """The network transport this rank's NCCL chose (GPUs only; None when its log did not say)."""
     error: str | None = None
 
 
@@ -107,12 +146,20 @@ class Summary:
     all_reduce_time_s: float
     bus_bandwidth_bytes_per_s: float
     expected_bus_bandwidth_bytes_per_s: float | None
-    bandwidth_warning: str | None
+    bandwidth_problem: str | None
+    nccl_version: str | None = None
+    nccl_networks: list[str] = field(default_factory=list)
+    transport_problem: str | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
+
+    def problem(self) -> str | None:
+        """Why the canary fails on its figures (the transport first: it explains a low bandwidth)."""
+        return self.transport_problem or self.bandwidth_problem
 
 
 def summarize(
-    results: list[RankResult], *, spec: dict[str, Any], backend: str, all_reduce_bytes: int, time_s: float
+    results: list[RankResult], *, spec: dict[str, Any], backend: str, all_reduce_bytes: int, time_s: float,
+    nccl_version: str | None = None,
 ) -> Summary:
     """canary.json from every rank's result and the all-reduce's timing (pure)."""
     world_size = len(results)
@@ -143,9 +190,19 @@ def summarize(
         checkpoint_uri=config["train"]["checkpoint_uri"], all_reduce_bytes=all_reduce_bytes,
         all_reduce_time_s=time_s, bus_bandwidth_bytes_per_s=measured,
         expected_bus_bandwidth_bytes_per_s=expected,
-        bandwidth_warning=bandwidth_warning(measured=measured, expected=expected, machine=machine),
+        bandwidth_problem=bandwidth_problem(measured=measured, expected=expected, machine=machine),
+        nccl_version=nccl_version,
+        nccl_networks=sorted({r.nccl_network for r in results if r.nccl_network}),
+        transport_problem=transport_problem(results, gpudirect=_gpudirect_title(config["cluster"])),
         nodes=nodes,
     )  # fmt: skip
+
+
+def _gpudirect_title(cluster: dict[str, Any]) -> str | None:
+    from batchpilot.planning.gpudirect import gpudirect_stack
+
+    stack = gpudirect_stack(gpudirect=cluster.get("gpudirect", "auto"), machine_type=cluster.get("machine_type"))
+    return stack.title if stack is not None else None
 
 
 def canary_metrics(summary: dict[str, Any]) -> dict[str, float]:
@@ -172,6 +229,9 @@ def summary_line(summary: dict[str, Any]) -> str:
     """One log line for canary.json."""
     expected = summary.get("expected_bus_bandwidth_bytes_per_s")
     versus = f" (expected ~{expected / 1e9:.0f} GB/s)" if expected else ""
+    if summary.get("nccl_version"):
+        networks = ", ".join(summary.get("nccl_networks") or []) or "not logged"
+        versus += f", NCCL {summary['nccl_version']} over {networks}"
     reads = ", ".join(
         f"{n['read_mb_per_s']:.0f}" for n in summary["nodes"] if n.get("read_mb_per_s") is not None
     )
@@ -258,9 +318,13 @@ def _checked_and_measured(mine: RankResult, *, spec: dict[str, Any], config: Any
         mine.error = f"the all-reduce of {num_bytes} bytes over {backend} failed: {_one_line(error)}"
         print(failure_line(mine), file=sys.stderr, flush=True)
         return 1
+    if backend == "nccl":  # NCCL has logged its transport by now; every rank says which it got
+        mine.nccl_network = nccl_network(_own_nccl_log())
+        results = _gathered(mine, world_size=world_size)
     if mine.rank != 0:
         return 0
-    summary = summarize(results, spec=spec, backend=backend, all_reduce_bytes=num_bytes, time_s=time_s)
+    summary = summarize(results, spec=spec, backend=backend, all_reduce_bytes=num_bytes, time_s=time_s,
+                        nccl_version=_nccl_version(backend))  # fmt: skip
     from batchpilot.storage import join_uri
 
     uri = join_uri(spec["result_uri"], CANARY_FILE)
@@ -271,7 +335,31 @@ def _checked_and_measured(mine: RankResult, *, spec: dict[str, Any], config: Any
         print(failure_line(mine), file=sys.stderr, flush=True)
         return 1
     print(f"canary: wrote {uri}", flush=True)
+    if (problem := summary.problem()) is not None:
+        mine.error = problem
+        print(failure_line(mine), file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _own_nccl_log() -> str:
+    """This process's NCCL debug file (NCCL_DEBUG_FILE with %h and %p expanded), or "" when there is none."""
+    pattern = os.environ.get("NCCL_DEBUG_FILE", "")
+    if not pattern:
+        return ""
+    path = Path(pattern.replace("%h", socket.gethostname()).replace("%p", str(os.getpid())))
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _nccl_version(backend: str) -> str | None:
+    if backend != "nccl":
+        return None
+    import torch
+
+    return ".".join(str(n) for n in torch.cuda.nccl.version())
 
 
 def _one_line(error: BaseException) -> str:

@@ -31,6 +31,7 @@ def canary_nodes(config: Config, document: RunDocument | None = None) -> int:
     return nodes(
         max_nodes=config.cluster.max_nodes, first_launch_nodes=launches(document.plan)[0].num_nodes,
         max_stage_nodes=max(stage.num_nodes for stage in document.plan.stages),
+        flex_start=config.cluster.provisioning == "flex-start",
     )  # fmt: skip
 
 
@@ -78,7 +79,10 @@ def canary(
     num_nodes = prepare_canary_pool(config, document)
     if config.cluster.backend == "local" and work_dir is None:
         work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-canary-"))
-    code, failure = run_canary_job(config, spec=canary_spec(config, num_nodes=num_nodes), work_dir=work_dir)
+    code, failure = run_canary_job(
+        config, spec=canary_spec(config, num_nodes=num_nodes), work_dir=work_dir,
+        first_launch=_first_launch(document),
+    )  # fmt: skip
     if failure is not None:  # the failing rank's line: what, where, and its own fix when it has one
         raise BatchpilotError("canary", failure)
     if code != 0:
@@ -89,9 +93,22 @@ def canary(
     if summary is None:
         raise BatchpilotError("canary", "the job succeeded but wrote no canary.json", "see its lines above")
     logger.info("%s", summary_line(summary))
-    if summary.get("bandwidth_warning"):
-        logger.warning("canary: %s", summary["bandwidth_warning"])
     return canary_metrics(summary)
+
+
+def _first_launch(document: RunDocument | None) -> Any:
+    """The first launch's spec as its train task will make it (for flex-start, whose request the canary
+    uses and hands over), or None without a plan or off GKE."""
+    if document is None or document.config.cluster.backend != "gke":
+        return None
+    from batchpilot.cluster.launch_spec import cluster_launch_spec
+    from batchpilot.workflow.document import current_document
+
+    current = current_document(document)
+    return cluster_launch_spec(
+        run_name=current.config.name, launch=launches(current.plan)[0],
+        devices_per_node=current.config.cluster.devices_per_node, plan_text=current.to_json(),
+    )  # fmt: skip
 
 
 def read_canary(config: Config) -> dict[str, Any] | None:
