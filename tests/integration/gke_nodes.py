@@ -265,7 +265,14 @@ def node_name(cluster: str, pool: str, zone: str, index: int) -> str:
 
 
 def gke_node(
-    *, name: str, pool: str, zone: str, machine_type: str, ready: bool, gpus_published: bool, spot: bool = False
+    *,
+    name: str,
+    pool: str,
+    zone: str,
+    machine_type: str,
+    ready: bool,
+    gpus_published: bool,
+    spot: bool = False,
 ) -> dict[str, Any]:
     """The Node object of one pool member (a machine type missing from MACHINES is a test error)."""
     machine = MACHINES[machine_type]

@@ -284,9 +284,9 @@ def unfit_reasons(pod: dict[str, Any], node: dict[str, Any], used: dict[str, Fra
             tolerates(t, taint) for t in spec.get("tolerations") or []
         ):  # tainttoleration.ErrReasonNotMatch
             return [f"node(s) had untolerated taint {{{taint['key']}: {taint.get('value', '')}}}"]
-    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()) or not required_affinity_matches(
-        spec, labels
-    ):
+    if any(
+        labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()
+    ) or not required_affinity_matches(spec, labels):
         return ["node(s) didn't match Pod's node affinity/selector"]  # nodeaffinity.ErrReasonPod
     allocatable = {k: quantity(v) for k, v in node["status"].get("allocatable", {}).items()}
     reasons = []

@@ -231,7 +231,9 @@ def argo_retry(
     starts = attempts[-1][1] + wait_s
     if starts > deadline:
         return None, "Backoff would exceed max duration limit"
-    retried = {"Always": ("Failed", "Error"), "OnFailure": ("Failed",), "OnError": ("Error",)}.get(retry_policy, ())
+    retried = {"Always": ("Failed", "Error"), "OnFailure": ("Failed",), "OnError": ("Error",)}.get(
+        retry_policy, ()
+    )
     if phase not in retried:
         return None, f"retryPolicy {retry_policy} does not retry an attempt that ended {phase}"
     limit = int(policy.get("maxRetryCount") or 0)

@@ -150,7 +150,9 @@ class _Handler(QuietHandler):
         if refused := self._refused(path):
             self.reply(*refused)
             return True
-        if (answer := kube_disruption.route(self.state.sim, self.state.budgets, self.command, path, body)) is not None:
+        if (
+            answer := kube_disruption.route(self.state.sim, self.state.budgets, self.command, path, body)
+        ) is not None:
             self.reply(*answer)
             return True
         if self.command == "GET" and path.endswith("/log") and query.get("follow", [""])[0].lower() == "true":
@@ -172,7 +174,9 @@ class _Handler(QuietHandler):
             return None
         if (verb, resource) not in self.state.denied:
             return None
-        return 403, _status(403, "Forbidden", f'{resource} is forbidden: User cannot {verb} resource "{resource}"')
+        return 403, _status(
+            403, "Forbidden", f'{resource} is forbidden: User cannot {verb} resource "{resource}"'
+        )
 
     def do_PATCH(self) -> None:
         path, query, body = self._record()

@@ -61,7 +61,9 @@ def _selects(budget: dict[str, Any], pod: dict[str, Any]) -> bool:
     for expression in selector.get("matchExpressions") or []:
         key, op, values = expression["key"], expression["operator"], expression.get("values") or []
         present = key in labels
-        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and present and labels[key] in values):
+        if (op == "In" and labels.get(key) not in values) or (
+            op == "NotIn" and present and labels[key] in values
+        ):
             return False
         if (op == "Exists" and not present) or (op == "DoesNotExist" and present):
             return False
@@ -126,7 +128,12 @@ def _budget(sim, budgets, method, ns, name, body):  # type: ignore[no-untyped-de
     collect_garbage(sim, budgets)
     if method == "GET" and not name:
         items = [dict(b, status=budget_status(sim, b)) for (n, _), b in sorted(budgets.items()) if n == ns]
-        return 200, {"apiVersion": "policy/v1", "kind": "PodDisruptionBudgetList", "metadata": {}, "items": items}
+        return 200, {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudgetList",
+            "metadata": {},
+            "items": items,
+        }
     if method == "POST" and not name:
         name = (body.get("metadata") or {}).get("name")
         spec = body.get("spec") or {}
@@ -154,7 +161,9 @@ def _evict(sim, budgets, ns, name):  # type: ignore[no-untyped-def]
     pod = sim.pods.get((ns, name))
     if pod is None:
         return 404, _status(404, "NotFound", f'pods "{name}" not found')
-    if pod["status"]["phase"] in ("Pending", "Succeeded", "Failed") or pod["metadata"].get("deletionTimestamp"):
+    if pod["status"]["phase"] in ("Pending", "Succeeded", "Failed") or pod["metadata"].get(
+        "deletionTimestamp"
+    ):
         sim.delete_pod(ns, name)
         return 201, _success()
     covering = [b for (n, _), b in budgets.items() if n == ns and _selects(b, pod)]
@@ -171,7 +180,12 @@ def _evict(sim, budgets, ns, name):  # type: ignore[no-untyped-def]
             return 429, answer
         budget.setdefault("status", {}).setdefault("disruptedPods", {})[name] = now()
     pod["status"].setdefault("conditions", []).append(
-        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI", "lastTransitionTime": now()}
+        {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "EvictionByEvictionAPI",
+            "lastTransitionTime": now(),
+        }
     )
     sim.delete_pod(ns, name)
     return 201, _success()

@@ -178,7 +178,10 @@ class ProvisioningController:
         if "Accepted" not in found:
             status["conditions"].append(_condition("Accepted", "True", "Accepted", "queued for capacity"))
         if found.get("Provisioned", {}).get("status") == "True":
-            if "BookingExpired" not in found and time.monotonic() - self.provisioned_at[key] >= self.booking_s:
+            if (
+                "BookingExpired" not in found
+                and time.monotonic() - self.provisioned_at[key] >= self.booking_s
+            ):
                 self._set(status, _condition("BookingExpired", "True", "CapacityReservationTimeExpired",
                                              "Capacity reservation time is expired"))  # fmt: skip
             return

@@ -409,8 +409,10 @@ def test_a_launch_follows_every_pod_of_its_jobset_across_a_restart(tmp_path):
                 assert launch.poll() is None, launch.communicate()[0]
                 for key, pod in list(gke.sim.pods.items()):
                     labels = pod["metadata"].get("labels") or {}
-                    if key[0] == NS and pod["status"]["phase"] == "Running" and (
-                        labels.get("jobset.sigs.k8s.io/restart-attempt") == attempt
+                    if (
+                        key[0] == NS
+                        and pod["status"]["phase"] == "Running"
+                        and (labels.get("jobset.sigs.k8s.io/restart-attempt") == attempt)
                     ):
                         return key
                 return None
@@ -427,4 +429,6 @@ def test_a_launch_follows_every_pod_of_its_jobset_across_a_restart(tmp_path):
         gke.sim.finish_pod(*second, exit_code=0)
         output, _ = launch.communicate(timeout=90)
     assert launch.returncode == 0, output
-    assert "step 10 loss 4.2 (first attempt)" in output and "resumed from step 10 (after the restart)" in output
+    assert (
+        "step 10 loss 4.2 (first attempt)" in output and "resumed from step 10 (after the restart)" in output
+    )

@@ -211,11 +211,15 @@ def test_flex_start_is_checked_against_the_preemptible_quota(gke, tmp_path, caps
     with H100s on demand but none preemptible cannot run a flex-start launch."""
     gke.add_pool("flex", machine_type="a3-highgpu-8g", zones=["us-central1-a"], queued_provisioning=True,
                  autoscaling={"enabled": True, "totalMinNodeCount": 0, "totalMaxNodeCount": 2})  # fmt: skip
-    pool_of(gke, "flex")["config"]["accelerators"][0]["gpuDriverInstallationConfig"] = {"gpuDriverVersion": "DEFAULT"}
+    pool_of(gke, "flex")["config"]["accelerators"][0]["gpuDriverInstallationConfig"] = {
+        "gpuDriverVersion": "DEFAULT"
+    }
     gke.container.state.preemptible_quota = {"nvidia-h100-80gb": 8}
     config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", provisioning="flex-start",
                         pool_mode="autoscale", node_pool="flex")  # fmt: skip
-    config["explore"] = {"study": False}  # a flex-start pool has no node for explore (config check refuses it)
+    config["explore"] = {
+        "study": False
+    }  # a flex-start pool has no node for explore (config check refuses it)
     line = one_failure(*doctor(tmp_path, capsys, config))
     assert line == (
         "quota: FAILED: PREEMPTIBLE_NVIDIA_H100_GPUS in us-central1: limit 8, 0 in use (0 of them the pool's), 8 "
@@ -518,20 +522,29 @@ ARGO_FIX = (
 @pytest.mark.parametrize(
     ("configmap", "expected"),
     [
-        (None, "argo retries: FAILED: retryPolicy OnFailure (Argo's default (no workflow-controller-configmap)): a "
-               "task whose pod is deleted before it ends (a node drain or upgrade, a Spot reclaim) is not retried, so "
-               "the run fails and its exit handler stops the stage's trainers"),
-        ("spec:\n  ttlStrategy:\n    secondsAfterCompletion: 3600\n",
-         "argo retries: FAILED: retryPolicy OnFailure (Argo's default (no retryPolicy in workflowDefaults's "
-         "templateDefaults)): a task whose pod is deleted"),
-        (KFP_2_17_DEFAULTS,
-         "argo retries: FAILED: retryPolicy OnError (workflowDefaults.spec.templateDefaults.retryStrategy.retryPolicy): "
-         "a task that fails on its own is not retried (exit 75 after an eviction, a resize GKE refused for a moment, "
-         "a launch that found no capacity), so batchpilot's retries of the resize and train tasks never run"),
-        ("spec:\n  templateDefaults:\n    retryStrategy:\n      retryPolicy: Sometimes\n",
-         "argo retries: FAILED: ConfigMap kubeflow/workflow-controller-configmap: "
-         "workflowDefaults.spec.templateDefaults.retryStrategy.retryPolicy is 'Sometimes', which Argo refuses (valid: "
-         "Always, OnFailure, OnError, OnTransientError)"),
+        (
+            None,
+            "argo retries: FAILED: retryPolicy OnFailure (Argo's default (no workflow-controller-configmap)): a "
+            "task whose pod is deleted before it ends (a node drain or upgrade, a Spot reclaim) is not retried, so "
+            "the run fails and its exit handler stops the stage's trainers",
+        ),
+        (
+            "spec:\n  ttlStrategy:\n    secondsAfterCompletion: 3600\n",
+            "argo retries: FAILED: retryPolicy OnFailure (Argo's default (no retryPolicy in workflowDefaults's "
+            "templateDefaults)): a task whose pod is deleted",
+        ),
+        (
+            KFP_2_17_DEFAULTS,
+            "argo retries: FAILED: retryPolicy OnError (workflowDefaults.spec.templateDefaults.retryStrategy.retryPolicy): "
+            "a task that fails on its own is not retried (exit 75 after an eviction, a resize GKE refused for a moment, "
+            "a launch that found no capacity), so batchpilot's retries of the resize and train tasks never run",
+        ),
+        (
+            "spec:\n  templateDefaults:\n    retryStrategy:\n      retryPolicy: Sometimes\n",
+            "argo retries: FAILED: ConfigMap kubeflow/workflow-controller-configmap: "
+            "workflowDefaults.spec.templateDefaults.retryStrategy.retryPolicy is 'Sometimes', which Argo refuses (valid: "
+            "Always, OnFailure, OnError, OnTransientError)",
+        ),
     ],
     ids=["no-configmap", "no-retry-policy", "kfp-2.17-defaults", "unknown-policy"],
 )
@@ -542,7 +555,9 @@ def test_argo_retry_defaults_that_leave_a_case_unretried(gke, tmp_path, capsys, 
         del gke.kube.state.configmaps[ARGO_CONFIGMAP]
     else:
         gke.kube.state.configmaps[ARGO_CONFIGMAP] = argo_configmap(configmap)
-    line = one_failure(*doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor")))
+    line = one_failure(
+        *doctor(tmp_path, capsys, gke_config(endpoint=gke.container.endpoint, bucket="doctor"))
+    )
     assert line.startswith(expected) and line.endswith(ARGO_FIX), line
 
 

@@ -261,7 +261,9 @@ def mark_evicted(gke: SimulatedGke, name: str) -> None:
 
 def booking_expired(gke: SimulatedGke) -> bool:
     (request,) = gke.sim.provisioning.requests.values()
-    return any(c["type"] == "BookingExpired" and c["status"] == "True" for c in request["status"]["conditions"])
+    return any(
+        c["type"] == "BookingExpired" and c["status"] == "True" for c in request["status"]["conditions"]
+    )
 
 
 @pytest.mark.parametrize("expired", [False, True], ids=["booked", "booking-expired"])

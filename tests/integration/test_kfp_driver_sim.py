@@ -156,8 +156,9 @@ def test_the_long_lived_task_pods_never_land_on_a_spot_node():
         while not (read(gke, train).spec.node_name and read(gke, resize).spec.node_name):
             assert time.monotonic() < deadline + 5, read(gke, train).status.conditions
             time.sleep(0.02)
-        assert {gke.sim.nodes[read(gke, n).spec.node_name]["pool"] for n in (train, resize)} == {"default-pool"}
-
+        assert {gke.sim.nodes[read(gke, n).spec.node_name]["pool"] for n in (train, resize)} == {
+            "default-pool"
+        }
 
 
 @pytest.mark.parametrize(("version", "retried"), [((2, 13, 1), False), ((2, 14, 0), True)])
@@ -168,5 +169,7 @@ def test_the_train_and_resize_tasks_sit_in_a_launch_group_whose_retries_need_kfp
     pipeline, _ = load_compiled(NEMO)
     for task in ("final/train-stage", "final/resize-pool"):
         policy = nested_retry_policy(pipeline, task, kfp_version=version)
-        starts, why = argo_retry(policy, attempts=[(0.0, 60.0)], now=60.0) if policy else (None, "no retryStrategy")
+        starts, why = (
+            argo_retry(policy, attempts=[(0.0, 60.0)], now=60.0) if policy else (None, "no retryStrategy")
+        )
         assert (starts is not None) == retried, (task, why)

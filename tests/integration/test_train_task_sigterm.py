@@ -287,7 +287,6 @@ def test_a_task_that_may_not_make_its_budget_says_so_and_trains(gke, tmp_path):
     ) in output
 
 
-
 # --- an evicted task under each Argo configuration ----------------------------------------------------
 
 KFP_2_17_DEFAULTS = {"retryStrategy": {"limit": "2", "retryPolicy": "OnError"}}  # kubeflow/pipelines #13485
@@ -316,7 +315,14 @@ def follow_until_adopted(retry: subprocess.Popen[str], jobset: str) -> str:
         (ALWAYS, False, True),
         (ALWAYS, True, True),
     ],
-    ids=["onfailure-deleted", "onfailure-seen", "onerror-deleted", "onerror-seen", "always-deleted", "always-seen"],
+    ids=[
+        "onfailure-deleted",
+        "onfailure-seen",
+        "onerror-deleted",
+        "onerror-seen",
+        "always-deleted",
+        "always-seen",
+    ],
 )
 def test_a_task_lost_to_its_node_under_each_argo_configuration(gke, tmp_path, defaults, seen, retried):
     """The task's node shuts down (a graceful node shutdown: no Eviction API, so no budget stops it); the task

@@ -78,7 +78,10 @@ gke-train-h100-0:41:80 [0] NCCL INFO Using network Socket
 
 def test_the_transport_nccl_chose_is_read_from_its_debug_log():
     assert nccl_network(NCCL_LOG) == "Socket"
-    assert nccl_network(NCCL_LOG.replace("Using network Socket", "Using network GPUDirectTCPX")) == "GPUDirectTCPX"
+    assert (
+        nccl_network(NCCL_LOG.replace("Using network Socket", "Using network GPUDirectTCPX"))
+        == "GPUDirectTCPX"
+    )
     assert nccl_network("NCCL INFO cudaDriverVersion 12040\n") is None
 
 
@@ -215,7 +218,9 @@ def test_the_report_shows_the_canary_and_why_it_failed():
     slow = canary_section(two_node_summary(time_s=0.04))  # a tenth: 8%
     assert "The canary failed: all-reduce bus bandwidth 10.07 GB/s is 8% of the 125 GB/s expected" in slow
     fallen = canary_section(two_node_summary(time_s=0.004, networks=["Socket"] * 4))
-    assert "NCCL 2.21.5 over Socket" in fallen and "The canary failed: NCCL uses its Socket transport" in fallen
+    assert (
+        "NCCL 2.21.5 over Socket" in fallen and "The canary failed: NCCL uses its Socket transport" in fallen
+    )
 
 
 # --- the compiled pipeline ------------------------------------------------------------------------

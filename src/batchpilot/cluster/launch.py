@@ -109,7 +109,9 @@ def follow(
     found: list[str] = []
     done = threading.Event()
     streams = [
-        threading.Thread(target=_stream, args=(runner, handle, role, k, seen, done if restarts else None), daemon=True)
+        threading.Thread(
+            target=_stream, args=(runner, handle, role, k, seen, done if restarts else None), daemon=True
+        )
         for k in range(spec.num_nodes)
     ]
     if stuck is not None:
@@ -410,7 +412,12 @@ def cluster_scheduler(
 
 
 def render_cluster_job(
-    runner, appdef, *, cluster: ClusterConfig, labels: dict[str, str] | None = None, request: str | None = None
+    runner,
+    appdef,
+    *,
+    cluster: ClusterConfig,
+    labels: dict[str, str] | None = None,
+    request: str | None = None,
 ):
     """The torchx dry-run of `appdef` with hardened containers; `.request` is what would be created. With
     flex-start its pods consume ProvisioningRequest `request` (default: the one named as the job)."""
@@ -432,7 +439,9 @@ def render_cluster_job(
 
         # The pods consume the launch's ProvisioningRequest, named as its JobSet (cluster/provisioning.py).
         for replicated in resource["spec"]["replicatedJobs"]:
-            consume_request(replicated["template"]["spec"]["template"], name=request or resource["metadata"]["name"])
+            consume_request(
+                replicated["template"]["spec"]["template"], name=request or resource["metadata"]["name"]
+            )
     if scheduler == "kubernetes":
         from torchx.schedulers.kubernetes_scheduler import sanitize_for_serialization
 

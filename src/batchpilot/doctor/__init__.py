@@ -35,7 +35,11 @@ __all__ = ["Check", "run_checks", "steps"]
 
 
 def run_checks(
-    config: Config, *, kfp_host: str | None = None, kfp_token: str | None = None, kfp_namespace: str = "kubeflow"
+    config: Config,
+    *,
+    kfp_host: str | None = None,
+    kfp_token: str | None = None,
+    kfp_namespace: str = "kubeflow",
 ) -> Iterator[Check]:
     """Every check for `config`, in order, each as soon as it is done."""
     context = Context(config=config, kfp_host=kfp_host, kfp_token=kfp_token, kfp_namespace=kfp_namespace)

@@ -7,7 +7,7 @@ from batchpilot.doctor.kube import kube_api
 
 FIX = (
     "set retryPolicy: Always under workflowDefaults.spec.templateDefaults.retryStrategy in ConfigMap {ns}/"
-    "{name}, then restart the workflow controller (docs/cluster.md, \"Argo retries\")"
+    '{name}, then restart the workflow controller (docs/cluster.md, "Argo retries")'
 )
 
 

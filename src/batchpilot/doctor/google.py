@@ -214,7 +214,9 @@ def check_quota(context: Context) -> Check:
     pool = context.found.get("node pool")
     # Flex-start VMs (what a ProvisioningRequest brings) count against the preemptible quota too (GKE "About
     # flex-start provisioning mode", quota requirements), whatever the pool's own Spot setting.
-    if cluster.provisioning == "flex-start" or (pool is not None and (pool.config.spot or pool.config.preemptible)):
+    if cluster.provisioning == "flex-start" or (
+        pool is not None and (pool.config.spot or pool.config.preemptible)
+    ):
         metric = f"PREEMPTIBLE_{metric}"
     region = str(cluster.location).rsplit("-", 1)[0] if is_zone(cluster.location) else str(cluster.location)
     found = _region(google, project=str(cluster.project), region=region).get("quotas", [])

@@ -108,7 +108,10 @@ def run_access(launcher: str, provisioning: str = "resize") -> list[Access]:
         Access("list", "nodes", cluster_wide=True),  # readiness.py PoolNodes
         # eviction.py reads the task's own pod; disruption.py labels it and puts a budget over it
         *(Access(verb, "pods", task_namespace=True) for verb in ("get", "patch")),
-        *(Access(verb, "poddisruptionbudgets", "policy", task_namespace=True) for verb in ("create", "delete")),
+        *(
+            Access(verb, "poddisruptionbudgets", "policy", task_namespace=True)
+            for verb in ("create", "delete")
+        ),
         Access("list", "pods", cluster_wide=True),  # readiness.py: DaemonSet pods on a node, every namespace
         # ownership.py renew_lease, run_alive, delete_lease
         *(Access(verb, "leases", "coordination.k8s.io") for verb in ("get", "create", "update", "delete")),

@@ -32,7 +32,9 @@ def canary_section(canary: dict[str, Any]) -> str:
         else " (no expected figure: one node, or a machine type without a documented network bandwidth)"
     )
     # canary.json before the canary failed on them carried the bandwidth verdict as a warning
-    problem = canary.get("transport_problem") or canary.get("bandwidth_problem") or canary.get("bandwidth_warning")
+    problem = (
+        canary.get("transport_problem") or canary.get("bandwidth_problem") or canary.get("bandwidth_warning")
+    )
     if canary.get("nccl_version"):
         networks = ", ".join(canary.get("nccl_networks") or []) or "not logged"
         versus += f"; NCCL {html.escape(str(canary['nccl_version']))} over {html.escape(networks)}"

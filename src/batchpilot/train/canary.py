@@ -158,7 +158,12 @@ class Summary:
 
 
 def summarize(
-    results: list[RankResult], *, spec: dict[str, Any], backend: str, all_reduce_bytes: int, time_s: float,
+    results: list[RankResult],
+    *,
+    spec: dict[str, Any],
+    backend: str,
+    all_reduce_bytes: int,
+    time_s: float,
     nccl_version: str | None = None,
 ) -> Summary:
     """canary.json from every rank's result and the all-reduce's timing (pure)."""
@@ -201,7 +206,9 @@ def summarize(
 def _gpudirect_title(cluster: dict[str, Any]) -> str | None:
     from batchpilot.planning.gpudirect import gpudirect_stack
 
-    stack = gpudirect_stack(gpudirect=cluster.get("gpudirect", "auto"), machine_type=cluster.get("machine_type"))
+    stack = gpudirect_stack(
+        gpudirect=cluster.get("gpudirect", "auto"), machine_type=cluster.get("machine_type")
+    )
     return stack.title if stack is not None else None
 
 
