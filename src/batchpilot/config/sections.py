@@ -98,6 +98,12 @@ class TrainConfig(_Section):
         description="also checkpoint when this many seconds passed since the last checkpoint (rank 0's clock, "
         "checked between steps); a preemption without time to checkpoint loses at most this (0: off)",
     )
+    min_step_s: float = Field(
+        0.0,
+        ge=0,
+        description="pace: every optimizer step lasts at least this long (the loop sleeps the rest), so a stage runs "
+        "long enough to watch on any hardware, as `batchpilot rehearse` needs (0: off)",
+    )
     seed: int = 0
     parallelism: Literal["auto", "ddp", "fsdp", "hsdp"] = Field(
         "auto",

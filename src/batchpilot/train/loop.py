@@ -106,6 +106,8 @@ class TrainingLoop:
             code = self.after_step(stage, stop=stop, checkpoint_due=checkpoint_due)
             if code is not None:
                 return code
+            if (rest := self.config.train.min_step_s - (time.perf_counter() - started)) > 0:
+                time.sleep(rest)  # train.min_step_s: paced, e.g. for a rehearsal
         self.wait_for_checkpoint()  # the last stage's checkpoint is committed before the process exits
         return 0
 
