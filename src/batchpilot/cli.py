@@ -38,6 +38,7 @@ COMMAND_MODULES = (
     "batchpilot.commands.data",
     "batchpilot.commands.pool",
     "batchpilot.commands.doctor",
+    "batchpilot.commands.rehearse",
 )
 
 

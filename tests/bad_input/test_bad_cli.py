@@ -288,3 +288,22 @@ def test_export_of_a_checkpoint_of_another_model(tmp_path):
     with no_debris(tmp_path):
         outcome = export_cli(plan, tmp_path / "hf")
     outcome.assert_refused("was written by a different model", "wte.weight")
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "expected"),
+    [
+        (
+            DEMO,
+            [],
+            "batchpilot: error: cluster.backend: is 'local'; a rehearsal runs on a GKE cluster (fix: rehearse "
+            "a gke config (the local pipeline is `batchpilot run`))",
+        ),
+        (NEMO, ["--pace-s", "0"], "batchpilot: error: --pace-s: must be positive"),
+    ],
+    ids=["local-config", "zero-pace"],
+)
+def test_rehearse_refuses_what_cannot_be_rehearsed_in_one_line(config, args, expected, tmp_path):
+    """Before any call to the cluster or KFP (the host below answers nothing): one line, exit 2."""
+    result = run_cli("rehearse", "--config", config, "--pool", "cheap", "--host", "http://127.0.0.1:9", *args)
+    assert result.code == 2 and result.error_lines() == [expected], result

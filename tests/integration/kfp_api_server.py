@@ -8,7 +8,12 @@ Routes (kfp_server_api 2.17's paths):
   `GET /apis/v2beta1/pipelines/{id}`, `GET .../pipelines/{id}/versions[?filter=]`,
   `GET .../pipelines/{id}/versions/{version_id}`, and the multipart uploads
   `POST /apis/v2beta1/pipelines/upload` and `POST /apis/v2beta1/pipelines/upload_version`,
-- runs: `POST /apis/v2beta1/runs`, `GET /apis/v2beta1/runs/{id}`.
+- runs: `POST /apis/v2beta1/runs`, `GET /apis/v2beta1/runs/{id}`, and `POST /apis/v2beta1/runs/{id}:terminate`
+  (backend/api/v2beta1/run.proto TerminateRun: an empty answer; the run goes CANCELING, then its backend
+  ends it CANCELED).
+
+Runs execute only when a backend is attached (`KfpState.on_run`, `on_terminate`, e.g. kfp_backend_sim.py,
+which also moves `state` through PENDING, RUNNING and an end); without one a run stays PENDING.
 
 The rules are the real API server's, read from kubeflow/pipelines at tag 2.17.0 (the backend release of
 kfp 2.17); each is marked with its source file. Errors carry the real HTTP status and body: the gRPC
@@ -32,7 +37,7 @@ import json
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.parser import BytesParser
@@ -147,6 +152,8 @@ class KfpState:
     requests: list[Request] = field(default_factory=list)
     clock: Iterator[int] = field(default_factory=lambda: itertools.count(1_780_000_000))
     lock: threading.RLock = field(default_factory=threading.RLock)
+    on_run: Callable[[dict[str, Any]], None] | None = None  # a backend that executes each created run
+    on_terminate: Callable[[str], None] | None = None
 
     def now(self) -> str:
         return datetime.fromtimestamp(next(self.clock), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -436,7 +443,17 @@ def _route(state: KfpState, request: Request) -> tuple[int, Any]:
     if method == "GET" and len(parts) == 4 and parts[0] == "pipelines" and parts[2] == "versions":
         return 200, _get(state.versions, parts[3], "PipelineVersion")
     if method == "POST" and parts == ["runs"]:
-        return 200, _create_run(state, request.body)
+        created = _create_run(state, request.body)
+        if state.on_run is not None:
+            state.on_run(created)
+        return 200, created
+    if method == "POST" and len(parts) == 2 and parts[0] == "runs" and parts[1].endswith(":terminate"):
+        run = _get(state.runs, parts[1].removesuffix(":terminate"), "Run")
+        if run["state"] not in ("SUCCEEDED", "FAILED", "CANCELED"):
+            run["state"] = "CANCELING"
+            if state.on_terminate is not None:
+                state.on_terminate(run["run_id"])
+        return 200, {}
     if method == "GET" and len(parts) == 2 and parts[0] == "runs":
         return 200, _get(state.runs, parts[1], "Run")
     raise ApiError(NOT_FOUND, "Not Found")  # the gateway's answer to an unknown route

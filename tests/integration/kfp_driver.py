@@ -108,7 +108,15 @@ def task_pod(
     pipeline: dict[str, Any], platform: dict[str, Any], task_path: str, *, run_id: str = "run-1"
 ) -> dict[str, Any]:
     """The pod the driver would create for `task_path` (see the module docstring for the rules)."""
-    label = executor_label(pipeline, task_path)
+    return executor_pod(
+        pipeline, platform, executor_label(pipeline, task_path), task_path=task_path, run_id=run_id
+    )
+
+
+def executor_pod(
+    pipeline: dict[str, Any], platform: dict[str, Any], label: str, *, task_path: str, run_id: str = "run-1"
+) -> dict[str, Any]:
+    """The pod the driver would create for a task run by executor `label`."""
     container = pipeline["deploymentSpec"]["executors"][label]["container"]
     name = pipeline["pipelineInfo"]["name"]
     main: dict[str, Any] = {

@@ -173,3 +173,23 @@ def test_the_train_and_resize_tasks_sit_in_a_launch_group_whose_retries_need_kfp
             argo_retry(policy, attempts=[(0.0, 60.0)], now=60.0) if policy else (None, "no retryStrategy")
         )
         assert (starts is not None) == retried, (task, why)
+
+
+def test_no_cpu_task_runs_on_the_trainers_pool_which_its_resizes_shrink():
+    """A resize that shrinks the trainers' pool deletes the nodes it removes with their pods: a task pod there
+    (the resize's own, or the exit handler's scale-down) would be killed mid-way. Every CPU task's pod keeps
+    off that pool; explore, which measures on it, does not."""
+    pipeline, platform = load_compiled(NEMO)
+    for task in (
+        "plan",
+        "report",
+        "scale-down",
+        "stages-0-3/train-stage",
+        "stages-0-3/resize-pool",
+        "explore",
+    ):
+        pod = task_pod(pipeline, platform, task)
+        terms = (((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", []))  # fmt: skip
+        avoids = {"key": "cloud.google.com/gke-nodepool", "operator": "NotIn", "values": ["h100-pool"]}
+        assert (task != "explore") == any(avoids in term["matchExpressions"] for term in terms), (task, terms)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -53,6 +54,8 @@ def test_each_step_lasts_at_least_min_step_s(demo_data_uri, tmp_path, monkeypatc
     # A record is written when its step's work is done: from one step's start to the next is the gap between
     # their records plus the earlier step's own time (step_time_s), and the loop sleeps until it is 0.4 s.
     # (Up to a millisecond off: the record's clock is read a little after the step's time is taken.)
-    spans = [b["time"] - a["time"] + a["step_time_s"] for a, b in zip(records, records[1:], strict=False)]
+    spans = [b["time"] - a["time"] + a["step_time_s"] for a, b in itertools.pairwise(records)]
     assert min(spans) >= 0.4 - 0.001, spans
-    assert max(r["step_time_s"] for r in records) < 0.4  # the work alone is shorter: the pace made up the rest
+    assert (
+        max(r["step_time_s"] for r in records) < 0.4
+    )  # the work alone is shorter: the pace made up the rest

@@ -9,6 +9,7 @@ a recompile, when a run's config implies another stage count or launches the pip
 """
 
 import json
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +17,7 @@ from kfp import dsl, kubernetes
 
 from batchpilot import __version__
 from batchpilot.cluster.eviction import POD_NAME_ENV, POD_NAMESPACE_ENV
+from batchpilot.cluster.readiness import GKE_NODE_POOL_LABEL as NODE_POOL_LABEL
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.images import check_image
@@ -31,6 +33,8 @@ DEFAULT_IMAGE = f"batchpilot:{__version__}"
 # Retries: a pool resize is idempotent; a launch resumes from its last checkpoint (e.g. after preemption).
 RESIZE_RETRIES = 3
 STAGE_RETRIES = 2
+STAGE_BACKOFF_S = 60
+"""A launch's first retry backoff: time for capacity, a node or a preempted pod to come back."""
 
 
 def stage_names(count: int) -> list[str]:
@@ -97,7 +101,15 @@ RECLAIMABLE_NODE_LABELS = ("cloud.google.com/gke-spot", "cloud.google.com/gke-pr
 """The node labels GKE gives Spot and preemptible VMs ("true"): nodes the long-lived and the pool tasks avoid."""
 
 
-def _task_pod(task: Any, *, kind: str) -> None:
+@dataclass(frozen=True)
+class TaskPods:
+    """On a cluster: what the task pods must know of it."""
+
+    trainer_pool: str | None
+    """The pool the trainers run on and the pool tasks resize: every CPU task keeps off it."""
+
+
+def _task_pod(task: Any, *, kind: str, avoid_pool: str | None) -> None:
     """On a cluster: the task pod's requests, and the annotation that keeps the cluster autoscaler from
     removing its node while it runs.
 
@@ -116,13 +128,21 @@ def _task_pod(task: Any, *, kind: str) -> None:
         # protected by its own disruption budget while it follows its launch (batchpilot.cluster.disruption).
         kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
         kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
+    expressions = []
     if kind in ("train", "canary", "pool"):
         # Never on a node that GKE may take back at any time: a Spot or preemptible VM's reclaim ignores
         # disruption budgets and deletes the pod, and Argo may not retry a deleted pod (docs/cluster.md,
-        # "Argo retries"). One term, both expressions ANDed; a node without the label matches NotIn.
-        kubernetes.add_node_affinity(task, match_expressions=[
+        # "Argo retries"). A node without the label matches NotIn.
+        expressions += [
             {"key": label, "operator": "NotIn", "values": ["true"]} for label in RECLAIMABLE_NODE_LABELS
-        ])  # fmt: skip
+        ]
+    if kind != "explore" and avoid_pool:
+        # Never on the trainers' pool (explore measures there on purpose): a resize that shrinks it deletes
+        # the nodes it removes with their pods, the resizing task's own among them if it ran there, and a
+        # CPU pool has no taint that keeps task pods off.
+        expressions.append({"key": NODE_POOL_LABEL, "operator": "NotIn", "values": [avoid_pool]})
+    if expressions:  # one term: its expressions ANDed
+        kubernetes.add_node_affinity(task, match_expressions=expressions)
 
 
 BACKOFF_FACTOR = 2
@@ -147,7 +167,7 @@ def retry_window_s(*, timeout_s: int, retries: int, backoff_s: int) -> int:
 
 
 def _settings(
-    task: Any, *, name: str, kind: str, limits: TaskTimeouts, cluster: bool, retries: int = 0,
+    task: Any, *, name: str, kind: str, limits: TaskTimeouts, cluster: TaskPods | None, retries: int = 0,
     backoff_s: int = 30,
 ) -> Any:  # fmt: skip
     """Display name, no caching (every task has side effects or measures today's hardware), retries with
@@ -159,7 +179,9 @@ def _settings(
     task.set_display_name(name)
     task.set_caching_options(False)
     if retries:
-        if not cluster:  # nothing local is preempted or waits for capacity: a retry has nothing to wait for
+        if (
+            cluster is None
+        ):  # nothing local is preempted or waits for capacity: a retry has nothing to wait for
             backoff_s = LOCAL_BACKOFF_S
         # A local pipeline has no timeouts; its window comes from the limits the cluster would apply
         # (kfp.local reads backoffMaxDuration only as a cap on each backoff).
@@ -168,14 +190,14 @@ def _settings(
             num_retries=retries, backoff_duration=f"{backoff_s}s", backoff_factor=float(BACKOFF_FACTOR),
             backoff_max_duration=f"{window_s}s",
         )  # fmt: skip
-    if cluster:  # kfp.local runs every task in this environment: no pods to time, size or protect
+    if cluster is not None:  # kfp.local runs every task in this environment: no pods to time, size or protect
         kubernetes.set_timeout(task, timeout_s)
-        _task_pod(task, kind=kind)
+        _task_pod(task, kind=kind, avoid_pool=cluster.trainer_pool)
     return task
 
 
 def _launch_pipeline(
-    ops: SimpleNamespace, *, index: int, name: str, limits: TaskTimeouts, cluster: bool
+    ops: SimpleNamespace, *, index: int, name: str, limits: TaskTimeouts, cluster: TaskPods | None
 ) -> Any:
     @dsl.pipeline(
         name=name,
@@ -191,7 +213,7 @@ def _launch_pipeline(
         train = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
         _settings(
             train, name=f"{name}: train", kind="train", limits=limits, cluster=cluster,
-            retries=STAGE_RETRIES, backoff_s=60,
+            retries=STAGE_RETRIES, backoff_s=STAGE_BACKOFF_S,
         )  # fmt: skip
 
     return launch
@@ -202,7 +224,7 @@ TRIALS_GROUP = "trials"
 
 def _trials_pipeline(
     ops: SimpleNamespace, *, config: Config, expected_launches: str, num_launch_slots: int, limits: TaskTimeouts,
-    cluster: bool,
+    cluster: TaskPods | None,
 ) -> Any:  # fmt: skip
     """The batch trials as one task group: bring the pool to what they hold at once, train the warm-up, then
     one branch task per (batch, LR multiplier) under a parallel-for bounded by `trials.parallelism`, and
@@ -223,11 +245,11 @@ def _trials_pipeline(
                   retries=RESIZE_RETRIES)  # fmt: skip
         warmup = ops.trials_warmup(plan_json=plan_json, run_dir=run_dir).after(pool)
         _settings(warmup, name="trials: warm-up", kind="train", limits=limits, cluster=cluster,
-                  retries=STAGE_RETRIES, backoff_s=60)  # fmt: skip
+                  retries=STAGE_RETRIES, backoff_s=STAGE_BACKOFF_S)  # fmt: skip
         with dsl.ParallelFor(items=warmup.output, parallelism=config.trials.parallelism) as index:
             branch = ops.trial_branch(plan_json=plan_json, branch_index=index, run_dir=run_dir)
             _settings(branch, name="trials: branch", kind="train", limits=limits, cluster=cluster,
-                      retries=STAGE_RETRIES, backoff_s=60)  # fmt: skip
+                      retries=STAGE_RETRIES, backoff_s=STAGE_BACKOFF_S)  # fmt: skip
         decide = ops.decide_trials(
             plan_json=plan_json, results=dsl.Collected(branch.outputs["Output"]), run_dir=run_dir,
             expected_launches=expected_launches, num_launch_slots=num_launch_slots,
@@ -243,7 +265,7 @@ CANARY_DISPLAY_NAME = "canary: devices, all-reduce, data, checkpoint"
 
 def _canary(
     ops: SimpleNamespace, *, config_yaml: Any, plan_json: Any, run_dir: Any, after: Any, limits: TaskTimeouts,
-    cluster: bool,
+    cluster: TaskPods | None,
 ) -> Any:  # fmt: skip
     """The canary task after `after`: it brings the pool to its nodes and follows a short job there
     (`workflow.canary`); no retries, a failure is what it is there to find."""
@@ -280,7 +302,7 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     num_stages = expected_stage_count(config)
     names = pipeline_launch_names(config)
     limits = task_timeouts(config)  # what a cluster applies; also sizes every retry window
-    cluster = config.cluster.backend == "gke"
+    cluster = TaskPods(trainer_pool=config.cluster.node_pool) if config.cluster.backend == "gke" else None
     groups = [
         _launch_pipeline(ops, index=k, name=name, limits=limits, cluster=cluster)
         for k, name in enumerate(names)
