@@ -36,7 +36,7 @@ def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSServer]:
         yield server
 
 
-def user_config(*, endpoint: str, bucket: str, gcs: GCSServer) -> dict:
+def user_config(*, endpoint: str, bucket: str, gcs: GCSServer, **cluster: object) -> dict:
     """The user's own config: a big GPU pool it trains on (the rehearsal uses another, cheap one)."""
     return {
         "name": "gpt-big",
@@ -48,7 +48,7 @@ def user_config(*, endpoint: str, bucket: str, gcs: GCSServer) -> dict:
             "devices_per_node": 8, "max_nodes": 16, "image": "registry.example/batchpilot:0.1.0",
             "namespace": "batchpilot",
             "container_api_endpoint": endpoint,
-            "env": {"STORAGE_EMULATOR_HOST": gcs.endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT_ID},
+            "env": {"STORAGE_EMULATOR_HOST": gcs.endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT_ID}, **cluster,
         },
         "batch": {"global_batch_size": 1024, "micro_batch_size": 4},
         "train": {"total_samples": 10_000_000, "lr": 3.0e-4, "checkpoint_uri": f"gs://{bucket}/ckpt"},
@@ -57,15 +57,22 @@ def user_config(*, endpoint: str, bucket: str, gcs: GCSServer) -> dict:
 
 
 def rehearse(
-    tmp_path: Path, gke: SimulatedGke, kfp: KfpServer, gcs: GCSServer, bucket: str
+    tmp_path: Path,
+    gke: SimulatedGke,
+    kfp: KfpServer,
+    gcs: GCSServer,
+    bucket: str,
+    pool: str = "cheap",
+    **cluster: object,
 ) -> tuple[int, str]:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(user_config(endpoint=gke.container.endpoint, bucket=bucket, gcs=gcs)))
+    written = user_config(endpoint=gke.container.endpoint, bucket=bucket, gcs=gcs, **cluster)
+    config.write_text(yaml.safe_dump(written))
     env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig")),
            "STORAGE_EMULATOR_HOST": gcs.endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT_ID}  # fmt: skip
     env.pop("KUBERNETES_SERVICE_HOST", None)
     done = subprocess.run(
-        [sys.executable, "-m", "batchpilot", "rehearse", "--config", str(config), "--pool", "cheap",
+        [sys.executable, "-m", "batchpilot", "rehearse", "--config", str(config), "--pool", pool,
          "--host", kfp.endpoint, "--pace-s", "0.25", "--step-timeout-s", "180"],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

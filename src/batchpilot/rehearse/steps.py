@@ -389,6 +389,8 @@ class Rehearsal:
     def provisioning_round_trip(self) -> Check:
         if self.config is None or self.config.cluster.provisioning != "flex-start":
             return skip("provisioning request", "cluster.provisioning is not flex-start")
+        if self.run_id is None:
+            return skip("provisioning request", "no run was submitted")
         if not self.provisioned:
             return fail("provisioning request", "no ProvisioningRequest of the run was seen Provisioned",
                         "see the run's train task log for what GKE said")  # fmt: skip
