@@ -385,16 +385,9 @@ def test_a_launch_follows_every_pod_of_its_jobset_across_a_restart(tmp_path):
     import subprocess
     import sys
 
-    from helpers import tiny_config, write_plan
+    from test_train_task_sigterm import plan_file
 
-    config = tiny_config(data_uri="gs://data/tiny", checkpoint_uri="gs://ckpt/tiny")
-    config["cluster"].update(
-        backend="gke", project="proj", location="us-central1", cluster_name="train", node_pool="gpu",
-        image="registry.example/batchpilot:0.1.0", machine_type="a3-highgpu-8g",
-        accelerator_type="nvidia-h100-80gb", devices_per_node=8, namespace=NS,
-    )  # fmt: skip
-    config["batch"]["micro_batch_size"] = 2
-    plan = write_plan(tmp_path, config)
+    plan = plan_file(tmp_path)  # the tiny model on pool gpu (a3-highgpu-8g), namespace batchpilot
     with simulated_gke() as gke:
         gke.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
         env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig"))}

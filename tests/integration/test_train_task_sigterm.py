@@ -183,6 +183,17 @@ def wait_for_running_jobset(gke: SimulatedGke, proc: subprocess.Popen[str]) -> s
     raise AssertionError("the JobSet's pod never ran")
 
 
+def follow_until_adopted(retry: subprocess.Popen[str], jobset: str) -> str:
+    deadline = time.monotonic() + 90
+    lines: list[str] = []
+    assert retry.stdout is not None
+    while not any("adopting its running JobSet" in line for line in lines):
+        assert time.monotonic() < deadline and retry.poll() is None, "".join(lines)
+        lines.append(retry.stdout.readline())
+    assert f"adopting its running JobSet {jobset}" in "".join(lines)
+    return "".join(lines)
+
+
 @pytest.mark.slow
 def test_an_evicted_train_task_leaves_its_jobset_and_the_retry_adopts_it(gke, tmp_path):
     plan = plan_file(tmp_path)
@@ -200,18 +211,12 @@ def test_an_evicted_train_task_leaves_its_jobset_and_the_retry_adopts_it(gke, tm
     assert not gke.sim.jobsets[(NS, jobset)]["metadata"].get("deletionTimestamp"), output
 
     retry = start_train_task(gke, plan, train_task_pod(gke.sim), tmp_path)  # KFP's retry: a new pod
-    deadline = time.monotonic() + 90
-    lines: list[str] = []
-    assert retry.stdout is not None
-    while not any("adopting its running JobSet" in line for line in lines):
-        assert time.monotonic() < deadline and retry.poll() is None, "".join(lines)
-        lines.append(retry.stdout.readline())
-    assert f"adopting its running JobSet {jobset}" in "".join(lines)
+    lines = follow_until_adopted(retry, jobset)
     for key in list(gke.sim.pods):
         if key[0] == NS:
             gke.sim.finish_pod(*key, exit_code=0)
     output, _ = retry.communicate(timeout=90)
-    assert retry.returncode == 0, "".join(lines) + output + repr(gke.sim.jobsets[(NS, jobset)].get("status"))
+    assert retry.returncode == 0, lines + output + repr(gke.sim.jobsets[(NS, jobset)].get("status"))
     assert [name for ns, name in gke.sim.jobsets if ns == NS] == [jobset]  # nothing new was created
 
 
@@ -291,17 +296,6 @@ def test_a_task_that_may_not_make_its_budget_says_so_and_trains(gke, tmp_path):
 
 KFP_2_17_DEFAULTS = {"retryStrategy": {"limit": "2", "retryPolicy": "OnError"}}  # kubeflow/pipelines #13485
 ALWAYS = {"retryStrategy": {"limit": "2", "retryPolicy": "Always"}}
-
-
-def follow_until_adopted(retry: subprocess.Popen[str], jobset: str) -> str:
-    deadline = time.monotonic() + 90
-    lines: list[str] = []
-    assert retry.stdout is not None
-    while not any("adopting its running JobSet" in line for line in lines):
-        assert time.monotonic() < deadline and retry.poll() is None, "".join(lines)
-        lines.append(retry.stdout.readline())
-    assert f"adopting its running JobSet {jobset}" in "".join(lines)
-    return "".join(lines)
 
 
 @pytest.mark.slow
