@@ -14,3 +14,7 @@ torchrun's exit 1 into EXIT_PREEMPTED when it finds it, so Kubernetes can tell a
 CANARY_FAILED_MARKER = "batchpilot canary failed:"
 """A canary rank that fails prints one line starting with this (what failed, where); the canary task picks
 the first such line out of the job's log and fails with it (torchrun's own exit code says nothing)."""
+
+REFUSAL_LOG_MARKER = "batchpilot: error: "
+"""What the CLI prints before a refusal's one line (exit 2, `cli.main`); a launch that finds it in its
+trainers' output reports that line as its own and exits 2 (`cluster.launch.follow`)."""

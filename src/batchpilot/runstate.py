@@ -11,7 +11,9 @@ the report and the trials read them without a trainer):
 - `adaptive.json`: an adaptive ramp-up's decisions so far;
 - `capacity.json`: the launches that train on fewer nodes than planned;
 - `micro_batch.json`: the micro batch each stage was halved to after running out of memory;
-- `canary/canary.json`: the canary job's summary.
+- `canary/canary.json`: the canary job's summary;
+- `branch.json`: a trials branch's record of the checkpoint it was copied from (which run, which sample),
+  so its first launch may continue another run's weights and says so (`config.identity`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ CAPACITY_OBJECT = "capacity.json"
 MICRO_BATCH_OBJECT = "micro_batch.json"
 """Beside the checkpoints: the micro batch each stage was halved to after running out of memory, so a
 retried or resumed stage starts with the size that fits (`{"stages": {"<index>": size}}`)."""
+BRANCH_OBJECT = "branch.json"
+"""Beside a trials branch's copied checkpoint: `{"source": uri, "run": id, "consumed_samples": n}`."""
 CANARY_FOLDER = "canary"
 CANARY_FILE = "canary.json"
 
@@ -115,9 +119,17 @@ def latest_checkpoint(uri: str) -> tuple[str, int] | None:
     return step_folder(step), int(read_meta(storage, step)["consumed_samples"])
 
 
+def latest_meta(uri: str) -> dict[str, Any] | None:
+    """The meta.json of the checkpoint `latest` names under `uri`, or None before the first checkpoint."""
+    storage = open_storage(uri)
+    step = latest_step(storage)
+    return None if step is None else read_meta(storage, step)
+
+
 def copy_latest_checkpoint(source_uri: str, target_uri: str) -> int | None:
     """Copies the checkpoint `latest` names under `source_uri` to an emptied `target_uri` (its step folder's
-    objects, then `latest`, last, as a save commits); returns its consumed_samples, None when there is none."""
+    objects, the branch record, then `latest`, last, as a save commits); returns its consumed_samples, None
+    when there is none."""
     found = latest_checkpoint(source_uri)
     if found is None:
         return None
@@ -127,8 +139,20 @@ def copy_latest_checkpoint(source_uri: str, target_uri: str) -> int | None:
         target.delete(name)
     for name in source.list(f"{folder}/"):
         target.write(name, source.read(name))
+    run = read_meta(source, int(folder)).get("run") or {}
+    record = {"source": source_uri, "run": run.get("id"), "consumed_samples": consumed}
+    target.write(BRANCH_OBJECT, json.dumps(record, indent=2).encode())
     target.write(LATEST, f"{folder}\n".encode())
     return consumed
+
+
+def read_branch(storage: Storage) -> dict[str, Any] | None:
+    """The branch record beside a trials branch's checkpoints (`BRANCH_OBJECT`), or None."""
+    try:
+        data: dict[str, Any] = json.loads(storage.read(BRANCH_OBJECT))
+    except ObjectNotFound:
+        return None
+    return data
 
 
 # --- metrics.jsonl ------------------------------------------------------------------------------------

@@ -83,8 +83,14 @@ def test_a_branch_starts_from_a_complete_copy_of_the_latest_checkpoint_alone(tmp
     (target / "000000099" / "meta.json").write_text("{}")  # a previous attempt's
     assert copy_checkpoint(f"file://{source}", f"file://{target}") == 192
     copied = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
-    assert copied == ["000000012/__0_0.distcp", "000000012/meta.json", "latest"]
+    assert copied == ["000000012/__0_0.distcp", "000000012/meta.json", "branch.json", "latest"]
     assert latest_checkpoint(f"file://{target}") == ("000000012", 192)
+    # The branch record lets the branch's first launch continue the warm-up's weights (config.identity).
+    assert json.loads((target / "branch.json").read_text()) == {
+        "source": f"file://{source}",
+        "run": None,
+        "consumed_samples": 192,
+    }
 
 
 def test_a_failed_launch_is_told_by_its_trainers_error_line(tmp_path):
@@ -265,7 +271,7 @@ def test_branches_from_an_existing_checkpoint_skip_the_warm_up_and_resume_at_its
     run_warmup(document, work_dir=None)
     assert launched == []  # nothing to warm up
     outcome = run_branch(document, index=2, work_dir=None)
-    assert launched == [("tiny-trial-2", 64, ["000000020", "latest"])]
+    assert launched == [("tiny-trial-2", 64, ["000000020", "branch.json", "latest"])]
     assert outcome.status == "ok" and outcome.curve == ((128, 3.0), (256, 3.0))
     assert Path(branch_uri(document.config, document.trials.branches[2]).removeprefix("file://")).is_dir()
     # A checkpoint at a sample that is not a multiple of every branch's batch cannot be shared by them.

@@ -33,7 +33,7 @@ from batchpilot.cluster.lifecycle import adoptable_or_cleared, delete_labelled, 
 from batchpilot.cluster.machines import TrainerResources
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
-from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
+from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER, REFUSAL_LOG_MARKER
 from batchpilot.planning.tpu import is_tpu
 from batchpilot.ports import free_port
 from batchpilot.threads import local_trainer_threads
@@ -105,12 +105,12 @@ def follow(
         spec.name, spec.num_nodes, spec.processes_per_node, via, handle,
     )  # fmt: skip
 
-    seen: set[str] = set()
+    relay = _Relay()
     found: list[str] = []
     done = threading.Event()
     streams = [
         threading.Thread(
-            target=_stream, args=(runner, handle, role, k, seen, done if restarts else None), daemon=True
+            target=_stream, args=(runner, handle, role, k, relay, done if restarts else None), daemon=True
         )
         for k in range(spec.num_nodes)
     ]
@@ -142,7 +142,9 @@ def follow(
         raise BatchpilotError(spec.name, f"the job {handle} disappeared before it finished", where)
     if status.state == AppState.SUCCEEDED:
         return 0
-    if PREEMPTED_LOG_MARKER in seen:
+    if relay.refusal is not None:
+        raise TrainerRefusal(relay.refusal)
+    if PREEMPTED_LOG_MARKER in relay.seen:
         logger.info("%s was preempted after checkpointing: exit %d", spec.name, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
     detail = f": {status.msg}" if status.msg and status.msg != "<NONE>" else ""
@@ -200,11 +202,46 @@ def pending_watch(handle: str, *, cluster: ClusterConfig) -> Callable[[], str | 
     return watch.problem
 
 
+class _Relay:
+    """What every node's stream shares: the markers seen, and the trainers' first refusal line (the CLI's
+    `batchpilot: error: ` line of a trainer that refused to start), after which nothing more is echoed (the
+    trainers' and torchrun's tracebacks that follow stay in the job's logs)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: set[str] = set()
+        self.refusal: str | None = None
+
+    def take(self, line: str) -> None:
+        with self.lock:
+            if PREEMPTED_LOG_MARKER in line:
+                self.seen.add(PREEMPTED_LOG_MARKER)
+            if self.refusal is not None:
+                return
+            if REFUSAL_LOG_MARKER in line:
+                self.refusal = line[line.index(REFUSAL_LOG_MARKER) + len(REFUSAL_LOG_MARKER) :].strip()
+                return
+            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+            sys.stdout.flush()
+
+
+class TrainerRefusal(BatchpilotError):
+    """The trainers refused to start or go on, with their one line (`field: problem (fix: ...)`), which
+    the launch reports as its own: exit 2, no traceback."""
+
+    def __init__(self, line: str) -> None:
+        self.line = line
+        super().__init__("trainers", line)
+
+    def __str__(self) -> str:
+        return self.line
+
+
 def _stream(
-    runner, handle: str, role: str, replica: int, seen: set[str], done: threading.Event | None
+    runner, handle: str, role: str, replica: int, relay: _Relay, done: threading.Event | None
 ) -> None:
     """Relays one node's log lines to stdout as they come (they are the trainers' own output, already
-    formatted, not this process's log records), noting the preemption marker.
+    formatted, not this process's log records), noting the preemption marker and a refusal (`_Relay`).
 
     A node's pod is not the job's whole life: a JobSet restart (after a disruption or a preemption) replaces
     every pod, so when one pod's log ends while the job goes on, the node's next pod is followed from that
@@ -213,10 +250,7 @@ def _stream(
     since: datetime.datetime | None = None
     while True:
         for line in runner.log_lines(handle, role_name=role, k=replica, should_tail=True, since=since):
-            if PREEMPTED_LOG_MARKER in line:
-                seen.add(PREEMPTED_LOG_MARKER)
-            sys.stdout.write(line if line.endswith("\n") else line + "\n")
-            sys.stdout.flush()
+            relay.take(line)
         if done is None or done.wait(RESTREAM_WAIT_S):
             return
         since = datetime.datetime.now() - datetime.timedelta(seconds=RESTREAM_WAIT_S)

@@ -26,6 +26,7 @@ from torch import nn
 
 from batchpilot import runstate
 from batchpilot.config import Config
+from batchpilot.config.identity import run_record
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import EXIT_PREEMPTED, PREEMPTED_FILE, PREEMPTED_LOG_MARKER
@@ -435,6 +436,7 @@ class TrainingLoop:
             "parallelism": self.plan.parallelism,
             "stage": self.plan.stage_at(self.consumed - 1).index,
             "data_order": data_order(self.config),
+            "run": run_record(self.config),
             "noise_scale_ema": self.noise.state_dict(),
             **(
                 {"adaptive_trace": [[p.consumed_samples, p.g2, p.s] for p in self.trace]}

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchpilot import runstate
 from batchpilot.config import Config
+from batchpilot.config.identity import checkpoint_continuation
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model, set_activation_checkpointing
@@ -90,6 +92,18 @@ def check_same_data_order(config: Config, checkpoint: Checkpoint | None) -> None
                 "skip samples",
                 "restore the setting, or start a new run with a new checkpoint_uri",
             )
+
+
+def check_same_run(config: Config, checkpoint: Checkpoint | None, *, uri: str) -> str | None:
+    """Refuses a checkpoint another run wrote (`config.identity`); the words the resume line says about the
+    run it continues, None on a first start."""
+    if checkpoint is None:
+        return None
+    branch = runstate.read_branch(checkpoint.storage)
+    how = checkpoint_continuation(config, checkpoint.meta, branch=branch, where=uri).describe()
+    if getattr(config.batch.rampup, "adaptive", None) is not None:
+        how += " (an adaptive ramp-up: its stages are decided as it trains)"
+    return how
 
 
 def check_vocabulary(model: nn.Module, *, vocab_size: int) -> None:

@@ -25,6 +25,7 @@ from batchpilot.train.runtime import Runtime
 from batchpilot.train.setup import (
     check_resume_point,
     check_same_data_order,
+    check_same_run,
     check_world,
     initial_model,
     make_optimizer,
@@ -79,8 +80,9 @@ def train(
     checkpoint = checkpointer.load()
     consumed = check_resume_point(stages=stages, checkpoint=checkpoint, uri=uri)
     check_same_data_order(config, checkpoint)
+    run = check_same_run(config, checkpoint, uri=uri)
     if consumed == stages[-1].end_sample:
-        say(f"{stages[-1].name} is already complete ({consumed:,} samples): nothing to do")
+        say(f"{stages[-1].name} is already complete ({consumed:,} samples of {run}): nothing to do")
         return 0
     loader = train_loader(config, reader=runtime.place.reader)
     validator = Validator.from_config(
@@ -100,7 +102,7 @@ def train(
         say(
             f"resumed from step {checkpoint.step} ({consumed:,} samples) of {uri} (saved by "
             f"{meta.get('world_size', '?')} {runtime.place.counted} under {meta.get('parallelism', 'ddp')}, runtime "
-            f"{meta.get('runtime', 'eager')})"
+            f"{meta.get('runtime', 'eager')}); it continues {run}"
         )
     metrics, audit_dir = prepare_outputs(
         output_dir, is_main=runtime.place.is_main, checkpointer=checkpointer, consumed=consumed, audit=audit

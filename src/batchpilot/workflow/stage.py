@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchpilot import runstate
-from batchpilot.config import resolved_runtime
+from batchpilot.config import Config, resolved_runtime
+from batchpilot.config.identity import checkpoint_continuation
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import write_atomically
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
+from batchpilot.storage import open_storage
 from batchpilot.workflow.document import current_document
 
 if TYPE_CHECKING:
@@ -55,6 +57,21 @@ def plan_file(document: RunDocument, folder: Path) -> Path:
     return path
 
 
+def check_checkpoint_run(config: Config) -> None:
+    """Refuses, before any trainer starts, to continue a checkpoint another run wrote under
+    `train.checkpoint_uri` (the trainers check it again as they load it); a continuation is said. Local
+    launches only: a gke train task's trainers make the same check on the nodes, where the bucket's
+    credentials are, and `follow` reports their one line as the launch's."""
+    uri = config.train.checkpoint_uri
+    meta = runstate.latest_meta(uri)
+    if meta is None:
+        return
+    branch = runstate.read_branch(open_storage(uri))
+    how = checkpoint_continuation(config, meta, branch=branch, where=uri)
+    consumed = f"{meta.get('consumed_samples', 0):,}"
+    logger.info("%s: its checkpoint at sample %s is of %s", uri, consumed, how.describe())
+
+
 def run_stage(
     document: RunDocument,
     *,
@@ -75,6 +92,10 @@ def run_stage(
     document = current_document(document)
     config = document.config
     chosen = select_launch(document, stage)
+    if (
+        config.cluster.backend == "local"
+    ):  # gke: the trainers check it as they load it (their line is the launch's)
+        check_checkpoint_run(config)
     logger.info("launch %s", chosen.describe())
     if config.cluster.backend == "gke":
         if work_dir is not None or log_dir is not None:
