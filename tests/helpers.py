@@ -28,18 +28,21 @@ def run_batchpilot(
     )
 
 
-def write_manifest(folder: Path, *, vocab_size: int = 257, tokenizer: dict | None = None) -> str:
-    """A shard set's manifest.json without shards in `folder` (what `config check` and `plan` read of local
-    data); returns the folder's file:// URI."""
-    from batchpilot.data.shards import Manifest
+def write_manifest(
+    folder: Path, *, vocab_size: int = 257, tokenizer: dict | None = None, num_tokens: int = 10**7
+) -> str:
+    """A shard set's manifest.json in `folder` listing one train shard of `num_tokens` tokens that is not
+    there (what `config check` and `plan` read of local data); returns the folder's file:// URI."""
+    from batchpilot.data.shards import Manifest, ShardEntry
 
     folder.mkdir(parents=True, exist_ok=True)
+    shard = ShardEntry(name="train-00000.bin", num_tokens=num_tokens, num_bytes=2 * num_tokens, crc32c=0)
     manifest = Manifest(
         dtype="uint16",
         vocab_size=vocab_size,
         eos_token_id=vocab_size - 1,
         tokenizer=tokenizer or {"kind": "bytes"},
-        splits={"train": ()},
+        splits={"train": (shard,)},
     )
     (folder / "manifest.json").write_text(manifest.to_json())
     return f"file://{folder}"

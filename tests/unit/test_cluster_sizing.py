@@ -157,7 +157,8 @@ def test_unknown_machine_types_and_mismatched_gpus_are_refused(tmp_path):
     code, _, err = dryrun(tmp_path / "unknown", nemo(machine_type="a3-highgpu-9g"))
     assert code == 2
     assert (
-        "cluster.machine_type: 'a3-highgpu-9g' is not a machine type batchpilot knows (a2-highgpu-1g," in err
+        "cluster.machine_type: 'a3-highgpu-9g' is not a machine type batchpilot knows (nearest: a3-highgpu-8g,"
+        in err
     )
     assert "cluster.cpu_per_node and cluster.memory_per_node_bytes" in err
     # ... unless both sizes are given: then the table need not know the type.

@@ -36,6 +36,7 @@ def measured(model: nn.Module) -> ModelShape:
         gated_mlp=llama,
         rms_norm=llama,
         input_projections=5 if llama else 2,
+        context_length=model.config.max_seq_len if llama else model.config.block_size,
     )
 
 
@@ -79,6 +80,7 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
         gated_mlp=True,
         rms_norm=True,
         input_projections=5,
+        context_length=4096,
     )
     assert elapsed_s < 1.0
 

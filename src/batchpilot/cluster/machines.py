@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from batchpilot.errors import BatchpilotError
+from batchpilot.planning.devices import nearest_names
 
 GIB = 2**30
 MIB = 2**20
@@ -211,15 +212,32 @@ def _ceil(value: Fraction) -> int:
 
 
 def machine_type(name: str) -> MachineType:
-    """The table's entry for `name`; an unknown type is an error listing the known ones."""
+    """The table's entry for `name`; an unknown type is an error naming the nearest known ones."""
     try:
         return MACHINE_TYPES[name]
     except KeyError:
-        raise BatchpilotError(
-            "cluster.machine_type",
-            f"{name!r} is not a machine type batchpilot knows ({', '.join(MACHINE_TYPES)})",
-            "use one of those, or set cluster.cpu_per_node and cluster.memory_per_node_bytes",
-        ) from None
+        raise unknown_machine_type(name) from None
+
+
+def unknown_machine_type(name: str) -> BatchpilotError:
+    nearest = ", ".join(nearest_names(name, tuple(MACHINE_TYPES)))
+    return BatchpilotError(
+        "cluster.machine_type",
+        f"{name!r} is not a machine type batchpilot knows (nearest: {nearest})",
+        "use one of those, or for another machine set cluster.cpu_per_node and cluster.memory_per_node_bytes",
+    )
+
+
+def machine_type_problem(
+    *, machine_type_name: str | None, cpu_per_node: int | None, memory_per_node_bytes: int | None
+) -> BatchpilotError | None:
+    """A machine type the table does not have, with no CPU and memory of the config's own to size pods by:
+    a pipeline compiled for it would size its trainer pods on nothing (None: known, or sized explicitly)."""
+    if not machine_type_name or machine_type_name in MACHINE_TYPES:
+        return None
+    if cpu_per_node is not None and memory_per_node_bytes is not None:
+        return None
+    return unknown_machine_type(machine_type_name)
 
 
 def check_accelerators(

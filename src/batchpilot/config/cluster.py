@@ -13,12 +13,21 @@ from pydantic import (
 
 from batchpilot.config.fields import ByteSize, PositiveInt, _Section
 
+MAX_NODES = 65_000
+"""The most nodes a stage may plan for: GKE's largest cluster ("Plan for large GKE clusters": up to 65,000
+nodes). It also keeps every node walk of the planner bounded."""
+MAX_DEVICES_PER_NODE = 64
+"""The most devices per node: the largest GPU machines have 16 (a2-megagpu-16g), TPU hosts 8; a local node
+is that many processes on one machine."""
+
 
 class ClusterConfig(_Section):
     backend: Literal["local", "gke"] = Field("local", description="local processes, or a GKE node pool")
-    devices_per_node: PositiveInt = Field(1, description="accelerators per node (local: processes per node)")
-    max_nodes: PositiveInt = Field(description="node count of the target (final) stage at most")
-    min_nodes: PositiveInt = Field(1, description="no stage runs on fewer nodes")
+    devices_per_node: PositiveInt = Field(
+        1, le=MAX_DEVICES_PER_NODE, description="accelerators per node (local: processes per node)"
+    )
+    max_nodes: PositiveInt = Field(le=MAX_NODES, description="node count of the target (final) stage at most")
+    min_nodes: PositiveInt = Field(1, le=MAX_NODES, description="no stage runs on fewer nodes")
     idle_nodes: int = Field(
         0,
         ge=0,

@@ -28,13 +28,14 @@ from batchpilot.plan.schedule import (
 from batchpilot.planning import MAX_STAGES, nearest_ramp, unschedulable_stages
 from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.capacity import capacity_problems
+from batchpilot.planning.devices import accelerator_problem
 from batchpilot.planning.gpudirect import gpudirect_problems
 from batchpilot.planning.names import cluster_problems
 from batchpilot.planning.nodes import check_loading_factor, data_parallel_size, nearest_valid_batch_sizes
 from batchpilot.planning.provisioning import provisioning_problems
 from batchpilot.planning.rampup import format_schedule, parse_schedule
 from batchpilot.planning.stages import sample_ranges
-from batchpilot.planning.tpu import check_host_range, is_zone
+from batchpilot.planning.tpu import check_host_range, is_tpu, is_zone
 from batchpilot.planning.units import format_count
 
 SHOWN_STAGES = 8
@@ -60,6 +61,7 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
     except BatchpilotError as error:
         problems.append(error)
     problems += init_from_problems(config)
+    problems += length_problems(config)
     problems += cluster_config_problems(config)
     tpu_problems = check_tpu(config)
     if tpu_problems:
@@ -72,6 +74,48 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
     except BatchpilotError as error:
         return [*problems, error]  # no node count to judge the stages on
     return problems + ramp_problems(config)
+
+
+TOKEN_LIKE_BATCH_TOKENS = 2**27
+TOKEN_LIKE_BATCH_SAMPLES = 2**17
+"""A global batch of more samples than this (131,072) and more tokens than TOKEN_LIKE_BATCH_TOKENS per
+optimizer step (134M; the largest published language-model batches are around 16-60M tokens, a few thousand
+samples) is taken for a token count written where samples belong."""
+
+
+def length_problems(config: Config) -> list[BatchpilotError]:
+    """Lengths that contradict the run's: a warm-up longer than the run, a batch that looks like a
+    token count (the batch keys are in samples of data.seq_len tokens)."""
+    problems: list[BatchpilotError] = []
+    train, total = config.train, config.total_samples
+    length = "train.total_samples" if train.total_samples is not None else "train.total_tokens"
+    if train.warmup_samples > total:
+        problems.append(
+            BatchpilotError(
+                "train.warmup_samples",
+                f"is {format_count(train.warmup_samples)}, longer than the run ({length}: "
+                f"{format_count(total)} samples), so the LR never reaches its peak",
+                f"set warmup_samples below {format_count(total)} (a few percent of the run is usual)",
+            )
+        )
+    seq_len = config.data.seq_len
+    for key in ("global_batch_size", "max_global_batch_size"):
+        value = getattr(config.batch, key)
+        if (
+            isinstance(value, int)
+            and value > TOKEN_LIKE_BATCH_SAMPLES
+            and value * seq_len > TOKEN_LIKE_BATCH_TOKENS
+        ):
+            samples = value // seq_len
+            problems.append(
+                BatchpilotError(
+                    f"batch.{key}",
+                    f"is {value:,} samples of {seq_len} tokens, {value * seq_len:,} tokens "
+                    "per optimizer step: it looks like a token count, but batch sizes count samples",
+                    f"give it in samples: {value:,} tokens are {max(samples, 1):,} samples of {seq_len}",
+                )
+            )
+    return problems
 
 
 def cluster_config_problems(config: Config) -> list[BatchpilotError]:
@@ -93,6 +137,12 @@ def cluster_config_problems(config: Config) -> list[BatchpilotError]:
         backend=cluster.backend, pool_mode=cluster.pool_mode, accelerator_type=cluster.accelerator_type,
         fewer_nodes=cluster.fewer_nodes, local_capacity_nodes=cluster.local_capacity_nodes,
     )  # fmt: skip
+    unknown = accelerator_problem(
+        cluster.accelerator_type, device_memory_bytes=cluster.device_memory_bytes,
+        is_tpu_type=is_tpu(cluster.accelerator_type),
+    )  # fmt: skip
+    if unknown is not None:
+        problems.append(BatchpilotError("cluster.accelerator_type", *unknown))
     problems += gpudirect_problems(
         backend=cluster.backend, gpudirect=cluster.gpudirect, machine_type=cluster.machine_type,
         gpudirect_networks=cluster.gpudirect_networks,

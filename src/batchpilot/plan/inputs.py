@@ -13,10 +13,18 @@ from batchpilot.config import Config, explore_fingerprint
 from batchpilot.errors import BatchpilotError
 
 
-def data_problems(*, data_uri: str, model_vocab_size: Callable[[], int]) -> list[BatchpilotError]:
-    """A local shard set (file://) against the config: it exists, holds a readable manifest, and the model
+def data_problems(
+    *,
+    data_uri: str,
+    model_vocab_size: Callable[[], int],
+    seq_len: int = 0,
+    split: str = "train",
+    largest_batch: int = 0,
+) -> list[BatchpilotError]:
+    """A local shard set (file://) against the config: it exists, holds a readable manifest, the model
     embeds every token id of its vocabulary (`model_vocab_size` is asked only then: it builds the model's
-    shape). A gs:// set is left to `batchpilot doctor`, which has the credentials to read it.
+    shape), and its `split` holds at least one global batch (`largest_batch` samples of `seq_len` tokens).
+    A gs:// set is left to `batchpilot doctor`, which has the credentials to read it.
     """
     if not data_uri.startswith("file://"):
         return []
@@ -34,10 +42,26 @@ def data_problems(*, data_uri: str, model_vocab_size: Callable[[], int]) -> list
         return [
             BatchpilotError("data.uri", f"{data_uri} holds no shard set: {error.field} {error.problem}", fix)
         ]
+    problems: list[BatchpilotError] = []
+    if seq_len and largest_batch:
+        from batchpilot.data.sampling import num_samples
+
+        tokens = manifest.num_tokens(split)
+        samples = num_samples(num_tokens=tokens, seq_len=seq_len)
+        if samples < largest_batch:
+            problems.append(
+                BatchpilotError(
+                    "data.uri",
+                    f"{data_uri} holds {samples:,} samples of {seq_len} tokens in its {split} split "
+                    f"({tokens:,} tokens), fewer than one global batch of {largest_batch:,}: every step would "
+                    "repeat samples",
+                    "prepare more data, or lower the batch sizes (or data.seq_len)",
+                )
+            )
     problem = vocabulary_problem(
         model_vocab_size=model_vocab_size(), data_vocab_size=manifest.vocab_size, data_uri=data_uri
     )
-    return [] if problem is None else [problem]
+    return problems if problem is None else [*problems, problem]
 
 
 def vocabulary_problem(

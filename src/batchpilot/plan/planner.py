@@ -30,6 +30,24 @@ from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
 from batchpilot.planning.units import format_node_hours, format_number
 
 
+def context_problems(config: Config, shape: ModelShape | None) -> list[BatchpilotError]:
+    """A data.seq_len longer than the model takes (it would fail at the first training step)."""
+    context = shape.context_length if shape is not None else None
+    seq_len = config.data.seq_len
+    if context is None or seq_len <= context:
+        return []
+    key = next((k for k in ("block_size", "max_seq_len") if k in config.model.args), None)
+    where = f"model.args.{key}" if key else "the model's context length"
+    return [
+        BatchpilotError(
+            "data.seq_len",
+            f"is {seq_len:,} tokens, but the model takes at most {context:,} ({where})",
+            f"set data.seq_len to at most {context:,}, or raise {where if key else 'the context length'} to "
+            f"{seq_len:,}",
+        )
+    ]
+
+
 def make_run_document(
     config: Config,
     *,
@@ -54,7 +72,9 @@ def make_run_document(
             target from it).
     """
     # What no micro batch can fix, and an exploration of another model, before asking for a micro batch.
-    raise_problems(plan_problems(config) + explore_problems(config, explore))
+    raise_problems(
+        plan_problems(config) + explore_problems(config, explore) + context_problems(config, shape)
+    )
     micro, source, notes = choose_micro_batch(config, override=micro_batch_size, explore=explore)
     if explore is not None and "fingerprint" not in explore:  # never a silent pass: say what was not checked
         notes.append(

@@ -83,3 +83,28 @@ def device_peak_flops(accelerator_type: str | None, override: float | None = Non
     device = DEVICES.get(accelerator_type) if accelerator_type else None
     tpu = TPU_TYPES.get(accelerator_type) if accelerator_type else None
     return device.peak_bf16_flops if device else tpu.peak_bf16_flops if tpu else None
+
+
+def nearest_names(name: str, known: list[str] | tuple[str, ...], *, count: int = 3) -> list[str]:
+    """The known names closest to a mistyped one (difflib's ratio), at most `count`; the first few known
+    names when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=count, cutoff=0.5)
+    return close or list(known)[:count]
+
+
+def accelerator_problem(
+    accelerator_type: str | None, *, device_memory_bytes: int | None, is_tpu_type: bool
+) -> tuple[str, str] | None:
+    """(problem, fix) for a GPU label the device table does not have while the config gives no memory of its
+    own (`cluster.device_memory_bytes`): the plan would size every stage on a guess, and a pipeline pinned
+    to a label GKE does not have never schedules. None when the label is known, a TPU, or absent."""
+    if not accelerator_type or accelerator_type in DEVICES or is_tpu_type or device_memory_bytes is not None:
+        return None
+    nearest = ", ".join(nearest_names(accelerator_type, tuple(DEVICES)))
+    return (
+        f"{accelerator_type!r} is not a GPU batchpilot knows (nearest: {nearest})",
+        "use one of those GKE accelerator labels, or for another GPU set cluster.device_memory_bytes (and "
+        "cluster.device_peak_flops for MFU)",
+    )

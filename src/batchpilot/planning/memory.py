@@ -97,6 +97,8 @@ class ModelShape:
         rms_norm: the norms are RMSNorm (which keeps its normalized output too), not LayerNorm.
         input_projections: linear layers reading a norm's output in a block (GPT: the fused QKV and the
             MLP's first, 2; Llama: Q, K, V, gate and up, 5); autocast saves a bf16 copy for each.
+        context_length: the longest sequence the model takes (GPT's `block_size`, Llama's `max_seq_len`);
+            None when the model does not say.
     """
 
     num_params: int
@@ -110,6 +112,7 @@ class ModelShape:
     gated_mlp: bool = False
     rms_norm: bool = False
     input_projections: int = 2
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ every f-th host a loading host and refuses a node count that f does not divide.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -186,6 +187,17 @@ def schedule_nodes(*, batch_sizes: Sequence[int], micro_batch_size: int, placeme
     def walk(micro: int) -> list[int | None]:
         return walk_nodes(batch_sizes=batch_sizes, micro_batch_size=micro, placement=placement)
 
+    if micro_batch_size > max(batch_sizes):
+        micros = _fitting_micro_batches(micro_batch_size, walk=walk, batch_sizes=batch_sizes)
+        raise BatchpilotError(
+            "batch.micro_batch_size",
+            f"{micro_batch_size:,} samples per device is more than the largest stage's global batch "
+            f"({max(batch_sizes):,})",
+            f"use micro_batch_size {micros}"
+            if micros
+            else "use a micro batch that divides every stage's batch",
+        )
+
     nodes = walk(micro_batch_size)
     failed = [index for index in reversed(range(len(nodes))) if nodes[index] is None]
     if not failed:
@@ -205,7 +217,7 @@ def schedule_nodes(*, batch_sizes: Sequence[int], micro_batch_size: int, placeme
     loading = f" divisible by the loading factor {loading_factor}" if loading_factor > 1 else ""
     if placement.allowed_nodes is not None:
         loading += f" among the slice host counts {sorted(placement.allowed_nodes)}"
-    micros = _fitting_micro_batches(micro_batch_size, walk=walk, largest=min(batch_sizes))
+    micros = _fitting_micro_batches(micro_batch_size, walk=walk, batch_sizes=batch_sizes)
     raise BatchpilotError(
         f"stage {first} (global_batch_size={batch_sizes[first]})",
         f"no node count in [{min_nodes}, {cap}]{loading} splits it into whole micro-batches of "
@@ -221,12 +233,41 @@ def schedule_nodes(*, batch_sizes: Sequence[int], micro_batch_size: int, placeme
     )
 
 
+MICRO_BATCH_TRIES = 32
+"""How many candidate micro batches on each side of the given one `_fitting_micro_batches` tries."""
+
+
+def divisors(value: int) -> list[int]:
+    """The divisors of a positive `value`, ascending (trial division up to its square root)."""
+    small, large = [], []
+    factor = 1
+    while factor * factor <= value:
+        if value % factor == 0:
+            small.append(factor)
+            if factor * factor != value:
+                large.append(value // factor)
+        factor += 1
+    return small + large[::-1]
+
+
 def _fitting_micro_batches(
-    micro_batch_size: int, *, walk: Callable[[int], list[int | None]], largest: int
+    micro_batch_size: int, *, walk: Callable[[int], list[int | None]], batch_sizes: Sequence[int]
 ) -> str:
-    """The nearest micro batch sizes below and above `micro_batch_size` that fit every stage."""
+    """The nearest micro batch sizes below and above `micro_batch_size` that fit every stage. A micro batch
+    that fits divides every stage's batch, so only the divisors of their greatest common divisor are
+    tried, the `MICRO_BATCH_TRIES` nearest on each side."""
+    common = math.gcd(*batch_sizes)
+    if common > MAX_DIVISOR_SEARCH:
+        return ""  # a batch this large is refused for its size first (plan/checks.length_problems)
+    candidates = divisors(common)
+    below = [m for m in reversed(candidates) if m < micro_batch_size][:MICRO_BATCH_TRIES]
+    above = [m for m in candidates if m > micro_batch_size][:MICRO_BATCH_TRIES]
     found = []
-    for candidates in (range(micro_batch_size - 1, 0, -1), range(micro_batch_size + 1, largest + 1)):
-        fitting = next((m for m in candidates if None not in walk(m)), None)
+    for side in (below, above):
+        fitting = next((m for m in side if None not in walk(m)), None)
         found += [str(fitting)] if fitting is not None else []
     return " or ".join(found)
+
+
+MAX_DIVISOR_SEARCH = 10**12
+"""The largest common batch `_fitting_micro_batches` factors (trial division: a million steps at most)."""

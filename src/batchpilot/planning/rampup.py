@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -63,6 +63,11 @@ def constant_schedule(global_batch_size: int) -> BatchSchedule:
     return BatchSchedule(thresholds=(0,), batch_sizes=(global_batch_size,))
 
 
+MAX_RAMP_LEVELS = 10_000
+"""The most batch sizes a ramp-up may step through before it is refused outright (the stage limit,
+`planning.stages.MAX_STAGES`, is checked on the stages they make; this bound keeps that check instant)."""
+
+
 def _check_increments(*, start: int, increment: int, target: int, field: str) -> int:
     if start <= 0 or increment <= 0:
         raise BatchpilotError(field, f"start ({start}) and increment ({increment}) must be positive")
@@ -78,6 +83,14 @@ def _check_increments(*, start: int, increment: int, target: int, field: str) ->
             field,
             f"(target {target} - start {start}) is not a multiple of increment {increment}",
             f"use a start such as {lower} or an increment that divides {target - start}",
+        )
+    levels = (target - start) // increment + 1
+    if levels > MAX_RAMP_LEVELS:
+        raise BatchpilotError(
+            field,
+            f"steps from {start:,} to {target:,} by {increment:,}: {levels:,} batch sizes, each a stage of its own "
+            f"(every stage resizes the pool, launches and checkpoints)",
+            "use a larger increment (a ramp of a few to a few dozen stages is usual)",
         )
     return (target - start) // increment
 
@@ -222,6 +235,11 @@ def _ordered(entries: Sequence[tuple[str, int, int]]) -> str:
     return format_schedule([(raw, batch) for (_, raw), batch in zip(thresholds, batches, strict=False)])
 
 
+MAX_INCREMENT_SCAN = 100_000
+"""`nearest_ramp` tries every multiple of its step as the increment up to this many; beyond (a target of
+10^12 samples), only those nearest the given increment and each level count."""
+
+
 def nearest_ramp(
     *,
     start: Fraction,
@@ -239,7 +257,15 @@ def nearest_ramp(
     (the sum of |log ratio| of start and increment) until `accept` takes one, at most `max_tries` times.
     """
     candidates: set[tuple[int, int]] = set()
-    for inc in range(step, target, step):
+    if target // step <= MAX_INCREMENT_SCAN:
+        increments: Iterable[int] = range(step, target, step)
+    else:  # too many multiples of `step` to try each: those nearest the given increment and each level count
+        near = {increment, *((target - start) / k for k in range(1, max_levels))}
+        increments = {
+            m for value in near for m in (math.floor(value / step) * step, math.ceil(value / step) * step)
+        }
+        increments = sorted(m for m in increments if step <= m < target)
+    for inc in increments:
         ideal = (target - start) / inc
         for k in (math.floor(ideal), math.ceil(ideal)):
             k = min(max(k, 1), max_levels - 1)

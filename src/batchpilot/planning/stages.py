@@ -171,6 +171,12 @@ def sample_ranges(schedule: BatchSchedule, *, total_samples: int) -> list[tuple[
             break
         ranges.append((batch, consumed, consumed + steps * batch))
         consumed += steps * batch
+    if schedule.ramp_end_sample == 0 and total_samples < schedule.target:
+        raise BatchpilotError(
+            "train.total_samples",
+            f"{total_samples:,} samples are fewer than one step of the global batch {schedule.target:,}",
+            "train for longer, or lower batch.global_batch_size",
+        )
     if not ranges or ranges[-1][0] != schedule.target:
         raise BatchpilotError(
             "train.total_samples",

@@ -73,7 +73,20 @@ def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
         gated_mlp=len(up) >= 2,
         rms_norm=any(isinstance(m, nn.RMSNorm) for m in first.modules()),
         input_projections=max(reading_norms, 2),
+        context_length=_context_length(config),
     )
+
+
+CONTEXT_ATTRIBUTES = ("block_size", "max_seq_len", "max_position_embeddings")
+"""Where a model's config says the longest sequence it takes (GPT, Llama, Hugging Face), first found wins."""
+
+
+def _context_length(config: Any) -> int | None:
+    for name in CONTEXT_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 class _SkipMetaInPlace(TorchFunctionMode):

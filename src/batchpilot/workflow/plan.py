@@ -33,8 +33,16 @@ def plan(
 ) -> RunDocument:
     """The validated run document; with `expected_num_stages` (a compiled pipeline's), refuses another
     stage count before anything is resized (0 or None: any count; the launch slots are checked). `announce` logs its notes and the memory estimate."""
+    from batchpilot.cluster.machines import machine_type_problem
     from batchpilot.train.shape import model_shape  # torch: only where a plan is made
 
+    cluster = config.cluster
+    unknown = machine_type_problem(
+        machine_type_name=cluster.machine_type, cpu_per_node=cluster.cpu_per_node,
+        memory_per_node_bytes=cluster.memory_per_node_bytes,
+    )  # fmt: skip
+    if cluster.backend == "gke" and unknown is not None:
+        raise unknown
     document = make_run_document(
         config,
         micro_batch_size=micro_batch_size,
@@ -101,4 +109,9 @@ def check_data(config: Config) -> None:
     def model_vocab_size() -> int:
         return model_shape(factory=config.model.factory, args=config.model.args).vocab_size
 
-    raise_problems(data_problems(data_uri=config.data.uri, model_vocab_size=model_vocab_size))
+    raise_problems(
+        data_problems(
+            data_uri=config.data.uri, model_vocab_size=model_vocab_size, seq_len=config.data.seq_len,
+            split=config.data.split, largest_batch=config.batch.target_bound,
+        )
+    )  # fmt: skip
