@@ -34,13 +34,14 @@ def refusal(**found: object) -> str | None:
 
 
 def test_which_configs_are_planned_for_an_accelerator():
-    assert planned_gpu(backend="gke", accelerator_type="nvidia-h100-80gb")
-    assert not planned_gpu(backend="gke", accelerator_type=None)  # a CPU pool
-    assert not planned_gpu(backend="local", accelerator_type="nvidia-h100-80gb")
-    assert not planned_gpu(backend="gke", accelerator_type="tpu-v6e-slice")
-    assert planned_tpu(backend="gke", accelerator_type="tpu-v6e-slice")
-    assert not planned_tpu(backend="gke", accelerator_type="nvidia-l4")
-    assert not planned_tpu(backend="local", accelerator_type="tpu-v6e-slice")
+    # Whatever the backend (#34: a local config naming nvidia-l4 trained on the CPU without a word).
+    assert planned_gpu(accelerator_type="nvidia-h100-80gb")
+    assert planned_gpu(accelerator_type="nvidia-l4")
+    assert not planned_gpu(accelerator_type=None)  # a CPU pool, the demo
+    assert not planned_gpu(accelerator_type="tpu-v6e-slice")
+    assert planned_tpu(accelerator_type="tpu-v6e-slice")
+    assert not planned_tpu(accelerator_type="nvidia-l4")
+    assert not planned_tpu(accelerator_type=None)
 
 
 def test_a_container_with_its_gpus_starts():
@@ -103,26 +104,34 @@ def test_every_refusal_is_one_line():
 def test_the_trainer_start_refuses_a_gpu_plan_on_this_cpu_machine(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(BatchpilotError, match=r"needs 8 CUDA device\(s\) here \(LOCAL_WORLD_SIZE=8 "):
-        require_planned_accelerator(backend="gke", accelerator_type="nvidia-h100-80gb", runtime="eager")
+        require_planned_accelerator(accelerator_type="nvidia-h100-80gb", runtime="eager")
 
 
-def test_the_trainer_start_lets_local_runs_and_cpu_pools_run_on_the_cpu(monkeypatch):
+def test_the_trainer_start_lets_configs_without_an_accelerator_run_on_the_cpu(monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    require_planned_accelerator(backend="local", accelerator_type="nvidia-h100-80gb", runtime="eager")
-    require_planned_accelerator(backend="gke", accelerator_type=None, runtime="eager")
-    require_planned_accelerator(backend="local", accelerator_type="tpu-v6e-slice", runtime="xla")
+    require_planned_accelerator(accelerator_type=None, runtime="eager")
+    require_planned_accelerator(accelerator_type=None, runtime="xla")
+
+
+def test_a_local_config_naming_a_gpu_or_a_tpu_refuses_on_this_cpu_machine(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    with pytest.raises(BatchpilotError, match=r"cluster\.accelerator_type: nvidia-l4 needs 1 CUDA device"):
+        require_planned_accelerator(accelerator_type="nvidia-l4", runtime="eager")
+    with pytest.raises(BatchpilotError, match=r"tpu-v6e-slice is a TPU but PJRT_DEVICE is unset"):
+        require_planned_accelerator(accelerator_type="tpu-v6e-slice", runtime="xla")
 
 
 def test_a_tpu_plan_whose_environment_does_not_ask_pjrt_for_the_tpu_is_refused(monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     with pytest.raises(BatchpilotError) as caught:
-        require_planned_accelerator(backend="gke", accelerator_type="tpu-v6e-slice", runtime="xla")
+        require_planned_accelerator(accelerator_type="tpu-v6e-slice", runtime="xla")
     assert str(caught.value) == (
         "cluster.accelerator_type: tpu-v6e-slice is a TPU but PJRT_DEVICE is CPU, so torch_xla would train on "
         "another device (fix: set PJRT_DEVICE=TPU (the TPU JobSet of `batchpilot launch` does))"
     )
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    require_planned_accelerator(backend="gke", accelerator_type="tpu-v6e-slice", runtime="xla")
+    require_planned_accelerator(accelerator_type="tpu-v6e-slice", runtime="xla")
 
 
 def test_a_host_with_its_tpus_starts_and_a_process_not_asked_for_tpus_is_not_checked():

@@ -73,7 +73,6 @@ def run_train(args: argparse.Namespace) -> int:
     # Before anything reads the checkpoints or joins a process group: a GPU or TPU plan without its
     # devices refuses in one line instead of training on the CPU while the pool bills.
     require_planned_accelerator(
-        backend=cluster.backend,
         accelerator_type=cluster.accelerator_type,
         runtime=resolved_runtime(document.config),
     )

@@ -122,7 +122,7 @@ def check_accelerator(config: Config) -> None:
     from batchpilot.train.accelerators import planned_gpu, require_cuda
 
     cluster = config.cluster
-    if planned_gpu(backend=cluster.backend, accelerator_type=cluster.accelerator_type):
+    if planned_gpu(accelerator_type=cluster.accelerator_type):
         assert cluster.accelerator_type is not None
         require_cuda(
             accelerator_type=cluster.accelerator_type,

@@ -1,9 +1,9 @@
 """A process planned for an accelerator refuses to start without it, in one line that says why.
 
-"Planned for an accelerator" is a config whose `cluster.backend` is gke and whose `cluster.accelerator_type`
-names a GPU (GKE's `nvidia-...` labels) or a TPU (`tpu-...`). Such a process that finds no device would
-otherwise run on the CPU and gloo while the pool's nodes bill. Local runs and GKE CPU pools (no
-accelerator type) run on the CPU as always.
+"Planned for an accelerator" is a config whose `cluster.accelerator_type` names a GPU (GKE's `nvidia-...`
+labels) or a TPU (`tpu-...`), whatever its backend. Such a process that finds no device would otherwise run
+on the CPU and gloo while the pool's nodes bill (gke), or train a local run on the CPU without a word.
+Configs without an accelerator type (the demo, GKE CPU pools) run on the CPU as always.
 
 On GKE the NVIDIA device plugin mounts the node's driver libraries into a GPU container at
 /usr/local/nvidia (libraries in lib64, nvidia-smi in bin); CUDA finds them only through LD_LIBRARY_PATH,
@@ -29,14 +29,14 @@ IMAGE_FIX = (
 )
 
 
-def planned_gpu(*, backend: str, accelerator_type: str | None) -> bool:
+def planned_gpu(*, accelerator_type: str | None) -> bool:
     """Whether a config's processes are planned for GPUs: a gke pool with a non-TPU accelerator type."""
-    return backend == "gke" and bool(accelerator_type) and not is_tpu(accelerator_type)
+    return bool(accelerator_type) and not is_tpu(accelerator_type)
 
 
-def planned_tpu(*, backend: str, accelerator_type: str | None) -> bool:
+def planned_tpu(*, accelerator_type: str | None) -> bool:
     """Whether a config's trainers are planned for TPUs: a gke pool with a `tpu-...` accelerator type."""
-    return backend == "gke" and is_tpu(accelerator_type)
+    return is_tpu(accelerator_type)
 
 
 def _library_path_entries(ld_library_path: str | None) -> list[str]:
@@ -114,10 +114,10 @@ def require_cuda(*, accelerator_type: str, num_devices_needed: int, needed_by: s
         raise refusal
 
 
-def require_planned_accelerator(*, backend: str, accelerator_type: str | None, runtime: str) -> None:
+def require_planned_accelerator(*, accelerator_type: str | None, runtime: str) -> None:
     """A trainer's start: refuses a GPU plan without its GPUs, and a TPU plan whose environment does not
     ask PJRT for the TPU (the XLA runtime's start then checks the chips: `require_tpu`)."""
-    if planned_gpu(backend=backend, accelerator_type=accelerator_type) and runtime == "eager":
+    if planned_gpu(accelerator_type=accelerator_type) and runtime == "eager":
         assert accelerator_type is not None
         from batchpilot.train.distributed import processes_per_node_from_env
 
@@ -127,7 +127,7 @@ def require_planned_accelerator(*, backend: str, accelerator_type: str | None, r
             num_devices_needed=processes,
             needed_by=f"LOCAL_WORLD_SIZE={processes} trainer process(es) on this node, one GPU each",
         )
-    elif planned_tpu(backend=backend, accelerator_type=accelerator_type):
+    elif planned_tpu(accelerator_type=accelerator_type):
         pjrt_device = os.environ.get("PJRT_DEVICE")
         if pjrt_device != "TPU":
             raise BatchpilotError(

@@ -283,12 +283,9 @@ def run_canary(spec: dict[str, Any]) -> int:
         rank=int(os.environ.get("RANK", "0")), node=int(os.environ.get("GROUP_RANK", "0")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")), host=socket.gethostname(), devices=0,
     )  # fmt: skip
-    backend = (
-        "nccl" if planned_gpu(backend=cluster.backend, accelerator_type=cluster.accelerator_type) else "gloo"
-    )
+    backend = "nccl" if planned_gpu(accelerator_type=cluster.accelerator_type) else "gloo"
     try:
         require_planned_accelerator(
-            backend=cluster.backend,
             accelerator_type=cluster.accelerator_type,
             runtime=resolved_runtime(config),
         )
