@@ -143,3 +143,31 @@ def test_an_unmeasurable_noise_scale_says_so_instead_of_guessing():
 
 def test_batch_sizes_are_printed_for_people_and_small_noise_scales_are_not_zero():
     assert [format_samples(x) for x in (12345.6, 250.0, 48.2, 0.432)] == ["12,346", "250", "48", "0.43"]
+
+
+def test_a_critical_batch_below_the_smallest_batch_measured_could_not_be_measured():
+    # B_simple = S / |G|^2 = 0.35 samples at micro batch 4: below both batch sizes the study compares.
+    noisy = advise(
+        per_multiplier=multipliers(g2=10.0, trace=3.5, micro=4),
+        micro_batch_size=4,
+        configured_global_batch_size=64,
+        devices_per_node=1,
+        min_nodes=1,
+        max_nodes=1,
+        train_steps=0,
+    )
+    assert noisy.critical_batch_size is None and noisy.recommended_global_batch_size is None
+    assert (
+        "could not be measured" in noisy.reasoning[0]
+        and "0.35 samples, below the smallest batch measured (4)" in noisy.reasoning[0]
+    )
+    at_the_edge = advise(  # exactly the smallest batch: measured
+        per_multiplier=multipliers(g2=10.0, trace=40.0, micro=4),
+        micro_batch_size=4,
+        configured_global_batch_size=64,
+        devices_per_node=1,
+        min_nodes=1,
+        max_nodes=1,
+        train_steps=0,
+    )
+    assert at_the_edge.critical_batch_size == pytest.approx(4.0)

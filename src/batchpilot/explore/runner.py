@@ -210,6 +210,21 @@ def _explicit_candidates(state: SearchState, sizes: Sequence[int]) -> Candidate 
     return None
 
 
+def usable_bound(config: Config) -> int:
+    """The largest micro batch the search may probe without `explore.max_micro_batch_size`: the largest a
+    plan of this config can use (`plan.schedule.largest_usable_micro_batch`), else the target batch."""
+    from batchpilot.plan.schedule import largest_usable_micro_batch
+
+    usable = largest_usable_micro_batch(config)
+    if usable is not None and usable < config.batch.target_bound:
+        logger.info(
+            "explore: micro batches up to %d (the largest every stage of this plan splits into; "
+            "explore.max_micro_batch_size overrides)", usable,
+        )  # fmt: skip
+        return usable
+    return config.batch.target_bound
+
+
 def search_micro_batch(
     *,
     config: Config,
@@ -223,7 +238,7 @@ def search_micro_batch(
     explore = config.explore
     state = SearchState(
         settings=settings_of(config),
-        max_micro_batch_size=explore.max_micro_batch_size or config.batch.target_bound,
+        max_micro_batch_size=explore.max_micro_batch_size or usable_bound(config),
         seq_len=config.data.seq_len,
     )
     deadline_s = time.monotonic() + max_minutes * 60

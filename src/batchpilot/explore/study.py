@@ -251,8 +251,16 @@ def advise(
     processes: int = 1,
     weights: str = RANDOM_INIT,
 ) -> NoiseScaleReport:
-    """The critical batch size, a target global batch near it that the cluster can split, and an LR rule."""
+    """The critical batch size, a target global batch near it that the cluster can split, and an LR rule.
+
+    An estimate below the smallest batch measured (`micro_batch_size` x `processes`) is not a measurement:
+    the two batch sizes cannot resolve a noise scale below both, so it is reported as not measurable."""
     critical = pooled_noise_scale(per_multiplier)
+    smallest = micro_batch_size * processes
+    below_smallest = critical is not None and critical < smallest
+    estimate = critical
+    if below_smallest:
+        critical = None
     report = NoiseScaleReport(
         critical_batch_size=critical,
         per_multiplier=per_multiplier,
@@ -272,6 +280,15 @@ def advise(
         f"measured at micro_batch_size={micro_batch_size}{sharded} after {train_steps} training step(s), pooled over "
         f"accumulation {', '.join(f'{r.multiplier}x' for r in per_multiplier)}"
     )
+    if below_smallest:
+        assert estimate is not None
+        report.reasoning = [
+            f"the critical batch could not be measured ({measured_at}): B_simple came out "
+            f"{format_samples(estimate)} samples, below the smallest batch measured ({smallest}), where two "
+            "batch sizes cannot resolve it",
+            "keep the configured global batch and train.lr_scaling; watch noise_scale in metrics.jsonl",
+        ]
+        return report
     if critical is None:
         report.reasoning = [
             f"the gradient noise scale is not measurable here ({measured_at}): |G|^2 or S came out "

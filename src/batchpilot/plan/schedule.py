@@ -8,6 +8,7 @@ One home for both readers of the config: the checks (`plan.checks`) judge these,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -103,3 +104,28 @@ def placement(config: Config) -> Placement:
 def allowed_node_counts(config: Config) -> list[int]:
     """Every node count a stage may run on: the node range, multiples of the loading factor, whole slices."""
     return placement(config).node_counts()
+
+
+def largest_usable_micro_batch(config: Config) -> int | None:
+    """The largest micro batch a plan of this config can train every stage with (each stage's batch splits
+    into whole micro batches on some node count of the NeMo walk), or None when the stages are not known
+    before the run (an `auto` target, an adaptive ramp-up) or the ramp is invalid (the plan says why).
+    Explore measures no larger size: the plan could not use it."""
+    from batchpilot.planning.nodes import divisors, walk_nodes
+    from batchpilot.planning.stages import sample_ranges
+
+    if config.batch.global_batch_size == "auto" or isinstance(config.batch.rampup, AdaptiveRampup):
+        return None
+    try:
+        ranges = sample_ranges(batch_schedule(config), total_samples=config.total_samples)
+    except BatchpilotError:
+        return None
+    batches = sorted({batch for batch, _, _ in ranges})
+    where = placement(config)
+    common = math.gcd(*batches)
+    if common > 10**12:
+        return None
+    for micro in reversed(divisors(common)):
+        if None not in walk_nodes(batch_sizes=batches, micro_batch_size=micro, placement=where):
+            return micro
+    return None
