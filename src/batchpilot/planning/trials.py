@@ -287,6 +287,12 @@ class BranchResult:
     def final_loss(self) -> float | None:
         return self.curve[-1][1] if self.status == "ok" and self.curve else None
 
+    @property
+    def diverged_at(self) -> int | None:
+        """Samples after the warm-up at the first evaluation whose loss is NaN or infinite (the branch
+        diverged: it counts as failed in the decision), or None."""
+        return next((samples for samples, loss in self.curve if not math.isfinite(loss)), None)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BranchResult:
         """The result as `asdict` wrote it, read back from JSON (the curve's pairs come back as lists)."""
@@ -323,22 +329,38 @@ class TrialsDecision:
         return cls(**{**data, "best": best, "excluded": tuple(data["excluded"])})
 
 
+def _why_excluded(result: BranchResult) -> str | None:
+    """Why a branch takes no part in the decision as a loss (failed, or diverged), or None."""
+    if result.status != "ok":
+        return result.reason or "failed"
+    if result.diverged_at is not None:
+        loss = dict(result.curve)[result.diverged_at]
+        return f"diverged (validation loss {loss} at {format_int(result.diverged_at)} samples)"
+    return None
+
+
 def decide(results: Sequence[BranchResult], *, tolerance: float) -> TrialsDecision:
-    """The critical batch from the branches' final validation losses (Merrill-style), failed ones left out."""
+    """The critical batch from the branches' final validation losses (Merrill-style), failed ones left out.
+
+    A branch whose validation loss became NaN or infinite diverged: it is excluded like a failed one, and a
+    batch at which every branch that trained diverged is outside the tolerance (it ends the scan)."""
     excluded = tuple(
-        f"batch {r.global_batch_size} x LR {r.lr_multiplier:g}: {r.reason or 'failed'}"
+        f"batch {r.global_batch_size} x LR {r.lr_multiplier:g}: {why}"
         for r in results
-        if r.status != "ok"
+        if (why := _why_excluded(r)) is not None
     )
     best: dict[int, tuple[float, float]] = {}
     for result in results:
         loss = result.final_loss
-        if loss is None or not math.isfinite(loss):
+        if loss is None or _why_excluded(result) is not None:
             continue
         kept = best.get(result.global_batch_size)
         if kept is None or loss < kept[1]:
             best[result.global_batch_size] = (result.lr_multiplier, loss)
-    if len(best) < 2:
+    # A batch whose every trained branch diverged, above the smallest that did not: never within the tolerance.
+    diverged = {r.global_batch_size for r in results if r.status == "ok" and r.diverged_at is not None}
+    scanned = sorted(set(best) | {b for b in diverged - set(best) if best and b > min(best)})
+    if len(scanned) < 2:
         return TrialsDecision(
             None,
             None,
@@ -346,10 +368,12 @@ def decide(results: Sequence[BranchResult], *, tolerance: float) -> TrialsDecisi
             f"only {len(best)} batch size(s) trained to the end: no comparison (see the failed branches)",
             excluded,
         )
-    batches = sorted(best)
-    critical, best_smaller = batches[0], best[batches[0]][1]
+    critical, best_smaller = scanned[0], best[scanned[0]][1]
     stop = ""
-    for batch in batches[1:]:
+    for batch in scanned[1:]:
+        if batch not in best:
+            stop = f"; batch {batch} diverged (its validation loss became NaN or infinite)"
+            break
         loss = best[batch][1]
         if loss > best_smaller * (1 + tolerance):
             stop = (

@@ -116,6 +116,12 @@ class _CheckedRangeReader(io.RawIOBase):
     def _read(self, start: int, end: int) -> bytes:
         data = self._storage.read(self._name, start=start, end=end)
         self.bytes_fetched += len(data)
+        if len(data) != end - start:  # a checksum could only say "mismatch": say what is missing
+            raise BatchpilotError(
+                join_uri(self._storage.uri, self._name),
+                f"returned {len(data)} bytes for bytes [{start}, {end}), not {end - start}: the object is not "
+                f"the {self._size} bytes its checkpoint recorded (truncated or replaced)",
+            )
         return data
 
     def _checked(self, index: int, block: bytes) -> bytes:
