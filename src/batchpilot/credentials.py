@@ -11,6 +11,7 @@ credentials were tried and how to provide them.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -29,6 +30,20 @@ HOW_TO_FIX = (
     "run `gcloud auth application-default login`, use Workload Identity on GKE, or set "
     "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file"
 )
+KEY_FILE_FIX = (
+    "point GOOGLE_APPLICATION_CREDENTIALS at a service-account key file (the JSON `gcloud iam "
+    "service-accounts keys create` writes), or unset it to use `gcloud auth application-default login` or "
+    "Workload Identity"
+)
+CREDENTIAL_TYPES = (
+    "service_account",
+    "authorized_user",
+    "external_account",
+    "external_account_authorized_user",
+    "impersonated_service_account",
+    "gdch_service_account",
+)
+"""The `type`s of the credential files google-auth reads."""
 
 _found: dict[tuple[str, ...], Any] = {}
 _found_lock = threading.Lock()
@@ -53,10 +68,16 @@ def google_credentials(*, field: str, scopes: Sequence[str], deadline_s: float |
     with _found_lock:
         if key in _found:
             return _found[key]
+        explicit = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")
+        problem = _key_file_problem(explicit) if explicit else None
+        if problem:  # google-auth's own words for it are a Python tuple, or a traceback
+            raise BatchpilotError(field, problem, KEY_FILE_FIX)
         try:
             credentials, _project = google.auth.default(scopes=list(scopes))
         except exceptions.DefaultCredentialsError as error:
-            raise BatchpilotError(field, _not_found_problem(error), HOW_TO_FIX) from None
+            raise BatchpilotError(
+                field, _not_found_problem(error), KEY_FILE_FIX if explicit else HOW_TO_FIX
+            ) from None
         if deadline_s is None:
             from google.auth import compute_engine
 
@@ -113,16 +134,47 @@ def gcloud_credentials_path() -> Path:
     return Path(config) / "application_default_credentials.json"
 
 
+def _key_file_problem(path: str) -> str | None:
+    """Why the file GOOGLE_APPLICATION_CREDENTIALS names is no credentials file at all (not JSON, or JSON
+    without a credentials `type`), or None (a missing file and a key missing fields are google-auth's to say)."""
+    try:
+        document = json.loads(Path(path).read_bytes())
+    except OSError:
+        return None
+    except ValueError:
+        return f"GOOGLE_APPLICATION_CREDENTIALS ({path}) holds no usable credentials: the file is not JSON"
+    if not isinstance(document, dict):
+        what = f"it is a JSON {type(document).__name__}"
+    elif document.get("type") in CREDENTIAL_TYPES:
+        return None
+    elif "type" in document:
+        what = f'its "type" is {document["type"]!r}'
+    else:
+        what = 'it has no "type"'
+    return (
+        f"GOOGLE_APPLICATION_CREDENTIALS ({path}) holds no usable credentials: it is not a service-account "
+        f'key ({what}; a key file is a JSON object with "type": "service_account")'
+    )
+
+
 def _not_found_problem(error: BaseException) -> str:
     explicit = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")
     if explicit:  # google-auth stops at a set variable: its file is the problem
         return (
-            f"GOOGLE_APPLICATION_CREDENTIALS ({explicit}) holds no usable credentials: {_first_line(error)}"
+            f"GOOGLE_APPLICATION_CREDENTIALS ({explicit}) holds no usable credentials: {_error_text(error)}"
         )
     return (
         "found no Google credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, "
         f"{gcloud_credentials_path()} does not exist and no metadata server answered"
     )
+
+
+def _error_text(error: BaseException) -> str:
+    """The error's message in words: google-auth raises (message, cause) pairs, whose `str` is a tuple."""
+    args = error.args
+    if len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], BaseException):
+        return f"{args[0].strip().rstrip('.')}: {_error_text(args[1])}"
+    return _first_line(error)
 
 
 def _first_line(error: BaseException) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -105,3 +106,10 @@ def no_debris(*folders: Path) -> Iterable[None]:
     removed = sorted(set(before) - set(after))
     changed = sorted(p for p in set(before) & set(after) if before[p] != after[p] and before[p][0] != -1)
     assert not (added or removed or changed), {"added": added, "removed": removed, "changed": changed}
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound once, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -23,7 +23,7 @@ def local_config(tmp_path) -> str:
     """The demo config on a small real shard set (byte-level, as the demo model's vocabulary)."""
     data = tmp_path / "data"
     text = tmp_path / "text.txt"
-    text.write_text("a few words to tokenize\n" * 200)
+    text.write_text("a few words to tokenize\n" * 2000)  # 375 samples of 128: more than one batch of 64
     prepared = run_cli(
         "data", "prepare", str(text), "--out", f"file://{data}", "--validation-fraction", "0", "--no-progress"
     )

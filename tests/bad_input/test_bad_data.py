@@ -9,11 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Outcome, no_debris, run_cli, run_process
+from harness import Outcome, closed_port, no_debris, run_cli, run_process
 from tests.integration.gcs_server import gcs_server_running
 
 import batchpilot
@@ -175,27 +174,6 @@ def test_ctrl_c_or_sigterm_in_the_middle_keeps_the_journaled_shards_and_the_reru
     assert resumed.code == 0 and f"and {len(shards)} shards already prepared" in resumed.stdout, resumed
     assert run_cli(*argv[:4], f"file://{tmp_path}/fresh", *argv[5:]).code == 0
     assert contents(out) == contents(tmp_path / "fresh")
-
-
-@pytest.fixture
-def no_google_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """No Application Default Credentials anywhere: no key file, an empty gcloud folder, no metadata server
-    (google-auth's check skipped, and its address a closed loopback port)."""
-    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT"):
-        monkeypatch.delenv(name, raising=False)
-    (tmp_path / "gcloud").mkdir()
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("NO_GCE_CHECK", "true")  # google-auth reads exactly "true"
-    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed_port()}")
-    (tmp_path / "doc.txt").write_text("a document\n" * 20)
-    yield tmp_path
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def dummy_service_account(path: Path, *, token_uri: str) -> Path:

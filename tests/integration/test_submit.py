@@ -94,7 +94,7 @@ def test_submit_creates_an_experiment_and_a_run_of_the_compiled_spec(
     result = run_batchpilot(
         "submit", "--config", DEMO, "--host", kfp_server.endpoint, "--experiment", "ramp-ups",
         "--run-name", "demo-first", "--service-account", "batchpilot-runner",
-        "--param", "micro_batch_size=16", "--param", "run_dir=/tmp/r",
+        "--param", "micro_batch_size=2", "--param", "run_dir=/tmp/r",
         env=env,
     )  # fmt: skip
 
@@ -106,7 +106,7 @@ def test_submit_creates_an_experiment_and_a_run_of_the_compiled_spec(
     assert run["experiment_id"] == experiment["experiment_id"]
     assert run["display_name"] == "demo-first"
     assert run["service_account"] == "batchpilot-runner"
-    assert run["runtime_config"]["parameters"] == {"micro_batch_size": 16, "run_dir": "/tmp/r"}
+    assert run["runtime_config"]["parameters"] == {"micro_batch_size": 2, "run_dir": "/tmp/r"}
     assert run["pipeline_spec"] == sent_spec(demo_yaml)
     assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "batchpilot-demo"
     # The body went out in the REST API's field names, with the token as a bearer header.
@@ -192,7 +192,7 @@ def test_dry_run_prints_the_request_and_sends_nothing(
         "submit", "--config", NEMO, "--host", kfp_server.endpoint,
         "--experiment", "ramp-ups", "--run-name", "r1", "--service-account", "sa",
         "--namespace", "team-a", "--pipeline-name", "batchpilot", "--pipeline-version", "v3",
-        "--param", "total_samples=4096", "--token", "s3cret-t0ken", "--dry-run",
+        "--param", "total_samples=20000000", "--token", "s3cret-t0ken", "--dry-run",
     ])  # fmt: skip
 
     out = capsys.readouterr().out
@@ -205,7 +205,7 @@ def test_dry_run_prints_the_request_and_sends_nothing(
         "service account: sa",
         "namespace: team-a",
         "version 'v3' of pipeline 'batchpilot'",
-        "parameters: total_samples=4096",
+        "parameters: total_samples=20000000",
         f"pipeline: batchpilot-gpt3-5b, 8 stage(s), spec {len(nemo_yaml.encode()):,} bytes",
         "auth: bearer token (not shown)",
     ):

@@ -65,6 +65,7 @@ def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> No
             devices_per_node=cluster.devices_per_node,
             max_nodes=cluster.max_nodes,
             capacity_nodes=cluster.local_capacity_nodes,
+            state_field="--pool-state" if state_path else "cluster.pool_state_path",
         )
     if state_path is not None:
         raise BatchpilotError("--pool-state", "only the local backend keeps its pool size in a file")
@@ -111,9 +112,17 @@ class LocalNodePool:
     """
 
     def __init__(
-        self, *, state_path: Path, devices_per_node: int, max_nodes: int, capacity_nodes: int | None = None
+        self,
+        *,
+        state_path: Path,
+        devices_per_node: int,
+        max_nodes: int,
+        capacity_nodes: int | None = None,
+        state_field: str = "cluster.pool_state_path",
     ) -> None:
         self.state_path = state_path
+        self.state_field = state_field
+        """The setting that named `state_path` (`--pool-state` or the config's), for error lines."""
         self.devices_per_node = devices_per_node
         self.max_nodes = max_nodes
         self.capacity_nodes = capacity_nodes
@@ -121,22 +130,32 @@ class LocalNodePool:
 
     def current_size(self) -> int:
         """The recorded size; 0 when the pool was never resized (nothing runs yet)."""
+        # Never "delete the file": it may be anyone's (`--pool-state /etc/passwd`), not one batchpilot wrote.
+        fix = (
+            f"point {self.state_field} at a pool state file batchpilot wrote, or at a new path (it starts as "
+            "an empty pool)"
+        )
         try:
             state = json.loads(self.state_path.read_text())
         except FileNotFoundError:
             return 0
-        except (OSError, ValueError) as error:
+        except IsADirectoryError:
             raise BatchpilotError(
-                "cluster.pool_state_path",
-                f"cannot read the local pool state {self.state_path}: {error}",
-                "delete the file and resize the pool again",
+                self.state_field, f"{self.state_path} is a folder, not a pool state file", fix
             ) from None
-        num_nodes = state.get("num_nodes")
-        if not isinstance(num_nodes, int) or num_nodes < 0:
+        except (OSError, ValueError) as error:
+            reason = "not JSON" if isinstance(error, ValueError) else (error.strerror or type(error).__name__)
             raise BatchpilotError(
-                "cluster.pool_state_path",
-                f"{self.state_path} holds no valid num_nodes",
-                "delete the file and resize the pool again",
+                self.state_field,
+                f"cannot read the local pool state {self.state_path}: it is not a pool state file ({reason})",
+                fix,
+            ) from None
+        num_nodes = state.get("num_nodes") if isinstance(state, dict) else None
+        if type(num_nodes) is not int or num_nodes < 0:
+            raise BatchpilotError(
+                self.state_field,
+                f"{self.state_path} is not a pool state file (it holds no valid num_nodes)",
+                fix,
             )
         return num_nodes
 

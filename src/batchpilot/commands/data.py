@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -85,7 +86,7 @@ def register(subparsers: Any) -> None:
         help="print the manifest summary of a shard set",
         description="Reads manifest.json of a shard set and prints its splits, shards, tokens, bytes and tokenizer.",
     )
-    inspect.add_argument("uri", help="file://path or gs://bucket/prefix")
+    inspect.add_argument("uri", help="file://path, gs://bucket/prefix or a local folder")
     inspect.set_defaults(handler=run_inspect)
 
     register_import(actions)
@@ -130,5 +131,6 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    print_manifest(read_manifest(open_storage(args.uri)), uri=args.uri, console=Console())
+    uri = args.uri if "://" in args.uri else f"file://{Path(args.uri).absolute()}"  # a plain local path
+    print_manifest(read_manifest(open_storage(uri)), uri=uri, console=Console())
     return 0

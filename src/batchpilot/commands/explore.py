@@ -22,6 +22,12 @@ def register(subparsers: Any) -> None:
     )
     add_config(parser)
     add_out(parser, metavar="DIR", help="the folder the outputs go to (default: runs/<name>/explore)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the results of an earlier exploration in --out (refused without it when explore.json "
+        "is there)",
+    )
     parser.add_argument("--max-probes", type=int, help="overrides explore.max_probes")
     parser.add_argument("--max-minutes", type=float, help="overrides explore.max_minutes")
     parser.add_argument(
@@ -58,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     output_dir = check_output_dir(args.out or f"runs/{config.name}/explore", field="--out")
+    if (output_dir / "explore.json").exists() and not args.force:
+        raise BatchpilotError(
+            "--out",
+            f"{output_dir} already holds explore.json (an earlier exploration)",
+            "pass --force to replace it, or choose another folder with --out",
+        )
     if args.memory_budget_bytes is not None:
         budget = parse_bytes(args.memory_budget_bytes, field="--memory-budget-bytes")
         config = config.model_copy(

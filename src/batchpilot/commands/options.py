@@ -10,6 +10,8 @@ error messages show only the current name.
 from __future__ import annotations
 
 import argparse
+import difflib
+from collections.abc import Sequence
 from typing import Any
 
 OUT_ALIASES = ("--output", "--output-dir")
@@ -36,12 +38,60 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class Subcommands(argparse._SubParsersAction):
+    """argparse's subcommand action, with the chosen subcommand answering for its own arguments.
+
+    argparse hands an argument the subcommand does not take back to the top-level parser, whose error shows
+    `usage: batchpilot [-h] [--version] COMMAND ...`; here the subcommand refuses it with its own usage.
+    A subcommand registered without `help` (internal, e.g. `canary-rank`) is not listed in `--help`, nor
+    among the choices an unknown command's error offers.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        unrecognized = argparse._UNRECOGNIZED_ARGS_ATTR
+        before = len(getattr(namespace, unrecognized, []))
+        super().__call__(parser, namespace, values, option_string)
+        extras = getattr(namespace, unrecognized, [])[before:]
+        if extras:
+            chosen = self._name_parser_map[values[0]]
+            chosen.error(unrecognized_message(chosen, extras))
+
+    def listed_choices(self) -> list[str]:
+        """The subcommands `--help` lists (those registered with a `help`)."""
+        return [action.dest for action in self._choices_actions]
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """argparse's `unrecognized arguments: ...`, with the option a mistyped one is closest to."""
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    shown = [name for action in parser._actions for name in action.option_strings]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], shown, n=1)
+            if close:
+                return f"{text} (did you mean {close[0]}?)"
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """The parser of `batchpilot` and, through argparse's `parser_class`, of every subcommand below it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", Subcommands)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if isinstance(action, Subcommands) and value not in action.choices:
+            listed = ", ".join(repr(name) for name in action.listed_choices())
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {listed})")
+        super()._check_value(action, value)
 
 
 def add_option(

@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from batchpilot.commands.options import add_out
-from batchpilot.config import load_config
+from batchpilot.config import Config, load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
 from batchpilot.logs import PREFIX
@@ -62,16 +62,24 @@ def register(subparsers: Any) -> None:
         parser,
         required=True,
         metavar="DIR",
-        help="the folder for the run's report, metrics, plan, checkpoints and log (new or empty, or --resume)",
+        help="the folder for the run's report, metrics, plan, checkpoints and log (new or empty, or --resume "
+        "or --force)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue a stopped or failed run in its --out folder"
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start over: empty an --out folder that holds a previous run (its pipeline.log) first; a folder "
+        "that holds no run is refused even so",
+    )
+    parser.add_argument(
         "--micro-batch-size",
         type=int,
         default=0,
-        help="use this micro batch instead of exploring (0: explore)",
+        help="use this micro batch: explore then measures no other size (and runs only when the study or "
+        "the target still needs it); 0: explore",
     )
     parser.set_defaults(handler=run)
 
@@ -150,21 +158,21 @@ class TaskConsole:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot.kfp.local import (
-        LOG_NAME,
-        captured_output,
-        check_local_run,
-        local_run_config,
-        run_pipeline,
-    )
+    from batchpilot.kfp.local import LOG_NAME, captured_output, run_pipeline
     from batchpilot.kfp.shape import expected_stage_count, pipeline_launch_names
 
     output = check_output_dir(args.out, field="--out")
-    config = local_run_config(load_config(args.config or str(EMBEDDED_CONFIG)), output=output)
-    check_local_run(config, output, resume=args.resume)
+    created = not output.exists()
+    try:
+        config, notes = checked_run_config(args, output)
+    except BatchpilotError:
+        if created:  # a check may have made the folder: the same command works again once the input is fixed
+            shutil.rmtree(output, ignore_errors=True)
+        raise
+    if args.force and not created:
+        _empty(output)  # checked: it holds a previous run (check_local_run)
     num_stages = expected_stage_count(config)
     names = list(pipeline_launch_names(config))
-    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     log_path = output / LOG_NAME
     console = Console(file=os.fdopen(os.dup(1), "w", buffering=1), highlight=False, soft_wrap=True)
@@ -173,11 +181,13 @@ def run(args: argparse.Namespace) -> int:
         f"{_launch_groups(names)}, report -> {output} (full log: {log_path})",
         markup=False,
     )
+    for note in notes:
+        console.print(f"{PREFIX}{note}", markup=False)
     tasks = TaskConsole(console, launch_names=names)
     started = time.monotonic()
     try:
         with captured_output(log_path, tasks):
-            run_pipeline(config, output=output, micro_batch_size=args.micro_batch_size)
+            run_pipeline(config, output=output)
     except BatchpilotError:
         if created:  # refused before any task ran: the same command works again once the input is fixed
             shutil.rmtree(output, ignore_errors=True)
@@ -185,8 +195,76 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         print(failure_line(str(error), log_path=log_path, config=args.config, output=output), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            interrupted_line(config, log_path=log_path, config_arg=args.config, output=output),
+            file=sys.stderr,
+        )
+        return 130
     _summary(console, output, elapsed_s=time.monotonic() - started)
     return 0
+
+
+def checked_run_config(args: argparse.Namespace, output: Path) -> tuple[Config, list[str]]:
+    """The local run's config, after every check `plan` and `doctor` make of a local config, so that a
+    mistake costs seconds, not a canary and an exploration: the micro batch given, the run folder, the
+    ramp, stages, node schedule and memory, the data, the processes this machine can start, credentials
+    for a gs:// URI, and the checkpoint folder. Returns the notes to show (what the run changed)."""
+    from batchpilot.doctor import run_checks
+    from batchpilot.kfp.local import check_local_run, local_run_config
+
+    if args.force and args.resume:
+        raise BatchpilotError(
+            "--force",
+            "cannot go with --resume: --resume continues the run in --out, --force deletes it and starts over",
+            "leave out one of them",
+        )
+    if args.micro_batch_size < 0:
+        raise BatchpilotError(
+            "--micro-batch-size",
+            f"must be a number of samples per device, got {args.micro_batch_size}",
+            "give a positive integer, or leave it out to explore",
+        )
+    loaded = load_config(args.config or str(EMBEDDED_CONFIG))
+    config, notes = local_run_config(loaded, output=output, micro_batch_size=args.micro_batch_size)
+    check_local_run(config, output, resume=args.resume, force=args.force)
+    for check in run_checks(config):
+        if check.status == "FAILED" and check.name not in ("plan", "kfp"):  # plan: preflight said it first
+            raise BatchpilotError(DOCTOR_FIELDS.get(check.name, check.name), check.message, check.fix)
+    return config, notes
+
+
+def _empty(folder: Path) -> None:
+    """Deletes what `folder` holds, keeping the folder (`run --force` on a previous run's folder)."""
+    for child in folder.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+DOCTOR_FIELDS = {
+    "cpus": "cluster",
+    "credentials": "credentials",
+    "data": "data.uri",
+    "checkpoint": "train.checkpoint_uri",
+}
+"""The config section a failed doctor check of `run` is named by."""
+
+
+def interrupted_line(config: Config, *, log_path: Path, config_arg: str | None, output: Path) -> str:
+    """After Ctrl-C: the exit handler's clean-up done here (the pool scaled down), and the resume command."""
+    from batchpilot.workflow.pool import scale_down
+
+    try:
+        scale_down(config)
+        pool = "the pool was scaled down"
+    except Exception as error:  # the line must still say how to resume
+        pool = f"scaling the pool down failed ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
+    return (
+        f"batchpilot: interrupted; {pool}; the full log is {log_path}; to continue: batchpilot run"
+        f"{f' --config {config_arg}' if config_arg else ''} --out {output} --resume"
+    )
 
 
 def failure_line(message: str, *, log_path: Path, config: str | None, output: Path) -> str:

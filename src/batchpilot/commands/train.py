@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,8 @@ def register(subparsers: Any) -> None:
     )
     _common(
         train,
-        stage_help="stage index, `final`, a range A-B of stages on one node count (one launch), or `all` "
-        "(every stage in one job)",
+        stage_help="stage index or name (`stage-1`, `final`), a range A-B of stages on one node count (one "
+        "launch) or its name (e.g. stages-0-3; `batchpilot plan` lists them), or `all` (every stage in one job)",
     )
     train.set_defaults(handler=run_train)
     launch = subparsers.add_parser(
@@ -42,8 +43,8 @@ def register(subparsers: Any) -> None:
     )
     _common(
         launch,
-        stage_help="stage index, `final`, a range A-B of stages on one node count, or a launch's name "
-        "(e.g. stages-0-3; `batchpilot plan` lists them)",
+        stage_help="stage index or name (`stage-1`, `final`), a range A-B of stages on one node count, or a "
+        "launch's name (e.g. stages-0-3; `batchpilot plan` lists them)",
     )
     launch.add_argument("--log-dir", metavar="DIR", help="torchx log folder (default: OUT/torchx)")
     add_dry_run(launch, help="gke: print the JobSet or Volcano Job as YAML and exit, without any API call")
@@ -61,6 +62,20 @@ def _common(parser: argparse.ArgumentParser, *, stage_help: str) -> None:
     )
 
 
+STAGE_NAME = re.compile(r"stage-(\d+)|stages-(\d+)-(\d+|final)")
+"""The plan's names of a stage (`stage-1`) and of a launch of several (`stages-0-2`, `stages-3-final`)."""
+
+
+def stage_arg(text: str) -> str:
+    """`--stage` as the plan selects stages: a stage's or a launch's name (`stage-1`, `stages-0-2`) becomes
+    the index or range it names (`1`, `0-2`); an index, `final`, a range and `all` are kept."""
+    match = STAGE_NAME.fullmatch(text)
+    if not match:
+        return text
+    index, first, last = match.groups()
+    return index if index is not None else f"{first}-{last}"
+
+
 def run_train(args: argparse.Namespace) -> int:
     from batchpilot.config import resolved_runtime
     from batchpilot.plan.adaptive import is_adaptive
@@ -68,6 +83,7 @@ def run_train(args: argparse.Namespace) -> int:
     from batchpilot.train.trainer import train
     from batchpilot.workflow.stage import adaptive_stage
 
+    args.stage = stage_arg(args.stage)
     document = read_run_document(args.plan)
     cluster = document.config.cluster
     # Before anything reads the checkpoints or joins a process group: a GPU or TPU plan without its
@@ -95,6 +111,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from batchpilot.logs import configure_console
     from batchpilot.workflow.stage import render_stage_job, run_stage
 
+    args.stage = stage_arg(args.stage)
     document = read_run_document(args.plan)
     if args.dry_run:
         configure_console(stream=sys.stderr)  # stdout carries the YAML alone

@@ -173,21 +173,40 @@ def _location(loc: tuple[int | str, ...]) -> str:
 
 def format_validation_error(error: ValidationError) -> list[str]:
     """One line per problem: `key.path: message (got value)`. A value that fits no member of an
-    `int | Literal["word"]` field gets the integer's message with `(or 'word')` added, on one line."""
-    lines: list[tuple[str, str, str]] = []  # (where, message, got)
+    `int | Literal["word"]` field gets the integer's message with `(or 'word')` added, on one line. A section
+    given as something other than a mapping is told the keys it takes (the ramp-up: its forms) and the fix,
+    not pydantic's name for the section's class."""
+    sections: dict[str, type[_Section]] = {}
+    pending: list[type[_Section]] = [_Section]
+    while pending:  # every section class by name: pydantic's `model_type` error names only the class
+        section = pending.pop()
+        sections[section.__name__] = section
+        pending += section.__subclasses__()
+    lines: list[tuple[str, str, str, str]] = []  # (where, message, got, fix)
     words: dict[str, str] = {}
     for item in error.errors(include_url=False):
         where = _location(tuple(item["loc"]))
         if item["type"] == "literal_error" and item["loc"] and _UNION_MEMBER.match(str(item["loc"][-1])):
             words[where] = str(item["ctx"]["expected"])  # the word the field also accepts
             continue
-        message = str(item["msg"]).removeprefix("Value error, ")
+        message, fix = str(item["msg"]).removeprefix("Value error, "), ""
+        if where.endswith("rampup"):  # the ramp-up as a whole: a list, or one of three mappings
+            fix = "e.g. rampup: [16, 16, 4096]; `batchpilot config schema` describes each form"
+        if item["type"] == "model_type" and where.endswith("rampup"):  # a union: pydantic names one member
+            message = (
+                "must be a list [start, increment, samples] or a mapping of one of the forms {start, increment, "
+                "samples}, {per_device_start, per_device_increment, samples} or {adaptive: {...}}"
+            )
+        elif item["type"] == "model_type" and str(item.get("ctx", {}).get("class_name")) in sections:
+            keys = sections[str(item["ctx"]["class_name"])].model_fields
+            message = f"must be a mapping of its keys ({', '.join(keys)})"
+            fix = f"write {where.rsplit('.', 1)[-1]}: as a mapping, e.g. {{{next(iter(keys))}: ...}}"
         shown = item.get("input")
         got = f" (got {shown!r})" if item["type"] != "missing" and not isinstance(shown, dict) else ""
-        lines.append((where, message, got))
+        lines.append((where, message, got, f" (fix: {fix})" if fix else ""))
     return [
-        f"{where}: {message}{f' (or {words[where]})' if where in words else ''}{got}"
-        for where, message, got in lines
+        f"{where}: {message}{f' (or {words[where]})' if where in words else ''}{got}{fix}"
+        for where, message, got, fix in lines
     ]
 
 
@@ -201,19 +220,45 @@ def parse_config(data: Any) -> Config:
         raise ConfigError(format_validation_error(error)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, so
+    a second `train:` section would replace the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    [
+                        f"config: the key {key!r} is given twice in one mapping (lines {seen[key]} and "
+                        f"{key_node.start_mark.line + 1}), and YAML would keep only the second (fix: merge "
+                        "them into one)"
+                    ]
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path) -> Config:
-    """Reads and validates a YAML config file."""
+    """Reads and validates a YAML config file (a key given twice in one mapping is refused)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:
         raise ConfigError([f"config: cannot read {path}: {error.strerror}"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError([f"config: {path} is not valid YAML{where}"]) from None
+    if data is None:
+        raise ConfigError(
+            [
+                f"config: {path} is empty (fix: start from configs/demo.yaml, or `batchpilot config schema` for every key)"
+            ]
+        )
     return parse_config(data)
 
 

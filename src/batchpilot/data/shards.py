@@ -141,10 +141,22 @@ class Manifest:
     @classmethod
     def from_json(cls, text: bytes | str, *, uri: str) -> Manifest:
         """Parses a manifest; raises BatchpilotError naming `uri` when it is not a valid one."""
+        folder = uri.removesuffix(f"/{MANIFEST_NAME}")
+        again = f"prepare the shard set again: batchpilot data prepare ... --out {folder}"
         try:
             document = json.loads(text)
-            if document.get("version") != FORMAT_VERSION:
-                raise BatchpilotError(uri, f"has manifest version {document.get('version')!r}, expected 1")
+            if not isinstance(document, dict) or type(document.get("version")) is not int:
+                raise BatchpilotError(
+                    uri,
+                    "is JSON but not a batchpilot manifest (it has no manifest version number)",
+                    f"point at the folder `batchpilot data prepare --out` wrote, or {again}",
+                )
+            if document["version"] != FORMAT_VERSION:
+                raise BatchpilotError(
+                    uri,
+                    f"has manifest version {document['version']!r}; this batchpilot reads version {FORMAT_VERSION}",
+                    again,
+                )
             splits = {
                 split: tuple(
                     ShardEntry(
@@ -167,7 +179,13 @@ class Manifest:
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             if isinstance(error, BatchpilotError):
                 raise
-            raise BatchpilotError(uri, f"is not a valid manifest ({type(error).__name__}: {error})") from None
+            if isinstance(error, KeyError):
+                raise BatchpilotError(
+                    uri, f"is not a valid manifest (it has no {error} field)", again
+                ) from None
+            raise BatchpilotError(
+                uri, f"is not a valid manifest ({type(error).__name__}: {error})", again
+            ) from None
         if manifest.dtype not in DTYPES.values():
             raise BatchpilotError(uri, f"names an unknown token dtype {manifest.dtype!r}")
         return manifest

@@ -36,31 +36,82 @@ def _absolute_file_uri(uri: str) -> str:
     return f"file://{Path(uri.removeprefix('file://')).absolute()}"
 
 
-def local_run_config(config: Config, *, output: Path) -> Config:
-    """The config of a local run: file URIs made absolute; checkpoints and pool state in the output folder."""
+def local_run_config(config: Config, *, output: Path, micro_batch_size: int = 0) -> tuple[Config, list[str]]:
+    """The config of a local run and what it changed, in words: file URIs made absolute; the pool state,
+    and checkpoints on local storage, in the output folder (each run's own: a run never continues another's
+    checkpoint); a checkpoint_uri in a bucket is kept. A `micro_batch_size` replaces the config's (explore
+    then measures that size only, or is left out when nothing else needs exploring)."""
     data = config.model_dump(mode="json")
     data["data"]["uri"] = _absolute_file_uri(data["data"]["uri"])
-    data["train"]["checkpoint_uri"] = f"file://{output.absolute()}/ckpt"
+    notes: list[str] = []
+    configured = data["train"]["checkpoint_uri"]
+    if configured.startswith("file://"):
+        data["train"]["checkpoint_uri"] = f"file://{output.absolute()}/ckpt"
+        notes.append(
+            f"train.checkpoint_uri: {configured} -> {data['train']['checkpoint_uri']} (a local run keeps its "
+            "checkpoints in its --out folder; a gs:// checkpoint_uri is kept)"
+        )
+    else:
+        notes.append(f"train.checkpoint_uri: {configured} (checkpoints go to the configured bucket)")
     data["cluster"]["pool_state_path"] = str(output.absolute() / "pool.json")
-    return parse_config(data)
+    if micro_batch_size:
+        data["batch"]["micro_batch_size"] = micro_batch_size
+    return parse_config(data), notes
 
 
-def check_local_run(config: Config, output: Path, *, resume: bool) -> None:
-    """Refuses, before anything runs, a non-local backend, a used output folder and a missing dataset."""
+def check_local_run(config: Config, output: Path, *, resume: bool, force: bool = False) -> None:
+    """Refuses, before anything runs, a non-local backend, a used output folder (or a missing one to
+    resume; with `force`, one that holds no previous run), a missing dataset, and whatever `plan` would
+    refuse (`workflow.plan.preflight`)."""
     if config.cluster.backend != "local":
         raise BatchpilotError(
             "cluster.backend",
             f"is {config.cluster.backend!r}; `batchpilot run --local` runs local configs",
             "compile it with `batchpilot compile` and submit it with `batchpilot submit`",
         )
-    if output.exists() and any(output.iterdir()) and not resume:
+    if output.exists() and any(output.iterdir()) and not resume and not force:
         raise BatchpilotError(
             "--out",
             f"{output} is not empty (a run in it stopped or failed?)",
-            "pass --resume to continue the run in it, or choose a new folder",
+            "pass --resume to continue the run in it, --force to start it over, or choose a new folder",
         )
-    from batchpilot.workflow.plan import check_data
+    if force and output.exists() and any(output.iterdir()) and not (output / LOG_NAME).is_file():
+        raise BatchpilotError(
+            "--out",
+            f"{output} is not empty and holds no batchpilot run (no {LOG_NAME}), so --force does not empty it",
+            "choose a new folder, or the --out folder of the run to start over",
+        )
+    if resume and not (output / LOG_NAME).is_file():
+        raise BatchpilotError(
+            "--resume",
+            f"{output} holds no run to continue (no {LOG_NAME})",
+            "leave out --resume to start a new run there, or give the --out folder of the run to continue",
+        )
+    from batchpilot.train.accelerators import planned_gpu, planned_tpu, require_cuda
+    from batchpilot.workflow.plan import check_data, preflight
 
+    accelerator = config.cluster.accelerator_type
+    if accelerator and planned_gpu(accelerator_type=accelerator):  # as each of its processes would refuse
+        try:
+            require_cuda(
+                accelerator_type=accelerator,
+                num_devices_needed=config.cluster.devices_per_node,
+                needed_by=f"cluster.devices_per_node={config.cluster.devices_per_node} local process(es) per node",
+            )
+        except BatchpilotError as error:
+            raise BatchpilotError(
+                error.field,
+                error.problem,
+                "leave cluster.accelerator_type out to train on this machine's CPU, or "
+                "run where torch sees the GPUs",
+            ) from None
+    elif planned_tpu(accelerator_type=accelerator):
+        raise BatchpilotError(
+            "cluster.accelerator_type",
+            f"{accelerator} is a TPU, and a local run starts torchrun processes, not the XLA runtime on a TPU host",
+            "leave accelerator_type out to run on this machine's CPU, or use backend: gke for a TPU slice",
+        )
+    preflight(config)  # the ramp, the stages, the node schedule and memory: what `plan` refuses
     check_data(config)  # the shard set and its vocabulary, as `config check` and `plan` check them
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,8 @@ def prepare_request(
     pipeline_yaml = compile_pipeline(config, image=image)
     spec, _ = split_pipeline_yaml(pipeline_yaml)
     stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    parameters = parse_parameters(pairs=param_pairs, inputs=pipeline_inputs(spec))
+    check_parameters(config, dict(parameters))
     return SubmitRequest(
         host=host,
         experiment=experiment or DEFAULT_EXPERIMENT,
@@ -190,7 +193,7 @@ def prepare_request(
         namespace=namespace,
         pipeline_name=pipeline_name,
         pipeline_version=pipeline_version,
-        parameters=parse_parameters(pairs=param_pairs, inputs=pipeline_inputs(spec)),
+        parameters=parameters,
         spec_name=spec["pipelineInfo"]["name"],
         num_stages=expected_stage_count(config),
         pipeline_yaml=pipeline_yaml,
@@ -278,6 +281,43 @@ def parse_parameters(
             raise BatchpilotError("--param", f"{name!r} is given twice", "pass each parameter once")
         parsed[name] = _typed_value(name=name, text=text, parameter_type=inputs[name])
     return tuple(parsed.items())
+
+
+def check_parameters(config: Config, values: Mapping[str, ParameterValue]) -> None:
+    """The run-time parameters checked as the plan step will check them, before the run is created (on a
+    cluster the plan step runs after the pool and the canary have spent accelerator time): a negative
+    count, a config_yaml that is not a valid config, or a micro batch or total the plan refuses.
+
+    Raises:
+        BatchpilotError: the parameter, what the plan says, and the fix.
+    """
+    from batchpilot.config import config_from_text
+    from batchpilot.kfp.pipeline import config_parameter
+    from batchpilot.workflow.plan import preflight
+
+    for name in ("micro_batch_size", "total_samples"):
+        value = values.get(name, 0)
+        if isinstance(value, int) and value < 0:
+            raise BatchpilotError(
+                "--param", f"{name}={value} is negative", f"give a positive {name}, or 0 for the config's own"
+            )
+    if not any(values.get(name) for name in ("config_yaml", "micro_batch_size", "total_samples")):
+        return
+    text = str(values.get("config_yaml") or config_parameter(config))
+    micro, total = int(values.get("micro_batch_size") or 0), int(values.get("total_samples") or 0)
+    try:
+        preflight(config_from_text(text, micro_batch_size=micro, total_samples=total))
+    except BatchpilotError as error:
+        given = ", ".join(
+            f"{name}=..." if name == "config_yaml" else f"{name}={values[name]}"
+            for name in ("config_yaml", "micro_batch_size", "total_samples")
+            if values.get(name)
+        )
+        raise BatchpilotError(
+            "--param",
+            f"with {given} the plan step would refuse the run: {error.field}: {error.problem}",
+            error.fix or f"correct {error.field}",
+        ) from None
 
 
 def _typed_value(*, name: str, text: str, parameter_type: str) -> ParameterValue:
