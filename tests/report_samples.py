@@ -198,3 +198,24 @@ def sample_explore(*, study_train_steps: int = 50, critical_batch_size: float = 
         },
         "study_error": None,
     }
+
+
+def sample_canary(*, started_at: float | None = None, finished_at: float | None = None) -> dict[str, Any]:
+    """A canary.json of a passed 2-node gloo canary; `started_at`/`finished_at` as the canary records them
+    (None: left out, as a canary.json from before they were recorded)."""
+    canary: dict[str, Any] = {
+        "num_nodes": 2, "processes_per_node": 1, "world_size": 2, "backend": "gloo", "machine_type": None,
+        "all_reduce_bytes": 4 * 2**20, "all_reduce_time_s": 0.004, "bus_bandwidth_bytes_per_s": 1.09e9,
+        "expected_bus_bandwidth_bytes_per_s": None, "bandwidth_problem": None, "nccl_version": None,
+        "nccl_networks": [], "transport_problem": None,
+        "nodes": [
+            {"node": n, "host": "vm", "devices": 0, "processes": 1, "read_bytes": 4 * 2**20,
+             "read_mb_per_s": 600.0, "checkpoint_write_ms": 2.5, "checkpoint_read_ms": 0.1}
+            for n in (0, 1)
+        ],
+    }  # fmt: skip
+    if started_at is not None:
+        canary["started_at"] = started_at
+    if finished_at is not None:
+        canary["finished_at"] = finished_at
+    return canary

@@ -34,6 +34,9 @@ figure img{max-width:100%;height:auto;display:block}figcaption{font-weight:600;m
 border:1px solid var(--line)}
 .mark.rec{background:#ddf4ff;border-color:#54aeff}.mark.trained{background:#dafbe1;border-color:#4ac26b}
 .mark.repeat{background:#f6f8fa}
+.status{margin:0 0 8px}.state{display:inline-block;border-radius:10px;padding:0 9px;font-weight:600;
+border:1px solid var(--line)}
+.state.completed{background:#dafbe1;border-color:#4ac26b}.state.failed{background:#ffebe9;border-color:#ff8182}
 code{background:var(--soft);padding:1px 4px;border-radius:4px}
 """
 

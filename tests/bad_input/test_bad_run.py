@@ -190,11 +190,12 @@ def test_ctrl_c_on_run_scales_the_pool_down_and_prints_the_command_that_resumes(
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        log = out / "pipeline.log"
-        while not (log.is_file() and " step 1 | " in log.read_text()):
+        # The first checkpoint (the end of stage-0, written by the trainer itself; pipeline.log is buffered):
+        # the run is training, with at least 8 paced steps (16 s) to go.
+        while not (out / "ckpt" / "latest").is_file():
             assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the run never reached its first training step"
-            time.sleep(0.5)
+            assert time.monotonic() < deadline, "the run never wrote its first checkpoint"
+            time.sleep(0.2)
         assert json.loads((out / "pool.json").read_text())["num_nodes"] >= 1
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole process group
         stdout, stderr = process.communicate(timeout=120)
@@ -208,3 +209,36 @@ def test_ctrl_c_on_run_scales_the_pool_down_and_prints_the_command_that_resumes(
         f"batchpilot run --config {config_path} --out {out} --resume"
     ), stderr[-2000:]
     assert json.loads((out / "pool.json").read_text())["num_nodes"] == 0
+    # What ran and where it stopped, in the report of the stopped run.
+    assert f"report of the stopped run: {out}/report.html" in stdout
+    page = (out / "report.html").read_text()
+    assert "failed" in page and "interrupted; the pool was scaled down" in page
+
+
+def test_run_refuses_a_launch_this_machines_cpus_cannot_host(tmp_path: Path, run_config: Path):
+    # A final stage on one local node more than this machine has CPUs (1 process each): before #34 the run
+    # trained the stages before it and failed at the final one's resize.
+    from batchpilot.cluster.nodepool import available_cpus
+    from batchpilot.commands.run import checked_run_config
+
+    cpus = available_cpus()
+    config = yaml.safe_load(run_config.read_text())
+    config["cluster"]["max_nodes"] = cpus + 1
+    config["batch"].update(
+        global_batch_size=16 * (cpus + 1), rampup=None, schedule=f"0:16 64:{16 * (cpus + 1)}"
+    )
+    run_config.write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    outcome = run_cli("run", "--config", str(run_config), "--out", str(out), "--micro-batch-size", "16")
+    outcome.assert_refused(
+        f"cluster: the largest launch needs {cpus + 1} local process(es), this machine has {cpus}"
+    )
+    assert not out.exists()
+    config["cluster"]["max_nodes"] = cpus  # the twin: what this machine hosts passes every check
+    config["batch"].update(global_batch_size=16 * cpus, schedule=f"0:16 64:{16 * cpus}" if cpus > 1 else None)
+    run_config.write_text(yaml.safe_dump(config))
+
+    class Args:
+        config, micro_batch_size, resume, force = str(run_config), 16, False, False
+
+    checked_run_config(Args(), out)

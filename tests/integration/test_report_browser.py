@@ -56,6 +56,18 @@ def test_the_report_opens_in_chromium_without_a_page_error(tmp_path):
     assert png.stat().st_size > 100_000  # the headline, tables and plots drawn, not a blank page
 
 
+def test_a_failed_runs_report_opens_in_chromium_without_a_page_error(tmp_path):
+    document = sample_document()
+    page = tmp_path / "report.html"
+    write_report(
+        document=document, records=sample_records(document)[:100], explore=sample_explore(), html_path=page,
+        failure="the pipeline failed in task train-stage-1",
+    )  # fmt: skip
+    png = tmp_path / "report.png"
+    assert screenshot(page, png, tmp_path / "profile") == []
+    assert png.stat().st_size > 100_000
+
+
 def test_a_page_error_is_caught(tmp_path):
     """The check above can fail: a script error on the page shows as a console line."""
     page = tmp_path / "broken.html"

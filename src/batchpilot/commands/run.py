@@ -193,13 +193,14 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(output, ignore_errors=True)
         raise
     except RuntimeError as error:
-        print(failure_line(str(error), log_path=log_path, config=args.config, output=output), file=sys.stderr)
+        line = failure_line(str(error), log_path=log_path, config=args.config, output=output)
+        _report_failure(console, output, failure=line.removeprefix("batchpilot: error: "))
+        print(line, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(
-            interrupted_line(config, log_path=log_path, config_arg=args.config, output=output),
-            file=sys.stderr,
-        )
+        line = interrupted_line(config, log_path=log_path, config_arg=args.config, output=output)
+        _report_failure(console, output, failure=line.removeprefix("batchpilot: "))
+        print(line, file=sys.stderr)
         return 130
     _summary(console, output, elapsed_s=time.monotonic() - started)
     return 0
@@ -265,6 +266,18 @@ def interrupted_line(config: Config, *, log_path: Path, config_arg: str | None, 
         f"batchpilot: interrupted; {pool}; the full log is {log_path}; to continue: batchpilot run"
         f"{f' --config {config_arg}' if config_arg else ''} --out {output} --resume"
     )
+
+
+def _report_failure(console: Console, output: Path, *, failure: str) -> None:
+    """report.html of a run that failed or was interrupted (what ran, where it stopped, why), when the run
+    got far enough to leave something to report from (its plan or its exploration)."""
+    from batchpilot.workflow.report import report_failed_run
+
+    if not ((output / "plan.json").is_file() or (output / "explore" / "explore.json").is_file()):
+        return
+    report = report_failed_run(output, failure=failure)
+    if report is not None:
+        console.print(f"{PREFIX}report of the stopped run: {report}", markup=False)
 
 
 def failure_line(message: str, *, log_path: Path, config: str | None, output: Path) -> str:

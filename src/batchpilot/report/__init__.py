@@ -1,10 +1,13 @@
-"""The run report (report.html): what a practitioner asks of a finished run, in that order. A headline
-(losses, steps, samples, tokens, time and node-hours against the plan's estimate, the micro batch trained and
-why, parallelism, MFU, nodes), each launch and stage with its actuals beside the plan, the plots over consumed
-samples, the plan, and the exploration as explore.html presents it. Numbers are formatted for people
+"""The run report (report.html): what a practitioner asks of a finished run, in that order. Its status
+(completed or failed, and for a failed run why, where it stopped and what ran) and the date of its last
+record; a headline (losses, steps, samples, tokens, the wall time from the run's first task, time and
+node-hours against the plan's estimate, the micro batch trained and why, parallelism, MFU, nodes), each
+launch and stage with its actuals beside the plan, the plots over consumed samples, the plan, and the
+exploration as explore.html presents it. Numbers are formatted for people
 (`batchpilot.planning.units`); the page is one self-contained file (plots embedded as PNG) that the KFP UI
 shows for the pipeline's report step and that `batchpilot run` leaves behind, beside the Markdown plan table.
-The plots are `report.figures`; the sections of what not every run has are `report.sections`.
+The plots are `report.figures`; the sections of what not every run has are `report.sections`; the wall
+clock is `report.clock`, the status and a failed run's account `report.status`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchpilot.explore.report import probe_table, recommendation_sentence, study_section
+from batchpilot.explore.records import Setting
+from batchpilot.explore.report import (
+    THROUGHPUT_EXPLAINED,
+    probe_table,
+    rebuilt_state,
+    recommendation_sentence,
+    size_speedups,
+    study_caveat,
+    study_section,
+)
 from batchpilot.files import write_atomically
 from batchpilot.htmlpage import Html, bullets, figure, page, table
 from batchpilot.plan.rundoc import RunDocument
@@ -32,6 +44,7 @@ from batchpilot.planning.units import (
     format_node_hours,
     format_ratio,
 )
+from batchpilot.report.clock import RunClock, run_clock, wall_detail
 from batchpilot.report.figures import loss_figure, run_figures, validation_points
 from batchpilot.report.sections import (
     canary_section,
@@ -40,8 +53,9 @@ from batchpilot.report.sections import (
     trials_section,
     trials_summary,
 )
+from batchpilot.report.status import records_table, run_header, stopped_section
 
-__all__ = ["loss_figure", "plan_html", "plan_markdown", "write_report"]
+__all__ = ["loss_figure", "plan_html", "plan_markdown", "write_report", "write_unplanned_report"]
 
 
 def plan_markdown(plan: Plan, cost: CostEstimate | None = None, memory: MemoryPlan | None = None) -> str:
@@ -71,10 +85,6 @@ class StageActuals:
     num_samples: int
     trained_s: float
     """The sum of the stage's step times: training alone, without the launch's start or a resize."""
-    wall_start: float | None
-    """Wall clock (unix seconds) when the stage's first step began; None for records without `time`."""
-    wall_end: float | None
-    """Wall clock when the stage's last step ended."""
     num_nodes: int
     last_loss: float
     val_loss: float | None
@@ -96,8 +106,6 @@ def stage_actuals(document: RunDocument, records: list[dict[str, Any]]) -> dict[
             num_steps=len(rows),
             num_samples=rows[-1]["consumed_samples"] - stage.start_sample,
             trained_s=sum(float(r.get("step_time_s") or 0.0) for r in rows),
-            wall_start=_wall_start(rows),
-            wall_end=float(rows[-1]["time"]) if rows[-1].get("time") is not None else None,
             num_nodes=max(int(r.get("world_size") or stage.world_size) for r in rows)
             // max(1, stage.world_size // stage.num_nodes),
             last_loss=float(rows[-1]["loss"]),
@@ -107,26 +115,8 @@ def stage_actuals(document: RunDocument, records: list[dict[str, Any]]) -> dict[
     return actuals
 
 
-def _wall_start(rows: list[dict[str, Any]]) -> float | None:
-    """When the first of `rows` began: its end (`time`, recorded since metrics had it) less its step time."""
-    first = rows[0]
-    if first.get("time") is None:
-        return None
-    return float(first["time"]) - float(first.get("step_time_s") or 0.0)
-
-
-def wall_time_s(actuals: dict[int, StageActuals]) -> float | None:
-    """From the first trained step's start to the last one's end: the stages' training, their launches'
-    starts, resizes and checkpoints in between. None when the records carry no wall clock."""
-    starts = [a.wall_start for a in actuals.values()]
-    ends = [a.wall_end for a in actuals.values()]
-    if not actuals or None in starts or None in ends:
-        return None
-    return max(e for e in ends if e is not None) - min(s for s in starts if s is not None)
-
-
 def _summary(
-    document: RunDocument, records: list[dict[str, Any]], actuals: dict[int, StageActuals]
+    document: RunDocument, records: list[dict[str, Any]], actuals: dict[int, StageActuals], clock: RunClock
 ) -> dict[str, float]:
     """The headline numbers for KFP Metrics (what was not measured is left out)."""
     plan, cost = document.plan, document.cost
@@ -144,9 +134,8 @@ def _summary(
             trained_hours=sum(a.trained_s for a in actuals.values()) / 3600,
             trained_node_hours=sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600,
         )
-        wall = wall_time_s(actuals)
-        if wall is not None:
-            summary["wall_hours"] = wall / 3600
+        if clock.wall_s is not None:
+            summary["wall_hours"] = clock.wall_s / 3600
         mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
         if mfu:
             summary["mean_mfu"] = sum(mfu) / len(mfu)
@@ -166,41 +155,44 @@ def _card(label: str, value: str, detail: str = "", *, wide: bool = False) -> st
     )
 
 
-def _median_ratio(probes: list[dict[str, Any]], micro: int, base: int | None) -> float | None:
-    ratios = [
-        1.0
-        if p["micro_batch_size"] == base and not p.get("relative_throughput")
-        else p.get("relative_throughput")
-        for p in probes
-        if p["fits"] and p["micro_batch_size"] == micro
-    ]
-    values = [r for r in ratios if r]
-    return statistics.median(values) if values else None
+def explore_speedup(explore: dict[str, Any], setting: Setting, micro_batch_size: int) -> float | None:
+    """A size's throughput over the base micro batch's as explore rated it (`size_speedups`: the figure of
+    the recommendation, the plot's line and the plan's notes), or None when explore did not measure it."""
+    state = rebuilt_state(explore) if explore.get("probes") else None
+    return size_speedups(state).get((setting, micro_batch_size)) if state is not None else None
 
 
 def micro_batch_reason(document: RunDocument, explore: dict[str, Any] | None) -> str:
-    """Why the run trained at its micro batch, and how that compares with explore's pick."""
+    """Why the run trained at its micro batch, and how that compares with explore's pick, in one figure:
+    the throughput over the base micro batch's (`THROUGHPUT_MEANING`)."""
     trained = document.plan.micro_batch_size
-    rec = (explore or document.explore or {}).get("recommendation")
+    data = explore or document.explore or {}
+    rec = data.get("recommendation")
     if document.micro_batch_source == "config":
         reason = "set by batch.micro_batch_size in the config"
     elif document.micro_batch_source == "override":
         reason = "set on the command line or as a pipeline parameter"
     elif rec and rec["micro_batch_size"] == trained:
-        return f"explore's pick: the fastest measured size, {format_ratio(rec['estimated_speedup'])} the base"
+        return (
+            f"explore's pick: the fastest measured size, {format_ratio(rec['estimated_speedup'])} the base micro "
+            f"batch's tokens/s (micro_batch_size={rec['base_micro_batch_size']})"
+        )
     else:
         reason = (
             "the fastest measured size that splits every stage's global batch over its data-parallel size"
         )
     if not rec or rec["micro_batch_size"] == trained:
         return reason
-    comparison = ""
-    probes = (explore or {}).get("probes") or []
-    ours = _median_ratio(probes, trained, rec.get("base_micro_batch_size"))
-    theirs = _median_ratio(probes, rec["micro_batch_size"], rec.get("base_micro_batch_size"))
-    if ours and theirs:
-        comparison = f", {format_ratio(ours / theirs)} its throughput"
-    return f"{reason}; explore's fastest was {rec['micro_batch_size']}{comparison}"
+    fastest = (
+        f"explore's fastest was {rec['micro_batch_size']} at {format_ratio(rec['estimated_speedup'])} the base "
+        f"micro batch's tokens/s (micro_batch_size={rec['base_micro_batch_size']})"
+    )
+    train = document.config.train
+    ours = explore_speedup(data, Setting(train.activation_checkpointing, train.compile), trained)
+    if ours is None:
+        return f"{reason}; {fastest}, this size was not measured"
+    versus = format_ratio(ours / rec["estimated_speedup"])
+    return f"{reason}; {fastest}, this size at {format_ratio(ours)}: {versus} the fastest's throughput"
 
 
 Card = tuple[str, str, str]
@@ -232,7 +224,6 @@ def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list
     node_hours = sum(a.trained_s * a.num_nodes for a in actuals.values()) / 3600
     if cost is None:
         return [
-            *_wall_card(actuals),
             (
                 "training time",
                 format_duration(trained_s),
@@ -242,7 +233,6 @@ def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list
         ]
     held = format_node_hours(cost.static_pool_node_hours)
     return [
-        *_wall_card(actuals),
         (
             "training time",
             format_duration(trained_s),
@@ -256,19 +246,13 @@ def _cost_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list
     ]
 
 
-def _wall_card(actuals: dict[int, StageActuals]) -> list[Card]:
-    """The wall time from the first step to the last, and how much of it was not training steps."""
-    wall = wall_time_s(actuals)
+def wall_card(clock: RunClock) -> list[Card]:
+    """The wall time from the run's first task (the canary's or explore's start, else the first step) to its
+    last record, and what it covers."""
+    wall = clock.wall_s
     if wall is None:
         return []
-    between = max(0.0, wall - sum(a.trained_s for a in actuals.values()))
-    return [
-        (
-            "wall time",
-            format_duration(wall),
-            f"first step to last; {format_duration(between)} of it launches, resizes, checkpoints and evaluation",
-        )
-    ]
+    return [("wall time", format_duration(wall), wall_detail(clock))]
 
 
 def _setup_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> list[Card]:
@@ -286,8 +270,11 @@ def _setup_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> lis
     ]
     if short:
         nodes_detail = f"{len(short)} stage(s) on fewer nodes than planned"
-    else:
-        nodes_detail = "every stage on its planned nodes" if actuals else "nothing trained yet"
+    elif not actuals:
+        nodes_detail = "nothing trained yet"
+    else:  # a run that stopped early used fewer nodes than its later stages plan: not a shortfall
+        every = "every stage" if len(actuals) == len(plan.stages) else "every stage that trained"
+        nodes_detail = f"{every} on its planned nodes"
     return [
         ("parallelism", plan.parallelism, f"{plan.devices_per_node} device(s) per node{per_device}"),
         (
@@ -295,7 +282,11 @@ def _setup_cards(document: RunDocument, actuals: dict[int, StageActuals]) -> lis
             f"{statistics.mean(mfu):.1%}" if mfu else "not measured",
             "model FLOPs utilisation, mean over steps" if mfu else "the trainer reports it on GPUs and TPUs",
         ),
-        ("nodes", f"{used} of {planned} planned" if used and used != planned else str(planned), nodes_detail),
+        (
+            "nodes",
+            f"{used} of {planned} planned" if short and used != planned else str(planned),
+            nodes_detail,
+        ),
     ]
 
 
@@ -304,9 +295,11 @@ def _headline(
     records: list[dict[str, Any]],
     actuals: dict[int, StageActuals],
     explore: dict[str, Any] | None,
+    clock: RunClock,
 ) -> str:
     """The cards a practitioner reads first: what was trained, what it cost, and how."""
-    cards = [*_training_cards(document, records), *_cost_cards(document, actuals)] if records else []
+    cards = _training_cards(document, records) if records else []
+    cards += wall_card(clock) + (_cost_cards(document, actuals) if records else [])
     micro = _card(
         "micro batch trained",
         format_int(document.plan.micro_batch_size),
@@ -385,19 +378,36 @@ def _explore_plots(explore_html: Path | None) -> str:
     return "".join(re.findall(r"<figure>.*?</figure>", text) or re.findall(r"<img [^>]*>", text))
 
 
-def _explore_section(document: RunDocument, explore: dict[str, Any], explore_html: Path | None) -> str:
-    """The exploration as explore.html presents it, with the trained size marked beside the recommended."""
+def explore_section(
+    explore: dict[str, Any],
+    explore_html: Path | None,
+    *,
+    trained: tuple[int, bool] | None = None,
+    trained_reason: str | None = None,
+) -> str:
+    """The exploration as explore.html presents it, with the trained size (`trained`: micro batch, activation
+    checkpointing, and why: `trained_reason`) marked beside the recommended."""
     rec = explore["recommendation"]
-    trained = (document.plan.micro_batch_size, document.config.train.activation_checkpointing)
+    trained_line = (
+        f"<p><b>Trained:</b> micro_batch_size={trained[0]}: {html.escape(trained_reason or '')}.</p>"
+        if trained is not None
+        else ""
+    )
     return (
         f"<h2>Exploration</h2><p><b>Recommendation:</b> {html.escape(recommendation_sentence(rec))}</p>"
-        f"<p><b>Trained:</b> micro_batch_size={document.plan.micro_batch_size}: "
-        f"{html.escape(micro_batch_reason(document, explore))}.</p>"
-        f"{bullets(rec['reasoning'] + rec.get('plan_notes', []))}"
+        f"{trained_line}{bullets(rec['reasoning'] + rec.get('plan_notes', []))}"
         f"<div class='figures'>{_explore_plots(explore_html)}</div>"
+        f"<p class='muted'>{html.escape(THROUGHPUT_EXPLAINED)}</p>"
         f"<h3>Probes</h3>{probe_table(explore, trained=trained)}"
         f"{study_section(explore.get('noise_scale'), explore.get('study_error'), heading='h3')}"
     )
+
+
+def _trials_part(document: RunDocument, study: dict[str, Any]) -> str:
+    """The batch trials, beside explore's critical batch with its caveat when the study measured one."""
+    critical = study.get("critical_batch_size")
+    caveat = study_caveat(study) if critical else None
+    return trials_section(document, study_critical_batch=critical, study_caveat=caveat)
 
 
 def write_report(
@@ -409,17 +419,30 @@ def write_report(
     markdown_path: Path | None = None,
     explore_html: Path | None = None,
     canary: dict[str, Any] | None = None,
+    failure: str | None = None,
 ) -> dict[str, float]:
     """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics.
-    `canary`: the run's canary.json, when its canary ran."""
+
+    Args:
+        explore: this run's explore.json (its times count in the wall time), when its explore ran.
+        canary: the run's canary.json, when its canary ran.
+        failure: why the run failed (its report says where it stopped, and what ran); None: it completed.
+    """
     plan, cost = document.plan, document.cost
     actuals = stage_actuals(document, records)
-    summary = _summary(document, records, actuals)
+    clock = run_clock(records=records, canary=canary, explore=explore)
+    summary = _summary(document, records, actuals, clock)
     name = document.config.name
-    parts = [f"<h1>batchpilot run: {html.escape(name)}</h1>", _headline(document, records, actuals, explore)]
+    parts = [run_header(name, clock, failure=failure)]
+    if failure is not None:  # why, where it stopped and what ran: first, before what it reached
+        where = stopped_section(
+            document=document, records=records, explore=explore, canary=canary, failure=failure
+        )
+        parts.append(where)
+    parts.append(_headline(document, records, actuals, explore, clock))
     study = (explore or document.explore or {}).get("noise_scale") or {}
     if document.trials_outcome is not None:
-        parts.append(trials_section(document, study_critical_batch=study.get("critical_batch_size")))
+        parts.append(_trials_part(document, study))
         summary.update(trials_summary(document))
     parts.append("<h2>Launches and stages: plan and actuals</h2>" + _stage_rows(document, actuals))
     parts.append(
@@ -441,10 +464,40 @@ def write_report(
     if document.notes:  # how the plan was made: explore's setting taken, the study's advice beside it
         parts.append("<h3>How the plan was made</h3>" + bullets(document.notes))
     if explore is not None:
-        parts.append(_explore_section(document, explore, explore_html))
+        trained = (document.plan.micro_batch_size, document.config.train.activation_checkpointing)
+        reason = micro_batch_reason(document, explore)
+        parts.append(explore_section(explore, explore_html, trained=trained, trained_reason=reason))
     if canary is not None:
         parts.append(canary_section(canary))
     write_atomically(html_path, page(f"batchpilot run: {name}", "\n".join(parts)))
     if markdown_path is not None:
         write_atomically(markdown_path, plan_markdown(plan, cost, document.memory))
     return summary
+
+
+def write_unplanned_report(
+    *,
+    name: str,
+    records: list[dict[str, Any]],
+    explore: dict[str, Any] | None,
+    html_path: Path,
+    failure: str,
+    explore_html: Path | None = None,
+    canary: dict[str, Any] | None = None,
+) -> None:
+    """The report of a run that failed before its plan.json was written (or with one that cannot be read):
+    its status, why, where it stopped and what ran, the wall time, the steps it recorded, the exploration
+    and the canary, as far as each left a record."""
+    clock = run_clock(records=records, canary=canary, explore=explore)
+    parts = [
+        run_header(name, clock, failure=failure),
+        stopped_section(document=None, records=records, explore=explore, canary=canary, failure=failure),
+        "<div class='cards'>" + "".join(_card(*card) for card in wall_card(clock)) + "</div>",
+    ]
+    if records:
+        parts.append("<h2>Steps recorded</h2>" + records_table(records))
+    if explore is not None:
+        parts.append(explore_section(explore, explore_html))
+    if canary is not None:
+        parts.append(canary_section(canary))
+    write_atomically(html_path, page(f"batchpilot run: {name}", "\n".join(parts)))

@@ -86,7 +86,12 @@ def ramp_figure(plan: Plan, records: list[dict[str, Any]], *, critical_batch_siz
         axes.plot(*zip(*noise, strict=True), linestyle="none", marker=".", color="tab:green",
                   label="measured noise scale")  # fmt: skip
     if critical_batch_size:
-        axes.axhline(critical_batch_size, color="tab:green", linestyle=":", label="explore's critical batch")
+        axes.axhline(
+            critical_batch_size,
+            color="tab:green",
+            linestyle=":",
+            label="explore's critical batch (a lower estimate)",
+        )
         values.append(critical_batch_size)
     if max(values) / max(min(values), 1e-9) > 30:  # a noise scale far from the batch: both stay readable
         from matplotlib.ticker import FuncFormatter

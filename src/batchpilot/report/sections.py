@@ -129,10 +129,13 @@ def decisions_section(document: RunDocument) -> str:
     )
 
 
-def trials_section(document: RunDocument, *, study_critical_batch: float | None) -> str:
+def trials_section(
+    document: RunDocument, *, study_critical_batch: float | None, study_caveat: str | None = None
+) -> str:
     """The batch trials (#25): the decision, one row per branch (the best LR per batch and the chosen branch
     marked, a failed branch with its reason), the validation loss of each branch over its tokens, and the
-    chosen batch and LR beside the study's critical batch when explore measured one."""
+    chosen batch and LR beside the study's critical batch when explore measured one (with `study_caveat`,
+    what to make of it, beside it)."""
     outcome, trials = document.trials_outcome, document.trials
     assert outcome is not None and trials is not None  # a decided document carries both
     decision = outcome.decision
@@ -165,6 +168,7 @@ def trials_section(document: RunDocument, *, study_critical_batch: float | None)
         )
         study = (
             f"; explore's noise-scale study measured a critical batch of {format_number(study_critical_batch)}"
+            + (f" ({study_caveat})" if study_caveat else "")
             if study_critical_batch
             else ""
         )

@@ -122,6 +122,7 @@ class RankResult:
     nccl_network: str | None = None
     """The network transport this rank's NCCL chose (GPUs only; None when its log did not say)."""
     error: str | None = None
+    started_at: float = field(default_factory=time.time, compare=False)  # unix s: the run report's wall time
 
 
 def failure_line(result: RankResult) -> str:
@@ -333,7 +334,9 @@ def _checked_and_measured(mine: RankResult, *, spec: dict[str, Any], config: Any
 
     uri = join_uri(spec["result_uri"], CANARY_FILE)
     try:
-        write_canary(spec["result_uri"], asdict(summary))
+        write_canary(
+            spec["result_uri"], asdict(summary) | {"started_at": mine.started_at, "finished_at": time.time()}
+        )
     except Exception as error:
         mine.error = f"cannot write {uri}: {_one_line(error)}"
         print(failure_line(mine), file=sys.stderr, flush=True)
