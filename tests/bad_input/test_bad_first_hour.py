@@ -81,6 +81,15 @@ def test_a_machine_type_batchpilot_cannot_size_names_the_nearest(tmp_path: Path)
         tmp_path, config, "cluster.machine_type: 'a3-highgpu-8' is not a machine type batchpilot knows"
     )
     assert "nearest: a3-highgpu-8g" in line and "cluster.cpu_per_node" in line
+    # A CPU pool of any Compute Engine type passes (its pods are sized from the ready nodes); a name no
+    # machine type has does not.
+    cpu_pool = gke(machine_type="e2-standard-4", accelerator_type=None, devices_per_node=1)
+    passes(tmp_path, cpu_pool)
+    refused(
+        tmp_path,
+        gke(machine_type="bogus", accelerator_type=None, devices_per_node=1),
+        "'bogus' is not a machine type",
+    )
     sized = gke(machine_type="a4-highgpu-8g", cpu_per_node=200, memory_per_node_bytes=1800 * 2**30)
     out = tmp_path / "twin"
     out.mkdir()

@@ -156,7 +156,10 @@ def test_a_critical_batch_below_the_smallest_batch_measured_could_not_be_measure
         max_nodes=1,
         train_steps=0,
     )
-    assert noisy.critical_batch_size is None and noisy.recommended_global_batch_size is None
+    assert noisy.critical_batch_size is None and noisy.critical_batch_at_most == 4
+    assert (
+        noisy.recommended_global_batch_size == 4 and noisy.lr_scaling == "none"
+    )  # at most 4: 64 is well above
     assert (
         "could not be measured" in noisy.reasoning[0]
         and "0.35 samples, below the smallest batch measured (4)" in noisy.reasoning[0]
@@ -170,4 +173,6 @@ def test_a_critical_batch_below_the_smallest_batch_measured_could_not_be_measure
         max_nodes=1,
         train_steps=0,
     )
-    assert at_the_edge.critical_batch_size == pytest.approx(4.0)
+    assert (
+        at_the_edge.critical_batch_size == pytest.approx(4.0) and at_the_edge.critical_batch_at_most is None
+    )

@@ -284,6 +284,23 @@ def test_an_auto_target_stays_within_its_bound_and_needs_the_study(tmp_path):
         plan(config_from_text(AUTO), explore=no_study)
 
 
+def test_an_auto_target_from_a_bound_on_the_critical_batch_scales_no_lr(tmp_path):
+    """A study whose estimate came out below its smallest batch gives a bound (critical batch at most 16), not
+    a number (#34): auto takes the recommended smallest batch's nearest accepted size, and no LR scaling, since
+    whether the target is within twice an unmeasured critical batch is unknown."""
+    path = study_file(tmp_path, critical=0.0, recommended=16)
+    data = json.loads(path.read_text())
+    data["noise_scale"].update(critical_batch_size=None, critical_batch_at_most=16, lr_scaling="none")
+    path.write_text(json.dumps(data))
+    document = plan(config_from_text(AUTO), explore=read_explore(path))
+    assert document.config.batch.global_batch_size == 32  # the ramp starts at 16: the nearest target above
+    assert document.config.train.lr_scaling == "none"
+    assert any(
+        "critical batch at most 16 samples (not measurable below it), recommended 16" in n
+        for n in document.notes
+    )
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

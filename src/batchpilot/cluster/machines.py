@@ -18,6 +18,7 @@ DaemonSets request (`DAEMONSET_RESERVE_*`). Nothing here talks to an API: sizing
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -228,14 +229,27 @@ def unknown_machine_type(name: str) -> BatchpilotError:
     )
 
 
+GKE_MACHINE_TYPE = re.compile(r"^[a-z][a-z0-9]*-(?:[a-z]+(?:-[0-9]+[a-z]?)?|custom-[0-9]+-[0-9]+(?:-ext)?)$")
+"""A Compute Engine machine type's shape: `<series>-<type>[-<vCPUs>[g|t]]` (e2-standard-4, a3-highgpu-8g,
+ct5lp-hightpu-4t, e2-medium) or a custom type (n2-custom-4-16384)."""
+
+
 def machine_type_problem(
-    *, machine_type_name: str | None, cpu_per_node: int | None, memory_per_node_bytes: int | None
+    *,
+    machine_type_name: str | None,
+    accelerator_type: str | None,
+    cpu_per_node: int | None,
+    memory_per_node_bytes: int | None,
 ) -> BatchpilotError | None:
-    """A machine type the table does not have, with no CPU and memory of the config's own to size pods by:
-    a pipeline compiled for it would size its trainer pods on nothing (None: known, or sized explicitly)."""
+    """A machine type the trainer pods cannot be sized for: a GPU or TPU pool's type must be in the table (a
+    dry run and the autoscaler's template size pods from it); a CPU pool's may be any Compute Engine type
+    (its pods are sized from the ready nodes), but not a name no machine type has. None: fine, or sized
+    explicitly (`cpu_per_node` and `memory_per_node_bytes`)."""
     if not machine_type_name or machine_type_name in MACHINE_TYPES:
         return None
     if cpu_per_node is not None and memory_per_node_bytes is not None:
+        return None
+    if not accelerator_type and GKE_MACHINE_TYPE.match(machine_type_name):
         return None
     return unknown_machine_type(machine_type_name)
 

@@ -99,9 +99,12 @@ def _summary(result: Any) -> None:
         print(f"  {line}")
     if result.noise_scale is not None:
         noise = result.noise_scale
-        critical = (
-            format_samples(noise.critical_batch_size) if noise.critical_batch_size else "not measurable"
-        )
+        if noise.critical_batch_size:
+            critical = format_samples(noise.critical_batch_size)
+        elif noise.critical_batch_at_most:
+            critical = f"not measurable (at most {noise.critical_batch_at_most}, the smallest batch measured)"
+        else:
+            critical = "not measurable"
         print(
             f"critical batch size {critical}; recommended global batch "
             f"{noise.recommended_global_batch_size or '-'}; LR scaling {noise.lr_scaling}"

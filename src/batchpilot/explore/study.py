@@ -205,6 +205,9 @@ class NoiseScaleReport:
     processes: int = 1
     weights: str = RANDOM_INIT
     """What the study's model started from: `init_from <train.init_from>` or `random init`."""
+    critical_batch_at_most: int | None = None
+    """When the estimate came out below the smallest batch measured (so the critical batch was not measured):
+    that batch, which the critical batch is at most."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -282,11 +285,20 @@ def advise(
     )
     if below_smallest:
         assert estimate is not None
+        target = _nearest_valid(
+            smallest, micro_batch_size=micro_batch_size, devices_per_node=devices_per_node, min_nodes=min_nodes,
+            max_nodes=max_nodes,
+        )  # fmt: skip
+        report.critical_batch_at_most = smallest
+        report.recommended_global_batch_size = target
+        report.lr_scaling = "none"  # whether a batch is within twice an unmeasured critical batch is unknown
         report.reasoning = [
             f"the critical batch could not be measured ({measured_at}): B_simple came out "
             f"{format_samples(estimate)} samples, below the smallest batch measured ({smallest}), where two "
-            "batch sizes cannot resolve it",
-            "keep the configured global batch and train.lr_scaling; watch noise_scale in metrics.jsonl",
+            f"batch sizes cannot resolve it; it is at most {smallest}",
+            f"a critical batch at most the smallest batch: target the smallest global batch that "
+            f"micro_batch_size={micro_batch_size} x devices makes, {target}; LR scaling none (whether a batch is "
+            "within twice a critical batch that was not measured is unknown, and a batch-scaled LR could overshoot)",
         ]
         return report
     if critical is None:

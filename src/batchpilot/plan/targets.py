@@ -29,7 +29,9 @@ def resolve_auto_target(
     rule (sqrt up to twice the critical batch, none above, as the study advises); with notes."""
     batch = config.batch
     study = (explore or {}).get("noise_scale") or {}
-    recommended, critical = study.get("recommended_global_batch_size"), study.get("critical_batch_size")
+    recommended, measured = study.get("recommended_global_batch_size"), study.get("critical_batch_size")
+    # Below the smallest batch measured the study gives a bound, not a number (`critical_batch_at_most`).
+    critical = measured or study.get("critical_batch_at_most")
     if explore is None or not recommended or not critical:
         why = "no exploration was given" if explore is None else "explore's study measured no noise scale"
         raise BatchpilotError(
@@ -40,7 +42,8 @@ def resolve_auto_target(
         )
 
     def lr_scaling(target: int) -> str:
-        return "sqrt" if target <= 2 * critical else "none"
+        # With only a bound on the critical batch, whether the target is within twice it is unknown: none.
+        return "sqrt" if measured and target <= 2 * critical else "none"
 
     found = _nearest_target(
         config, recommended, micro_batch_size=micro_batch_size,
@@ -57,8 +60,9 @@ def resolve_auto_target(
     resolved, target = found
     clamped = f", at most max_global_batch_size {bound}" if recommended > bound else ""
     return resolved, [
-        f"batch.global_batch_size: auto -> {target} (explore's study: critical batch ~{format_number(critical)} "
-        f"samples, recommended {recommended}; the nearest size the ramp-up and the node schedule accept at "
+        f"batch.global_batch_size: auto -> {target} (explore's study: critical batch "
+        f"{f'~{format_number(critical)} samples' if measured else f'at most {critical} samples (not measurable below it)'}"
+        f", recommended {recommended}; the nearest size the ramp-up and the node schedule accept at "
         f"micro_batch_size={micro_batch_size}{clamped}); train.lr_scaling: {lr_scaling(target)} (the study's rule: "
         "sqrt up to twice the critical batch, none above)"
     ]

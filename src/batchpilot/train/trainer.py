@@ -82,7 +82,9 @@ def train(
     check_same_data_order(config, checkpoint)
     run = check_same_run(config, checkpoint, uri=uri)
     if consumed == stages[-1].end_sample:
-        say(f"{stages[-1].name} is already complete ({consumed:,} samples of {run}): nothing to do")
+        say(
+            f"{stages[-1].name} is already complete ({consumed:,} samples): nothing to do (the checkpoint is of {run})"
+        )
         return 0
     loader = train_loader(config, reader=runtime.place.reader)
     validator = Validator.from_config(

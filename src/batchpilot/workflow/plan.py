@@ -38,7 +38,8 @@ def plan(
 
     cluster = config.cluster
     unknown = machine_type_problem(
-        machine_type_name=cluster.machine_type, cpu_per_node=cluster.cpu_per_node,
+        machine_type_name=cluster.machine_type, accelerator_type=cluster.accelerator_type,
+        cpu_per_node=cluster.cpu_per_node,
         memory_per_node_bytes=cluster.memory_per_node_bytes,
     )  # fmt: skip
     if cluster.backend == "gke" and unknown is not None:
