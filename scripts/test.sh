@@ -3,15 +3,34 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` for a quick loop.
 # Then the XLA runtime's tests (tests/xla) in their own venv, .venv-xla (torch/torch_xla 2.9.0 on CPU:
 # about 2.5 minutes to install once, about 2.5 to run); BATCHPILOT_XLA_TESTS=0 leaves them out of a quick loop.
+# The XLA venv is installed in the background while the main tests run (mostly downloads and unpacking),
+# and waited for before its tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+xla=${BATCHPILOT_XLA_TESTS:-1}
+if [ "$xla" != "0" ]; then
+  xla_log=$(mktemp -t batchpilot-setup-xla.XXXXXX)
+  echo "== scripts/setup_xla.sh in the background (its output: $xla_log)"
+  bash scripts/setup_xla.sh > "$xla_log" 2>&1 &
+  xla_setup=$!
+  trap 'kill "$xla_setup" 2>/dev/null || true' EXIT
+fi
 echo "== ruff check"; .venv/bin/ruff check .
 echo "== ruff format --check"; .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/pytest --durations=25 "$@"
-if [ "${BATCHPILOT_XLA_TESTS:-1}" != "0" ]; then
-  echo "== XLA runtime: scripts/setup_xla.sh, then pytest tests/xla in .venv-xla (PJRT_DEVICE=CPU)"
-  bash scripts/setup_xla.sh
+# Two pytest workers (pytest-xdist), each taking whole files (a module's fixtures run once): most tests wait on
+# trainer processes, servers and simulators, so two streams fill 2 cores; BATCHPILOT_TEST_WORKERS=0 runs serially.
+workers=${BATCHPILOT_TEST_WORKERS:-2}
+echo "== pytest ($workers worker(s))"; .venv/bin/pytest -n "$workers" --dist loadfile --durations=25 "$@"
+if [ "$xla" != "0" ]; then
+  echo "== XLA runtime: waiting for scripts/setup_xla.sh, then pytest tests/xla in .venv-xla (PJRT_DEVICE=CPU)"
+  if ! wait "$xla_setup"; then
+    cat "$xla_log"
+    echo "scripts/setup_xla.sh failed (its output above)" >&2
+    exit 1
+  fi
+  trap - EXIT
+  cat "$xla_log"
   PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -p no:cacheprovider -q --durations=0 tests/xla
 fi
