@@ -35,3 +35,17 @@ def test_the_log_has_each_warning_once_and_short_lines(tmp_path, monkeypatch):
     assert cut == line[:500] + " ... [4,521 more characters not logged]"
     assert "    [batchpilot] resized: 0 -> 2 node(s)" in lines
     assert seen == lines  # the console reads what the log holds
+
+
+def test_each_whole_line_reaches_the_log_file_as_it_is_written(tmp_path):
+    """pipeline.log is a file, so the stream over it is block-buffered: `run`'s console, which follows the
+    file, would see a task's lines kilobytes late. ShortLines flushes whole lines (a partial one waits)."""
+    from batchpilot.kfp.local import ShortLines
+
+    path = tmp_path / "pipeline.log"
+    with path.open("w", buffering=8192) as file:
+        lines = ShortLines(file)
+        lines.write("[batchpilot] stage-0 step 1 | loss 5.4\n[batchpilot] partial")
+        assert path.read_text() == "[batchpilot] stage-0 step 1 | loss 5.4\n"
+        lines.end()
+        assert path.read_text().endswith("[batchpilot] partial")

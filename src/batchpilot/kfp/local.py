@@ -194,7 +194,8 @@ def _tidy_streams() -> Iterator[None]:
 
 
 class ShortLines(io.TextIOBase):
-    """A text stream that passes whole lines on to `stream`, each cut to `MAX_LOG_LINE_CHARS`.
+    """A text stream that passes whole lines on to `stream`, each cut to `MAX_LOG_LINE_CHARS`, and flushes
+    them (the console follows pipeline.log as it is written).
 
     Threads share it (kfp.local runs a parallel-for's iterations in threads that log to one stream): the
     partial line it holds is read and replaced under a lock, so one thread's text never overwrites
@@ -210,6 +211,9 @@ class ShortLines(io.TextIOBase):
             *lines, self._pending = (self._pending + text).split("\n")
             for line in lines:
                 self._stream.write(shorten(line) + "\n")
+            # Whole lines reach pipeline.log (a file: block-buffered) at once, and the console with them.
+            if lines:
+                self._stream.flush()
         return len(text)
 
     def flush(self) -> None:
