@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,3 +114,10 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def sigint_as_in_a_terminal() -> None:
+    """`preexec_fn` of a process a test Ctrl-Cs: SIGINT back to its default. A process started in the
+    background of a non-interactive shell (CI scripts, `cmd &`) inherits SIGINT ignored, and Python then
+    installs no KeyboardInterrupt handler, so the test's Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

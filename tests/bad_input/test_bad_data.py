@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Outcome, closed_port, no_debris, run_cli, run_process
+from harness import Outcome, closed_port, no_debris, run_cli, run_process, sigint_as_in_a_terminal
 from tests.integration.gcs_server import gcs_server_running
 
 import batchpilot
@@ -150,8 +150,9 @@ def test_ctrl_c_or_sigterm_in_the_middle_keeps_the_journaled_shards_and_the_reru
         "--no-progress",
     ]
     process = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        [sys.executable, "-m", "batchpilot", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=sigint_as_in_a_terminal,
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     # Past the first document (10 shards of 1M tokens; files appear as each shard is written): a stop then
     # keeps the shards of the documents before the one in progress. (A stop inside the first document keeps

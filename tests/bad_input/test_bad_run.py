@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import no_debris, run_cli, run_process
+from harness import no_debris, run_cli, run_process, sigint_as_in_a_terminal
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -187,6 +187,7 @@ def test_ctrl_c_on_run_scales_the_pool_down_and_prints_the_command_that_resumes(
         [sys.executable, "-m", "batchpilot", "run", "--config", str(config_path), "--out", str(out),
          "--micro-batch-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
