@@ -326,8 +326,29 @@ def _checked_and_measured(mine: RankResult, *, spec: dict[str, Any], config: Any
     if backend == "nccl":  # NCCL has logged its transport by now; every rank says which it got
         mine.nccl_network = nccl_network(_own_nccl_log())
         results = _gathered(mine, world_size=world_size)
-    if mine.rank != 0:
-        return 0
+    # Rank 0 judges and writes canary.json; every rank then exits with its verdict, so a failed canary fails
+    # on every node at once (a node that exited 0 would wait at torchrun's exit barrier, up to 300 s, for a
+    # node that failed).
+    code = (
+        _judged(mine, results, spec=spec, backend=backend, num_bytes=num_bytes, time_s=time_s)
+        if mine.rank == 0
+        else 0
+    )
+    verdict = [code]
+    dist.broadcast_object_list(verdict, src=0)
+    return int(verdict[0])
+
+
+def _judged(
+    mine: RankResult,
+    results: list[RankResult],
+    *,
+    spec: dict[str, Any],
+    backend: str,
+    num_bytes: int,
+    time_s: float,
+) -> int:
+    """Rank 0: the summary written to canary.json, and 1 with the failure line when it names a problem."""
     summary = summarize(results, spec=spec, backend=backend, all_reduce_bytes=num_bytes, time_s=time_s,
                         nccl_version=_nccl_version(backend))  # fmt: skip
     from batchpilot.storage import join_uri
