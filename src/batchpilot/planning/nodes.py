@@ -187,7 +187,9 @@ def schedule_nodes(*, batch_sizes: Sequence[int], micro_batch_size: int, placeme
     def walk(micro: int) -> list[int | None]:
         return walk_nodes(batch_sizes=batch_sizes, micro_batch_size=micro, placement=placement)
 
-    if micro_batch_size > max(batch_sizes):
+    # A micro batch above every stage's batch, where micro batch 1 places every stage: the micro batch alone is
+    # wrong, so it is named (a stage that micro batch 1 cannot place is the stage's problem, said below).
+    if micro_batch_size > max(batch_sizes) and None not in walk(1):
         micros = _fitting_micro_batches(micro_batch_size, walk=walk, batch_sizes=batch_sizes)
         raise BatchpilotError(
             "batch.micro_batch_size",
