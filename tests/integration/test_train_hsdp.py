@@ -110,7 +110,8 @@ def test_kill_9_under_hsdp_then_resume_is_identical(runs, demo_data_uri, tmp_pat
     os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
-    assert Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() < STEPS
+    # Not complete: a checkpoint short of the end, or none yet (a loaded machine may kill before the first).
+    assert (Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() or 0) < STEPS
     result = train_final(plan, out)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "resumed from step" in result.stdout and "under hsdp" in result.stdout
