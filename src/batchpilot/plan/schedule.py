@@ -111,7 +111,7 @@ def largest_usable_micro_batch(config: Config) -> int | None:
     into whole micro batches on some node count of the NeMo walk), or None when the stages are not known
     before the run (an `auto` target, an adaptive ramp-up) or the ramp is invalid (the plan says why).
     Explore measures no larger size: the plan could not use it."""
-    from batchpilot.planning.nodes import divisors, walk_nodes
+    from batchpilot.planning.nodes import MAX_DIVISOR_SEARCH, divisors, walk_nodes
     from batchpilot.planning.stages import sample_ranges
 
     if config.batch.global_batch_size == "auto" or isinstance(config.batch.rampup, AdaptiveRampup):
@@ -123,7 +123,7 @@ def largest_usable_micro_batch(config: Config) -> int | None:
     batches = sorted({batch for batch, _, _ in ranges})
     where = placement(config)
     common = math.gcd(*batches)
-    if common > 10**12:
+    if common > MAX_DIVISOR_SEARCH:
         return None
     for micro in reversed(divisors(common)):
         if None not in walk_nodes(batch_sizes=batches, micro_batch_size=micro, placement=where):
