@@ -33,6 +33,7 @@ def test_stage_0_on_xla_starts_from_the_checkpoint_and_a_resume_does_not_reload_
         batch__micro_batch_size=4,
         batch__schedule="0:8 32:16",
         train__total_samples=64,
+        train__warmup_samples=16,  # below the run's 64 samples (plan's check); step 1's loss is before any update
         train__init_from=str(hf),
         train__eval_samples=0,
     )
