@@ -137,7 +137,8 @@ def test_under_argos_default_a_deleted_train_task_is_not_retried_and_the_rehears
     assert ": train task pod deleted: FAILED: deleted the train task's pod " in line, line
     assert "Argo did not retry it and the run ended FAILED" in line and "argo retries" in line, line
     for name in ("stage change", "terminate", "clean up"):
-        assert f": {name}: passed: " in lines[name], lines[name]
+        # the whole rehearsal's tail on failure: a stage change that failed once under load said too little
+        assert f": {name}: passed: " in lines[name], out[-6000:]
     assert not gke.sim.jobsets and not [n for n in gke.sim.nodes if gke.sim.nodes[n]["pool"] == "cheap"]
 
 
