@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from batchpilot.models.factory import build_model
 from batchpilot.planning.flops import flops_per_token, mfu, peak_bf16_flops
+from batchpilot.train.shape import model_shape
 from trainer_overhead import Setup, measure
 
 MODELS = {
@@ -57,15 +57,13 @@ def main() -> int:
         model_args, args.micro_batch * args.accumulation, args.micro_batch, seq_len, factory=factory,
         compile=not args.no_compile,
     )  # fmt: skip
-    model = build_model(factory=factory, args=model_args)
-    num_params = sum(p.numel() for p in model.parameters())
+    shape = model_shape(factory=factory, args=model_args)  # N without the embedding lookups (torchtitan's)
     per_token = flops_per_token(
-        num_params=num_params,
+        num_params=shape.matmul_params,
         num_layers=model_args["n_layer"],
         hidden_size=model_args["n_embd"],
         seq_len=seq_len,
     )
-    del model
     peak = peak_bf16_flops(device_name)
     pairs = measure(setup, steps=args.steps, pairs=args.pairs)
     trainer_s = statistics.median(t for t, _ in pairs)
@@ -73,8 +71,8 @@ def main() -> int:
     ratios = [b / t for t, b in pairs]
     print(
         f"{device_name}, torch {torch.__version__}, bf16 autocast, fused AdamW, "
-        f"{'torch.compile per block' if setup.compile else 'no compile'}; {args.model} {num_params / 1e6:.0f}M "
-        f"parameters, global batch {setup.global_batch} = micro {setup.micro_batch} x accumulation "
+        f"{'torch.compile per block' if setup.compile else 'no compile'}; {args.model} {shape.num_params / 1e6:.0f}M "
+        f"parameters ({shape.matmul_params / 1e6:.0f}M multiply: MFU counts those), global batch {setup.global_batch} = micro {setup.micro_batch} x accumulation "
         f"{args.accumulation}, seq_len {seq_len}; medians of {args.pairs} pairs"
     )
     for name, seconds in (("bare PyTorch loop", bare_s), ("batchpilot trainer", trainer_s)):

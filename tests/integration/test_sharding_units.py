@@ -42,6 +42,10 @@ def build(name: str, **extra: object) -> torch.nn.Module:
     return build_gpt(**GPT_ARGS) if name == "gpt" else build_llama(**LLAMA_ARGS, **extra)
 
 
+def already_real(model: torch.nn.Module) -> None:
+    """wrap_model's `materialize` for a model built on the CPU (the trainer's is built on meta)."""
+
+
 def global_batch() -> torch.Tensor:
     return torch.randint(0, 64, (GLOBAL_BATCH, 17), generator=torch.Generator().manual_seed(1))
 
@@ -99,7 +103,7 @@ def _join(rank: int, world_size: int, per_node: int, port: int) -> DistContext:
 def _hsdp_worker(rank: int, world_size: int, per_node: int, port: int, out: str) -> None:
     ctx = _join(rank, world_size, per_node, port)
     model = build("gpt")
-    parallel = wrap_model(model, ctx, strategy="hsdp", bf16=False)
+    parallel = wrap_model(model, ctx, strategy="hsdp", bf16=False, materialize=already_real)
     counts = count_cross_node_all_reduces(per_node)
     outcome = accumulate_gradients(
         model=model,
@@ -188,7 +192,7 @@ def _units_worker(
 ) -> None:
     ctx = _join(rank, world_size, per_node, port)
     model = build(name, **({"tie_embeddings": True} if tied else {}))
-    parallel = wrap_model(model, ctx, strategy="fsdp", bf16=False)
+    parallel = wrap_model(model, ctx, strategy="fsdp", bf16=False, materialize=already_real)
     first, last = model.outer_modules()
     seen: dict[str, bool] = {}
 
@@ -233,3 +237,142 @@ def test_embedding_and_head_are_their_own_fsdp_units(tmp_path, monkeypatch, name
         assert rank["first_sharded"] == rank["last_sharded"] == (not tied)
         for parameter, expected in reference.items():
             assert torch.allclose(rank["grads"][parameter], expected, rtol=1e-4, atol=1e-6), parameter
+
+
+# -- built on meta, each rank materialising its shards only ---------------------------------------------------
+
+
+def _meta_worker(rank: int, world_size: int, per_node: int, port: int, out: str, strategy: str) -> None:
+    from batchpilot.models.deferred import build_deferred, to_empty
+
+    ctx = _join(rank, world_size, per_node, port)
+    deferred = build_deferred(lambda: build_llama(**LLAMA_ARGS, tie_embeddings=True))
+    model = deferred.model
+
+    def materialize(placed: torch.nn.Module) -> None:
+        to_empty(placed, device="cpu")
+        torch.manual_seed(0)  # the seed `build` uses
+        deferred.initialize(placed)
+
+    wrap_model(model, ctx, strategy=strategy, bf16=False, materialize=materialize)
+    local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    result = {
+        "weights": {name: full(p) for name, p in model.named_parameters()},
+        "buffers": {name: b.clone() for name, b in model.named_buffers()},
+        "tied": model.output.weight is model.tok_embeddings.weight,
+        "local_bytes": local_bytes,
+        "after": torch.rand(4),  # the generator's state after initialisation
+    }
+    torch.save(result, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_a_model_built_on_meta_and_sharded_holds_the_cpu_builds_weights(tmp_path, monkeypatch, strategy):
+    """4 ranks (hsdp: 2 nodes x 2) each fill only their shards, and the gathered model is bit for bit the one
+    built on the CPU under the same seed: initial weights do not depend on the world or the parallelism."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    ranks = spawn(_meta_worker, 4, 2, tmp_path / "result", strategy)
+    reference = build("llama", tie_embeddings=True)
+    after = torch.rand(4)
+    whole_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    degree = 4 if strategy == "fsdp" else 2
+    for rank in ranks:
+        assert rank["tied"]
+        assert rank["weights"].keys() == dict(reference.named_parameters()).keys()
+        for name, parameter in reference.named_parameters():
+            assert torch.equal(rank["weights"][name], parameter), name
+        for name, buffer in reference.named_buffers():
+            assert torch.equal(rank["buffers"][name], buffer), name
+        assert torch.equal(rank["after"], after)
+        # a rank's shards: its share of every tensor, rows rounded up (dim 0 split `degree` ways)
+        assert rank["local_bytes"] <= whole_bytes / degree * 1.2, (rank["local_bytes"], whole_bytes)
+
+
+def _init_from_worker(rank: int, world_size: int, per_node: int, port: int, out: str, folder: str) -> None:
+    import safetensors
+
+    from batchpilot.models.deferred import build_deferred, reset_buffers, to_empty
+    from batchpilot.train.init_from import load_weights
+
+    ctx = _join(rank, world_size, per_node, port)
+    read = Counter()
+    opened = safetensors.safe_open
+
+    class CountingSlice:
+        def __init__(self, stored):
+            self.stored = stored
+
+        def get_shape(self):
+            return self.stored.get_shape()
+
+        def __getitem__(self, index):
+            part = self.stored[index]
+            read["bytes"] += part.numel() * part.element_size()
+            return part
+
+    class CountingHandle:
+        def __init__(self, *args, **kwargs):
+            self.handle = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return CountingSlice(self.inner.get_slice(name))
+
+        def get_tensor(self, name):
+            tensor = self.inner.get_tensor(name)
+            read["bytes"] += tensor.numel() * tensor.element_size()
+            return tensor
+
+    safetensors.safe_open = CountingHandle
+    from hf_files import LLAMA_ARGS as HF_ARGS
+
+    deferred = build_deferred(lambda: build_llama(**HF_ARGS))
+    model = deferred.model
+
+    def materialize(placed: torch.nn.Module) -> None:
+        to_empty(placed, device="cpu")
+        reset_buffers(placed)
+        load_weights(placed, folder=Path(folder))
+
+    wrap_model(model, ctx, strategy="fsdp", bf16=False, materialize=materialize)
+    torch.save(
+        {"read_bytes": read["bytes"], "weights": {name: full(p) for name, p in model.named_parameters()}},
+        f"{out}.rank{rank}",
+    )
+    dist.destroy_process_group()
+
+
+def test_init_from_on_4_ranks_reads_each_ranks_shards_only(tmp_path, monkeypatch):
+    """Each of 4 fsdp ranks reads from the (sharded) Hugging Face checkpoint at most a quarter of its weight
+    bytes plus one tensor, and the gathered model is the one a single process loads whole."""
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # tests/, for hf_files
+    from batchpilot.train.init_from import load_weights
+    from hf_files import LLAMA_ARGS as HF_ARGS
+    from hf_files import write_hf_llama
+
+    folder = write_hf_llama(tmp_path / "hf", max_shard_size="100KB", std=0.3)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    ranks = spawn(_init_from_worker, 4, 4, tmp_path / "result", str(folder))
+    reference = build_llama(**HF_ARGS)
+    load_weights(reference, folder=folder)
+    tensors = [p for p in reference.parameters()]
+    whole_bytes = sum(p.numel() * 4 for p in tensors)
+    largest = max(p.numel() * 4 for p in tensors)
+    assert whole_bytes / 4 + largest < whole_bytes / 2  # a rank reading every weight fails the bound below
+    for rank in ranks:
+        assert 0 < rank["read_bytes"] <= whole_bytes / 4 + largest, (rank["read_bytes"], whole_bytes, largest)
+        for name, parameter in reference.named_parameters():
+            assert torch.equal(rank["weights"][name], parameter), name

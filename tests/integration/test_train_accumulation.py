@@ -32,7 +32,7 @@ def gradients(*, rank: int, world_size: int, micro: int, strategy: str = "ddp") 
     ctx = DistContext.from_env()
     torch.manual_seed(0)
     model = build(**MODEL_ARGS)
-    parallel = wrap_model(model, ctx, strategy=strategy, bf16=False)
+    parallel = wrap_model(model, ctx, strategy=strategy, bf16=False, materialize=lambda _: None)
     batch = global_batch()
     per_pass = micro * world_size
     micro_batches = [

@@ -141,7 +141,7 @@ def test_step_numbers_are_unchanged_by_reading_them_once():
     torch.manual_seed(0)
     model = build(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    parallel = wrap_model(model, ctx, strategy="ddp", bf16=False)
+    parallel = wrap_model(model, ctx, strategy="ddp", bf16=False, materialize=lambda _: None)
     optimizer = make_optimizer(model, weight_decay=0.1)
     for group in optimizer.param_groups:
         group["lr"] = 1e-3

@@ -36,7 +36,9 @@ def validation_loss(
 ) -> float:
     torch.manual_seed(0)
     model = build(**MODEL_ARGS)
-    wrap_model(model, ctx, strategy=strategy, bf16=False)  # fsdp shards `model` in place
+    wrap_model(
+        model, ctx, strategy=strategy, bf16=False, materialize=lambda _: None
+    )  # fsdp shards `model` in place
     validator = Validator(
         uri=data_uri,
         seq_len=SEQ_LEN,

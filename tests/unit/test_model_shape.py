@@ -37,6 +37,10 @@ def measured(model: nn.Module) -> ModelShape:
         rms_norm=llama,
         input_projections=5 if llama else 2,
         context_length=model.config.max_seq_len if llama else model.config.block_size,
+        # lookups: the GPT's position embedding (its wte is the tied head); a Llama's untied token embedding
+        lookup_params=(0 if model.config.tie_embeddings else embedding.weight.numel())
+        if llama
+        else model.wpe.weight.numel(),
     )
 
 
@@ -81,6 +85,7 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
         rms_norm=True,
         input_projections=5,
         context_length=4096,
+        lookup_params=128256 * 3072,  # the untied token embedding
     )
     assert elapsed_s < 1.0
 
@@ -88,7 +93,8 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
 def test_a_model_without_blocks_has_no_layers():
     shape = model_shape(factory="torch.nn:Embedding", args={"num_embeddings": 10, "embedding_dim": 4})
     assert shape == ModelShape(
-        num_params=40, num_layers=0, hidden_size=4, vocab_size=10, ffn_hidden_size=16, largest_block_params=0
+        num_params=40, num_layers=0, hidden_size=4, vocab_size=10, ffn_hidden_size=16, largest_block_params=0,
+        lookup_params=40,
     )
 
 

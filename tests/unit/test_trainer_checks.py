@@ -121,7 +121,8 @@ def test_one_rank_measures_noise_and_coherence_from_its_micro_batches():
     ctx = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     outcome = accumulate_gradients(
         model=model,
-        parallel=wrap_model(model, ctx, strategy="fsdp", bf16=False),  # one process: the bare model
+        # one process: the bare model (built on the CPU here: nothing to materialise)
+        parallel=wrap_model(model, ctx, strategy="fsdp", bf16=False, materialize=lambda _: None),
         micro_batches=batches,
         ctx=ctx,
         autocast=contextlib.nullcontext,
@@ -161,7 +162,7 @@ def test_out_of_memory_in_the_last_backward_cannot_be_retried_in_place():
     with pytest.raises(UnagreedOutOfMemory) as raised:
         accumulate_gradients(
             model=model,
-            parallel=wrap_model(model, ctx, strategy="ddp", bf16=False),
+            parallel=wrap_model(model, ctx, strategy="ddp", bf16=False, materialize=lambda _: None),
             micro_batches=[torch.randint(0, 64, (4, 17))],
             ctx=ctx,
             autocast=contextlib.nullcontext,

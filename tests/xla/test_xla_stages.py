@@ -145,4 +145,6 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(staged, demo_data_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith('batchpilot: error: model.args: is {"block_size": 32, "n_embd": 64'), lines[0]
-    assert "(fix: give this run its own train.checkpoint_uri, or restore model.args to continue run " in lines[0]
+    assert (
+        "(fix: give this run its own train.checkpoint_uri, or restore model.args to continue run " in lines[0]
+    )

@@ -42,6 +42,7 @@ from batchpilot.explore.records import (
     pair_ratios,
     timing_from_steps,
 )
+from batchpilot.models.deferred import build_deferred, reset_buffers, to_empty
 from batchpilot.models.factory import build_model, compile_model, set_activation_checkpointing
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.eager import autocast_factory, peak_memory_bytes, uses_bf16
@@ -159,18 +160,27 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
         verify_checksums=request.verify_checksums,
     )
     try:
-        with factory_errors(request.factory):
-            model = build_model(factory=request.factory, args=request.model_args)
-        if request.init_from is not None:  # before it moves or is sharded, as the trainer loads it
-            _load_init_from(model, source=request.init_from, local_rank=ctx.local_rank)
+        with factory_errors(request.factory):  # on meta, as the trainer builds it: each rank fills its part
+            deferred = build_deferred(lambda: build_model(factory=request.factory, args=request.model_args))
+        model = deferred.model
         check_vocabulary(model, vocab_size=loader.vocab_size)
         set_activation_checkpointing(model, request.activation_checkpointing)
-        model.to(ctx.device)
         model.train()
         if request.compile:
             compile_model(model)
+
+        def materialize(placed: nn.Module) -> None:
+            to_empty(placed, device=ctx.device)
+            if request.init_from is None:
+                torch.manual_seed(request.seed)
+                deferred.initialize(placed)
+            else:
+                reset_buffers(placed)
+                _load_init_from(placed, source=request.init_from, local_rank=ctx.local_rank)
+
         strategy: Strategy = request.parallelism  # type: ignore[assignment]
-        parallel = wrap_model(model, ctx, strategy=strategy, bf16=uses_bf16(ctx.device, request.precision))
+        bf16 = uses_bf16(ctx.device, request.precision)
+        parallel = wrap_model(model, ctx, strategy=strategy, bf16=bf16, materialize=materialize)
         optimizer = make_optimizer(model, weight_decay=0.0)  # after sharding: on the shards
         autocast = autocast_factory(ctx.device, request.precision, parallel)
         yield Session(

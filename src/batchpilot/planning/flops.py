@@ -2,8 +2,10 @@
 
 Training FLOPs per token of a decoder-only transformer: 6N for the weight matrix multiplies of the
 forward pass (2N) and the backward pass (4N), plus 12 x layers x width x sequence length for attention's
-score and value products (Chowdhery et al. 2022, PaLM, appendix B). Activation checkpointing recomputes
-the forward pass, but MFU counts the model's FLOPs only, so it is not added.
+score and value products (Chowdhery et al. 2022, PaLM, appendix B). N counts the parameters that multiply
+(torchtitan's count): an untied token embedding (and a position embedding) is a lookup and is left out; a
+tied one is the output head's matrix and stays. Activation checkpointing recomputes the forward pass, but
+MFU counts the model's FLOPs only, so it is not added.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from batchpilot.planning.devices import PEAK_BF16_FLOPS
 
 __all__ = ["PEAK_BF16_FLOPS", "flops_per_token", "mfu", "peak_bf16_flops"]
 
-_DEVICE_NAMES = (
-    # (substring of torch.cuda.get_device_name(), accelerator label); the first match wins.
-    ("H100 PCIe", None),  # 756 TFLOPS: not a GKE accelerator, so not in the table
-    ("H100", "nvidia-h100-80gb"),
-    ("H200", "nvidia-h200-141gb"),
-    ("A100", "nvidia-a100-80gb"),
-    ("L4", "nvidia-l4"),
-)
+_DEVICE_NAMES: dict[str, str | None] = {
+    # torch.cuda.get_device_name() -> GKE accelerator label, matched exactly: a name that merely contains
+    # another ("NVIDIA L40S" and L4, "NVIDIA H100 NVL" and H100) is another device with another peak.
+    "NVIDIA H100 80GB HBM3": "nvidia-h100-80gb",  # A3 High and A3 Mega (the same H100 SXM5)
+    "NVIDIA H200": "nvidia-h200-141gb",
+    "NVIDIA A100-SXM4-80GB": "nvidia-a100-80gb",
+    "NVIDIA A100-SXM4-40GB": "nvidia-tesla-a100",
+    "NVIDIA L4": "nvidia-l4",
+    "Tesla T4": None,  # no bf16
+    "NVIDIA H100 PCIe": None,  # 756 TFLOPS: not a GKE accelerator, so not in the table
+}
 
 
 def flops_per_token(*, num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -28,11 +33,10 @@ def flops_per_token(*, num_params: int, num_layers: int, hidden_size: int, seq_l
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of a CUDA device by its name (`torch.cuda.get_device_name()`), if known."""
-    for fragment, label in _DEVICE_NAMES:
-        if fragment in device_name:
-            return PEAK_BF16_FLOPS[label] if label else None
-    return None
+    """The dense bf16 peak of a CUDA device by its exact name (`torch.cuda.get_device_name()`), if known
+    (otherwise `cluster.device_peak_flops` gives it)."""
+    label = _DEVICE_NAMES.get(device_name.strip())
+    return PEAK_BF16_FLOPS.get(label) if label else None
 
 
 def mfu(*, tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:

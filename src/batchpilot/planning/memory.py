@@ -99,6 +99,8 @@ class ModelShape:
             MLP's first, 2; Llama: Q, K, V, gate and up, 5); autocast saves a bf16 copy for each.
         context_length: the longest sequence the model takes (GPT's `block_size`, Llama's `max_seq_len`);
             None when the model does not say.
+        lookup_params: parameters used by lookups, not matrix multiplies: the embeddings whose weight no
+            linear layer shares (an untied token embedding, a position embedding).
     """
 
     num_params: int
@@ -113,6 +115,12 @@ class ModelShape:
     rms_norm: bool = False
     input_projections: int = 2
     context_length: int | None = None
+    lookup_params: int = 0
+
+    @property
+    def matmul_params(self) -> int:
+        """The parameters that multiply: the N of 6N (torchtitan's count leaves the embedding lookups out)."""
+        return self.num_params - self.lookup_params
 
 
 @dataclass(frozen=True)

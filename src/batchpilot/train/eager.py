@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from batchpilot.config import Config
+from batchpilot.models.deferred import to_empty
 from batchpilot.models.factory import compile_model
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
 from batchpilot.train.distributed import DistContext
@@ -74,14 +75,22 @@ class EagerRuntime(Runtime):
         assert self.parallel is not None, "parallelize first"
         return self.parallel.strategy
 
-    def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
+    def parallelize(
+        self, model: nn.Module, config: Config, *, strategy: str, initialize: Callable[[nn.Module], None]
+    ) -> str:
         device = self.ctx.device
-        model.to(device)
+
+        def materialize(placed: nn.Module) -> None:  # this rank's shard (or replica) only, on its device
+            to_empty(placed, device=device)
+            initialize(placed)
+
         if config.train.compile:
             compile_model(model)
         install_oom_injection(model, self.ctx)
         bf16 = uses_bf16(device, config.train.precision)
-        self.parallel = wrap_model(model, self.ctx, strategy=strategy_of(strategy), bf16=bf16)
+        self.parallel = wrap_model(
+            model, self.ctx, strategy=strategy_of(strategy), bf16=bf16, materialize=materialize
+        )
         self.autocast = autocast_factory(device, config.train.precision, self.parallel)
         return self.parallel.describe()
 

@@ -1,13 +1,13 @@
 """`train.init_from`: the run's first start takes its model weights from a Hugging Face Llama checkpoint.
 
 Only a start without a checkpoint of the run's own loads it (the trainer decides, `train()`): every later
-start resumes from `train.checkpoint_uri`, whose weights have trained on. The weights go into the model as
-the factory built it, on the CPU of every rank, before it is moved, wrapped by DDP or sharded by FSDP2:
-DDP then starts from them as from any weights, and `fully_shard` shards them.
+start resumes from `train.checkpoint_uri`, whose weights have trained on. The weights go into the model once
+the runtime has placed it (`setup.initial_model`): into each rank's FSDP2 shards after `fully_shard`, into a
+whole replica before DDP wraps it, into the host's CPU copy under XLA.
 
-Memory: the safetensors files are opened lazily (memory-mapped) and read one tensor at a time, each copied
-into the model's own parameter and dropped; a rank holds the model it built plus at most one checkpoint
-tensor, and the mapped pages are the node's page cache, shared by its ranks.
+Memory and reads: the safetensors files are memory-mapped and each rank reads, tensor by tensor, only the
+rows of its own shard (`safe_open(...).get_slice`), copying them into its parameter; the mapped pages are the
+node's page cache, shared by its ranks.
 
 A `gs://` folder is downloaded once per node (`node_cache_folder`): local rank 0 streams config.json, the
 index and the weight files into a node-local cache, checks every file's size and CRC32C against the object's
@@ -32,6 +32,7 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
+from batchpilot.models.deferred import local_tensor, part_slices
 from batchpilot.planning.batch import raise_problems
 from batchpilot.storage import Storage, open_storage
 
@@ -341,11 +342,10 @@ def copy_weights(model: nn.Module, *, args: dict[str, Any], files: dict[str, Pat
                 for theirs in group:
                     _copy_one(handle, path, theirs, targets[names[theirs]])
         if tied_head is not None:
+            embedding = targets["tok_embeddings.weight"]
             with safetensors.safe_open(str(tied_head), framework="pt", device="cpu") as handle:
-                head = handle.get_tensor("lm_head.weight")
-            if not torch.equal(
-                head.to(targets["tok_embeddings.weight"].dtype), targets["tok_embeddings.weight"]
-            ):
+                head = handle.get_slice("lm_head.weight")[part_slices(embedding)]  # this rank's rows
+            if not torch.equal(head.to(embedding.dtype), local_tensor(embedding).cpu()):
                 raise BatchpilotError(
                     FIELD, "lm_head.weight differs from the embedding, but config.json ties them"
                 )
@@ -357,9 +357,12 @@ def copy_weights(model: nn.Module, *, args: dict[str, Any], files: dict[str, Pat
 
 
 def _copy_one(handle: Any, path: Path, name: str, target: torch.Tensor) -> None:
-    tensor = handle.get_tensor(name)  # this one tensor, read from the mapped file
-    if tuple(tensor.shape) != tuple(target.shape):
+    """One tensor into the model's own: the rank's part of it only (its shard's rows of the mapped file)."""
+    stored = handle.get_slice(name)
+    if tuple(stored.get_shape()) != tuple(target.shape):
         raise BatchpilotError(
-            FIELD, f"{path} holds {name} of shape {list(tensor.shape)}, the model's is {list(target.shape)}"
+            FIELD,
+            f"{path} holds {name} of shape {list(stored.get_shape())}, the model's is {list(target.shape)}",
         )
-    target.copy_(tensor)  # casts a bf16 checkpoint to the model's dtype as load_state_dict does
+    # casts a bf16 checkpoint to the model's dtype as load_state_dict does
+    local_tensor(target).copy_(stored[part_slices(target)])

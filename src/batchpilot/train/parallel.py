@@ -20,6 +20,7 @@ sharded master weights and optimizer state); DDP uses autocast over its fp32 rep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -134,11 +135,22 @@ def shard_units(model: nn.Module) -> list[list[nn.Module]]:
     return [list(first), *blocks, list(last)]
 
 
-def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: bool) -> Parallel:
-    """Spreads `model` (already on `ctx.device`) over the ranks; see the module docstring."""
+def wrap_model(
+    model: nn.Module,
+    ctx: DistContext,
+    *,
+    strategy: Strategy,
+    bf16: bool,
+    materialize: Callable[[nn.Module], None],
+) -> Parallel:
+    """Spreads the meta-device `model` over the ranks (see the module docstring); `materialize` gives this
+    rank's part memory on `ctx.device` and fills it: after `fully_shard` (each rank holds its shards only), or
+    before DDP (a whole replica)."""
     if not ctx.distributed:
+        materialize(model)
         return Parallel(strategy, model, None, sharded=False, shard_degree=1, mixed_precision=False)
     if strategy == "ddp":
+        materialize(model)
         positions = {id(parameter): k for k, parameter in enumerate(model.parameters())}
         hook = LocalNormHook(world_size=ctx.world_size, positions=positions)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -181,6 +193,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, *, strategy: Strategy, bf16: 
             reshard_after_forward=not runs_last,
         )
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    materialize(model)
     return Parallel(
         strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16, shard_group=group,
         replicate_group=replicate_group,

@@ -154,9 +154,11 @@ class Runtime(ABC):
     """How to start a stage at its planned size (the fix of a world-size mismatch)."""
 
     @abstractmethod
-    def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
-        """Moves the fp32 `model` to the devices and spreads it over them as `strategy` says; returns
-        how, in words."""
+    def parallelize(
+        self, model: nn.Module, config: Config, *, strategy: str, initialize: Callable[[nn.Module], None]
+    ) -> str:
+        """Spreads the meta-device `model` over the devices as `strategy` says, gives this process's part
+        memory and fills it (`initialize(model)`, in fp32); returns how, in words."""
 
     @abstractmethod
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -16,6 +16,7 @@ from batchpilot.config import Config
 from batchpilot.config.identity import checkpoint_continuation
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
+from batchpilot.models.deferred import build_deferred, reset_buffers
 from batchpilot.models.factory import build_model, set_activation_checkpointing
 from batchpilot.planning import Stage
 from batchpilot.planning.devices import device_peak_flops
@@ -147,23 +148,34 @@ def initial_model(
     local_rank: int,
     say: Callable[[str], None],
     say_every_rank: Callable[[str], None],
-) -> nn.Module:
-    """The model as every runtime starts it, in fp32 on the CPU: the seed's weights (the same for any world
-    size and runtime), `train.init_from`'s on a first start (each node's own copy, read under `local_rank`),
-    activation checkpointing as configured."""
-    torch.manual_seed(config.train.seed)
-    model = build_model(factory=config.model.factory, args=config.model.args)
+) -> tuple[nn.Module, Callable[[nn.Module], None]]:
+    """The model on the `meta` device (shapes only: nothing of a 70B model is held yet), with activation
+    checkpointing as configured, and the function that fills it once the runtime has placed it (each rank's
+    shard given memory): the seed's weights (`models.deferred`: those of the model built on the CPU under
+    `train.seed`, the same for any world size, parallelism and runtime), `train.init_from`'s on a first start
+    (read by shard, `local_rank`'s node copy), or on a resume the buffers alone (the checkpoint's weights are
+    restored next)."""
+    deferred = build_deferred(lambda: build_model(factory=config.model.factory, args=config.model.args))
+    model = deferred.model
     check_vocabulary(model, vocab_size=vocab_size)
-    start_from(
-        model,
-        config=config,
-        resuming_step=None if checkpoint is None else checkpoint.step,
-        local_rank=local_rank,
-        say=say,
-        say_every_rank=say_every_rank,
-    )
     set_activation_checkpointing(model, config.train.activation_checkpointing)
-    return model
+
+    def initialize(placed: nn.Module) -> None:
+        if checkpoint is None and config.train.init_from is None:
+            torch.manual_seed(config.train.seed)
+            deferred.initialize(placed)
+            return
+        reset_buffers(placed)
+        start_from(
+            placed,
+            config=config,
+            resuming_step=None if checkpoint is None else checkpoint.step,
+            local_rank=local_rank,
+            say=say,
+            say_every_rank=say_every_rank,
+        )
+
+    return model, initialize
 
 
 def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Optimizer:
@@ -178,10 +190,11 @@ def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Opti
 
 
 def model_flops_per_token(config: Config) -> float:
-    """Training FLOPs per token of the config's model (6N plus attention, planning/flops.py)."""
+    """Training FLOPs per token of the config's model (6N plus attention, N without the embedding lookups:
+    planning/flops.py)."""
     shape = model_shape(factory=config.model.factory, args=config.model.args)
     return flops_per_token(
-        num_params=shape.num_params,
+        num_params=shape.matmul_params,
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         seq_len=config.data.seq_len,

@@ -74,6 +74,7 @@ def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
         rms_norm=any(isinstance(m, nn.RMSNorm) for m in first.modules()),
         input_projections=max(reading_norms, 2),
         context_length=_context_length(config),
+        lookup_params=_lookup_params(model),
     )
 
 
@@ -134,6 +135,16 @@ class _SkipMetaInPlace(TorchFunctionMode):
         ):
             return target
         return func(*args, **kwargs)
+
+
+def _lookup_params(model: nn.Module) -> int:
+    """Parameters of the nn.Embedding layers whose weight no nn.Linear shares (a tied one is the head's)."""
+    multiplied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    return sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and id(m.weight) not in multiplied
+    )
 
 
 def _num_params(module: nn.Module) -> int:

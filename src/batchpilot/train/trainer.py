@@ -2,8 +2,8 @@
 
 Read `train()` top to bottom: the runtime (eager: one process per device; XLA: one per host) and its place
 in the job, the checks before anything is built (world size, resume point, sample order), the loader and
-validation samples, the initial model (the seed's weights, or `train.init_from`'s), the runtime's
-parallelism, the optimizer, the resume, then `TrainingLoop.run()` steps until the last requested stage's
+validation samples, the model on the meta device, the runtime's parallelism (which gives each rank's shard
+memory and fills it: the seed's weights, `train.init_from`'s, or a resume's buffers), the optimizer, the resume, then `TrainingLoop.run()` steps until the last requested stage's
 `end_sample`. Everything that varies over training (stage, batch, accumulation, LR, data order) is a
 function of `consumed_samples`.
 """
@@ -90,11 +90,11 @@ def train(
     validator = Validator.from_config(
         config, runtime
     )  # a missing validation split fails here, before training
-    model = initial_model(
+    model, initialize = initial_model(
         config, vocab_size=loader.vocab_size, checkpoint=checkpoint, local_rank=runtime.place.local_rank,
         say=say, say_every_rank=lambda message: logger.info(f"[{runtime.place.label}] {message}"),
     )  # fmt: skip
-    how = runtime.parallelize(model, config, strategy=plan.parallelism)
+    how = runtime.parallelize(model, config, strategy=plan.parallelism, initialize=initialize)
     optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)  # after sharding: on the shards
     runtime.prepare_optimizer(model, optimizer)
     if checkpoint is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
+from batchpilot.models.deferred import to_empty
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
 from batchpilot.train.runtime import Evaluation, Passes, Place, Runtime, Save, StepOutcome, StepValues
 from batchpilot.train.setup import device_peak
@@ -118,7 +119,13 @@ class XlaRuntime(Runtime):
         """The positions every device (logical rank) trained, recorded by host 0."""
         return range(self.host.num_devices) if self.host.is_main else []
 
-    def parallelize(self, model: nn.Module, config: Config, *, strategy: str) -> str:
+    def parallelize(
+        self, model: nn.Module, config: Config, *, strategy: str, initialize: Callable[[nn.Module], None]
+    ) -> str:
+        # The whole model on this host's CPU first (the same values as the eager runtime's), then moved and
+        # sharded by SPMD: a host holds the whole fp32 model once while it starts (docs/status.md).
+        to_empty(model, device="cpu")
+        initialize(model)
         move_to_xla(model)
         sharded = shard_parameters(model, self.layout)
         shard_blocks(model, self.layout)
