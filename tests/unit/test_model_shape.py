@@ -93,7 +93,12 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
 def test_a_model_without_blocks_has_no_layers():
     shape = model_shape(factory="torch.nn:Embedding", args={"num_embeddings": 10, "embedding_dim": 4})
     assert shape == ModelShape(
-        num_params=40, num_layers=0, hidden_size=4, vocab_size=10, ffn_hidden_size=16, largest_block_params=0,
+        num_params=40,
+        num_layers=0,
+        hidden_size=4,
+        vocab_size=10,
+        ffn_hidden_size=16,
+        largest_block_params=0,
         lookup_params=40,
     )
 
