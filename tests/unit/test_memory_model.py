@@ -90,7 +90,7 @@ def test_ddp_does_not_fit_an_h100_and_is_refused_naming_what_fits():
     assert message.startswith("train.parallelism: ddp needs ")
     assert "\n" not in message
     assert "at stage stage-0" in message and "the device's 79.6 GiB" in message
-    assert "(fix: use hsdp (peak 43.2 GiB) or fsdp (peak 34.6 GiB))" in message
+    assert "(fix: use hsdp (peak 45.6 GiB) or fsdp (peak 36.5 GiB))" in message
 
 
 def test_auto_picks_hsdp_and_both_sharded_strategies_fit_every_stage():
@@ -117,10 +117,13 @@ def test_hsdp_breakdown_in_bytes():
     e = estimate("hsdp")
     n = GPT_5B.num_params
     assert (e.parameters, e.gradients, e.optimizer) == (4 * n // 8, 4 * n // 8, 8 * n // 8)
-    # The tied embeddings, final norm and head are one unit: gathered, with their unsharded gradient, through
-    # the whole backward, beside two gathered blocks and one block's gradient.
+    # The tied embeddings, final norm and head are one unit: gathered, with their unsharded gradient and its
+    # fp32 reduce-scatter input (2 + 2 + 4 bytes per parameter), through the whole backward, beside two
+    # gathered blocks (2 bytes) and one block's gradient with its fp32 reduce-scatter input (2 + 4).
     outer = VOCAB * H + SEQ * H + 2 * H
-    assert e.unsharded_working_set == 2 * (2 * outer + 2 * BLOCK + BLOCK)
+    assert e.unsharded_working_set == (2 + 2 + 4) * outer + 2 * 2 * BLOCK + (2 + 4) * BLOCK
+    # NCCL: hsdp's three communicators (world, shard group, replicate group), 2 x 32 channels x 4 MiB each.
+    assert e.communication == 3 * 2 * 32 * 4 * 2**20
     # Per token of a block, bf16 residual under FSDP: two LayerNorms (input 2h + 8 bytes of statistics
     # each), their outputs 2 x 2h, QKV 6h, the output projection's input 2h, 32 fp32 log-sum-exps, GELU's
     # input and output 2 x 8h: 32h + 16 + 4 x 32. The final norm's (2h + 8) and head's (2h) inputs, 12 bytes
@@ -135,6 +138,7 @@ def test_the_breakdown_sums_to_the_total_and_survives_plan_json():
     for item in chosen.stages:
         e = item.estimate
         parts = [e.parameters, e.gradients, e.optimizer, e.unsharded_working_set, e.activations, e.reserve]
+        parts.append(e.communication)
         assert sum(parts) == e.total
     document = chosen.to_dict()
     assert document["strategy"] == "hsdp" and document["peak_stage"] == "stage-0"
@@ -148,8 +152,8 @@ def test_the_breakdown_sums_to_the_total_and_survives_plan_json():
 def test_describe_is_one_line_in_gib():
     text = estimate("hsdp").describe()
     assert text == (
-        "43.2 GiB = params 2.4 + grads 2.4 + optimizer 4.7 + working set 1.9"
-        " + activations 28.8 (estimate) + reserve 3.0"
+        "45.6 GiB = params 2.4 + grads 2.4 + optimizer 4.7 + working set 3.5"
+        " + activations 28.8 (estimate) + NCCL 0.8 + reserve 3.1"
     )
 
 
@@ -182,8 +186,10 @@ def test_when_nothing_fits_the_fix_names_micro_batch_checkpointing_and_devices()
     assert message.startswith("train.parallelism: no strategy fits: even fsdp needs ")
     assert "batch.micro_batch_size" in message and "train.activation_checkpointing: true" in message
     assert "more devices" in message and "\n" not in message
-    # With checkpointing hsdp fits a 22.5 GiB L4; a 15 GiB T4 needs fsdp.
-    assert plan(device=l4, checkpointing=True).strategy == "hsdp"
+    # With checkpointing hsdp needs 23.0 GiB, just over a 22.5 GiB L4 (NCCL's buffers and the fp32
+    # reduce-scatter input tip it), so fsdp; a 15 GiB T4 needs fsdp too.
+    assert estimate("hsdp", activation_checkpointing=True).total > l4
+    assert plan(device=l4, checkpointing=True).strategy == "fsdp"
     assert plan(device=device_memory_bytes("nvidia-tesla-t4"), checkpointing=True).strategy == "fsdp"
     with pytest.raises(BatchpilotError, match=r"hsdp needs .* \(fix: use fsdp"):
         plan("hsdp", device=device_memory_bytes("nvidia-tesla-t4"), checkpointing=True)
@@ -195,9 +201,12 @@ def test_unknown_device_memory_is_not_checked():
     assert plan("ddp", device=None).to_dict()["fits"] is None
 
 
-def test_fp32_doubles_the_working_set_and_drops_autocast_copies():
+def test_fp32_widens_the_working_set_and_drops_autocast_copies():
     mixed, fp32 = estimate("fsdp"), estimate("fsdp", mixed_precision=False)
-    assert fp32.unsharded_working_set == 2 * mixed.unsharded_working_set
+    # fp32 parameters and gradients take 4 bytes instead of 2; the reduce-scatter input is fp32 either way.
+    outer = VOCAB * H + SEQ * H + 2 * H
+    assert mixed.unsharded_working_set == (2 + 2 + 4) * outer + 2 * 2 * BLOCK + (2 + 4) * BLOCK
+    assert fp32.unsharded_working_set == (4 + 4 + 4) * outer + 2 * 4 * BLOCK + (4 + 4) * BLOCK
     assert fp32.activations == 4 * SEQ * (LAYERS * (64 * H + 16 + 4 * HEADS) + 8 * H + 8 + 12 * VOCAB)
     assert estimate("ddp", mixed_precision=False).unsharded_working_set == 0
     assert estimate("ddp").unsharded_working_set == 2 * GPT_5B.num_params
@@ -223,7 +232,9 @@ def test_a_model_without_blocks_is_one_fsdp_unit():
         activation_checkpointing=True,
         reserve_fixed_bytes=0,
     )
-    assert e.unsharded_working_set == 2 * 1000 * 4  # all parameters and their gradients, fp32
+    # all parameters, their gradients and the gradients' reduce-scatter input, fp32
+    assert e.unsharded_working_set == 3 * 1000 * 4
+    assert e.communication == 0  # no CUDA context: gloo, no NCCL buffers
     assert (e.parameters, e.optimizer) == (1000, 2000)
     assert e.activations == 2 * 16 * (8 * 4 + 8 + 4 * 8 + 12 * 100)  # final LayerNorm, head input, loss
     assert e.reserve == -(-5 * (e.total - e.reserve) // 100)

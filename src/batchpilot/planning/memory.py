@@ -50,9 +50,22 @@ and with SwiGLU's four f-wide tensors. With activation checkpointing only each b
 the head's input, and the loss: 12 bytes per logit (`LOSS_BYTES_PER_LOGIT`, measured: the log-softmax's
 fp32 output and two fp32 gradients at the start of the backward).
 
-Reserve: 1 GiB (the CUDA context, cuBLAS workspaces and NCCL's buffers, none of which the caching
-allocator reports) plus 5% of everything else (the allocator's fragmentation, which grows with what is
-allocated). Pass `reserve_fixed_bytes=0` where there is no CUDA context (CPU).
+FSDP2's reduce-scatter input: each unit's gradient is copied, in the reduce dtype (fp32), into one flat
+buffer that the reduce-scatter reads (`foreach_reduce` in torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py), so while a unit's gradient is reduced the working set holds it twice: in the param
+dtype and in fp32 (4 bytes per parameter; under bf16 parameters that is twice the gradient itself).
+
+NCCL's buffers, on a GPU with more than one device in the job: NCCL keeps a send and a receive buffer of
+NCCL_BUFFSIZE (4 MiB by default, NCCL's environment variable reference) per channel (at most 32) for each
+peer a ring or tree connects, in every communicator the trainer uses: 2 x 32 x 4 MiB = 256 MiB per
+communicator, an upper bound (NCCL opens fewer channels on smaller topologies). The trainer's
+communicators: ddp and fsdp one (the world), hsdp three (the world, the shard group, the replicate group).
+
+Reserve: 1 GiB (the CUDA context and cuBLAS workspaces, which the caching allocator does not report) plus
+5% of everything else (the allocator's fragmentation, which grows with what is allocated). Pass
+`reserve_fixed_bytes=0` where there is no CUDA context (CPU, gloo: no NCCL buffers either). The start-up
+needs nothing beyond this: the trainer builds the model on the meta device and gives each device only its
+shards (models/deferred.py).
 """
 
 from __future__ import annotations
@@ -74,7 +87,13 @@ AUTO_ORDER: tuple[Strategy, ...] = ("ddp", "hsdp", "fsdp")
 
 GIB = 2**30
 RESERVE_FIXED_BYTES = GIB
-"""The fixed part of the reserve: the CUDA context, cuBLAS workspaces, NCCL buffers."""
+"""The fixed part of the reserve: the CUDA context and cuBLAS workspaces."""
+NCCL_BUFFER_BYTES = 4 * 2**20
+"""NCCL_BUFFSIZE's default (NCCL's environment variable reference): one channel's buffer to one peer."""
+NCCL_MAX_CHANNELS = 32
+"""The most channels NCCL opens per communicator (its MAXCHANNELS)."""
+COMMUNICATORS: dict[str, int] = {"ddp": 1, "fsdp": 1, "hsdp": 3}
+"""NCCL communicators a trainer process uses, by strategy (module docstring)."""
 RESERVE_FRACTION = 0.05
 """The proportional part of the reserve: the caching allocator's fragmentation."""
 
@@ -136,8 +155,9 @@ class MemoryEstimate:
         unsharded_working_set: FSDP's all-gathered parameters and unsharded gradients in flight, or
             autocast's bf16 weight copies under ddp.
         activations: what the forward pass keeps for the backward, logits and loss included.
-        reserve: CUDA context, communication buffers and allocator fragmentation.
+        reserve: CUDA context and allocator fragmentation.
         activations_source: "explore" (measured slope) or "estimate" (analytic).
+        communication: NCCL's buffers (0 on the CPU or a job of one device).
     """
 
     strategy: Strategy
@@ -149,6 +169,7 @@ class MemoryEstimate:
     activations: int
     reserve: int
     activations_source: ActivationsSource
+    communication: int = 0
 
     @property
     def total(self) -> int:
@@ -158,6 +179,7 @@ class MemoryEstimate:
             + self.optimizer
             + self.unsharded_working_set
             + self.activations
+            + self.communication
             + self.reserve
         )
 
@@ -168,7 +190,8 @@ class MemoryEstimate:
             f"params {self.parameters / size:.1f} + grads {self.gradients / size:.1f}"
             f" + optimizer {self.optimizer / size:.1f} + working set {self.unsharded_working_set / size:.1f}"
             f" + activations {self.activations / size:.1f} ({self.activations_source})"
-            f" + reserve {self.reserve / size:.1f}"
+            + (f" + NCCL {self.communication / size:.1f}" if self.communication else "")
+            + f" + reserve {self.reserve / size:.1f}"
         )
         return f"{self.total / size:.1f} {unit} = {parts}"
 
@@ -183,6 +206,7 @@ class MemoryEstimate:
             "unsharded_working_set_bytes": self.unsharded_working_set,
             "activations_bytes": self.activations,
             "reserve_bytes": self.reserve,
+            "communication_bytes": self.communication,
             "total_bytes": self.total,
             "activations_source": self.activations_source,
         }
@@ -250,7 +274,9 @@ def estimate_memory(
             )
         )
         source = "estimate"
-    subtotal = parameters + gradients + optimizer + working_set + activations
+    gpu_job = reserve_fixed_bytes > 0 and world_size > 1
+    communication = COMMUNICATORS[strategy] * 2 * NCCL_MAX_CHANNELS * NCCL_BUFFER_BYTES if gpu_job else 0
+    subtotal = parameters + gradients + optimizer + working_set + activations + communication
     return MemoryEstimate(
         strategy=strategy,
         shard_degree=degree,
@@ -261,28 +287,38 @@ def estimate_memory(
         activations=activations,
         reserve=reserve_fixed_bytes + math.ceil(RESERVE_FRACTION * subtotal),
         activations_source=source,
+        communication=communication,
     )
 
 
 def _fsdp_working_set(shape: ModelShape, *, param_bytes: int) -> int:
-    """FSDP2's unsharded parameters and gradients at the peak, in the param dtype (module docstring)."""
+    """FSDP2's unsharded parameters and gradients at the peak, in the param dtype, with the fp32
+    reduce-scatter input of the gradient being reduced (module docstring)."""
+    gathered, reducing = (
+        param_bytes,
+        param_bytes + REDUCE_BYTES,
+    )  # per parameter: gathered; its gradient's two
     if shape.num_layers == 0:
-        return 2 * shape.num_params * param_bytes
+        return shape.num_params * (gathered + reducing)
     block = shape.largest_block_params
     outer = max(shape.num_params - shape.num_layers * block, 0)
     embedding = shape.vocab_size * shape.hidden_size
-    gathered_blocks = min(2, shape.num_layers) * block
+    gathered_blocks = min(2, shape.num_layers) * block * gathered
     if outer < 2 * embedding:
         # One outer unit (a tied embedding and head): gathered from the forward's start to the backward's end,
         # and its gradient, reduce-scattered once its whole backward is done, unsharded through the backward.
-        return (2 * outer + gathered_blocks + block) * param_bytes
+        return outer * (gathered + reducing) + gathered_blocks + block * reducing
     head = outer - embedding  # the final norm and the output head
     peaks = (
-        2 * head + gathered_blocks,  # backward's start: the head unit and its gradient, two blocks gathered
-        gathered_blocks + block,  # a block's backward: two blocks gathered, one's gradient
-        2 * embedding + 2 * block,  # backward's end: the embeddings and their gradient, the first block's
+        head * (gathered + reducing) + gathered_blocks,  # backward's start: the head unit, its gradient
+        gathered_blocks + block * reducing,  # a block's backward: two blocks gathered, one's gradient
+        embedding * (gathered + reducing) + block * (gathered + param_bytes),  # the end: the embeddings
     )
-    return max(peaks) * param_bytes
+    return max(peaks)
+
+
+REDUCE_BYTES = 4
+"""Bytes per parameter of FSDP2's reduce-scatter input: the gradient copied in the reduce dtype, fp32."""
 
 
 LOSS_BYTES_PER_LOGIT = 12
