@@ -100,10 +100,14 @@ def _join(rank: int, world_size: int, per_node: int, port: int) -> DistContext:
     return DistContext.from_env()
 
 
-def _hsdp_worker(rank: int, world_size: int, per_node: int, port: int, out: str) -> None:
+def _hsdp_worker(
+    rank: int, world_size: int, per_node: int, port: int, out: str, shard_nodes: int = 1
+) -> None:
     ctx = _join(rank, world_size, per_node, port)
     model = build("gpt")
-    parallel = wrap_model(model, ctx, strategy="hsdp", bf16=False, materialize=already_real)
+    parallel = wrap_model(
+        model, ctx, strategy="hsdp", bf16=False, materialize=already_real, shard_nodes=shard_nodes
+    )
     counts = count_cross_node_all_reduces(per_node)
     outcome = accumulate_gradients(
         model=model,
@@ -120,6 +124,8 @@ def _hsdp_worker(rank: int, world_size: int, per_node: int, port: int, out: str)
         "cross_node_bytes": counts["bytes"],
         "gradient_bytes": gradient_bytes,
         "units": len(shard_units(model)),  # the root holds no parameter of its own
+        "shard_degree": parallel.shard_degree,
+        "local_rows": model.wte.weight.to_local().shape[0],
         "grads": {name: full(p.grad) for name, p in model.named_parameters()},
         "small_sq_norm": float(outcome.small_sq_norm),
         "small_batch": outcome.small_batch,
@@ -166,6 +172,38 @@ def test_hsdp_accumulated_gradient_is_the_global_batch_mean(hsdp_ranks):
     for rank in hsdp_ranks:
         for name, expected in reference.items():
             assert torch.allclose(rank["grads"][name], expected, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def hsdp_group_ranks(tmp_path_factory) -> list[dict]:
+    """The same step on 4 nodes of 1 rank with shard groups of 2 nodes (train.hsdp_shard_nodes: 2)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)
+    return spawn(_hsdp_worker, 4, 1, tmp_path_factory.mktemp("hsdp-groups") / "result", 2)
+
+
+def test_hsdp_shard_groups_span_nodes_and_give_the_global_mean(hsdp_group_ranks):
+    """Each parameter is split over a group of 2 one-rank nodes (half its rows per rank, as within a node of
+    2), the groups replicate each other, and the gradient is the global batch's mean; the noise scale's
+    small batch is the group's first pass."""
+    reference = dict(
+        zip(
+            [n for n, _ in build("gpt").named_parameters()],
+            mean_loss_gradient(build("gpt"), global_batch()),
+            strict=True,
+        )
+    )
+    for rank in hsdp_group_ranks:
+        assert rank["shard_degree"] == 2 and rank["local_rows"] == GPT_ARGS["vocab_size"] // 2
+        assert rank["small_batch"] == MICRO * 2
+        for name, expected in reference.items():
+            assert torch.allclose(rank["grads"][name], expected, rtol=1e-4, atol=1e-6), name
+    model = build("gpt")
+    for group in ((0, 1), (2, 3)):
+        first = torch.cat([rank_micro_batches(r, 4)[0] for r in group])
+        sq_norm = sum(float(g.double().pow(2).sum()) for g in mean_loss_gradient(model, first))
+        for rank in group:
+            assert hsdp_group_ranks[rank]["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
 
 
 def test_hsdp_noise_terms_are_the_nodes_first_pass(hsdp_ranks):

@@ -123,3 +123,25 @@ def test_kill_9_under_hsdp_then_resume_is_identical(runs, demo_data_uri, tmp_pat
     metrics = read_metrics(out / "metrics.jsonl")
     fields = ("step", "consumed_samples", "loss", "lr", "grad_norm", "noise_scale", "gradient_coherence")
     assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in reference]
+
+
+def test_hsdp_in_shard_groups_of_two_nodes_trains_as_ddp_does(runs, demo_data_uri, tmp_path):
+    """4 nodes of one process each, sharded in groups of 2 nodes (train.hsdp_shard_nodes: 2), replicated across
+    the 2 groups: the plan carries the group to the trainers, which train as ddp does on the same 4 ranks."""
+    config = two_by_two_config(demo_data_uri, tmp_path, "hsdp")
+    config["cluster"].update(devices_per_node=1, max_nodes=4)
+    config["train"]["hsdp_shard_nodes"] = 2
+    plan = write_plan(tmp_path, config)
+    document = json.loads(Path(plan).read_text())
+    assert document["hsdp_shard_nodes"] == 2
+    assert [(s["num_nodes"], s["world_size"]) for s in document["stages"]] == [(4, 4)]
+    result = train_final(plan, tmp_path / "out")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "hsdp: parameters sharded 2 ways" in result.stdout
+    ddp = read_metrics(runs["ddp"] / "out" / "metrics.jsonl")
+    groups = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert len(groups) == STEPS
+    for a, b in zip(ddp, groups, strict=True):
+        assert a["consumed_samples"] == b["consumed_samples"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), a["step"]

@@ -82,6 +82,8 @@ def inner_tasks(spec: dict) -> dict:
         # A fixed micro batch: one group per launch, i.e. per node count (NeMo: 8 stages, 5 launches).
         ("nemo_gpt3_5b.yaml", ["stages-0-3", "stage-4", "stage-5", "stage-6", "final"]),
         ("llama_5b.yaml", ["stages-0-3", "stage-4", "stage-5", "stage-6", "final"]),
+        # 70B: every stage of the ramp on its own node count (16, 24, ..., 64), hsdp in groups of 4 nodes.
+        ("llama_70b.yaml", ["stage-0", "stage-1", "stage-2", "stage-3", "stage-4", "stage-5", "final"]),
         ("maxtext_per_device.yaml", ["stages-0-1", "stage-2", "final"]),
         # TPU: one group per slice shape (2x4, 4x4, 4x8).
         ("llama_5b_tpu.yaml", ["stage-0", "stage-1", "stages-2-final"]),

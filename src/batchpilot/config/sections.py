@@ -111,6 +111,14 @@ class TrainConfig(_Section):
         "over all devices (FSDP2); hsdp: sharded within a node, replicated across nodes; auto: the first of "
         "ddp, hsdp, fsdp whose per-device memory estimate fits every stage",
     )
+    hsdp_shard_nodes: int | None = Field(
+        None,
+        ge=1,
+        le=65_000,
+        description="hsdp: the nodes one shard group spans (parameters, gradients and optimizer state sharded over "
+        "their devices, replicated across the groups); it must divide every stage's node count. Unset: the "
+        "fewest such nodes whose memory estimate fits every stage (1 when one node is enough)",
+    )
     runtime: Literal["auto", "eager", "xla"] = Field(
         "auto",
         description="eager: PyTorch on CUDA or CPU; xla: torch_xla (PJRT) with SPMD sharding over every device "

@@ -25,6 +25,7 @@ EXAMPLES = (
     "nemo_gpt3_5b.yaml",
     "llama_5b.yaml",
     "llama_5b_tpu.yaml",
+    "llama_70b.yaml",
     "maxtext_per_device.yaml",
 )
 

@@ -235,6 +235,21 @@ def check_tpu(config: Config) -> list[BatchpilotError]:
                     "set train.runtime: xla (or auto)",
                 )
             )
+    if train.hsdp_shard_nodes is not None and (
+        train.parallelism in ("ddp", "fsdp") or resolved_runtime(config) == "xla"
+    ):
+        problems.append(
+            BatchpilotError(
+                "train.hsdp_shard_nodes",
+                f"is {train.hsdp_shard_nodes}, but the trainers run "
+                + (
+                    f"{train.parallelism}, which has no shard groups"
+                    if train.parallelism != "auto"
+                    else "runtime xla"
+                ),
+                "remove it, or set train.parallelism: hsdp (or auto)",
+            )
+        )
     if resolved_runtime(config) == "xla":
         if train.parallelism in ("ddp", "hsdp"):
             problems.append(

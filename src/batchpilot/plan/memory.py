@@ -48,6 +48,7 @@ def memory_plan(
         activation_bytes_per_sample=explored_activation_bytes(config, explore),
         device_memory_bytes=device_memory,
         reserve_fixed_bytes=_reserve_fixed_bytes(config),
+        shard_nodes=config.train.hsdp_shard_nodes,
     )
 
 

@@ -25,6 +25,7 @@ from batchpilot.planning import estimate_cost
 from batchpilot.planning.batch import raise_problems
 from batchpilot.planning.memory import (
     ModelShape,
+    check_shard_nodes,
 )
 from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
 from batchpilot.planning.units import format_node_hours, format_number
@@ -107,10 +108,14 @@ def make_run_document(
             "--samples-per-s-per-device", f"must be positive, got {samples_per_s_per_device}"
         )
     plan = build_plan(config, micro_batch_size=micro)
+    if config.train.hsdp_shard_nodes is not None:
+        check_shard_nodes(plan.stages, config.train.hsdp_shard_nodes)
     memory = memory_plan(config, plan, shape=shape, explore=explore) if shape is not None else None
     requested = config.train.parallelism
     plan = replace(
-        plan, parallelism=memory.strategy if memory else "ddp" if requested == "auto" else requested
+        plan,
+        parallelism=memory.strategy if memory else "ddp" if requested == "auto" else requested,
+        hsdp_shard_nodes=memory.shard_nodes if memory else config.train.hsdp_shard_nodes or 1,
     )
     throughput = samples_per_s_per_device
     if throughput is None and explore is not None:

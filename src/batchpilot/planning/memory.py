@@ -221,13 +221,21 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 
 
-def shard_degree(strategy: Strategy, *, world_size: int, devices_per_node: int) -> int:
-    """Devices one copy of the model state is sharded over: ddp 1, fsdp the world, hsdp a node."""
+def shard_degree(strategy: Strategy, *, world_size: int, devices_per_node: int, shard_nodes: int = 1) -> int:
+    """Devices one copy of the model state is sharded over: ddp 1, fsdp the world, hsdp the `shard_nodes`
+    nodes of a shard group."""
     if strategy == "ddp":
         return 1
     if strategy == "fsdp":
         return world_size
-    return min(devices_per_node, world_size)
+    return min(shard_nodes * devices_per_node, world_size)
+
+
+def shard_node_choices(stages: Sequence[Stage]) -> list[int]:
+    """hsdp's possible shard groups, in nodes: those dividing every stage's node count (each stage's nodes
+    split into whole groups), fewest first."""
+    common = math.gcd(*(stage.num_nodes for stage in stages)) if stages else 1
+    return [k for k in range(1, common + 1) if common % k == 0]
 
 
 def estimate_memory(
@@ -242,15 +250,19 @@ def estimate_memory(
     activation_checkpointing: bool,
     activation_bytes_per_sample: float | None = None,
     reserve_fixed_bytes: int = RESERVE_FIXED_BYTES,
+    shard_nodes: int = 1,
 ) -> MemoryEstimate:
     """Per-device memory of one training step (the accounting is in the module docstring).
 
     Args:
+        shard_nodes: hsdp: the nodes one shard group spans.
         activation_bytes_per_sample: explore's measured slope for this activation checkpointing
             setting; None estimates activations from the shape.
         reserve_fixed_bytes: the reserve's fixed part; 0 where there is no CUDA context (CPU).
     """
-    degree = shard_degree(strategy, world_size=world_size, devices_per_node=devices_per_node)
+    degree = shard_degree(
+        strategy, world_size=world_size, devices_per_node=devices_per_node, shard_nodes=shard_nodes
+    )
     n = shape.num_params
     if strategy == "ddp":
         parameters, gradients, optimizer = 4 * n, 8 * n, 8 * n
@@ -423,6 +435,8 @@ class MemoryPlan:
     strategy: Strategy
     stages: tuple[StageMemory, ...]
     device_memory_bytes: int | None
+    shard_nodes: int = 1
+    """hsdp: the nodes one shard group spans (1 otherwise)."""
 
     @property
     def peak(self) -> StageMemory:
@@ -440,6 +454,7 @@ class MemoryPlan:
         """Plain ints, strings and booleans for plan.json."""
         return {
             "strategy": self.strategy,
+            **({"hsdp_shard_nodes": self.shard_nodes} if self.shard_nodes > 1 else {}),
             "device_memory_bytes": self.device_memory_bytes,
             "fits": self.fits,
             "peak_stage": self.peak.stage,
@@ -454,13 +469,35 @@ class MemoryPlan:
             )
             for item in data["stages"]
         )
-        return cls(strategy=data["strategy"], stages=stages, device_memory_bytes=data["device_memory_bytes"])
+        return cls(
+            strategy=data["strategy"],
+            stages=stages,
+            device_memory_bytes=data["device_memory_bytes"],
+            shard_nodes=data.get("hsdp_shard_nodes", 1),
+        )
 
 
 def _peak(stages: Sequence[StageMemory]) -> StageMemory:
     if not stages:
         raise ValueError("a memory plan needs at least one stage")
     return max(stages, key=lambda item: item.estimate.total)
+
+
+def check_shard_nodes(stages: Sequence[Stage], shard_nodes: int) -> None:
+    """A configured hsdp shard group must split every stage's nodes into whole groups.
+
+    Raises:
+        BatchpilotError: naming the first stage it does not divide and the sizes that would.
+    """
+    wrong = next((stage for stage in stages if stage.num_nodes % shard_nodes), None)
+    if wrong is not None:
+        choices = ", ".join(str(k) for k in shard_node_choices(stages))
+        raise BatchpilotError(
+            "train.hsdp_shard_nodes",
+            f"is {shard_nodes}, but {wrong.name} runs on {wrong.num_nodes} node(s), which do not split into groups "
+            f"of {shard_nodes}",
+            f"use one that divides every stage's node count ({choices}), or leave it unset",
+        )
 
 
 def plan_memory(
@@ -475,15 +512,21 @@ def plan_memory(
     activation_bytes_per_sample: float | None,
     device_memory_bytes: int | None,
     reserve_fixed_bytes: int = RESERVE_FIXED_BYTES,
+    shard_nodes: int | None = 1,
 ) -> MemoryPlan:
     """Estimates every stage under each strategy and picks one (`choose_strategy`).
+
+    Args:
+        shard_nodes: hsdp's shard group in nodes (`train.hsdp_shard_nodes`); None: the fewest of
+            `shard_node_choices` whose estimate fits every stage (the most, when none does).
 
     Raises:
         BatchpilotError: the requested strategy, or with `auto` every strategy, needs more memory
             than the device has at some stage.
     """
-    estimates = {
-        strategy: tuple(
+
+    def estimates_of(strategy: Strategy, nodes: int) -> tuple[StageMemory, ...]:
+        return tuple(
             StageMemory(
                 stage.name,
                 estimate_memory(
@@ -497,11 +540,25 @@ def plan_memory(
                     activation_checkpointing=activation_checkpointing,
                     activation_bytes_per_sample=activation_bytes_per_sample,
                     reserve_fixed_bytes=reserve_fixed_bytes,
+                    shard_nodes=nodes,
                 ),
             )
             for stage in stages
         )
-        for strategy in AUTO_ORDER
+
+    if shard_nodes is not None:
+        check_shard_nodes(stages, shard_nodes)
+    else:  # the fewest nodes per shard group that fit: the least cross-node traffic
+        choices = shard_node_choices(stages)
+        fitting = [
+            k
+            for k in choices
+            if device_memory_bytes is not None
+            and _peak(estimates_of("hsdp", k)).estimate.total <= device_memory_bytes
+        ]
+        shard_nodes = fitting[0] if fitting else choices[-1] if device_memory_bytes is not None else 1
+    estimates = {
+        strategy: estimates_of(strategy, shard_nodes if strategy == "hsdp" else 1) for strategy in AUTO_ORDER
     }
     strategy = choose_strategy(
         requested=requested,
@@ -509,7 +566,12 @@ def plan_memory(
         device_memory_bytes=device_memory_bytes,
         activation_checkpointing=activation_checkpointing,
     )
-    return MemoryPlan(strategy=strategy, stages=estimates[strategy], device_memory_bytes=device_memory_bytes)
+    return MemoryPlan(
+        strategy=strategy,
+        stages=estimates[strategy],
+        device_memory_bytes=device_memory_bytes,
+        shard_nodes=shard_nodes if strategy == "hsdp" else 1,
+    )
 
 
 def choose_strategy(

@@ -69,6 +69,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     parallelism: str = "ddp"
     """How the trainers spread the model: ddp, fsdp or hsdp (train.parallelism, `auto` resolved)."""
+    hsdp_shard_nodes: int = 1
+    """hsdp: the nodes one shard group spans (train.hsdp_shard_nodes, or the memory model's choice)."""
     stage_per_launch: bool = False
     """Every stage is its own launch (an adaptive ramp-up: the next stage's batch is decided when one ends)."""
 
@@ -118,6 +120,7 @@ class Plan:
             "max_nodes": self.max_nodes,
             "lr_schedule": asdict(self.lr_schedule),
             "parallelism": self.parallelism,
+            **({"hsdp_shard_nodes": self.hsdp_shard_nodes} if self.hsdp_shard_nodes > 1 else {}),
             "notes": list(self.notes),
             "stages": [_stage_dict(stage) for stage in self.stages],
             **({"stage_per_launch": True} if self.stage_per_launch else {}),
@@ -134,6 +137,7 @@ class Plan:
             lr_schedule=LRSchedule(**data["lr_schedule"]),
             notes=tuple(data.get("notes", ())),
             parallelism=data["parallelism"],
+            hsdp_shard_nodes=data.get("hsdp_shard_nodes", 1),
             stage_per_launch=data.get("stage_per_launch", False),
         )
 

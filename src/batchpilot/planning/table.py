@@ -75,7 +75,15 @@ def memory_line(plan: Plan, memory: MemoryPlan) -> str:
         "full replicas"
         if estimate.shard_degree == 1
         else f"sharded {estimate.shard_degree} ways"
-        + (" within a node" if plan.parallelism == "hsdp" else "")
+        + (
+            (
+                " within a node"
+                if plan.hsdp_shard_nodes == 1
+                else f" within groups of {plan.hsdp_shard_nodes} nodes"
+            )
+            if plan.parallelism == "hsdp"
+            else ""
+        )
     )
     device = (
         f" of the device's {format_bytes(memory.device_memory_bytes)}"

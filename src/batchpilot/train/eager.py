@@ -76,7 +76,13 @@ class EagerRuntime(Runtime):
         return self.parallel.strategy
 
     def parallelize(
-        self, model: nn.Module, config: Config, *, strategy: str, initialize: Callable[[nn.Module], None]
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        strategy: str,
+        initialize: Callable[[nn.Module], None],
+        shard_nodes: int = 1,
     ) -> str:
         device = self.ctx.device
 
@@ -89,7 +95,12 @@ class EagerRuntime(Runtime):
         install_oom_injection(model, self.ctx)
         bf16 = uses_bf16(device, config.train.precision)
         self.parallel = wrap_model(
-            model, self.ctx, strategy=strategy_of(strategy), bf16=bf16, materialize=materialize
+            model,
+            self.ctx,
+            strategy=strategy_of(strategy),
+            bf16=bf16,
+            materialize=materialize,
+            shard_nodes=shard_nodes,
         )
         self.autocast = autocast_factory(device, config.train.precision, self.parallel)
         return self.parallel.describe()

@@ -7,8 +7,9 @@
   gradients and AdamW state are split `world_size` ways. Every micro-batch's backward reduce-scatters
   into the shards (as torchtitan does): keeping unsharded gradients until the last micro-batch would
   hold a whole fp32 gradient per device, which is what fsdp is chosen to avoid.
-- `hsdp`: the same on a 2-D mesh `(dp_replicate, dp_shard)` = `(nodes, devices per node)`: sharded
-  within a node, replicated across nodes, so per-device memory does not depend on the node count.
+- `hsdp`: the same on a 2-D mesh `(dp_replicate, dp_shard)` = `(nodes / k, k x devices per node)`: sharded
+  within a group of k nodes (`train.hsdp_shard_nodes`, 1 by default: a node), replicated across the groups,
+  so per-device memory does not depend on the node count.
   Micro-batches before the last reduce-scatter within the node only (FSDP2 adds them up in its
   partial-reduce buffer); the last one's backward all-reduces across nodes (`set_requires_all_reduce`):
   one cross-node reduction per optimizer step whatever the accumulation.
@@ -142,6 +143,7 @@ def wrap_model(
     strategy: Strategy,
     bf16: bool,
     materialize: Callable[[nn.Module], None],
+    shard_nodes: int = 1,
 ) -> Parallel:
     """Spreads the meta-device `model` over the ranks (see the module docstring); `materialize` gives this
     rank's part memory on `ctx.device` and fills it: after `fully_shard` (each rank holds its shards only), or
@@ -159,16 +161,17 @@ def wrap_model(
         return Parallel(strategy, ddp, hook, sharded=False, shard_degree=1, mixed_precision=False)
     replicate_group = None
     if strategy == "hsdp":
-        if ctx.world_size % ctx.local_world_size:
+        group_size = shard_nodes * ctx.local_world_size
+        if ctx.world_size % group_size:
             raise BatchpilotError(
                 "train.parallelism",
-                f"hsdp needs whole nodes: world {ctx.world_size} is not a multiple of {ctx.local_world_size} "
-                "processes per node",
-                "launch every node with the same number of processes",
+                f"hsdp needs whole shard groups: world {ctx.world_size} is not a multiple of {shard_nodes} "
+                f"node(s) x {ctx.local_world_size} processes",
+                "launch every node with the same number of processes, on a multiple of train.hsdp_shard_nodes",
             )
-        shape = (ctx.world_size // ctx.local_world_size, ctx.local_world_size)
+        shape = (ctx.world_size // group_size, group_size)  # ranks are node-major: a group is whole nodes
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-        degree = ctx.local_world_size
+        degree = group_size
         replicate_group = mesh["dp_replicate"].get_group()
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))

@@ -155,10 +155,17 @@ class Runtime(ABC):
 
     @abstractmethod
     def parallelize(
-        self, model: nn.Module, config: Config, *, strategy: str, initialize: Callable[[nn.Module], None]
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        strategy: str,
+        initialize: Callable[[nn.Module], None],
+        shard_nodes: int = 1,
     ) -> str:
-        """Spreads the meta-device `model` over the devices as `strategy` says, gives this process's part
-        memory and fills it (`initialize(model)`, in fp32); returns how, in words."""
+        """Spreads the meta-device `model` over the devices as `strategy` says (hsdp: shard groups of
+        `shard_nodes` nodes), gives this process's part memory and fills it (`initialize(model)`, in fp32);
+        returns how, in words."""
 
     @abstractmethod
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -25,8 +25,9 @@ Gradient noise scale (McCandlish et al. 2018, appendix A) needs the squared norm
 big-batch gradient. DDP: each rank's own accumulated gradient (batch micro x accumulation) before the
 all-reduce vs the global one. FSDP: there is no rank-local gradient (every backward reduces), so the
 small batch is the first accumulation pass over all ranks (micro x world), read from the shards after
-the first backward; it needs accumulation >= 2. HSDP: the first pass over the node's ranks (micro x
-devices per node), read from FSDP2's partial-reduce buffers, before any cross-node reduction.
+the first backward; it needs accumulation >= 2. HSDP: the first pass over the shard group's ranks (micro x
+its ranks: a node's, or train.hsdp_shard_nodes nodes'), read from FSDP2's partial-reduce buffers, before any
+cross-group reduction.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ def accumulate_sharded(
         grads = node_gradient_shards(model) if hsdp else gradients(model)
         if index == 0 and measure_noise:
             outcome.small_sq_norm = squared_norm_tensor(grads, group=group, scale=accumulation)
-            outcome.small_batch = micro * (ctx.local_world_size if hsdp else ctx.world_size)
+            outcome.small_batch = micro * parallel.shard_degree  # the shard group's (fsdp: every rank's)
         if index == 0 and measure_coherence:
             first = [g.clone() for g in grads]  # a sharded copy: 1/shard_degree of the model
         if index == 1 and first is not None:

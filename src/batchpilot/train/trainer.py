@@ -94,7 +94,9 @@ def train(
         config, vocab_size=loader.vocab_size, checkpoint=checkpoint, local_rank=runtime.place.local_rank,
         say=say, say_every_rank=lambda message: logger.info(f"[{runtime.place.label}] {message}"),
     )  # fmt: skip
-    how = runtime.parallelize(model, config, strategy=plan.parallelism, initialize=initialize)
+    how = runtime.parallelize(
+        model, config, strategy=plan.parallelism, initialize=initialize, shard_nodes=plan.hsdp_shard_nodes
+    )
     optimizer = make_optimizer(model, weight_decay=config.train.weight_decay)  # after sharding: on the shards
     runtime.prepare_optimizer(model, optimizer)
     if checkpoint is not None:

@@ -120,8 +120,15 @@ class XlaRuntime(Runtime):
         return range(self.host.num_devices) if self.host.is_main else []
 
     def parallelize(
-        self, model: nn.Module, config: Config, *, strategy: str, initialize: Callable[[nn.Module], None]
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        strategy: str,
+        initialize: Callable[[nn.Module], None],
+        shard_nodes: int = 1,
     ) -> str:
+        assert shard_nodes == 1, "hsdp shard groups are refused under xla at plan time"
         # The whole model on this host's CPU first (the same values as the eager runtime's), then moved and
         # sharded by SPMD: a host holds the whole fp32 model once while it starts (docs/status.md).
         to_empty(model, device="cpu")
