@@ -2,14 +2,16 @@
 
 The model's weights are read from the sharded checkpoint on this one process, whatever the world size and
 strategy (ddp, fsdp, hsdp) that wrote it: DCP reads each tensor whole from every rank's chunks, and only the
-`model.` entries (no optimizer state). The model is built on the meta device and materialised empty on the
-CPU, so no time goes into a random initialisation the checkpoint overwrites. The folder is written beside
+`model.` entries (no optimizer state). The model is built on the meta device for its shapes, and the files are
+written one shard at a time: DCP reads only that shard's tensors, so memory holds one shard (5 GiB by
+default), never the whole model. The folder is written beside
 `--out` under a temporary name and renamed into place, so a failure leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -27,6 +29,7 @@ from batchpilot.storage import join_uri, open_storage
 
 if TYPE_CHECKING:
     from torch import Tensor
+    from torch import dtype as TorchDtype
 
     from batchpilot.train.checkpoint import Checkpoint
 
@@ -82,18 +85,12 @@ def export_hf(*, plan: str | Path, out: str | Path, step: int | None = None, dty
     tokenizer_files, note, eos_token_id = shard_set_tokenizer(config.data.uri)
     hf_config["eos_token_id"] = eos_token_id
     hf_config["torch_dtype"] = DTYPES[dtype]
-    state = hf.to_hf_state_dict(
-        factory, args, load_model_state(factory=factory, args=args, checkpoint=checkpoint)
-    )
-    if dtype != "fp32":
-        import torch
-
-        state = {name: tensor.to(torch.bfloat16) for name, tensor in state.items()}
-    written = _write_into_place(target, hf_config, state, tokenizer_files)
+    weights = CheckpointWeights.of(factory=factory, args=args, checkpoint=checkpoint, dtype=dtype)
+    written = _write_into_place(target, hf_config, weights, tokenizer_files)
     return ExportResult(
         out=target,
         files=[(path.name, path.stat().st_size) for path in written],
-        num_params=sum(tensor.numel() for tensor in state.values()),
+        num_params=weights.num_params,
         step=checkpoint.step,
         consumed_samples=checkpoint.consumed_samples,
         architecture=hf_config["architectures"][0],
@@ -135,36 +132,90 @@ def find_checkpoint(*, checkpoint_uri: str, step: int | None) -> Checkpoint:
     return loaded
 
 
-def load_model_state(*, factory: str, args: dict[str, object], checkpoint: Checkpoint) -> dict[str, Tensor]:
-    """The model's full state dict from `checkpoint`, on this one process (CPU, no process group).
+@dataclass
+class CheckpointWeights:
+    """A checkpoint's model under Hugging Face names, read one file shard at a time (`hf.HfWeights`): DCP
+    reads only the tensors of the shard being written, so memory holds one shard (5 GiB by default), never
+    the whole model. A checkpoint written before sharding is in memory whole anyway (its model.pt).
 
-    Raises:
-        BatchpilotError: for a checkpoint of another model (the first tensor that differs), or a damaged one.
+    Attributes:
+        sources: every Hugging Face weight and the tensor of ours it comes from (`hf.hf_sources`).
+        tied: the tied (head, embedding), checked equal when the embedding is read; None: untied.
+        shapes: our tensors' shapes (from the meta-device model, checked against the checkpoint's).
+        checkpoint: the checkpoint read.
+        dtype: the torch dtype written.
     """
-    import torch
-    import torch.distributed.checkpoint as dcp
 
-    from batchpilot.models.factory import build_model
-    from batchpilot.train.checkpoint import dcp_quietly, tensor_shapes, user_errors_of_dcp
+    sources: list[hf.Source]
+    tied: tuple[str, str] | None
+    shapes: dict[str, tuple[int, ...]]
+    checkpoint: Checkpoint
+    dtype: TorchDtype
 
-    with torch.device("meta"):
-        model = build_model(factory=factory, args=args)
-    model.to_empty(device="cpu")
-    state = model.state_dict()
-    try:
-        checkpoint.check_same_model(tensor_shapes(state))
-    except BatchpilotError as error:  # its fix speaks of resuming; here the plan is what to change
-        raise BatchpilotError(
-            error.field, error.problem, "export it with the plan.json of the run that wrote it"
-        ) from None
-    if checkpoint.sharded:
-        loaded = {"model": state}
+    @classmethod
+    def of(
+        cls, *, factory: str, args: dict[str, object], checkpoint: Checkpoint, dtype: str
+    ) -> CheckpointWeights:
+        """Refuses a checkpoint of another model (the first tensor that differs) before anything is read."""
+        import torch
+
+        from batchpilot.models.factory import build_model
+        from batchpilot.train.checkpoint import tensor_shapes
+
+        with torch.device("meta"):
+            model = build_model(factory=factory, args=args)
+        shapes = tensor_shapes(model.state_dict())
+        try:
+            checkpoint.check_same_model(shapes)
+        except BatchpilotError as error:  # its fix speaks of resuming; here the plan is what to change
+            raise BatchpilotError(
+                error.field, error.problem, "export it with the plan.json of the run that wrote it"
+            ) from None
+        sources, tied = hf.hf_sources(factory, args)
+        return cls(sources, tied, shapes, checkpoint, getattr(torch, DTYPES[dtype]))
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(self._shape(source)) for source in self.sources)
+
+    def _shape(self, source: hf.Source) -> tuple[int, ...]:
+        shape = self.shapes[source.ours]
+        return (
+            (shape[0],) if source.how == "zero_bias" else shape[::-1] if source.how == "transposed" else shape
+        )
+
+    def sizes(self) -> dict[str, int]:
+        import torch
+
+        item = torch.empty((), dtype=self.dtype).element_size()
+        return {source.theirs: math.prod(self._shape(source)) * item for source in self.sources}
+
+    def load(self, names: list[str]) -> dict[str, Tensor]:
+        wanted = set(names)
+        chosen = [source for source in self.sources if source.theirs in wanted]
+        ours = {source.ours for source in chosen}
+        if self.tied is not None and self.tied[1] in ours and self.tied[0] in self.shapes:
+            ours.add(self.tied[0])  # read beside the embedding, to check they are one weight
+        state = self._read(sorted(ours))
+        if self.tied is not None and self.tied[1] in state:
+            head, embedding = self.tied
+            hf.check_tied(state, head=head, embedding=embedding)
+        return {source.theirs: source.convert(state[source.ours]).to(self.dtype) for source in chosen}
+
+    def _read(self, names: list[str]) -> dict[str, Tensor]:
+        """Our tensors `names`, read from the checkpoint onto the CPU (DCP: only their chunks)."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        from batchpilot.train.checkpoint import dcp_quietly, user_errors_of_dcp
+
+        if not self.checkpoint.sharded:  # a checkpoint written before sharding: in memory whole
+            assert self.checkpoint.model is not None
+            return {name: self.checkpoint.model[name] for name in names}
+        state = {name: torch.empty(self.shapes[name]) for name in names}
         with user_errors_of_dcp(), dcp_quietly():
-            dcp.load(loaded, storage_reader=checkpoint.reader(), no_dist=True)
-    else:  # a checkpoint written before sharding
-        assert checkpoint.model is not None
-        model.load_state_dict(checkpoint.model)
-    return model.state_dict()
+            dcp.load({"model": state}, storage_reader=self.checkpoint.reader(), no_dist=True)
+        return state
 
 
 def shard_set_tokenizer(data_uri: str) -> tuple[dict[str, bytes], str, int]:
@@ -209,14 +260,14 @@ def _tokenizer_config(eos_token: object) -> bytes:
 
 
 def _write_into_place(
-    target: Path, hf_config: dict[str, object], state: dict[str, Tensor], tokenizer_files: dict[str, bytes]
+    target: Path, hf_config: dict[str, object], weights: hf.HfWeights, tokenizer_files: dict[str, bytes]
 ) -> list[Path]:
     """Writes the folder under a temporary name beside `target`, then moves it into `target`'s place (an
     existing `target`, empty or replaced with --force, is removed only once the new folder is complete)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
     try:
-        written = hf.write_hf_checkpoint(partial, hf_config, state, tokenizer_files=tokenizer_files)
+        written = hf.write_hf_checkpoint(partial, hf_config, weights, tokenizer_files=tokenizer_files)
         if target.exists():
             old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
             target.rename(old / target.name)

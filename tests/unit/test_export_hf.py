@@ -4,6 +4,7 @@ and a folder that is complete or absent."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -147,3 +148,40 @@ def test_files_get_the_modes_a_plain_write_gives(tmp_path, run):
     assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == (
         (tmp_path / "data" / "manifest.json").stat().st_mode & 0o777
     )
+
+
+def test_export_reads_one_file_shard_at_a_time(tmp_path, run, monkeypatch):
+    """With 40 KB shards the model (about 0.5 MB in fp32) is written as several files, and the checkpoint is
+    read once per file, only that file's tensors (with the tied embedding's head, when tied): the whole model
+    is never in memory. The files hold the checkpoint's weights, as the in-memory conversion gives them."""
+    plan, models = run
+    limit = 40_000
+    monkeypatch.setattr(
+        hf, "write_hf_checkpoint", functools.partial(hf.write_hf_checkpoint, max_shard_bytes=limit)
+    )
+    reads: list[int] = []
+    original = export.CheckpointWeights._read
+
+    def counting(self, names):
+        state = original(self, names)
+        reads.append(sum(t.numel() * t.element_size() for t in state.values()))
+        return state
+
+    monkeypatch.setattr(export.CheckpointWeights, "_read", counting)
+    export.export_hf(plan=plan, out=tmp_path / "hf")
+    index = json.loads((tmp_path / "hf" / hf.INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 5 and len(reads) == len(files)
+    largest = max(p.numel() * 4 for p in models[5].parameters())
+    assert max(reads) <= max(limit, largest)
+    whole = sum(p.numel() * 4 for p in models[5].parameters())
+    assert sum(reads) == whole  # every tensor read exactly once
+    expected = hf.to_hf_state_dict(hf.LLAMA_FACTORY, LLAMA_ARGS, models[5].state_dict())
+    from safetensors.torch import load_file
+
+    written = {}
+    for name in files:
+        written.update(load_file(str(tmp_path / "hf" / name)))
+    assert written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name

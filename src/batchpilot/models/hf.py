@@ -18,8 +18,9 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from batchpilot.errors import BatchpilotError
 
@@ -182,6 +183,46 @@ def _gpt_names(n_layer: int) -> list[tuple[str, str, bool]]:
     ]
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a Hugging Face weight comes from: batchpilot's tensor `ours`, as it is, transposed (GPT-2's
+    Conv1D holds `[in, out]`), or a zero bias as long as `ours`' rows (a GPT built without biases)."""
+
+    theirs: str
+    ours: str
+    how: Literal["same", "transposed", "zero_bias"] = "same"
+
+    def convert(self, tensor: Tensor) -> Tensor:
+        if self.how == "transposed":
+            return tensor.t().contiguous()
+        if self.how == "zero_bias":
+            return tensor.new_zeros(tensor.shape[0])
+        return tensor
+
+
+def hf_sources(factory: str, args: dict[str, Any]) -> tuple[list[Source], tuple[str, str] | None]:
+    """Every Hugging Face weight of the model's counterpart and where it comes from, in the order written,
+    and the tied (head, embedding) pair, which transformers saves once (None: untied).
+
+    Raises:
+        BatchpilotError: for a factory `hf_config_for` refuses.
+    """
+    hf_config_for(factory, args)  # refuses what has no counterpart
+    config = _model_config(factory, args)
+    if factory == LLAMA_FACTORY:
+        sources = [Source(theirs, ours) for ours, theirs in _llama_names(config.n_layer)]
+        if config.tie_embeddings:
+            return sources, ("output.weight", "tok_embeddings.weight")
+        return [*sources, Source("lm_head.weight", "output.weight")], None
+    sources = []
+    for ours, theirs, transposed in _gpt_names(config.n_layer):
+        if ours.endswith(".bias") and not config.bias:
+            sources.append(Source(theirs, ours.removesuffix(".bias") + ".weight", "zero_bias"))
+        else:
+            sources.append(Source(theirs, ours, "transposed" if transposed else "same"))
+    return sources, ("head.weight", "wte.weight")
+
+
 def to_hf_state_dict(factory: str, args: dict[str, Any], state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """batchpilot's state dict (the model's `state_dict()`, or a checkpoint's `model` entries) under the
     Hugging Face model's names and layouts. A tied output head is left out, as transformers saves it.
@@ -190,31 +231,13 @@ def to_hf_state_dict(factory: str, args: dict[str, Any], state_dict: dict[str, T
         BatchpilotError: for a factory `hf_config_for` refuses, or a state dict that lacks a weight of the
             model or holds one it does not have.
     """
-    hf_config_for(factory, args)  # refuses what has no counterpart
-    config = _model_config(factory, args)
-    out: dict[str, Tensor] = {}
-    used: set[str] = set()
-    if factory == LLAMA_FACTORY:
-        for ours, theirs in _llama_names(config.n_layer):
-            out[theirs] = _take(state_dict, ours, factory)
-            used.add(ours)
-        head = "output.weight"
-        if config.tie_embeddings:
-            _check_tied(state_dict, head=head, embedding="tok_embeddings.weight")
-        else:
-            out["lm_head.weight"] = _take(state_dict, head, factory)
+    sources, tied = hf_sources(factory, args)
+    out = {source.theirs: source.convert(_take(state_dict, source.ours, factory)) for source in sources}
+    used = {source.ours for source in sources if source.how != "zero_bias"}
+    if tied is not None:
+        head, embedding = tied
+        check_tied(state_dict, head=head, embedding=embedding)
         used.add(head)
-    else:
-        for ours, theirs, transposed in _gpt_names(config.n_layer):
-            if ours.endswith(".bias") and not config.bias:
-                weight = _take(state_dict, ours.removesuffix(".bias") + ".weight", factory)
-                out[theirs] = weight.new_zeros(weight.shape[0])  # no bias is a zero bias
-                continue
-            tensor = _take(state_dict, ours, factory)
-            out[theirs] = tensor.t().contiguous() if transposed else tensor
-            used.add(ours)
-        _check_tied(state_dict, head="head.weight", embedding="wte.weight")
-        used.add("head.weight")
     extra = sorted(set(state_dict) - used)
     if extra:
         raise BatchpilotError(
@@ -229,7 +252,7 @@ def _take(state_dict: Mapping[str, Tensor], name: str, factory: str) -> Tensor:
     return state_dict[name]
 
 
-def _check_tied(state_dict: Mapping[str, Tensor], *, head: str, embedding: str) -> None:
+def check_tied(state_dict: Mapping[str, Tensor], *, head: str, embedding: str) -> None:
     """A tied head is the embedding: absent from the state dict, or equal to it."""
     import torch
 
@@ -374,7 +397,7 @@ def from_hf_state_dict(
         )
     if args["tie_embeddings"]:
         if "lm_head.weight" in hf_state_dict:
-            _check_tied(
+            check_tied(
                 {"lm_head.weight": hf_state_dict["lm_head.weight"], "e": state["tok_embeddings.weight"]},
                 head="lm_head.weight",
                 embedding="e",
@@ -441,10 +464,36 @@ def _index_files(folder: Path) -> list[Path]:
     return files
 
 
+class HfWeights(Protocol):
+    """The weights `write_hf_checkpoint` writes, shard by shard: their sizes in the order written, and the
+    tensors of one shard when it is written (so a 70B model need never be in memory whole)."""
+
+    def sizes(self) -> dict[str, int]:
+        """Hugging Face name -> bytes in the file, in the order written."""
+        ...
+
+    def load(self, names: list[str]) -> dict[str, Tensor]:
+        """The tensors of `names`, as written (converted, in the file's dtype)."""
+        ...
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """Weights already in memory (a state dict under Hugging Face names)."""
+
+    state: Mapping[str, Tensor]
+
+    def sizes(self) -> dict[str, int]:
+        return {name: _num_bytes(tensor) for name, tensor in self.state.items()}
+
+    def load(self, names: list[str]) -> dict[str, Tensor]:
+        return {name: self.state[name] for name in names}
+
+
 def write_hf_checkpoint(
     folder: Path,
     hf_config: dict[str, Any],
-    hf_state_dict: dict[str, Tensor],
+    weights: Mapping[str, Tensor] | HfWeights,
     *,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer_files: dict[str, bytes] | None = None,
@@ -452,14 +501,17 @@ def write_hf_checkpoint(
     """Writes a Hugging Face checkpoint into `folder` (created if missing): config.json, the weights as
     `model.safetensors` or, over `max_shard_bytes`, as `model-0000K-of-0000N.safetensors` shards with
     `model.safetensors.index.json`, generation_config.json when the config names an EOS token, and
-    `tokenizer_files` (name -> content). Returns the paths written, in that order.
+    `tokenizer_files` (name -> content). `weights` is a state dict under Hugging Face names, or `HfWeights`
+    loaded one shard at a time. Returns the paths written, in that order.
     """
     safetensors_torch = require("safetensors.torch")
+    source = InMemory(weights) if isinstance(weights, Mapping) else weights
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / CONFIG_FILE]
     written[0].write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    shards = _shards(hf_state_dict, max_shard_bytes=max_shard_bytes)
+    sizes = source.sizes()
+    shards = _shards(sizes, max_shard_bytes=max_shard_bytes)
     names = (
         [WEIGHTS_FILE]
         if len(shards) == 1
@@ -468,13 +520,16 @@ def write_hf_checkpoint(
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards, strict=True):
         # safetensors refuses views of shared storage; each tensor gets its own contiguous copy.
-        tensors = {key: tensor.detach().contiguous().clone() for key, tensor in shard.items()}
+        tensors = {key: tensor.detach().contiguous().clone() for key, tensor in source.load(shard).items()}
         safetensors_torch.save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        del tensors  # one shard in memory at a time
         weight_map.update(dict.fromkeys(shard, name))
         written.append(folder / name)
     if len(shards) > 1:
-        total_bytes = sum(_num_bytes(tensor) for tensor in hf_state_dict.values())
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         written.append(folder / INDEX_FILE)
     if hf_config.get("eos_token_id") is not None:
@@ -491,19 +546,18 @@ def _num_bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _shards(state: Mapping[str, Tensor], *, max_shard_bytes: int) -> list[dict[str, Tensor]]:
-    """The tensors in order, a new shard whenever the next would take the current one past the limit (a
-    tensor larger than the limit gets a shard of its own)."""
+def _shards(sizes: Mapping[str, int], *, max_shard_bytes: int) -> list[list[str]]:
+    """The tensors' names in order, a new shard whenever the next would take the current one past the limit
+    (a tensor larger than the limit gets a shard of its own)."""
     if max_shard_bytes <= 0:
         raise BatchpilotError("max_shard_bytes", f"must be positive, got {max_shard_bytes}")
-    shards: list[dict[str, Tensor]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, tensor in state.items():
-        nbytes = _num_bytes(tensor)
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = tensor
+        shards[-1].append(name)
         size += nbytes
     return shards
 
