@@ -137,3 +137,113 @@ def test_a_new_generation_of_the_checkpoint_is_downloaded_again(tmp_path, gcs_cl
     upload(gcs_client, gcs_bucket, hf_folder)  # the same bytes, new generations
     again, said = fetch(uri, tmp_path / "cache")
     assert again == folder and said[0].startswith(f"train.init_from {uri}: downloaded ")
+
+
+# -- each rank reading its own shards' byte ranges (the eager trainer) -----------------------------------------
+
+
+def _ranged_worker(
+    rank: int, world_size: int, per_node: int, port: int, out: str, config_json: str, flip: bool
+):
+    import json as json_module
+
+    import torch
+    import torch.distributed as dist
+    from test_sharding_units import _join, full
+
+    from batchpilot.models.deferred import build_deferred, reset_buffers, to_empty
+    from batchpilot.train.init_from import load_init_from_bucket
+    from batchpilot.train.parallel import wrap_model
+
+    ctx = _join(rank, world_size, per_node, port)
+    if flip and rank == 1:  # one rank's transfer damages one byte of what it reads of a weight file
+        real_read = GCSStorage.read
+
+        def flip_a_byte(self, name, **kwargs):  # in the tensors' bytes, past the header
+            data = real_read(self, name, **kwargs)
+            damaged = name.startswith("model-00002") and kwargs.get("start", 0) >= 4096
+            return data[:-1] + bytes([data[-1] ^ 1]) if damaged and data else data
+
+        GCSStorage.read = flip_a_byte
+    config = parse_config(json_module.loads(config_json))
+    deferred = build_deferred(lambda: build_model(factory=config.model.factory, args=config.model.args))
+    model, result = deferred.model, {}
+
+    def materialize(placed):
+        to_empty(placed, device="cpu")
+        reset_buffers(placed)
+        try:
+            result["loaded"], result["read_bytes"] = load_init_from_bucket(
+                placed, config=config, uri=config.train.init_from
+            )
+        except BatchpilotError as error:
+            result["error"] = str(error)
+
+    wrap_model(model, ctx, strategy="fsdp", bf16=False, materialize=materialize)
+    if "error" not in result:
+        result["weights"] = {name: full(p) for name, p in model.named_parameters()}
+    torch.save(result, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+def ranged_load(tmp_path: Path, uri: str, *, flip: bool = False) -> list[dict]:
+    import json as json_module
+
+    import torch
+    import torch.multiprocessing as mp
+    from test_sharding_units import free_port
+
+    config = tiny_config(data_uri=f"file://{tmp_path}/data", checkpoint_uri=f"file://{tmp_path}/ckpt")
+    config["model"] = {"factory": "batchpilot.models.llama:build", "args": ARGS}
+    config["train"]["init_from"] = uri
+    out = tmp_path / "result"
+    mp.spawn(
+        _ranged_worker,
+        args=(4, 4, free_port(), str(out), json_module.dumps(config), flip),
+        nprocs=4,
+        join=True,
+    )
+    return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(4)]
+
+
+def test_each_rank_reads_its_shards_byte_ranges_and_the_files_crc32c_is_checked(
+    tmp_path, gcs_client, gcs_bucket, hf_folder, monkeypatch
+):
+    """4 fsdp ranks load a gs:// checkpoint with no node copy: each reads at most a quarter of the weight bytes
+    plus one tensor and the files' headers, the gathered model is the one loaded whole from the folder, and
+    the files' CRC32C, combined from every rank's ranges, matches the objects'."""
+    import torch
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    ranks = ranged_load(tmp_path, uri)
+    reference = build_model(factory="batchpilot.models.llama:build", args=ARGS)
+    load_init_from(reference, config=llama_config(tmp_path, uri), folder=hf_folder)
+    weights = sum(p.numel() * 4 for p in reference.parameters())
+    largest = max(p.numel() * 4 for p in reference.parameters())
+    headers = sum(
+        8 + int.from_bytes(path.read_bytes()[:8], "little") for path in hf_folder.glob("*.safetensors")
+    )
+    assert weights / 4 + largest + headers < weights / 2  # reading everything fails the bound
+    assert not (tmp_path / "batchpilot-init-from").exists()
+    for rank in ranks:
+        assert "error" not in rank, rank.get("error")
+        assert rank["loaded"] == 21
+        assert 0 < rank["read_bytes"] <= weights / 4 + largest + headers, (rank["read_bytes"], weights)
+        for name, parameter in reference.named_parameters():
+            assert torch.equal(rank["weights"][name], parameter), name
+
+
+def test_a_byte_damaged_on_one_rank_fails_every_rank_on_the_files_crc32c(
+    tmp_path, gcs_client, gcs_bucket, hf_folder, monkeypatch
+):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    uri = upload(gcs_client, gcs_bucket, hf_folder)
+    ranks = ranged_load(tmp_path, uri, flip=True)
+    for rank in ranks:
+        assert rank["error"].startswith(f"train.init_from: the bytes read of {uri}/model-00002-of-"), rank[
+            "error"
+        ]
+        assert "have CRC32C" in rank["error"] and "(fix: start again" in rank["error"]

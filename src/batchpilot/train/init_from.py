@@ -9,13 +9,16 @@ Memory and reads: the safetensors files are memory-mapped and each rank reads, t
 rows of its own shard (`safe_open(...).get_slice`), copying them into its parameter; the mapped pages are the
 node's page cache, shared by its ranks.
 
-A `gs://` folder is downloaded once per node (`node_cache_folder`): local rank 0 streams config.json, the
+A `gs://` folder is read by each eager rank in byte ranges, only its shards' rows, with every file's CRC32C
+checked from all ranks' reads (`load_init_from_bucket`, `ranged_safetensors.py`). For XLA's hosts and
+explore's probes it is downloaded once per node (`node_cache_folder`): local rank 0 streams config.json, the
 index and the weight files into a node-local cache, checks every file's size and CRC32C against the object's
 metadata and publishes the folder by an atomic rename; the other local ranks wait for it, bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,12 +65,15 @@ def start_from(
     local_rank: int,
     say: Callable[[str], None],
     say_every_rank: Callable[[str], None],
+    ranged: bool = False,
 ) -> None:
     """`train.init_from`: a start without a checkpoint of the run's own takes the Hugging Face weights (step 0,
     a fresh optimizer); a resume (`resuming_step` set) never does, its checkpoint's weights have trained on.
-    A gs:// folder is first downloaded once per node (local rank 0; the other local ranks wait for it). The
-    eager trainer calls this on every rank before ddp wraps or fsdp shards the model; the XLA trainer on
-    every host before the model moves to its devices.
+    With `ranged` (the eager trainer) every rank reads its own shards' byte ranges of a gs:// folder
+    (`ranged_safetensors.py`); otherwise (XLA's hosts, explore's probes) a gs:// folder is first downloaded
+    once per node (local rank 0; the other local ranks wait for it). The eager trainer calls this on every
+    rank once its shards (or replica) have memory; the XLA trainer on every host before the model moves to
+    its devices.
 
     Args:
         say: a message once (the main rank's log); say_every_rank: a message from this rank.
@@ -77,6 +83,11 @@ def start_from(
         return
     if resuming_step is not None:
         say(f"train.init_from {source} not loaded: resuming from step {resuming_step}'s checkpoint")
+        return
+    if ranged and source.startswith("gs://"):
+        loaded, read_bytes = load_init_from_bucket(model, config=config, uri=source)
+        say_every_rank(f"train.init_from {source}: read {read_bytes / 2**20:.1f} MiB, this rank's shards")
+        say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
         return
     folder = init_from_folder(source, local_rank=local_rank, say=say_every_rank)
     loaded = load_init_from(model, config=config, folder=folder)
@@ -267,6 +278,64 @@ def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
     return _copy_checkpoint(model, hf_config=hf_config, folder=folder)
 
 
+def load_init_from_bucket(model: nn.Module, *, config: Config, uri: str) -> tuple[int, int]:
+    """`train.init_from`'s gs:// folder into this rank's part of `model`, each weight file read by byte ranges
+    (this rank's rows), every file's CRC32C then checked from all ranks' reads (a collective when a process
+    group is up: every rank must call it). Returns (tensors loaded, bytes this rank read).
+
+    Raises:
+        BatchpilotError: as `load_init_from`, and for a file that is not safetensors or whose bytes do not
+            match the object's CRC32C.
+    """
+    from batchpilot.models.hf import (
+        CONFIG_FILE,
+        LLAMA_FACTORY,
+        llama_args_from_hf_config,
+        llama_shape_problems,
+    )
+    from batchpilot.train.ranged_safetensors import RangedSafetensors, check_objects
+
+    if config.model.factory != LLAMA_FACTORY:  # plan refuses it; a hand-edited plan is refused by its hash
+        raise BatchpilotError(FIELD, f"loads a Llama, but model.factory is {config.model.factory}")
+    storage = open_storage(uri)
+    objects = _objects(storage)
+    where = f"{uri.rstrip('/')}/{CONFIG_FILE}"
+    try:
+        hf_config = json.loads(storage.read(CONFIG_FILE, generation=objects[CONFIG_FILE]["generation"]))
+    except ValueError as error:
+        raise BatchpilotError(where, f"is not readable JSON ({error})") from None
+    raise_problems(
+        llama_shape_problems(
+            model_factory=config.model.factory, model_args=config.model.args, seq_len=config.data.seq_len,
+            hf_config=hf_config, path=where,
+        )
+    )  # fmt: skip
+    readers = [
+        RangedSafetensors(storage, name, info)
+        for name, info in objects.items()
+        if name.endswith(".safetensors")
+    ]
+    files = {key: reader for reader in readers for key in reader.tensor_names()}
+    loaded = copy_weights(
+        model, args=llama_args_from_hf_config(hf_config), files=files, open_file=contextlib.nullcontext
+    )
+    mine = {reader.name: list(reader.reads) for reader in readers}
+    read_bytes = sum(end - start for reads in mine.values() for start, end, _ in reads)
+    check_objects(readers, _all_ranks(mine))
+    return loaded, read_bytes
+
+
+def _all_ranks(mine: dict[str, list[tuple[int, int, int]]]) -> list[dict[str, list[tuple[int, int, int]]]]:
+    """Every rank's `mine` (this one's alone without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
 def load_weights(model: nn.Module, *, folder: Path) -> int:
     """Copies the checkpoint in `folder` into `model` (as `load_init_from`, without a Config: explore's study
     process has only model.factory and model.args). The config's shape was checked against the checkpoint
@@ -315,13 +384,25 @@ def weight_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-def copy_weights(model: nn.Module, *, args: dict[str, Any], files: dict[str, Path]) -> int:
+def copy_weights(
+    model: nn.Module,
+    *,
+    args: dict[str, Any],
+    files: dict[str, Any],
+    open_file: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
+) -> int:
     """Copies every weight of `files` (Hugging Face name -> file) into the model's own tensor, reading one
-    tensor at a time from the memory-mapped file; a tied head must equal the embedding. Returns the number
-    of the model's state-dict entries set."""
+    tensor at a time, this rank's rows only; a tied head must equal the embedding. `open_file(file)` gives a
+    handle with `get_slice` (default: the local path memory-mapped by safetensors). Returns the number of
+    the model's state-dict entries set."""
     from batchpilot.models.hf import llama_weight_names, require
 
-    safetensors = require("safetensors")
+    if open_file is None:
+        safetensors = require("safetensors")
+
+        def open_file(path: Any) -> contextlib.AbstractContextManager[Any]:
+            return safetensors.safe_open(str(path), framework="pt", device="cpu")
+
     names = llama_weight_names(args)
     targets = model.state_dict(keep_vars=True)
     tied_head = files.pop("lm_head.weight", None) if args["tie_embeddings"] else None
@@ -333,17 +414,17 @@ def copy_weights(model: nn.Module, *, args: dict[str, Any], files: dict[str, Pat
     missing = [theirs for theirs in names if theirs not in files]
     if missing:
         raise BatchpilotError(FIELD, f"lacks {missing[0]}, a weight of its config.json's LlamaForCausalLM")
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Any, list[str]] = {}
     for theirs in names:
         by_file.setdefault(files[theirs], []).append(theirs)
     with torch.no_grad():
         for path, group in by_file.items():
-            with safetensors.safe_open(str(path), framework="pt", device="cpu") as handle:
+            with open_file(path) as handle:
                 for theirs in group:
                     _copy_one(handle, path, theirs, targets[names[theirs]])
         if tied_head is not None:
             embedding = targets["tok_embeddings.weight"]
-            with safetensors.safe_open(str(tied_head), framework="pt", device="cpu") as handle:
+            with open_file(tied_head) as handle:
                 head = handle.get_slice("lm_head.weight")[part_slices(embedding)]  # this rank's rows
             if not torch.equal(head.to(embedding.dtype), local_tensor(embedding).cpu()):
                 raise BatchpilotError(

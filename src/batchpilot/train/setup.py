@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from batchpilot import runstate
-from batchpilot.config import Config
+from batchpilot.config import Config, resolved_runtime
 from batchpilot.config.identity import checkpoint_continuation
 from batchpilot.data.loader import TokenLoader
 from batchpilot.errors import BatchpilotError
@@ -173,6 +173,7 @@ def initial_model(
             local_rank=local_rank,
             say=say,
             say_every_rank=say_every_rank,
+            ranged=resolved_runtime(config) != "xla",  # eager ranks read their shards' byte ranges of gs://
         )
 
     return model, initialize
