@@ -225,7 +225,7 @@ def test_launch_takes_the_plans_stage_and_launch_names(nemo_plan, tmp_path):
     # Twin refusal: a name that is no stage of this plan.
     with no_debris(tmp_path):
         refused = run_cli("launch", "--plan", nemo_plan, "--stage", "stage-9", "--dry-run")
-    refused.assert_refused("--stage", "is not a stage of this plan")
+    refused.assert_refused("--stage", "'stage-9' is not a stage of this plan")  # as typed, not '9'
 
 
 def test_train_takes_the_plans_stage_names(tmp_path):
@@ -240,7 +240,7 @@ def test_train_takes_the_plans_stage_names(tmp_path):
         refused = run_process(
             "train", "--plan", str(plan), "--stage", "stage-9", "--out", str(tmp_path / "out")
         )
-    refused.assert_refused("--stage", "is not a stage of this plan")
+    refused.assert_refused("--stage", "'stage-9' is not a stage of this plan")
     # Twin: `stage-0`, as `batchpilot plan` names the first stage, trains it.
     trained = run_process("train", "--plan", str(plan), "--stage", "stage-0", "--out", str(tmp_path / "out"))
     assert trained.code == 0, trained.stderr[-2000:]

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot.commands.options import add_dry_run, add_out
+from batchpilot.errors import BatchpilotError
 from batchpilot.files import check_output_dir
-from batchpilot.plan.rundoc import read_run_document
+from batchpilot.plan.rundoc import RunDocument, read_run_document
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,22 @@ def stage_arg(text: str) -> str:
     return index if index is not None else f"{first}-{last}"
 
 
+def selected_stage(text: str, document: RunDocument) -> str:
+    """`stage_arg(text)`, refused in one line naming `text` as the user gave it when the plan has no such
+    stage (`'stage-9' is not a stage of this plan`, not the index it became). An adaptive ramp-up's stages
+    are decided as it trains: its provisional plan does not list them, `adaptive_stage` checks them."""
+    from batchpilot.plan.adaptive import is_adaptive
+
+    stage = stage_arg(text)
+    if is_adaptive(document.config):
+        return stage
+    try:
+        document.plan.select(stage, allow_all=True)
+    except BatchpilotError as error:
+        raise BatchpilotError(error.field, f"{text!r} is not a stage of this plan", error.fix) from None
+    return stage
+
+
 def run_train(args: argparse.Namespace) -> int:
     from batchpilot.config import resolved_runtime
     from batchpilot.plan.adaptive import is_adaptive
@@ -83,8 +100,8 @@ def run_train(args: argparse.Namespace) -> int:
     from batchpilot.train.trainer import train
     from batchpilot.workflow.stage import adaptive_stage
 
-    args.stage = stage_arg(args.stage)
     document = read_run_document(args.plan)
+    args.stage = selected_stage(args.stage, document)
     cluster = document.config.cluster
     # Before anything reads the checkpoints or joins a process group: a GPU or TPU plan without its
     # devices refuses in one line instead of training on the CPU while the pool bills.
@@ -111,8 +128,8 @@ def run_launch(args: argparse.Namespace) -> int:
     from batchpilot.logs import configure_console
     from batchpilot.workflow.stage import render_stage_job, run_stage
 
-    args.stage = stage_arg(args.stage)
     document = read_run_document(args.plan)
+    args.stage = selected_stage(args.stage, document)
     if args.dry_run:
         configure_console(stream=sys.stderr)  # stdout carries the YAML alone
         print(render_stage_job(document, stage=args.stage, audit=args.audit), end="")
