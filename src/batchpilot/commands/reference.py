@@ -18,10 +18,15 @@ END = "<!-- end of reference -->"
 def subcommands(
     parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
 ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
-    """(name path, parser) of every subcommand below `parser`, nested ones (`config check`) included."""
+    """(name path, parser) of every subcommand below `parser` that `--help` lists, nested ones (`config
+    check`) included; internal ones, registered without a help (`canary-rank`, which only a pipeline task
+    runs), are left out as `--help` leaves them out."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            listed = {choice.dest for choice in action._choices_actions}
             for name, child in action.choices.items():
+                if name not in listed:
+                    continue
                 yield (*path, name), child
                 yield from subcommands(child, (*path, name))
 
