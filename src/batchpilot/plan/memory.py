@@ -103,6 +103,35 @@ def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) ->
     return activation_bytes_per_sample(points)
 
 
+def explore_node_problem(config: Config, shape: ModelShape) -> BatchpilotError | None:
+    """Explore's probes run on one node (`devices_per_node` processes, sharded over them at most): a model
+    that one node cannot hold even at micro batch 1 with activation checkpointing, as fsdp over the node,
+    leaves explore nothing to measure, and each probe would fail on the accelerator. None when it fits or
+    the device's memory is unknown."""
+    cluster = config.cluster
+    local = cluster.backend == "local"
+    device_memory = cluster.device_memory_bytes or (
+        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
+    )
+    if device_memory is None:
+        return None
+    devices = cluster.devices_per_node
+    estimate = estimate_memory(
+        shape=shape, strategy="fsdp" if devices > 1 else "ddp", world_size=devices, devices_per_node=devices,
+        micro_batch_size=1, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
+        activation_checkpointing=True, reserve_fixed_bytes=_reserve_fixed_bytes(config),
+    )  # fmt: skip
+    if estimate.total <= device_memory:
+        return None
+    return BatchpilotError(
+        "batch.micro_batch_size",
+        f"is explore, but explore probes on one node of {devices} device(s), where even micro batch 1 with "
+        f"activation checkpointing needs {estimate.describe()} per device, more than the device's "
+        f"{device_memory / 2**30:.1f} GiB",
+        "give batch.micro_batch_size (the plan then spreads the model over the nodes its memory check picks)",
+    )
+
+
 def probe_parallelism(config: Config, shape: ModelShape) -> str:
     """The strategy explore's probes run under, so that they measure what the stages will run: the
     config's, or for `auto` the one the memory model picks at micro batch 1 (fsdp when even that does

@@ -96,6 +96,12 @@ def preflight(config: Config) -> RunDocument | None:
             trials_pool_nodes(document)
         return None if auto else document
     plan(config, micro_batch_size=1, announce=False)
+    from batchpilot.plan.memory import explore_node_problem
+    from batchpilot.train.shape import model_shape  # torch: only where a plan is made
+
+    problem = explore_node_problem(config, model_shape(factory=config.model.factory, args=config.model.args))
+    if problem is not None:
+        raise problem
     return None
 
 
