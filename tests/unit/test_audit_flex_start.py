@@ -10,6 +10,11 @@
 
 The API is `RequestStore`, an in-memory stand-in with `provisioning.Requests`' surface (list by labels, get,
 create, delete); the requests are the real manifests (`provisioning_request_manifest`) with GKE's conditions.
+The conditions and what they mean are the ProvisioningRequest API's (kubernetes/autoscaler,
+cluster-autoscaler/apis/provisioningrequest/autoscaling.x-k8s.io/v1/types.go): Accepted; Provisioned (every
+requested resource created and registered); Failed (the resources cannot be obtained); BookingExpired (it was
+Provisioned and its capacity reservation time expired); CapacityRevoked (the requested resources are no longer
+valid). A list by labels matches every given label (a Kubernetes equality-based label selector).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ GCS is `FakeGcs`, an in-process stand-in for the JSON API behind google-cloud-st
 transport (the real client builds the requests, computes and checks the checksums); it serves media
 downloads with the `x-goog-hash` GCS sends, and multipart uploads that GCS would refuse when their
 `crc32c` does not match the body. It can damage one byte of the next transfers, as a bad link does.
+Its rules are Cloud Storage's, as documented: an object's CRC32C is the base64 of its four big-endian bytes
+and a download reports it in the `x-goog-hash: crc32c=...` response header ("Hashes and ETags"); a CRC32C
+given with an upload is validated by the server, which rejects a mismatched upload before the object is
+created (the JSON API's objects.insert; the .NET client's `UploadValidationMode.RejectAndThrow` reference
+says it in those words); a ranged download answers 206 with a `Content-Range` (the JSON API's media download).
 """
 
 from __future__ import annotations
