@@ -10,7 +10,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -243,9 +243,8 @@ class Rehearsal:
             timeout_s=self.options.step_timeout_s,
         )  # fmt: skip
         self.jobsets.append(name)
-        rank0 = pods[0].name
-        wait_for(f"training step in pod {rank0}'s log (the rendezvous done)",
-                 lambda: STEPPING.search(view.log(rank0)), timeout_s=self.options.step_timeout_s)  # fmt: skip
+        wait_for(f"training step in the logs of JobSet {name}'s {len(pods)} pod(s) (the rendezvous done)",
+                 lambda: logged(view, pods, STEPPING), timeout_s=self.options.step_timeout_s)  # fmt: skip
         return ok(
             "launch",
             f"JobSet {name}: {len(pods)} pod(s) Running and stepping (the process group formed) "
@@ -278,8 +277,8 @@ class Rehearsal:
             timeout_s=self.options.step_timeout_s,
         )
         resumed = wait_for(
-            f"resume line in pod {restarted[0].name}'s log",
-            lambda: RESUMED.search(view.log(restarted[0].name)), timeout_s=self.options.step_timeout_s,
+            f"resume line in the logs of JobSet {jobset}'s restarted pod(s)",
+            lambda: logged(view, restarted, RESUMED), timeout_s=self.options.step_timeout_s,
         )  # fmt: skip
         at = latest_step(uri)
         if int(resumed.group(1)) not in (step, at) or int(resumed.group(1)) < (step or 0):
@@ -302,9 +301,10 @@ class Rehearsal:
             lambda: self._running_jobset(view, exclude=tuple(self.jobsets)), timeout_s=self.options.step_timeout_s,
         )  # fmt: skip
         self.jobsets.append(name)
+        # Rank 0 logs it, and torchrun's c10d rendezvous numbers the nodes in the order they join: any pod.
         resumed = wait_for(
-            f"resume line in pod {pods[0].name}'s log",
-            lambda: RESUMED.search(view.log(pods[0].name)), timeout_s=self.options.step_timeout_s,
+            f"resume line in the logs of JobSet {name}'s {len(pods)} pod(s)",
+            lambda: logged(view, pods, RESUMED), timeout_s=self.options.step_timeout_s,
         )  # fmt: skip
         return ok(
             "stage change",
@@ -415,3 +415,12 @@ def summary(checks: list[Check]) -> str:
         status: sum(1 for c in checks if c.status == status) for status in ("passed", "FAILED", "skipped")
     }
     return f"rehearse: {counts['passed']} passed, {counts['FAILED']} FAILED, {counts['skipped']} skipped"
+
+
+def logged(view: ClusterView, pods: Sequence[Pod], pattern: re.Pattern[str]) -> re.Match[str] | None:
+    """`pattern`'s first match in the logs of `pods`, in their order (None: in none yet)."""
+    for pod in pods:
+        match = pattern.search(view.log(pod.name))
+        if match:
+            return match
+    return None
