@@ -15,9 +15,12 @@ under `torch.manual_seed(seed)`:
   operation with number arguments (`fill_`, `mul_`, `clamp_`, ...) runs on that part alone (the part of an
   elementwise result is the result on the part). Host memory: the rank's parts plus one whole tensor.
 
+`nn.init`'s `trunc_normal_`, `orthogonal_`, `dirac_` and `sparse_` do nothing on meta tensors, so they are
+recorded as whole calls instead (`_INIT_FUNCTIONS`) and replayed on a whole CPU tensor.
+
 What cannot be replayed is refused in one line (`model.factory`): an operation on part of a parameter, an
-in-place operation that is not elementwise on numbers (`copy_` from a computed tensor, `orthogonal_`), a
-tensor built off the meta device. Buffers hold no values on meta: a model that has any must recompute them
+in-place operation that is not elementwise on numbers (`copy_` from a computed tensor), a tensor built off
+the meta device, a parameter no replayable operation initialises. Buffers hold no values on meta: a model that has any must recompute them
 in `reset_buffers()` (the Llama's rotary tables), which `initialize` and `reset_buffers` call.
 """
 
@@ -54,7 +57,7 @@ ELEMENTWISE_IN_PLACE = frozenset(
     }
 )  # fmt: skip
 """In-place elementwise operations whose arguments are numbers: replayed on the rank's part only
-(`nn.init.trunc_normal_` is `uniform_`, `erfinv_`, `mul_`, `add_`, `clamp_`; `ones_`/`zeros_` are `fill_`/`zero_`)."""
+(`nn.init.ones_`/`zeros_`/`constant_` are `fill_`/`zero_`)."""
 
 RANDOM_FACTORIES = frozenset(
     {

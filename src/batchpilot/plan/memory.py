@@ -32,10 +32,7 @@ def memory_plan(
     """Per-device memory of every stage and the strategy (`train.parallelism`, auto resolved); refuses a
     strategy that does not fit the device. Local runs check against explore's CPU memory budget."""
     cluster = config.cluster
-    local = cluster.backend == "local"
-    device_memory = cluster.device_memory_bytes or (
-        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
-    )
+    device_memory = planned_device_memory(config)
     return plan_memory(
         # SPMD under xla shards over every device of the slice: the memory of fsdp.
         requested="fsdp" if resolved_runtime(config) == "xla" else config.train.parallelism,
@@ -49,6 +46,16 @@ def memory_plan(
         device_memory_bytes=device_memory,
         reserve_fixed_bytes=_reserve_fixed_bytes(config),
         shard_nodes=config.train.hsdp_shard_nodes,
+    )
+
+
+def planned_device_memory(config: Config) -> int | None:
+    """The memory a device's estimate is checked against: `cluster.device_memory_bytes`, else explore's CPU
+    budget for a local run, else the accelerator's in the device table (None: unknown)."""
+    cluster = config.cluster
+    local = cluster.backend == "local"
+    return cluster.device_memory_bytes or (
+        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
     )
 
 
@@ -109,10 +116,7 @@ def explore_node_problem(config: Config, shape: ModelShape) -> BatchpilotError |
     leaves explore nothing to measure, and each probe would fail on the accelerator. None when it fits or
     the device's memory is unknown."""
     cluster = config.cluster
-    local = cluster.backend == "local"
-    device_memory = cluster.device_memory_bytes or (
-        config.explore.memory_budget_bytes if local else device_memory_bytes(cluster.accelerator_type)
-    )
+    device_memory = planned_device_memory(config)
     if device_memory is None:
         return None
     devices = cluster.devices_per_node
