@@ -174,3 +174,21 @@ def validate_crd(obj: dict, filename: str, *, version: str | None = None) -> Non
 
     # Not jsonschema.validate: it would first meta-validate the large schema, which costs seconds a call.
     jsonschema.Draft7Validator(crd_schema(filename, version=version)).validate(obj)
+
+
+def assert_identical(expected: object, actual: object, where: str = "") -> None:
+    """The same nested state: tensors bit for bit, everything else equal."""
+    import torch
+
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and expected.keys() == actual.keys(), where
+        for key in expected:
+            assert_identical(expected[key], actual[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(expected) == len(actual), where
+        for index, (a, b) in enumerate(zip(expected, actual, strict=True)):
+            assert_identical(a, b, f"{where}/{index}")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(expected, actual), where
+    else:
+        assert expected == actual, where

@@ -178,7 +178,7 @@ TERA = 10**12
         ({"cluster": {"devices_per_node": TERA}}, "cluster.devices_per_node"),
         ({"train": {"warmup_samples": TERA}}, "train.warmup_samples"),
         ({"data": {"seq_len": TERA}}, "data.seq_len"),
-        ({"batch": {"tensor_parallel_size": TERA}}, "batch.tensor_parallel_size"),
+        ({"train": {"tensor_parallel_size": TERA}}, "train.tensor_parallel_size"),
     ],
     ids=[
         "global-batch", "megatron-ramp", "schedule", "auto-bound", "micro-batch", "odd-micro-batch",

@@ -280,7 +280,9 @@ def test_embedding_and_head_are_their_own_fsdp_units(tmp_path, monkeypatch, name
 # -- built on meta, each rank materialising its shards only ---------------------------------------------------
 
 
-def _meta_worker(rank: int, world_size: int, per_node: int, port: int, out: str, strategy: str) -> None:
+def _meta_worker(
+    rank: int, world_size: int, per_node: int, port: int, out: str, strategy: str, tensor_parallel_size: int
+) -> None:
     from batchpilot.models.deferred import build_deferred, to_empty
 
     ctx = _join(rank, world_size, per_node, port)
@@ -292,7 +294,14 @@ def _meta_worker(rank: int, world_size: int, per_node: int, port: int, out: str,
         torch.manual_seed(0)  # the seed `build` uses
         deferred.initialize(placed)
 
-    wrap_model(model, ctx, strategy=strategy, bf16=False, materialize=materialize)
+    wrap_model(
+        model,
+        ctx,
+        strategy=strategy,
+        bf16=False,
+        materialize=materialize,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
     result = {
         "weights": {name: full(p) for name, p in model.named_parameters()},
@@ -305,17 +314,22 @@ def _meta_worker(rank: int, world_size: int, per_node: int, port: int, out: str,
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
-def test_a_model_built_on_meta_and_sharded_holds_the_cpu_builds_weights(tmp_path, monkeypatch, strategy):
-    """4 ranks (hsdp: 2 nodes x 2) each fill only their shards, and the gathered model is bit for bit the one
-    built on the CPU under the same seed: initial weights do not depend on the world or the parallelism."""
+@pytest.mark.parametrize(
+    ("strategy", "tensor_parallel_size"), [("fsdp", 1), ("hsdp", 1), ("fsdp", 2), ("hsdp", 2)]
+)
+def test_a_model_built_on_meta_and_sharded_holds_the_cpu_builds_weights(
+    tmp_path, monkeypatch, strategy, tensor_parallel_size
+):
+    """4 ranks (hsdp: 2 nodes x 2; with tensor parallelism each node's 2 ranks split every block) each fill
+    only their parts, and the gathered model is bit for bit the one built on the CPU under the same seed:
+    initial weights do not depend on the world or the parallelism."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    ranks = spawn(_meta_worker, 4, 2, tmp_path / "result", strategy)
+    ranks = spawn(_meta_worker, 4, 2, tmp_path / "result", strategy, tensor_parallel_size)
     reference = build("llama", tie_embeddings=True)
     after = torch.rand(4)
     whole_bytes = sum(p.numel() * 4 for p in reference.parameters())
-    degree = 4 if strategy == "fsdp" else 2
+    degree = 4 if strategy == "fsdp" else 2  # hsdp with tensor parallelism: the node's 2 ranks split it
     for rank in ranks:
         assert rank["tied"]
         assert rank["weights"].keys() == dict(reference.named_parameters()).keys()

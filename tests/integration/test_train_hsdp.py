@@ -17,7 +17,15 @@ import torch
 
 from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
-from helpers import launch, run_batchpilot, tiny_config, trainer_ranks, wait_for_steps, write_plan
+from helpers import (
+    assert_identical,
+    launch,
+    run_batchpilot,
+    tiny_config,
+    trainer_ranks,
+    wait_for_steps,
+    write_plan,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,22 +56,6 @@ def train_final(plan: str, out: Path):
 
 def weights(root: Path) -> dict[str, torch.Tensor]:
     return Checkpointer(uri=f"file://{root}/ckpt").load().full_state()["model"]
-
-
-def assert_identical(expected: object, actual: object, where: str = "") -> None:
-    """The same nested state: tensors bit for bit, everything else equal."""
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict) and expected.keys() == actual.keys(), where
-        for key in expected:
-            assert_identical(expected[key], actual[key], f"{where}/{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(expected) == len(actual), where
-        for index, (a, b) in enumerate(zip(expected, actual, strict=True)):
-            assert_identical(a, b, f"{where}/{index}")
-    elif isinstance(expected, torch.Tensor):
-        assert torch.equal(expected, actual), where
-    else:
-        assert expected == actual, where
 
 
 @pytest.fixture(scope="module")

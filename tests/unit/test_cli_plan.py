@@ -215,10 +215,16 @@ def test_device_memory_override_decides(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["parallelism"] == "ddp"
 
 
-@pytest.mark.parametrize("key", ["pipeline_parallel_size", "tensor_parallel_size"])
-def test_model_parallelism_is_refused_until_implemented(tmp_path, capsys, key):
-    assert main(["plan", "--config", write(tmp_path, nemo_with(**{key: 2}))]) == 2
+def test_pipeline_parallelism_is_refused_until_implemented(tmp_path, capsys):
+    assert main(["plan", "--config", write(tmp_path, nemo_with(pipeline_parallel_size=2))]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        f"batchpilot: error: batch.{key}: is 2, but the trainer implements data parallelism only"
+        "batchpilot: error: batch.pipeline_parallel_size: is 2, but the trainer implements data and tensor "
+        "parallelism"
     )
+
+
+def test_tensor_parallel_size_under_batch_says_where_it_moved(tmp_path, capsys):
+    assert main(["plan", "--config", write(tmp_path, nemo_with(tensor_parallel_size=2))]) == 2
+    err = capsys.readouterr().err
+    assert "batch: tensor_parallel_size is a train setting: move it to train.tensor_parallel_size" in err

@@ -41,6 +41,7 @@ def measured(model: nn.Module) -> ModelShape:
         lookup_params=(0 if model.config.tie_embeddings else embedding.weight.numel())
         if llama
         else model.wpe.weight.numel(),
+        tensor_parallel=llama,  # the trainer's plan is the Llama's (train/tensor_parallel.py)
     )
 
 
@@ -86,6 +87,7 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
         input_projections=5,
         context_length=4096,
         lookup_params=128256 * 3072,  # the untied token embedding
+        tensor_parallel=True,
     )
     assert elapsed_s < 1.0
 

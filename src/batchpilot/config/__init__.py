@@ -35,6 +35,7 @@ __all__ = [
     "BatchConfig",
     "ClusterConfig",
     "Config",
+    "FINGERPRINT_DEFAULTS",
     "ConfigError",
     "DataConfig",
     "ExploreConfig",
@@ -137,8 +138,13 @@ def explore_fingerprint(config: Config) -> dict[str, Any]:
         "cluster.devices_per_node": config.cluster.devices_per_node,
         "cluster.accelerator_type": config.cluster.accelerator_type,
         "train.parallelism": config.train.parallelism,
+        "train.tensor_parallel_size": config.train.tensor_parallel_size,
         "train.init_from": config.train.init_from,
     }
+
+
+FINGERPRINT_DEFAULTS: dict[str, Any] = {"train.tensor_parallel_size": 1}
+"""Fingerprint keys added after explore.json files were written, at the value those were measured with."""
 
 
 class ConfigError(BatchpilotError):

@@ -134,10 +134,19 @@ class BatchConfig(_Section):
     )
     schedule: str | None = Field(None, description='explicit ramp-up, e.g. "0:16 2K:32 4K:64" (`t` = tokens)')
     pipeline_parallel_size: PositiveInt = Field(1, description="pipeline stages per model replica")
-    tensor_parallel_size: PositiveInt = Field(1, description="tensor-parallel devices per model replica")
     num_pipeline_microbatches: PositiveInt | None = Field(
         None, description="chunks of each pass's batch fed through the pipeline (multiple of the stages)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensor_parallel_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tensor_parallel_size" in data:
+            raise ValueError(
+                "tensor_parallel_size is a train setting: move it to train.tensor_parallel_size "
+                "(1, 2, 4 or 8 devices of one node per model replica)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _one_rampup_form(self) -> BatchConfig:

@@ -119,6 +119,12 @@ class TrainConfig(_Section):
         "their devices, replicated across the groups); it must divide every stage's node count. Unset: the "
         "fewest such nodes whose memory estimate fits every stage (1 when one node is enough)",
     )
+    tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
+        1,
+        description="devices of one node that split each block's matrices (column- and row-parallel projections, "
+        "sequence-parallel norms); the data-parallel size is the devices over it, and fsdp or hsdp shards over "
+        "that. It must divide devices_per_node, the heads, the key/value heads, the MLP width and the vocabulary",
+    )
     runtime: Literal["auto", "eager", "xla"] = Field(
         "auto",
         description="eager: PyTorch on CUDA or CPU; xla: torch_xla (PJRT) with SPMD sharding over every device "

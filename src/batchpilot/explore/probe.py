@@ -6,8 +6,8 @@ probe means a CUDA out-of-memory error (or a fragmented allocator) cannot poison
 peak resident memory of the process is the peak of this one configuration.
 
 Under fsdp/hsdp a probe is `ProbeRequest.processes` such processes (one per device of a node, see
-process.py): each joins the process group, reads its own samples, runs the trainer's sharded passes and
-reports its own peak; the pass times are the slowest rank's. A rank that runs out of memory reports it
+process.py): each joins the process group, reads its own samples (with tensor parallelism, its group's),
+runs the trainer's sharded passes and reports its own peak; the pass times are the slowest rank's. A rank that runs out of memory reports it
 and exits; its peers, stuck in its collectives, are killed by the parent.
 
 On CPU there is no out-of-memory error to catch before the machine swaps or the kernel kills the
@@ -89,9 +89,15 @@ class Session:
     def device(self) -> torch.device:
         return self.ctx.device
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each take their own micro batch (a tensor-parallel group shares one)."""
+        return self.ctx.world_size // self.parallel.tensor_parallel_size
+
     def next_micro_batches(self, micro_batch_size: int, accumulation: int = 1) -> list[torch.Tensor]:
-        """This rank's micro batches of the next `micro x world x accumulation` samples, on the device."""
-        global_batch_size = micro_batch_size * self.ctx.world_size * accumulation
+        """This rank's micro batches of the next `micro x data-parallel ranks x accumulation` samples, on the
+        device."""
+        global_batch_size = micro_batch_size * self.data_parallel_size * accumulation
         batches = self.loader.micro_batches(
             consumed_samples=self.consumed_samples,
             global_batch_size=global_batch_size,
@@ -149,13 +155,14 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
     if ctx.device.type == "cpu" and request.cpu_threads:
         torch.set_num_threads(request.cpu_threads)
     torch.manual_seed(request.seed)
+    tp = request.tensor_parallel_size  # a tensor-parallel group's ranks read their data-parallel rank's samples
     loader = TokenLoader(
         uri=request.data_uri,
         seq_len=request.seq_len,
         seed=request.seed,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        local_world_size=ctx.local_world_size,
+        rank=ctx.rank // tp,
+        world_size=ctx.world_size // tp,
+        local_world_size=ctx.local_world_size // tp,
         split=request.split,
         verify_checksums=request.verify_checksums,
     )
@@ -180,7 +187,9 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
 
         strategy: Strategy = request.parallelism  # type: ignore[assignment]
         bf16 = uses_bf16(ctx.device, request.precision)
-        parallel = wrap_model(model, ctx, strategy=strategy, bf16=bf16, materialize=materialize)
+        parallel = wrap_model(
+            model, ctx, strategy=strategy, bf16=bf16, materialize=materialize, tensor_parallel_size=tp
+        )
         optimizer = make_optimizer(model, weight_decay=0.0)  # after sharding: on the shards
         autocast = autocast_factory(ctx.device, request.precision, parallel)
         yield Session(
@@ -295,7 +304,10 @@ def _record_timing(session: Session, request: ProbeRequest, result: ProbeResult)
     times_s, reference_times_s = slowest[: len(times_s)], slowest[len(times_s) :]
     result.__dict__.update(
         timing_from_steps(
-            step_times_s=times_s, micro_batch_size=request.micro_batch_size, seq_len=request.seq_len
+            step_times_s=times_s,
+            micro_batch_size=request.micro_batch_size,
+            seq_len=request.seq_len,
+            tensor_parallel_size=request.tensor_parallel_size,
         )
     )
     if request.reference_micro_batch_size is not None:

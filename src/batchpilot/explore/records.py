@@ -69,9 +69,16 @@ class ProbeLayout:
 
     parallelism: str = "ddp"
     processes: int = 1
+    tensor_parallel_size: int = 1
+    """Processes of the probe that split each block (train.tensor_parallel_size), as a stage's node does."""
 
     def line(self) -> str:
         """`probes run as 2 processes under fsdp (what the stages run)`."""
+        if self.tensor_parallel_size > 1:
+            return (
+                f"probes run as {self.processes} processes under {self.parallelism}, each block split "
+                f"{self.tensor_parallel_size} ways (what a node of the stages runs)"
+            )
         if self.processes > 1:
             return f"probes run as {self.processes} processes under {self.parallelism} (what the stages run)"
         if self.parallelism == "ddp":
@@ -82,10 +89,14 @@ class ProbeLayout:
         return f"probes run as 1 process under {self.parallelism} (one device per node: nothing to shard)"
 
 
-def probe_layout(*, parallelism: str, devices_per_node: int) -> ProbeLayout:
+def probe_layout(*, parallelism: str, devices_per_node: int, tensor_parallel_size: int = 1) -> ProbeLayout:
     """The probes' layout for the stages' strategy (see ProbeLayout)."""
     sharded = parallelism in ("fsdp", "hsdp")
-    return ProbeLayout(parallelism=parallelism, processes=devices_per_node if sharded else 1)
+    return ProbeLayout(
+        parallelism=parallelism,
+        processes=devices_per_node if sharded else 1,
+        tensor_parallel_size=tensor_parallel_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,9 @@ class ProbeRequest(_Configuration):
             `ProbeResult.pair_ratios`). None: no reference (the base probe itself, or another compile
             setting than the reference's).
         parallelism: how the probe wraps the model (`train.parallelism` resolved, see `ProbeLayout`).
-        processes: how many processes the probe runs as (one node; each reads its own samples).
+        processes: how many processes the probe runs as (one node; each data-parallel rank reads its own
+            samples).
+        tensor_parallel_size: processes that split each block and share one data-parallel rank's samples.
         init_from: `train.init_from`, whose weights the model loads right after it is built; set for the
             effective-batch study only (a speed probe's timing does not depend on the weights).
     """
@@ -133,6 +146,7 @@ class ProbeRequest(_Configuration):
     parallelism: str = "ddp"
     processes: int = 1
     init_from: str | None = None
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_json(cls, text: str) -> ProbeRequest:
@@ -200,13 +214,16 @@ class ProbeResult(_Configuration):
         return record
 
 
-def timing_from_steps(*, step_times_s: list[float], micro_batch_size: int, seq_len: int) -> dict[str, Any]:
-    """step_time_s (median), tokens/s and samples/s of one micro batch from its timed passes."""
+def timing_from_steps(
+    *, step_times_s: list[float], micro_batch_size: int, seq_len: int, tensor_parallel_size: int = 1
+) -> dict[str, Any]:
+    """step_time_s (median), tokens/s and samples/s per device of one micro batch from its timed passes (the
+    `tensor_parallel_size` devices of a data-parallel rank share its micro batch)."""
     median_s = statistics.median(step_times_s)
     return {
         "step_time_s": median_s,
-        "tokens_per_s": micro_batch_size * seq_len / median_s,
-        "samples_per_s": micro_batch_size / median_s,
+        "tokens_per_s": micro_batch_size * seq_len / tensor_parallel_size / median_s,
+        "samples_per_s": micro_batch_size / tensor_parallel_size / median_s,
         "repeats": len(step_times_s),
         "step_times_s": list(step_times_s),
     }

@@ -84,6 +84,7 @@ def probe_request(
         reference_activation_checkpointing=paired.activation_checkpointing if paired else False,
         parallelism=layout.parallelism,
         processes=layout.processes,
+        tensor_parallel_size=layout.tensor_parallel_size,
     )
 
 
@@ -96,7 +97,9 @@ def layout_of(config: Config) -> ProbeLayout:
     with factory_errors(config.model.factory):
         shape = model_shape(factory=config.model.factory, args=dict(config.model.args))
     layout = probe_layout(
-        parallelism=probe_parallelism(config, shape), devices_per_node=config.cluster.devices_per_node
+        parallelism=probe_parallelism(config, shape),
+        devices_per_node=config.cluster.devices_per_node,
+        tensor_parallel_size=config.train.tensor_parallel_size,
     )
     check_devices(layout)
     return layout
@@ -304,11 +307,12 @@ def _study(*, config: Config, recommendation: Recommendation, layout: ProbeLayou
         per_multiplier=per_multiplier,
         micro_batch_size=micro,
         configured_global_batch_size=config.batch.target_bound,
-        devices_per_node=config.cluster.devices_per_node,
+        # data-parallel ranks: a tensor-parallel group takes one micro batch
+        devices_per_node=config.cluster.devices_per_node // layout.tensor_parallel_size,
         min_nodes=config.cluster.min_nodes,
         max_nodes=config.cluster.max_nodes,
         train_steps=explore.study_train_steps,
-        processes=layout.processes,
+        processes=layout.processes // layout.tensor_parallel_size,
         weights=weights,
     )
 
@@ -425,5 +429,5 @@ def topology_of(config: Config) -> Topology:
         min_nodes=config.cluster.min_nodes,
         max_nodes=config.cluster.max_nodes,
         pipeline_parallel_size=config.batch.pipeline_parallel_size,
-        tensor_parallel_size=config.batch.tensor_parallel_size,
+        tensor_parallel_size=config.train.tensor_parallel_size,
     )

@@ -74,7 +74,7 @@ def _measure_multiplier(session: Any, request: StudyRequest, multiplier: int) ->
     from batchpilot.train.noise import noise_terms
     from batchpilot.train.parallel import dot, gradients, squared_norm
 
-    micro, world = request.probe.micro_batch_size, session.ctx.world_size
+    micro, world = request.probe.micro_batch_size, session.data_parallel_size
     group = session.parallel.shard_group  # sums over shards (None: whole tensors on one process)
     g2s, ss, norms, cosines = [], [], [], []
     for _ in range(request.measure_batches):

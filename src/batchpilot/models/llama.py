@@ -66,20 +66,23 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # -1 heads: under tensor parallelism the projections give this device's heads only
+        # (train/tensor_parallel.py), the same heads in the same order as the whole model's.
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_head == self.n_head:
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if kv_heads == heads:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif _SDPA_HAS_GQA:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            repeats = self.n_head // self.n_kv_head
+            repeats = heads // kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, self.n_head * self.head_dim))
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
 
 
 class FeedForward(nn.Module):

@@ -55,11 +55,7 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
     entries), training shorter than the ramp, stages that no micro batch can place (micro batch 1 cannot:
     every micro batch is a multiple of it) and more than `MAX_STAGES` stages.
     """
-    problems: list[BatchpilotError] = []
-    try:
-        check_parallelism(config)
-    except BatchpilotError as error:
-        problems.append(error)
+    problems = parallelism_problems(config)
     problems += init_from_problems(config)
     problems += length_problems(config)
     problems += cluster_config_problems(config)
@@ -189,17 +185,81 @@ def ramp_problems(config: Config) -> list[BatchpilotError]:
     return problems
 
 
-def check_parallelism(config: Config) -> None:
-    """Refuses model parallelism the trainer does not implement (it would be planned, then ignored)."""
-    for key in ("pipeline_parallel_size", "tensor_parallel_size"):
-        value = getattr(config.batch, key)
-        if value > 1:
-            raise BatchpilotError(
-                f"batch.{key}",
-                f"is {value}, but the trainer implements data parallelism only (ddp, fsdp, hsdp: "
-                "train.parallelism), not pipeline or tensor parallelism",
-                f"set batch.{key}: 1 and shard the model with train.parallelism: fsdp or hsdp",
+def parallelism_problems(config: Config) -> list[BatchpilotError]:
+    """Model parallelism the trainer does not implement (it would be planned, then ignored), and tensor
+    parallelism where the trainer cannot apply it (`tensor_parallel_problems`)."""
+    value = config.batch.pipeline_parallel_size
+    problems = tensor_parallel_problems(config)
+    if value > 1:
+        problems.insert(
+            0,
+            BatchpilotError(
+                "batch.pipeline_parallel_size",
+                f"is {value}, but the trainer implements data and tensor parallelism (train.parallelism, "
+                "train.tensor_parallel_size), not pipeline parallelism",
+                "set batch.pipeline_parallel_size: 1 and shard the model with train.parallelism: fsdp or hsdp",
+            ),
+        )
+    return problems
+
+
+def tensor_parallel_problems(config: Config) -> list[BatchpilotError]:
+    """`train.tensor_parallel_size` > 1: its group lies within one node (it must divide devices_per_node),
+    FSDP2 shards over the data-parallel dimension of the 2-D mesh (fsdp or hsdp, not ddp), the eager runtime
+    applies it (not SPMD under xla), a sequence splits evenly over the group, and no loading host forwards
+    samples (not implemented with tensor parallelism). What the
+    model's shape must allow is checked with the shape (`planning.memory.tensor_parallel_problem`)."""
+    train, cluster = config.train, config.cluster
+    tp = train.tensor_parallel_size
+    if tp == 1:
+        return []
+    problems: list[BatchpilotError] = []
+    if cluster.devices_per_node % tp:
+        problems.append(
+            BatchpilotError(
+                "train.tensor_parallel_size",
+                f"is {tp}, which does not divide cluster.devices_per_node ({cluster.devices_per_node}): a "
+                "tensor-parallel group is devices of one node",
+                f"use a divisor of {cluster.devices_per_node} (1, 2, 4 or 8)",
             )
+        )
+    if train.parallelism == "ddp":
+        problems.append(
+            BatchpilotError(
+                "train.parallelism",
+                f"is ddp, but with train.tensor_parallel_size {tp} the parameters are tensor-parallel DTensors, "
+                "which FSDP2 shards over the data-parallel dimension (DistributedDataParallel does not take them)",
+                "set train.parallelism: fsdp, hsdp or auto",
+            )
+        )
+    if resolved_runtime(config) == "xla":
+        problems.append(
+            BatchpilotError(
+                "train.tensor_parallel_size",
+                f"is {tp}, but the xla runtime shards every parameter over the whole slice with SPMD "
+                "(its own layout): tensor parallelism is the eager runtime's",
+                "set train.tensor_parallel_size: 1 on a TPU slice",
+            )
+        )
+    if config.data.seq_len % tp:
+        problems.append(
+            BatchpilotError(
+                "data.seq_len",
+                f"is {config.data.seq_len}, which train.tensor_parallel_size {tp} does not divide: sequence "
+                "parallelism gives each device of the group an equal part of every sequence",
+                f"use a multiple of {tp}",
+            )
+        )
+    if config.data.expansion_factor_real_data > 1:
+        problems.append(
+            BatchpilotError(
+                "data.expansion_factor_real_data",
+                f"is {config.data.expansion_factor_real_data}: loading hosts that forward samples to other "
+                f"nodes are not implemented with train.tensor_parallel_size {tp}",
+                "set data.expansion_factor_real_data: 1 (every data-parallel rank reads its own samples)",
+            )
+        )
+    return problems
 
 
 def check_tpu(config: Config) -> list[BatchpilotError]:
@@ -313,7 +373,7 @@ def _nearest_placeable(config: Config, batch: int) -> tuple[int | None, int | No
         micro_batch_size=1,
         devices_per_node=config.cluster.devices_per_node,
         pp=config.batch.pipeline_parallel_size,
-        tp=config.batch.tensor_parallel_size,
+        tp=config.train.tensor_parallel_size,
     )
 
 
@@ -370,7 +430,7 @@ def _smallest_unit(config: Config) -> int:
             num_nodes=n,
             devices_per_node=config.cluster.devices_per_node,
             pipeline_parallel_size=config.batch.pipeline_parallel_size,
-            tensor_parallel_size=config.batch.tensor_parallel_size,
+            tensor_parallel_size=config.train.tensor_parallel_size,
         )
         for n in allowed_node_counts(config)
     ]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchpilot.config import Config, explore_fingerprint
+from batchpilot.config import FINGERPRINT_DEFAULTS, Config, explore_fingerprint
 from batchpilot.errors import BatchpilotError
 
 
@@ -88,7 +88,7 @@ def explore_problems(config: Config, explore: dict[str, Any] | None) -> list[Bat
     expected = json.loads(json.dumps(explore_fingerprint(config)))  # as explore.json reads back
     differences = []
     for key, value in expected.items():
-        there = recorded.get(key)
+        there = recorded.get(key, FINGERPRINT_DEFAULTS.get(key))
         if key == "model.args" and isinstance(there, dict) and isinstance(value, dict):
             differences += [
                 f"model.args.{arg} {there.get(arg)!r} there, {value.get(arg)!r} here"

@@ -22,6 +22,7 @@ from batchpilot.planning.memory import (
     activation_bytes_per_sample,
     estimate_memory,
     plan_memory,
+    tensor_parallel_problem,
 )
 from batchpilot.planning.stages import Stage
 
@@ -33,6 +34,11 @@ def memory_plan(
     strategy that does not fit the device. Local runs check against explore's CPU memory budget."""
     cluster = config.cluster
     device_memory = planned_device_memory(config)
+    problem = tensor_parallel_problem(
+        shape, tensor_parallel_size=config.train.tensor_parallel_size, factory=config.model.factory
+    )
+    if problem is not None:
+        raise problem
     return plan_memory(
         # SPMD under xla shards over every device of the slice: the memory of fsdp.
         requested="fsdp" if resolved_runtime(config) == "xla" else config.train.parallelism,
@@ -42,10 +48,12 @@ def memory_plan(
         seq_len=config.data.seq_len,
         mixed_precision=mixed_precision(config),
         activation_checkpointing=config.train.activation_checkpointing,
+        # per device as the stages run (explore's probes split the blocks as they do: the fingerprint says so)
         activation_bytes_per_sample=explored_activation_bytes(config, explore),
         device_memory_bytes=device_memory,
         reserve_fixed_bytes=_reserve_fixed_bytes(config),
         shard_nodes=config.train.hsdp_shard_nodes,
+        tensor_parallel_size=config.train.tensor_parallel_size,
     )
 
 
@@ -81,16 +89,18 @@ def _estimate_like(
     strategy: Any,
     world_size: int,
     micro_batch_size: int,
+    shard_nodes: int = 1,
 ) -> MemoryEstimate:
-    """A stage's per-device memory on `world_size` devices under `strategy`, with the activations of the
-    `planned` estimate (measured ones per sample; the micro batch is the plan's)."""
+    """A stage's per-device memory on `world_size` devices under `strategy` (hsdp in groups of `shard_nodes`),
+    with the activations of the `planned` estimate (measured ones per sample; the micro batch is the plan's)."""
     measured = planned.activations_source == "explore"
     return estimate_memory(
         shape=shape, strategy=strategy, world_size=world_size, devices_per_node=config.cluster.devices_per_node,
         micro_batch_size=micro_batch_size, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
         activation_checkpointing=config.train.activation_checkpointing,
         activation_bytes_per_sample=planned.activations / micro_batch_size if measured else None,
-        reserve_fixed_bytes=_reserve_fixed_bytes(config),
+        reserve_fixed_bytes=_reserve_fixed_bytes(config), shard_nodes=shard_nodes,
+        tensor_parallel_size=config.train.tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -124,6 +134,7 @@ def explore_node_problem(config: Config, shape: ModelShape) -> BatchpilotError |
         shape=shape, strategy="fsdp" if devices > 1 else "ddp", world_size=devices, devices_per_node=devices,
         micro_batch_size=1, seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
         activation_checkpointing=True, reserve_fixed_bytes=_reserve_fixed_bytes(config),
+        tensor_parallel_size=config.train.tensor_parallel_size,
     )  # fmt: skip
     if estimate.total <= device_memory:
         return None
@@ -163,7 +174,7 @@ def memory_on_fewer_nodes(
     for stage in stages:
         estimate = _estimate_like(
             config, planned[stage.name], shape=shape, strategy=memory.strategy,
-            world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
+            world_size=stage.world_size, micro_batch_size=stage.micro_batch_size, shard_nodes=memory.shard_nodes,
         )  # fmt: skip
         limit = memory.device_memory_bytes
         if limit is not None and estimate.total > limit:

@@ -114,7 +114,11 @@ def make_run_document(
     requested = config.train.parallelism
     plan = replace(
         plan,
-        parallelism=memory.strategy if memory else "ddp" if requested == "auto" else requested,
+        parallelism=memory.strategy
+        if memory
+        else auto_without_memory(config)
+        if requested == "auto"
+        else requested,
         hsdp_shard_nodes=memory.shard_nodes if memory else config.train.hsdp_shard_nodes or 1,
     )
     throughput = samples_per_s_per_device
@@ -275,3 +279,9 @@ def explore_summary(explore: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- the adaptive ramp-up -----------------------------------------------------------------------------------
+
+
+def auto_without_memory(config: Config) -> str:
+    """`train.parallelism: auto` with no model shape to estimate: ddp, or hsdp under tensor parallelism (ddp
+    does not take its parameters)."""
+    return "ddp" if config.train.tensor_parallel_size == 1 else "hsdp"

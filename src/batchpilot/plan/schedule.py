@@ -88,14 +88,14 @@ def loading_factor(config: Config) -> int:
 def placement(config: Config) -> Placement:
     """Where the config's stages may run: the node range, the model-parallel sizes, the loading factor and,
     on a TPU type, the host counts that form a slice."""
-    cluster, batch = config.cluster, config.batch
+    cluster, batch, train = config.cluster, config.batch, config.train
     slices = tpu_plan_slices(config)
     return Placement(
         devices_per_node=cluster.devices_per_node,
         max_nodes=cluster.max_nodes,
         min_nodes=cluster.min_nodes,
         pipeline_parallel_size=batch.pipeline_parallel_size,
-        tensor_parallel_size=batch.tensor_parallel_size,
+        tensor_parallel_size=train.tensor_parallel_size,
         loading_factor=loading_factor(config),
         allowed_nodes=frozenset(slices.host_counts()) if slices else None,
     )

@@ -120,6 +120,7 @@ class ModelShape:
             None when the model does not say.
         lookup_params: parameters used by lookups, not matrix multiplies: the embeddings whose weight no
             linear layer shares (an untied token embedding, a position embedding).
+        tensor_parallel: the trainer has a tensor-parallel plan for the model (train/tensor_parallel.py).
     """
 
     num_params: int
@@ -135,6 +136,20 @@ class ModelShape:
     input_projections: int = 2
     context_length: int | None = None
     lookup_params: int = 0
+    tensor_parallel: bool = False
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention has fewer than `num_heads`)."""
+        if not self.num_heads or self.kv_hidden_size is None:
+            return self.num_heads
+        return self.kv_hidden_size * self.num_heads // self.hidden_size
+
+    @property
+    def replicated_params(self) -> int:
+        """Parameters tensor parallelism leaves whole on every device of its group: the norms' scales (two per
+        block and the final one), which sequence parallelism runs on each device's part of the sequence."""
+        return (2 * self.num_layers + 1) * self.hidden_size
 
     @property
     def matmul_params(self) -> int:
@@ -170,6 +185,8 @@ class MemoryEstimate:
     reserve: int
     activations_source: ActivationsSource
     communication: int = 0
+    tensor_parallel_size: int = 1
+    """Devices of a node that split each block (each also holds 1/shard_degree of its part)."""
 
     @property
     def total(self) -> int:
@@ -209,6 +226,7 @@ class MemoryEstimate:
             "communication_bytes": self.communication,
             "total_bytes": self.total,
             "activations_source": self.activations_source,
+            **({"tensor_parallel_size": self.tensor_parallel_size} if self.tensor_parallel_size > 1 else {}),
         }
 
     @classmethod
@@ -251,25 +269,38 @@ def estimate_memory(
     activation_bytes_per_sample: float | None = None,
     reserve_fixed_bytes: int = RESERVE_FIXED_BYTES,
     shard_nodes: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> MemoryEstimate:
     """Per-device memory of one training step (the accounting is in the module docstring).
 
     Args:
+        world_size: devices of the stage (tensor-parallel ones included).
         shard_nodes: hsdp: the nodes one shard group spans.
+        tensor_parallel_size: devices of a node that split each block (fsdp or hsdp over the rest).
         activation_bytes_per_sample: explore's measured slope for this activation checkpointing
             setting; None estimates activations from the shape.
         reserve_fixed_bytes: the reserve's fixed part; 0 where there is no CUDA context (CPU).
     """
+    tp = tensor_parallel_size
     degree = shard_degree(
-        strategy, world_size=world_size, devices_per_node=devices_per_node, shard_nodes=shard_nodes
+        strategy,
+        world_size=world_size // tp,
+        devices_per_node=devices_per_node // tp,
+        shard_nodes=shard_nodes,
     )
-    n = shape.num_params
+    # Per device before data-parallel sharding: its tensor-parallel part of the matrices, the norms whole.
+    n = (
+        shape.num_params
+        if tp == 1
+        else (shape.num_params - shape.replicated_params) / tp + shape.replicated_params
+    )
     if strategy == "ddp":
-        parameters, gradients, optimizer = 4 * n, 8 * n, 8 * n
-        working_set = 2 * n if mixed_precision else 0
+        parameters, gradients, optimizer = 4 * shape.num_params, 8 * shape.num_params, 8 * shape.num_params
+        working_set = 2 * shape.num_params if mixed_precision else 0
     else:
         parameters, gradients, optimizer = (math.ceil(b * n / degree) for b in (4, 4, 8))
-        working_set = _fsdp_working_set(shape, param_bytes=2 if mixed_precision else 4)
+        # the gathered units are this device's tensor-parallel parts
+        working_set = math.ceil(_fsdp_working_set(shape, param_bytes=2 if mixed_precision else 4) / tp)
     source: ActivationsSource
     if activation_bytes_per_sample is not None:
         activations, source = round(activation_bytes_per_sample * micro_batch_size), "explore"
@@ -283,11 +314,13 @@ def estimate_memory(
                 activation_checkpointing=activation_checkpointing,
                 residual_bytes=4 if strategy == "ddp" or not mixed_precision else 2,
                 autocast=mixed_precision and strategy == "ddp",
+                tensor_parallel_size=tp,
             )
         )
         source = "estimate"
     gpu_job = reserve_fixed_bytes > 0 and world_size > 1
-    communication = COMMUNICATORS[strategy] * 2 * NCCL_MAX_CHANNELS * NCCL_BUFFER_BYTES if gpu_job else 0
+    communicators = COMMUNICATORS[strategy] + (1 if tp > 1 else 0)  # the tensor-parallel group's
+    communication = communicators * 2 * NCCL_MAX_CHANNELS * NCCL_BUFFER_BYTES if gpu_job else 0
     subtotal = parameters + gradients + optimizer + working_set + activations + communication
     return MemoryEstimate(
         strategy=strategy,
@@ -300,6 +333,7 @@ def estimate_memory(
         reserve=reserve_fixed_bytes + math.ceil(RESERVE_FRACTION * subtotal),
         activations_source=source,
         communication=communication,
+        tensor_parallel_size=tp,
     )
 
 
@@ -341,8 +375,8 @@ once the forward is done)."""
 
 
 def block_activation_bytes_per_token(
-    shape: ModelShape, *, act_bytes: int, residual_bytes: int, autocast: bool
-) -> int:
+    shape: ModelShape, *, act_bytes: int, residual_bytes: int, autocast: bool, tensor_parallel_size: int = 1
+) -> float:
     """What one block's forward saves for its backward, per token (module docstring).
 
     Args:
@@ -350,19 +384,24 @@ def block_activation_bytes_per_token(
         residual_bytes: bytes of the residual stream and the norms' saved tensors (fp32 under autocast).
         autocast: the norms' fp32 outputs are cast to bf16 once per projection reading them (autocast caches
             the casts of parameters only), not once per norm.
+        tensor_parallel_size: devices splitting the block: the norms run on 1/t of the sequence (sequence
+            parallel), the heads and the MLP's width are split t ways; the projections' inputs, gathered
+            from the sequence's parts, are whole on every device (one tensor the column-parallel projections
+            of a norm share).
     """
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    h, f, t = shape.hidden_size, shape.ffn_hidden_size, tensor_parallel_size
     kv = shape.kv_hidden_size if shape.kv_hidden_size is not None else h
     norm_outputs = shape.input_projections if autocast else 2
-    return (
+    split = (
         2 * _norm_bytes_per_token(shape, residual_bytes=residual_bytes)
-        + act_bytes * h * norm_outputs  # the inputs of the projections that read the norms
         + act_bytes * ((h + 2 * kv) + h)  # attention: Q K V, the output projection's input
         + 4 * shape.num_heads  # the fused attention's fp32 log-sum-exp
         + act_bytes
         * f
         * (4 if shape.gated_mlp else 2)  # SwiGLU: gate, up, silu(gate), product; GELU: in, out
     )
+    whole = act_bytes * h * norm_outputs  # the inputs of the projections that read the norms
+    return whole + split / t if t > 1 else whole + split
 
 
 def _norm_bytes_per_token(shape: ModelShape, *, residual_bytes: int) -> int:
@@ -381,18 +420,23 @@ def _activation_bytes_per_token(
     activation_checkpointing: bool,
     residual_bytes: int,
     autocast: bool,
+    tensor_parallel_size: int = 1,
 ) -> int:
-    """Activation bytes per token of one sample, at the start of the backward (module docstring)."""
+    """Activation bytes per token of one sample, at the start of the backward (module docstring); under
+    tensor parallelism the residual stream is split along the sequence, the logits gathered whole."""
+    t = tensor_parallel_size
     act = 2 if mixed_precision else 4
     block = block_activation_bytes_per_token(
-        shape, act_bytes=act, residual_bytes=residual_bytes, autocast=autocast
+        shape, act_bytes=act, residual_bytes=residual_bytes, autocast=autocast, tensor_parallel_size=t
     )
     if activation_checkpointing:
-        blocks = shape.num_layers * residual_bytes * shape.hidden_size + (block if shape.num_layers else 0)
+        kept = shape.num_layers * residual_bytes * shape.hidden_size
+        blocks = (kept / t if t > 1 else kept) + (block if shape.num_layers else 0)
     else:
         blocks = shape.num_layers * block
-    head = _norm_bytes_per_token(shape, residual_bytes=residual_bytes) + act * shape.hidden_size
-    return blocks + head + shape.vocab_size * LOSS_BYTES_PER_LOGIT
+    norm = _norm_bytes_per_token(shape, residual_bytes=residual_bytes)
+    head = (norm / t if t > 1 else norm) + act * shape.hidden_size
+    return math.ceil(blocks + head + shape.vocab_size * LOSS_BYTES_PER_LOGIT)
 
 
 def activation_bytes_per_sample(points: Sequence[tuple[int, int]]) -> float | None:
@@ -483,6 +527,38 @@ def _peak(stages: Sequence[StageMemory]) -> StageMemory:
     return max(stages, key=lambda item: item.estimate.total)
 
 
+def tensor_parallel_problem(
+    shape: ModelShape, *, tensor_parallel_size: int, factory: str
+) -> BatchpilotError | None:
+    """What the model's shape must allow for `train.tensor_parallel_size` (None: it does): a tensor-parallel
+    plan for its kind, and heads, key/value heads, MLP width and vocabulary that split evenly (each device
+    takes whole heads; FSDP2 shards each device's part further, which needs the parts equal)."""
+    t = tensor_parallel_size
+    if t == 1:
+        return None
+    if not shape.tensor_parallel:
+        return BatchpilotError(
+            "train.tensor_parallel_size",
+            f"is {t}, but the trainer has no tensor-parallel plan for {factory} (one exists for "
+            "batchpilot.models.llama:build; the GPT's fused QKV projection would need its heads regrouped)",
+            "use the Llama model, or train.tensor_parallel_size: 1 with fsdp or hsdp",
+        )
+    sizes = {
+        "n_head": shape.num_heads,
+        "n_kv_head": shape.num_kv_heads,
+        "ffn_hidden_size": shape.ffn_hidden_size,
+        "vocab_size": shape.vocab_size,
+    }
+    uneven = [f"{name} {value}" for name, value in sizes.items() if value % t]
+    if uneven:
+        return BatchpilotError(
+            "train.tensor_parallel_size",
+            f"is {t}, which does not divide the model's {', '.join(uneven)} (each device takes an equal part)",
+            f"use a tensor_parallel_size that divides them, or change model.args to multiples of {t}",
+        )
+    return None
+
+
 def check_shard_nodes(stages: Sequence[Stage], shard_nodes: int) -> None:
     """A configured hsdp shard group must split every stage's nodes into whole groups.
 
@@ -513,6 +589,7 @@ def plan_memory(
     device_memory_bytes: int | None,
     reserve_fixed_bytes: int = RESERVE_FIXED_BYTES,
     shard_nodes: int | None = 1,
+    tensor_parallel_size: int = 1,
 ) -> MemoryPlan:
     """Estimates every stage under each strategy and picks one (`choose_strategy`).
 
@@ -541,6 +618,7 @@ def plan_memory(
                     activation_bytes_per_sample=activation_bytes_per_sample,
                     reserve_fixed_bytes=reserve_fixed_bytes,
                     shard_nodes=nodes,
+                    tensor_parallel_size=tensor_parallel_size,
                 ),
             )
             for stage in stages
@@ -557,8 +635,10 @@ def plan_memory(
             and _peak(estimates_of("hsdp", k)).estimate.total <= device_memory_bytes
         ]
         shard_nodes = fitting[0] if fitting else choices[-1] if device_memory_bytes is not None else 1
+    # ddp does not take tensor-parallel parameters (plan/checks.py refuses it): auto chooses among the others.
+    considered = AUTO_ORDER if tensor_parallel_size == 1 else tuple(s for s in AUTO_ORDER if s != "ddp")
     estimates = {
-        strategy: estimates_of(strategy, shard_nodes if strategy == "hsdp" else 1) for strategy in AUTO_ORDER
+        strategy: estimates_of(strategy, shard_nodes if strategy == "hsdp" else 1) for strategy in considered
     }
     strategy = choose_strategy(
         requested=requested,
@@ -597,7 +677,7 @@ def choose_strategy(
             "train.parallelism", f"unknown strategy {requested!r}", "use auto, ddp, hsdp or fsdp"
         )
     if device_memory_bytes is None:
-        return "ddp" if requested == "auto" else requested
+        return next(iter(estimates)) if requested == "auto" else requested  # the least communication
     peaks = {strategy: _peak(estimates[strategy]) for strategy in AUTO_ORDER if strategy in estimates}
     fitting = [strategy for strategy, peak in peaks.items() if peak.estimate.total <= device_memory_bytes]
     if requested == "auto" and fitting:

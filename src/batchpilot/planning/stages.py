@@ -71,6 +71,9 @@ class Plan:
     """How the trainers spread the model: ddp, fsdp or hsdp (train.parallelism, `auto` resolved)."""
     hsdp_shard_nodes: int = 1
     """hsdp: the nodes one shard group spans (train.hsdp_shard_nodes, or the memory model's choice)."""
+    tensor_parallel_size: int = 1
+    """Devices of one node that split each block (train.tensor_parallel_size); a stage's data-parallel size is
+    its devices over this."""
     stage_per_launch: bool = False
     """Every stage is its own launch (an adaptive ramp-up: the next stage's batch is decided when one ends)."""
 
@@ -121,6 +124,7 @@ class Plan:
             "lr_schedule": asdict(self.lr_schedule),
             "parallelism": self.parallelism,
             **({"hsdp_shard_nodes": self.hsdp_shard_nodes} if self.hsdp_shard_nodes > 1 else {}),
+            **({"tensor_parallel_size": self.tensor_parallel_size} if self.tensor_parallel_size > 1 else {}),
             "notes": list(self.notes),
             "stages": [_stage_dict(stage) for stage in self.stages],
             **({"stage_per_launch": True} if self.stage_per_launch else {}),
@@ -138,6 +142,7 @@ class Plan:
             notes=tuple(data.get("notes", ())),
             parallelism=data["parallelism"],
             hsdp_shard_nodes=data.get("hsdp_shard_nodes", 1),
+            tensor_parallel_size=data.get("tensor_parallel_size", 1),
             stage_per_launch=data.get("stage_per_launch", False),
         )
 
@@ -261,7 +266,8 @@ def plan_stages(
                 num_loading_hosts=num_loading_hosts(
                     num_hosts=num_nodes,
                     expansion_factor=expansion_factor,
-                    samples_per_host_pass=micro_batch_size * devices_per_node,
+                    # a node's data-parallel ranks each take a micro batch (a tensor-parallel group shares one)
+                    samples_per_host_pass=micro_batch_size * dp // num_nodes,
                 ),
                 is_final=is_final,
                 tpu_topology=tpu.for_hosts(num_nodes).topology if tpu else None,
@@ -276,6 +282,7 @@ def plan_stages(
         max_nodes=max_nodes,
         lr_schedule=lr_schedule,
         notes=notes,
+        tensor_parallel_size=placement.tensor_parallel_size,
     )
 
 

@@ -85,6 +85,8 @@ def memory_line(plan: Plan, memory: MemoryPlan) -> str:
             else ""
         )
     )
+    if estimate.tensor_parallel_size > 1:
+        spread += f", each block split {estimate.tensor_parallel_size} ways within a node (tensor parallel)"
     device = (
         f" of the device's {format_bytes(memory.device_memory_bytes)}"
         if memory.device_memory_bytes
@@ -102,7 +104,9 @@ def plan_footer(plan: Plan, cost: CostEstimate | None, memory: MemoryPlan | None
         f"global_batch_size {final.global_batch_size} = micro_batch_size {final.micro_batch_size} x "
         f"data_parallel_size {final.data_parallel_size} x gradient_accumulation_steps "
         f"{final.gradient_accumulation_steps} (final stage, {final.num_nodes} node(s) x "
-        f"{plan.devices_per_node} device(s))",
+        f"{plan.devices_per_node} device(s)"
+        + (f" / tensor_parallel_size {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else "")
+        + ")",
         f"{len(plan.stages)} stage(s), {plan.num_steps:,} optimizer steps, {plan.trained_samples:,} samples",
         # A launch is one job: consecutive stages on one node count need no resize or restart between them.
         launch_summary(plan),

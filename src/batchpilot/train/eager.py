@@ -55,20 +55,30 @@ class EagerRuntime(Runtime):
     name = "eager"
     relaunch_fix = "start it with `batchpilot launch` (or torchrun) at the planned size"
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, *, tensor_parallel_size: int = 1) -> None:
         self.ctx = ctx
+        self.tensor_parallel_size = tp = tensor_parallel_size
+        # Ranks are node-major with a tensor-parallel group's t ranks consecutive: every rank of a group
+        # reads the data-parallel rank's samples (rank // t), and a node holds local_world_size / t readers.
+        data_parallel = ctx.world_size // tp
         self.place = Place(
             rank=ctx.rank,
             is_main=ctx.is_main,
             label=f"rank {ctx.rank}",
-            world_size=ctx.world_size,
-            world_label=str(ctx.world_size),
-            reader=(ctx.rank, ctx.world_size, ctx.local_world_size),
+            world_size=data_parallel,
+            world_label=str(data_parallel),
+            reader=(ctx.rank // tp, data_parallel, max(ctx.local_world_size // tp, 1)),
             unit="processes",
             counted="process(es)",
             local_rank=ctx.local_rank,
+            tensor_parallel_size=tp,
         )
         self.parallel: Parallel | None = None
+
+    def audit_ranks(self) -> list[int]:
+        """This process's data-parallel rank, recorded by the first rank of its tensor-parallel group (the
+        group's ranks train the same samples)."""
+        return [self.place.reader[0]] if self.ctx.rank % self.tensor_parallel_size == 0 else []
 
     @property
     def noise_strategy(self) -> str:
@@ -101,6 +111,7 @@ class EagerRuntime(Runtime):
             bf16=bf16,
             materialize=materialize,
             shard_nodes=shard_nodes,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         self.autocast = autocast_factory(device, config.train.precision, self.parallel)
         return self.parallel.describe()

@@ -434,6 +434,11 @@ class TrainingLoop:
         extra = {
             "world_size": self.world_size,
             "parallelism": self.plan.parallelism,
+            **(
+                {"tensor_parallel_size": self.plan.tensor_parallel_size}
+                if self.plan.tensor_parallel_size > 1
+                else {}
+            ),
             "stage": self.plan.stage_at(self.consumed - 1).index,
             "data_order": data_order(self.config),
             "run": run_record(self.config),

@@ -28,13 +28,14 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.distributed import DistContext
+from batchpilot.train.tensor_parallel import apply_tensor_parallel
 
 Strategy = Literal["ddp", "fsdp", "hsdp"]
 
@@ -87,11 +88,13 @@ class Parallel:
         wrapped: the module whose forward the loop calls (DDP wrapper, or the model itself).
         hook: DDP's local-norm hook (None otherwise).
         sharded: the gradients are FSDP shards (DTensors) reduced after every backward.
-        shard_degree: ranks one parameter is split over (1: replicas).
+        shard_degree: data-parallel ranks one parameter is sharded over (1: replicas).
         mixed_precision: bf16 parameters and compute under FSDP's policy (autocast is then not used).
-        shard_group: the ranks one parameter's shards are spread over (fsdp: all; hsdp: the node's), over
-            which sums of per-shard quantities add up to the whole gradient's.
+        shard_group: the ranks one parameter's shards are spread over (fsdp: all; hsdp: the shard group's),
+            with their tensor-parallel peers: over it sums of per-part quantities add up to the whole
+            gradient's.
         replicate_group: hsdp only: this rank and its peers on the other nodes (the cross-node all-reduce).
+        tensor_parallel_size: ranks of a node that split each block (1: none).
     """
 
     strategy: Strategy
@@ -102,11 +105,17 @@ class Parallel:
     mixed_precision: bool
     shard_group: dist.ProcessGroup | None = None
     replicate_group: dist.ProcessGroup | None = None
+    tensor_parallel_size: int = 1
 
     def describe(self) -> str:
         if self.sharded:
             precision = "bf16 compute, fp32 reductions" if self.mixed_precision else "fp32"
-            return f"{self.strategy}: parameters sharded {self.shard_degree} ways ({precision})"
+            split = (
+                f", each block split {self.tensor_parallel_size} ways (tensor parallel)"
+                if self.tensor_parallel_size > 1
+                else ""
+            )
+            return f"{self.strategy}: parameters sharded {self.shard_degree} ways{split} ({precision})"
         return f"{self.strategy}: full replicas"
 
 
@@ -144,14 +153,18 @@ def wrap_model(
     bf16: bool,
     materialize: Callable[[nn.Module], None],
     shard_nodes: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> Parallel:
     """Spreads the meta-device `model` over the ranks (see the module docstring); `materialize` gives this
     rank's part memory on `ctx.device` and fills it: after `fully_shard` (each rank holds its shards only), or
-    before DDP (a whole replica)."""
+    before DDP (a whole replica). With `tensor_parallel_size` t > 1 each group of t consecutive ranks (on one
+    node) splits every block (tensor_parallel.py) and FSDP2 shards over the other dimension of the mesh."""
     if not ctx.distributed:
         materialize(model)
         return Parallel(strategy, model, None, sharded=False, shard_degree=1, mixed_precision=False)
+    tp = tensor_parallel_size
     if strategy == "ddp":
+        assert tp == 1, "ddp with tensor parallelism is refused at plan time"
         materialize(model)
         positions = {id(parameter): k for k, parameter in enumerate(model.parameters())}
         hook = LocalNormHook(world_size=ctx.world_size, positions=positions)
@@ -159,24 +172,14 @@ def wrap_model(
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         ddp.register_comm_hook(hook, _allreduce_with_local_norm)
         return Parallel(strategy, ddp, hook, sharded=False, shard_degree=1, mixed_precision=False)
-    replicate_group = None
-    if strategy == "hsdp":
-        group_size = shard_nodes * ctx.local_world_size
-        if ctx.world_size % group_size:
-            raise BatchpilotError(
-                "train.parallelism",
-                f"hsdp needs whole shard groups: world {ctx.world_size} is not a multiple of {shard_nodes} "
-                f"node(s) x {ctx.local_world_size} processes",
-                "launch every node with the same number of processes, on a multiple of train.hsdp_shard_nodes",
-            )
-        shape = (ctx.world_size // group_size, group_size)  # ranks are node-major: a group is whole nodes
-        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-        degree = group_size
-        replicate_group = mesh["dp_replicate"].get_group()
-    else:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
-        degree = ctx.world_size
-    group = mesh["dp_shard"].get_group()
+    mesh, names = _mesh(ctx, strategy=strategy, shard_nodes=shard_nodes, tensor_parallel_size=tp)
+    if tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    data_mesh = mesh[names]
+    replicate_group = mesh["dp_replicate"].get_group() if strategy == "hsdp" else None
+    # The ranks whose parts of one replica's gradient add up to it: the shard group, with its tensor-parallel
+    # peers (`gradients` counts a tensor-parallel replica once).
+    group = mesh["dp_shard"].get_group() if tp == 1 else mesh["dp_shard", "tp"]._flatten().get_group()
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -191,22 +194,73 @@ def wrap_model(
         runs_last = index == len(units) - 1 or any(module is head for module in unit)
         fully_shard(
             unit if len(unit) > 1 else unit[0],
-            mesh=mesh,
+            mesh=data_mesh,
             mp_policy=policy,
             reshard_after_forward=not runs_last,
         )
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=data_mesh, mp_policy=policy)
     materialize(model)
     return Parallel(
-        strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16, shard_group=group,
-        replicate_group=replicate_group,
+        strategy, model, None, sharded=True, shard_degree=mesh["dp_shard"].size(), mixed_precision=bf16,
+        shard_group=group, replicate_group=replicate_group, tensor_parallel_size=tp,
     )  # fmt: skip
 
 
+def _mesh(
+    ctx: DistContext, *, strategy: Strategy, shard_nodes: int, tensor_parallel_size: int
+) -> tuple[DeviceMesh, tuple[str, ...]]:
+    """The device mesh of fsdp `(dp_shard[, tp])` or hsdp `(dp_replicate, dp_shard[, tp])`, and the names of
+    its data-parallel dimensions. Ranks are node-major and a tensor-parallel group is t consecutive ranks of
+    one node; an hsdp shard group is `shard_nodes` whole nodes."""
+    tp = tensor_parallel_size
+    if ctx.local_world_size % tp:
+        raise BatchpilotError(
+            "train.tensor_parallel_size",
+            f"is {tp}, but this node runs {ctx.local_world_size} process(es): a tensor-parallel group is "
+            "processes of one node",
+            "launch a multiple of train.tensor_parallel_size processes per node",
+        )
+    if strategy == "hsdp":
+        group_size = shard_nodes * ctx.local_world_size
+        if ctx.world_size % group_size:
+            raise BatchpilotError(
+                "train.parallelism",
+                f"hsdp needs whole shard groups: world {ctx.world_size} is not a multiple of {shard_nodes} "
+                f"node(s) x {ctx.local_world_size} processes",
+                "launch every node with the same number of processes, on a multiple of train.hsdp_shard_nodes",
+            )
+        shape: tuple[int, ...] = (ctx.world_size // group_size, group_size // tp)
+        names: tuple[str, ...] = ("dp_replicate", "dp_shard")
+    else:
+        shape, names = (ctx.world_size // tp,), ("dp_shard",)
+    if tp > 1:
+        return init_device_mesh(ctx.device.type, (*shape, tp), mesh_dim_names=(*names, "tp")), names
+    return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names), names
+
+
 def gradients(model: nn.Module) -> list[torch.Tensor]:
-    """This rank's gradients: whole tensors, or its local part of each FSDP shard."""
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    """This rank's gradients: whole tensors, or its local part of each FSDP shard. A parameter whole on every
+    rank of a tensor-parallel group (a norm's scale) is counted on the group's first rank only, so that sums
+    over the shard group (`Parallel.shard_group`) count it once."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None and _counted_here(p.grad)]
     return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
+def _on_tp_mesh(tensor: torch.Tensor) -> bool:
+    """A DTensor on a mesh with a tensor-parallel (`tp`) dimension."""
+    return isinstance(tensor, DTensor) and "tp" in (tensor.device_mesh.mesh_dim_names or ())
+
+
+def _counted_here(tensor: torch.Tensor) -> bool:
+    """False for a DTensor replicated over the `tp` dimension of its mesh on a rank other than that group's
+    first; True otherwise."""
+    if not _on_tp_mesh(tensor):
+        return True
+    assert isinstance(tensor, DTensor)
+    dim = (tensor.device_mesh.mesh_dim_names or ()).index("tp")
+    return not (
+        isinstance(tensor.placements[dim], Replicate) and tensor.device_mesh.get_local_rank("tp") != 0
+    )
 
 
 def _sum_over(total: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -277,8 +331,19 @@ def node_gradient_shards(model: nn.Module) -> list[torch.Tensor]:
         seen.add(id(state))
         for group in state._fsdp_param_groups:
             partial = group._partial_reduce_output
-            if partial is not None:
+            if partial is None:
+                continue
+            if not any(_on_tp_mesh(p.sharded_param) for p in group.fsdp_params):
                 buffers.append(partial)
+                continue
+            # Under tensor parallelism: each parameter's part of the flat buffer (laid out one padded shard after
+            # another, as `foreach_reduce` views it), a tensor-parallel replica on the group's first rank only.
+            offset = 0
+            for fsdp_param in group.fsdp_params:
+                numel = fsdp_param.padded_sharded_param_size.numel()
+                if _counted_here(fsdp_param.sharded_param):
+                    buffers.append(partial[offset : offset + numel])
+                offset += numel
     assert buffers, (
         "no partial-reduce buffers: call between hsdp passes run with set_requires_all_reduce(False)"
     )

@@ -68,7 +68,7 @@ class Place:
         rank: this process's index (a rank under eager, a host under XLA).
         is_main: the process that logs, writes metrics.jsonl and commits checkpoints.
         label: this process as a log line names it (`rank 3`, `host 1`).
-        world_size: data-parallel ranks: processes (eager) or devices (XLA).
+        world_size: data-parallel ranks: processes over train.tensor_parallel_size (eager) or devices (XLA).
         world_label: the world as the progress line names it.
         reader: (rank, count, per node) of this process among the job's data readers: every eager rank
             reads its own samples; every XLA host reads its devices' samples.
@@ -90,6 +90,13 @@ class Place:
     """The job as a message names it (`this XLA job of 2 host process(es)`)."""
     local_devices: int = 1
     local_rank: int = 0
+    tensor_parallel_size: int = 1
+    """Processes that split each block and share one data-parallel rank's samples (eager only)."""
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the job: the data-parallel ranks times their tensor-parallel groups."""
+        return self.world_size * self.tensor_parallel_size
 
     def rows_per_pass(self, micro_batch_size: int) -> int:
         """Samples this process reads per accumulation pass (its devices' micro batches)."""

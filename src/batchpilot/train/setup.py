@@ -45,12 +45,12 @@ def data_order(config: Config) -> dict[str, Any]:
 
 def check_world(stages: Sequence[Stage], *, place: Place, devices_per_node: int, fix: str) -> None:
     """A stage or a launch runs on its planned world (`num_nodes x devices_per_node` data-parallel ranks)."""
-    wrong = next((s for s in stages if s.world_size != place.world_size), None)
+    wrong = next((s for s in stages if s.world_size != place.num_devices), None)
     if wrong is not None:
         raise BatchpilotError(
             "--stage",
             f"{wrong.name} is planned for {wrong.num_nodes} node(s) x {devices_per_node} = {wrong.world_size} "
-            f"{place.unit}, {place.job} has {place.world_size}",
+            f"{place.unit}, {place.job} has {place.num_devices}",
             fix,
         )
 

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
 from batchpilot.planning.memory import ModelShape
+from batchpilot.train.tensor_parallel import has_plan
 
 
 def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
@@ -75,6 +76,7 @@ def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
         input_projections=max(reading_norms, 2),
         context_length=_context_length(config),
         lookup_params=_lookup_params(model),
+        tensor_parallel=has_plan(model),
     )
 
 

@@ -47,7 +47,7 @@ def start_runtime(config: Config, plan: Plan) -> Runtime:
     from batchpilot.train.distributed import DistContext
     from batchpilot.train.eager import EagerRuntime
 
-    return EagerRuntime(DistContext.from_env())
+    return EagerRuntime(DistContext.from_env(), tensor_parallel_size=plan.tensor_parallel_size)
 
 
 def train(
@@ -105,7 +105,8 @@ def train(
         meta = checkpoint.meta
         say(
             f"resumed from step {checkpoint.step} ({consumed:,} samples) of {uri} (saved by "
-            f"{meta.get('world_size', '?')} {runtime.place.counted} under {meta.get('parallelism', 'ddp')}, runtime "
+            f"{meta.get('world_size', '?')} {runtime.place.counted} under {meta.get('parallelism', 'ddp')}"
+            f"{', each block split ' + str(meta['tensor_parallel_size']) + ' ways' if 'tensor_parallel_size' in meta else ''}, runtime "
             f"{meta.get('runtime', 'eager')}); it continues {run}"
         )
     metrics, audit_dir = prepare_outputs(

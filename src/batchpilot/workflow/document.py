@@ -41,7 +41,7 @@ def with_capacity(document: RunDocument, records: Sequence[LaunchCapacity]) -> R
     plan = apply_capacity(
         document.plan, records, expansion_factor=Fraction(str(config.data.expansion_factor_real_data)),
         pipeline_parallel_size=config.batch.pipeline_parallel_size,
-        tensor_parallel_size=config.batch.tensor_parallel_size,
+        tensor_parallel_size=config.train.tensor_parallel_size,
     )  # fmt: skip
     applied = tuple(
         r for r in records if any(s.planned_nodes for s in plan.stages[r.first_stage : r.last_stage + 1])

@@ -1,0 +1,134 @@
+"""Tensor parallelism's arithmetic on real gloo processes (one per rank, spawned here), a Llama on 2 nodes x 2
+ranks with each node's 2 ranks one tensor-parallel group (train/tensor_parallel.py):
+
+- under fsdp (over the 2 groups) and hsdp (replicated across them), one step's accumulated gradient is the
+  global batch's mean gradient computed in one process, and the clipped norm is its norm;
+- the noise-scale terms are those of the first pass over the data-parallel ranks of a shard group, a norm's
+  scale (whole on both ranks of a group) counted once; coherence compares the first two passes;
+- each rank holds 1/2 of every matrix of a block and whole norms, and its heads are the whole model's heads
+  of its part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_sharding_units import (
+    MICRO,
+    _join,
+    already_real,
+    build,
+    full,
+    mean_loss_gradient,
+    rank_micro_batches,
+    spawn,
+)
+from torch.distributed.tensor import DTensor, Replicate
+
+from batchpilot.train.parallel import wrap_model
+from batchpilot.train.step import accumulate_gradients
+
+pytestmark = pytest.mark.slow
+
+TP = 2
+
+
+def _tp_worker(rank: int, world_size: int, per_node: int, port: int, out: str, strategy: str) -> None:
+    ctx = _join(rank, world_size, per_node, port)
+    model = build("llama")
+    parallel = wrap_model(
+        model, ctx, strategy=strategy, bf16=False, materialize=already_real, tensor_parallel_size=TP
+    )
+    # Every rank of a tensor-parallel group trains its data-parallel rank's samples.
+    outcome = accumulate_gradients(
+        model=model,
+        parallel=parallel,
+        micro_batches=rank_micro_batches(rank // TP, world_size // TP),
+        ctx=ctx,
+        autocast=contextlib.nullcontext,
+        measure_noise=True,
+        measure_coherence=True,
+    )
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    block = model.blocks[0]
+    result = {
+        "grads": {name: full(p.grad) for name, p in model.named_parameters()},
+        "norm": float(norm.full_tensor() if isinstance(norm, DTensor) else norm),
+        "small_sq_norm": float(outcome.small_sq_norm),
+        "small_batch": outcome.small_batch,
+        "coherence": float(outcome.coherence) if outcome.coherence is not None else None,
+        "describe": parallel.describe(),
+        "wq_rows": block.attention.wq.weight.to_local().shape[0],
+        "norm_tp_replicated": isinstance(block.attention_norm.weight.placements[-1], Replicate),
+        "tp_placements": {
+            name: (type(p.placements[-1]).__name__, getattr(p.placements[-1], "dim", None))
+            for name, p in model.named_parameters()
+            if isinstance(p, DTensor)
+        },
+    }
+    torch.save(result, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=["fsdp", "hsdp"])
+def tp_ranks(request, tmp_path_factory) -> tuple[str, list[dict]]:
+    """One step of 2 nodes x 2 ranks, tensor-parallel within each node, micro batch 2, accumulation 8."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)
+    return request.param, spawn(_tp_worker, 4, 2, tmp_path_factory.mktemp("tp") / "result", request.param)
+
+
+def test_the_accumulated_gradient_is_the_global_batch_mean(tp_ranks):
+    strategy, ranks = tp_ranks
+    whole_batch = torch.cat([batch for r in (0, 1) for batch in rank_micro_batches(r, 2)])
+    reference = mean_loss_gradient(build("llama"), whole_batch)
+    names = [name for name, _ in build("llama").named_parameters()]
+    whole_norm = float(torch.stack([g.double().norm() for g in reference]).norm())
+    for result in ranks:
+        assert (
+            f"{strategy}: parameters sharded {2 if strategy == 'fsdp' else 1} ways, each block split 2 ways"
+            in (result["describe"])
+        )
+        for name, expected in zip(names, reference, strict=True):
+            assert torch.allclose(result["grads"][name], expected, rtol=1e-4, atol=1e-7), name
+        assert result["norm"] == pytest.approx(whole_norm, rel=1e-5)
+
+
+def test_noise_terms_are_the_shard_groups_first_pass_with_norms_counted_once(tp_ranks):
+    """fsdp: the small batch is the first pass over both data-parallel ranks (2 x 2 = 4 samples); hsdp: over
+    the shard group's one data-parallel rank (2 samples), before the cross-node all-reduce."""
+    strategy, ranks = tp_ranks
+    model = build("llama")
+    groups = [(0, 1)] if strategy == "fsdp" else [(0,), (1,)]  # data-parallel ranks per shard group
+    for group in groups:
+        first = torch.cat([rank_micro_batches(r, 2)[0] for r in group])
+        second = torch.cat([rank_micro_batches(r, 2)[1] for r in group])
+        g1, g2 = mean_loss_gradient(model, first), mean_loss_gradient(model, second)
+        sq_norm = sum(float(g.double().pow(2).sum()) for g in g1)
+        inner = sum(float((a.double() * b.double()).sum()) for a, b in zip(g1, g2, strict=True))
+        cosine = inner / (sq_norm * sum(float(g.double().pow(2).sum()) for g in g2)) ** 0.5
+        for dp_rank in group:
+            for rank in (TP * dp_rank, TP * dp_rank + 1):
+                result = ranks[rank]
+                assert result["small_batch"] == MICRO * len(group)
+                assert result["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
+                assert result["coherence"] == pytest.approx(cosine, rel=1e-5), rank
+
+
+def test_each_rank_holds_half_of_each_matrix_and_whole_norms(tp_ranks):
+    strategy, ranks = tp_ranks
+    for result in ranks:
+        # wq: 4 heads x 8 = 32 rows, split by heads over the group, then under fsdp over the 2 groups' shards
+        assert result["wq_rows"] == (8 if strategy == "fsdp" else 16)
+        assert result["norm_tp_replicated"]
+        placements = result["tp_placements"]  # on the mesh's last dimension, tp
+        assert placements["blocks.0.attention.wq.weight"] == ("Shard", 0)
+        assert placements["blocks.0.attention.wo.weight"] == ("Shard", 1)
+        assert placements["blocks.0.feed_forward.w2.weight"] == ("Shard", 1)
+        assert placements["tok_embeddings.weight"] == ("Shard", 0)
+        assert placements["output.weight"] == ("Shard", 0)
+        assert placements["norm.weight"] == ("Replicate", None)
