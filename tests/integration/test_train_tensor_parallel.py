@@ -113,6 +113,26 @@ def test_tp2_x_dp2_trains_as_dp4_does(runs):
         assert torch.allclose(actual[name], expected[name], rtol=1e-4, atol=1e-6), name
 
 
+def test_a_tensor_parallel_checkpoint_exports_as_a_hugging_face_llama(runs, tmp_path):
+    """The DCP checkpoint of 2 x 2 split ranks, read whole by `batchpilot export`: transformers' Llama gives
+    our model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from test_export_hf_checkpoints import logits_difference
+
+    from batchpilot.models.factory import build_model
+
+    root = runs[2][0]
+    exported = run_batchpilot(
+        "export", "--plan", str(root / "plan.json"), "--format", "hf", "--out", str(tmp_path)
+    )
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert f"exported step {STEPS} ({32 * STEPS} samples)" in exported.stdout
+    ours = build_model(factory=LLAMA["factory"], args=LLAMA["args"])
+    ours.load_state_dict(Checkpointer(uri=f"file://{root}/ckpt").load().full_state()["model"])
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    assert logits_difference(theirs, ours, seq=32) <= 1e-4
+
+
 def test_kill_9_under_fsdp_x_tp_then_resume_is_identical(runs, demo_data_uri, tmp_path, fault_rng):
     plan = write_plan(tmp_path, config(demo_data_uri, tmp_path, tensor_parallel_size=2))
     out = tmp_path / "out"
