@@ -6,7 +6,8 @@ ranks with each node's 2 ranks one tensor-parallel group (train/tensor_parallel.
 - the noise-scale terms are those of the first pass over the data-parallel ranks of a shard group, a norm's
   scale (whole on both ranks of a group) counted once; coherence compares the first two passes;
 - each rank holds 1/2 of every matrix of a block and whole norms, and its heads are the whole model's heads
-  of its part.
+  of its part;
+- what a split block saves for its backward is the memory model's tensor-parallel estimate.
 """
 
 from __future__ import annotations
@@ -132,3 +133,64 @@ def test_each_rank_holds_half_of_each_matrix_and_whole_norms(tp_ranks):
         assert placements["tok_embeddings.weight"] == ("Shard", 0)
         assert placements["output.weight"] == ("Shard", 0)
         assert placements["norm.weight"] == ("Replicate", None)
+
+
+# tests/unit/test_memory_saved_tensors.py's block: 96 tokens, so no activation has a weight's shape.
+BATCH, SEQ = 2, 48
+SAVED_ARGS = {"n_layer": 1, "n_head": 4, "n_kv_head": 2, "n_embd": 128, "max_seq_len": SEQ, "vocab_size": 512}
+
+
+def _saved_worker(rank: int, world_size: int, per_node: int, port: int, out: str) -> None:
+    """What one Llama block saves for its backward on this rank of a tensor-parallel group of 2, from the
+    residual stream's part of the sequence (as the blocks pass it under sequence parallelism)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from batchpilot.models.llama import build as build_llama
+    from batchpilot.train.shape import model_shape
+    from batchpilot.train.tensor_parallel import apply_tensor_parallel
+
+    _join(rank, world_size, per_node, port)
+    torch.manual_seed(0)
+    model = build_llama(**SAVED_ARGS)
+    shape = model_shape(factory="batchpilot.models.llama:build", args=SAVED_ARGS)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    own = {local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    weight_shapes = {tuple(local(p).shape) for p in model.parameters()}
+    weight_shapes |= {shape_[::-1] for shape_ in weight_shapes}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = local(tensor).untyped_storage()
+        if storage.data_ptr() not in own and tuple(local(tensor).shape) not in weight_shapes:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, SEQ // world_size, shape.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.blocks[0](x, model.rope_cos[:SEQ], model.rope_sin[:SEQ])
+    torch.save({"saved_bytes": sum(saved.values()), "shape": shape}, f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+def test_a_split_blocks_saved_activations_are_the_estimate_within_10_percent(tmp_path, monkeypatch):
+    """The memory model's tensor-parallel activations (planning/memory.py, `tensor_parallel_size` 2) against
+    what autograd saves on each rank of the group, as test_memory_saved_tensors measures one process."""
+    from batchpilot.planning.memory import block_activation_bytes_per_token
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    ranks = spawn(_saved_worker, 2, 2, tmp_path / "result")
+    shape = ranks[0]["shape"]
+    per_token = block_activation_bytes_per_token(
+        shape, act_bytes=4, residual_bytes=4, autocast=False, tensor_parallel_size=2
+    )
+    estimated = per_token * BATCH * SEQ
+    whole = (
+        block_activation_bytes_per_token(shape, act_bytes=4, residual_bytes=4, autocast=False) * BATCH * SEQ
+    )
+    for rank in ranks:
+        measured = rank["saved_bytes"]
+        assert abs(estimated - measured) <= 0.1 * measured, (estimated, measured)
+        assert measured < 0.7 * whole  # the split saves much less than one process does

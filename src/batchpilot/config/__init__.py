@@ -30,12 +30,12 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.planning.tpu import is_tpu
 
 __all__ = [
+    "FINGERPRINT_DEFAULTS",
     "AdaptiveRampup",
     "AdaptiveSettings",
     "BatchConfig",
     "ClusterConfig",
     "Config",
-    "FINGERPRINT_DEFAULTS",
     "ConfigError",
     "DataConfig",
     "ExploreConfig",

@@ -155,7 +155,9 @@ def open_session(request: ProbeRequest) -> Iterator[Session]:
     if ctx.device.type == "cpu" and request.cpu_threads:
         torch.set_num_threads(request.cpu_threads)
     torch.manual_seed(request.seed)
-    tp = request.tensor_parallel_size  # a tensor-parallel group's ranks read their data-parallel rank's samples
+    tp = (
+        request.tensor_parallel_size
+    )  # a tensor-parallel group's ranks read their data-parallel rank's samples
     loader = TokenLoader(
         uri=request.data_uri,
         seq_len=request.seq_len,

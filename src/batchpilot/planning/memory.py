@@ -50,6 +50,16 @@ and with SwiGLU's four f-wide tensors. With activation checkpointing only each b
 the head's input, and the loss: 12 bytes per logit (`LOSS_BYTES_PER_LOGIT`, measured: the log-softmax's
 fp32 output and two fp32 gradients at the start of the backward).
 
+Tensor parallelism (`tensor_parallel_size` t, train/tensor_parallel.py): each device holds 1/t of every
+matrix and whole norms (their scales: `ModelShape.replicated_params`), sharded further over the data-parallel
+ranks of its shard group; FSDP gathers 1/t of each unit. Of a block's activations the norms' saved tensors
+(sequence-parallel: 1/t of the sequence), Q K V, the attention's output and log-sum-exps (1/t of the heads)
+and the MLP's inner tensors (1/t of its width) are split; the projections' inputs, gathered whole from the
+sequence's parts, are not (one tensor per norm, shared by its column-parallel projections). Between blocks
+the residual stream is 1/t of the sequence; the logits are gathered whole. A test sums what autograd saves
+on each rank of a group of 2 and finds this exactly (tests/integration/test_tensor_parallel_units.py). Its
+communicator adds one NCCL communicator.
+
 FSDP2's reduce-scatter input: each unit's gradient is copied, in the reduce dtype (fp32), into one flat
 buffer that the reduce-scatter reads (`foreach_reduce` in torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py), so while a unit's gradient is reduced the working set holds it twice: in the param
