@@ -6,7 +6,9 @@ of 2 (`train.tensor_parallel_size: 2`), fsdp over the 2 groups; a Llama (the mod
 - A ramp from 1 node (data-parallel size 1) to 2 nodes (2) resumes from the DCP checkpoint resharded onto the
   new mesh, and every sample is trained once.
 - kill -9 of any rank, then a resume, ends with the model and AdamW state bit for bit those of the
-  uninterrupted run.
+  uninterrupted run; an out-of-memory error inside the split passes ends the job, whose retry trains with
+  half the micro batch;
+- its DCP checkpoint exports as a Hugging Face Llama.
 """
 
 from __future__ import annotations
@@ -191,3 +193,25 @@ def test_a_stage_change_from_1_to_2_nodes_under_tp_trains_every_sample_once(demo
     metrics = read_metrics(out / "metrics.jsonl")
     assert [r["global_batch_size"] for r in metrics] == [8] * 16 + [16] * 16
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.1
+
+
+def test_out_of_memory_under_fsdp_x_tp_ends_the_job_and_the_retry_trains_with_half(
+    runs, demo_data_uri, tmp_path
+):
+    """Rank 0 of a tensor-parallel group runs out of memory above micro batch 1 (inside collectives: the ranks
+    cannot agree): the job ends recording the halved size, and the retry trains the same global batches as
+    micro batch 1 x 2 data-parallel ranks x 16."""
+    plan = write_plan(tmp_path, config(demo_data_uri, tmp_path, tensor_parallel_size=2))
+    env = {**os.environ, "BATCHPILOT_INJECT_OOM_ABOVE_MICRO_BATCH": "1"}
+    out = str(tmp_path / "out")
+    first = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", out, env=env)
+    assert first.returncode != 0
+    assert "ran out of memory at micro_batch_size=2 in final under fsdp" in first.stdout + first.stderr
+    assert json.loads((tmp_path / "ckpt" / "micro_batch.json").read_text()) == {"stages": {"0": 1}}
+    second = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", out, env=env)
+    assert second.returncode == 0, second.stdout[-3000:]
+    metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert {(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in metrics} == {(1, 16)}
+    reference = read_metrics(runs[2][0] / "out" / "metrics.jsonl")
+    for a, b in zip(metrics, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_TOLERANCE)
