@@ -81,6 +81,41 @@ def test_replay_gives_the_cpu_builds_weights_buffers_and_generator_state(build):
     assert len({id(p) for p in ours.parameters()}) == len(shared)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        Varied,
+        lambda: build_model(factory=LLAMA[0], args={**LLAMA[1], "tie_embeddings": True}),
+    ],
+    ids=["varied", "llama-tied"],
+)
+def test_streaming_hands_over_each_parameter_whole_once_and_keeps_none(build):
+    """What the XLA runtime places (`Deferred.stream`): every parameter's whole CPU tensor once (a tied one
+    under one name), the CPU build's values, and nothing of an earlier tensor kept while the next is made."""
+    import weakref
+
+    deferred = build_deferred(build)
+    torch.manual_seed(7)  # as `built` seeds the CPU build
+    delivered: dict[str, torch.Tensor] = {}
+    earlier: list[weakref.ref] = []
+    alive_at_delivery = []
+
+    def deliver(name: str, values: torch.Tensor) -> None:
+        alive_at_delivery.append(sum(ref() is not None for ref in earlier))
+        earlier.append(weakref.ref(values))
+        delivered[name] = values.clone()  # the caller's copy; the streamed tensor is dropped
+
+    deferred.stream(deliver)
+    after = torch.rand(4)
+    theirs, after_theirs = built(build)
+    parameters = dict(theirs.named_parameters())  # a tied parameter under its first name
+    assert delivered.keys() >= parameters.keys()
+    for name, reference in parameters.items():
+        assert torch.equal(delivered[name], reference), name
+    assert torch.equal(after, after_theirs)
+    assert alive_at_delivery == [0] * len(alive_at_delivery)
+
+
 def test_the_seed_decides_the_weights():
     first, _ = replayed(Varied, seed=1)
     second, _ = replayed(Varied, seed=2)

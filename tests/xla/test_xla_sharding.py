@@ -19,18 +19,21 @@ PROBE = textwrap.dedent(
     import contextlib, json
     import torch, torch_xla, torch_xla.runtime as xr
     xr.use_spmd()
+    from batchpilot.models.deferred import build_deferred
     from batchpilot.models.factory import build_model
     from batchpilot.train.step import micro_batch_loss
-    from batchpilot.train.xla import make_layout, move_to_xla, shard_blocks, shard_parameters
+    from batchpilot.train.xla import make_layout, place_streamed, shard_blocks
     from batchpilot.train.xla_state import send_rows
 
-    model = build_model(
+    # As the trainer places it: built on meta, each parameter made, uploaded and sharded in turn.
+    deferred = build_deferred(lambda: build_model(
         factory="batchpilot.models.gpt:build",
         args={{"n_layer": {N_LAYER}, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 257}},
-    )
-    move_to_xla(model)
+    ))
+    model = deferred.model
     layout = make_layout(strategy="fsdp", num_devices=4, devices_per_node=2)
-    sharded = shard_parameters(model, layout)
+    torch.manual_seed(0)
+    sharded = place_streamed(model, layout, deferred.stream)
     blocks = shard_blocks(model, layout)
     loss = micro_batch_loss(model, send_rows(torch.randint(0, 257, (8, 33)), layout), contextlib.nullcontext())
     forward = torch_xla._XLAC._get_xla_tensors_hlo([loss])

@@ -185,6 +185,43 @@ class Deferred:
         staged on the CPU from that overwrite to its last operation, then copied into the placed tensor.
         """
         placed = _tensors(model)
+        self._replay(
+            part=lambda name: part_slices(placed[name]),
+            empty=lambda name: torch.empty_like(local_tensor(placed[name]), device="cpu"),
+            deliver=lambda name, values: local_tensor(placed[name]).copy_(values),
+        )
+        reset_buffers(model)
+
+    def stream(self, deliver: Callable[[str, torch.Tensor], None]) -> None:
+        """The seed's weights one whole CPU tensor at a time: the recorded operations replayed as `initialize`
+        replays them (the same draws, seeded alike), each target handed to `deliver(name, tensor)` at its last
+        operation and dropped after (a runtime whose devices take whole tensors, SPMD under XLA, uploads and
+        shards it). A tied weight is delivered once, under the name its operations were recorded with.
+        Buffers are not made here (`reset_buffers` on the placed model)."""
+        self._replay(
+            part=lambda name: (),
+            empty=lambda name: torch.empty(self._shapes[name], dtype=self._dtypes[name]),
+            deliver=deliver,
+        )
+
+    @property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {op.target: op.shape for op in self.ops if op.target is not None}
+
+    @property
+    def _dtypes(self) -> dict[str, torch.dtype]:
+        return {op.target: op.dtype for op in self.ops if op.target is not None}
+
+    def _replay(
+        self,
+        *,
+        part: Callable[[str], tuple[slice, ...]],
+        empty: Callable[[str], torch.Tensor],
+        deliver: Callable[[str, torch.Tensor], Any],
+    ) -> None:
+        """The recorded operations in order: `part(name)` is where the kept part of a target lies in its whole
+        tensor, `empty(name)` a CPU tensor of that part's shape, `deliver(name, values)` takes the part at the
+        target's last operation."""
         live_from = {op.target: index for index, op in enumerate(self.ops) if op.overwrites}
         last = {op.target: index for index, op in enumerate(self.ops)}
         parts: dict[str, torch.Tensor] = {}  # targets being replayed: this rank's part, on the CPU
@@ -195,16 +232,15 @@ class Deferred:
                 if op.whole:
                     whole = op.whole_tensor()  # draws what the CPU build draws, kept or not
                     if name is not None:
-                        parts[name] = whole[part_slices(placed[name])]
+                        parts[name] = whole[part(name)]
                     del whole
                 elif name is not None:  # elementwise: on the part
                     if name not in parts:  # a fill_ or zero_: the placed part's shape is enough
-                        parts[name] = torch.empty_like(local_tensor(placed[name]), device="cpu")
+                        parts[name] = empty(name)
                     op.apply_to(parts[name])
                 if name is not None and index == last[name]:
-                    local_tensor(placed[name]).copy_(parts.pop(name))
+                    deliver(name, parts.pop(name))
         assert not parts, f"staged and never placed: {sorted(parts)}"
-        reset_buffers(model)
 
     def initialized_names(self) -> set[str]:
         """The tensors an operation overwrites whole (the others' values would be the memory's)."""

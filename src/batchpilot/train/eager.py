@@ -23,7 +23,16 @@ from batchpilot.models.factory import compile_model
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
 from batchpilot.train.distributed import DistContext
 from batchpilot.train.parallel import Parallel, Strategy, wrap_model
-from batchpilot.train.runtime import Evaluation, Passes, Place, Runtime, Save, StepOutcome, StepValues
+from batchpilot.train.runtime import (
+    Evaluation,
+    Initialization,
+    Passes,
+    Place,
+    Runtime,
+    Save,
+    StepOutcome,
+    StepValues,
+)
 from batchpilot.train.setup import device_peak
 from batchpilot.train.state import restore_training_state, training_state
 from batchpilot.train.step import accumulate_gradients, install_oom_injection, micro_batch_loss
@@ -91,7 +100,7 @@ class EagerRuntime(Runtime):
         config: Config,
         *,
         strategy: str,
-        initialize: Callable[[nn.Module], None],
+        initialize: Initialization,
         shard_nodes: int = 1,
     ) -> str:
         device = self.ctx.device

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ from batchpilot.planning.batch import raise_problems
 from batchpilot.storage import Storage, open_storage
 
 FIELD = "train.init_from"
+Deliver = Callable[[str, torch.Tensor], Any]
+"""Takes one of the model's tensors by name, whole, on the CPU (an XLA host places it on its devices)."""
 CACHE_ENV = "BATCHPILOT_INIT_FROM_CACHE"
 """The node-local folder `gs://` checkpoints are downloaded into (default: the temp dir's
 `batchpilot-init-from`; on GKE /tmp is the pod's emptyDir on the node's disk)."""
@@ -91,6 +94,24 @@ def start_from(
         return
     folder = init_from_folder(source, local_rank=local_rank, say=say_every_rank)
     loaded = load_init_from(model, config=config, folder=folder)
+    say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
+
+
+def stream_init_from(
+    model: nn.Module, *, config: Config, deliver: Deliver, say: Callable[[str], None]
+) -> None:
+    """`train.init_from`'s weights handed to `deliver` one whole tensor at a time, read from the local folder
+    or by byte ranges straight from gs:// (no copy on the node), with the checks of `load_init_from`; the XLA
+    host's start (its devices take whole tensors, each uploaded and sharded before the next is read)."""
+    source = config.train.init_from
+    assert source is not None
+    if source.startswith("gs://"):
+        loaded, read_bytes = load_init_from_bucket(model, config=config, uri=source, deliver=deliver)
+        say(f"train.init_from {source}: read {read_bytes / 2**20:.1f} MiB by ranges, one tensor at a time")
+    else:
+        loaded = load_init_from(
+            model, config=config, folder=Path(source.removeprefix("file://")), deliver=deliver
+        )
     say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
 
 
@@ -253,9 +274,10 @@ def _hex(value: int | None) -> str:
 # --- loading ------------------------------------------------------------------------------------------------
 
 
-def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
+def load_init_from(model: nn.Module, *, config: Config, folder: Path, deliver: Deliver | None = None) -> int:
     """Reads the checkpoint in `folder`, checks it against the config's model (as `batchpilot plan` did) and
-    copies its weights into `model` one tensor at a time; returns the number of tensors loaded.
+    copies its weights into `model` one tensor at a time (with `deliver`, hands each whole tensor to it
+    instead: see `copy_weights`); returns the number of tensors loaded.
 
     Raises:
         BatchpilotError: a missing folder or file, another architecture or shape, weights missing or left
@@ -275,13 +297,17 @@ def load_init_from(model: nn.Module, *, config: Config, folder: Path) -> int:
             path=path,
         )
     )
-    return _copy_checkpoint(model, hf_config=hf_config, folder=folder)
+    return _copy_checkpoint(model, hf_config=hf_config, folder=folder, deliver=deliver)
 
 
-def load_init_from_bucket(model: nn.Module, *, config: Config, uri: str) -> tuple[int, int]:
+def load_init_from_bucket(
+    model: nn.Module, *, config: Config, uri: str, deliver: Deliver | None = None
+) -> tuple[int, int]:
     """`train.init_from`'s gs:// folder into this rank's part of `model`, each weight file read by byte ranges
     (this rank's rows), every file's CRC32C then checked from all ranks' reads (a collective when a process
-    group is up: every rank must call it). Returns (tensors loaded, bytes this rank read).
+    group is up: every rank must call it). With `deliver` (an XLA host: every tensor whole, handed over one at
+    a time) this process reads every byte itself and checks the CRC32Cs from its own reads. Returns (tensors
+    loaded, bytes this rank read).
 
     Raises:
         BatchpilotError: as `load_init_from`, and for a file that is not safetensors or whose bytes do not
@@ -317,11 +343,15 @@ def load_init_from_bucket(model: nn.Module, *, config: Config, uri: str) -> tupl
     ]
     files = {key: reader for reader in readers for key in reader.tensor_names()}
     loaded = copy_weights(
-        model, args=llama_args_from_hf_config(hf_config), files=files, open_file=contextlib.nullcontext
+        model,
+        args=llama_args_from_hf_config(hf_config),
+        files=files,
+        open_file=contextlib.nullcontext,
+        deliver=deliver,
     )
     mine = {reader.name: list(reader.reads) for reader in readers}
     read_bytes = sum(end - start for reads in mine.values() for start, end, _ in reads)
-    check_objects(readers, _all_ranks(mine))
+    check_objects(readers, [mine] if deliver is not None else _all_ranks(mine))
     return loaded, read_bytes
 
 
@@ -356,10 +386,14 @@ def _checkpoint_config(folder: Path) -> tuple[Path, Any]:
     return path, read_hf_config(path)
 
 
-def _copy_checkpoint(model: nn.Module, *, hf_config: Any, folder: Path) -> int:
+def _copy_checkpoint(
+    model: nn.Module, *, hf_config: Any, folder: Path, deliver: Deliver | None = None
+) -> int:
     from batchpilot.models.hf import llama_args_from_hf_config
 
-    return copy_weights(model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder))
+    return copy_weights(
+        model, args=llama_args_from_hf_config(hf_config), files=weight_files(folder), deliver=deliver
+    )
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -390,11 +424,14 @@ def copy_weights(
     args: dict[str, Any],
     files: dict[str, Any],
     open_file: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
+    deliver: Deliver | None = None,
 ) -> int:
     """Copies every weight of `files` (Hugging Face name -> file) into the model's own tensor, reading one
     tensor at a time, this rank's rows only; a tied head must equal the embedding. `open_file(file)` gives a
-    handle with `get_slice` (default: the local path memory-mapped by safetensors). Returns the number of
-    the model's state-dict entries set."""
+    handle with `get_slice` (default: the local path memory-mapped by safetensors). With `deliver`, each
+    weight is read whole, cast to the model's dtype and handed to `deliver(name, tensor)` instead (the model
+    may be on meta: an XLA host places each tensor on its devices before the next is read). Returns the
+    number of the model's state-dict entries set."""
     from batchpilot.models.hf import llama_weight_names, require
 
     if open_file is None:
@@ -421,12 +458,19 @@ def copy_weights(
         for path, group in by_file.items():
             with open_file(path) as handle:
                 for theirs in group:
-                    _copy_one(handle, path, theirs, targets[names[theirs]])
+                    ours = names[theirs]
+                    one = None if deliver is None else partial(deliver, ours)
+                    _copy_one(handle, path, theirs, targets[ours], deliver=one)
         if tied_head is not None:
             embedding = targets["tok_embeddings.weight"]
             with open_file(tied_head) as handle:
                 head = handle.get_slice("lm_head.weight")[part_slices(embedding)]  # this rank's rows
-            if not torch.equal(head.to(embedding.dtype), local_tensor(embedding).cpu()):
+            if deliver is not None:  # what was delivered: the embedding as stored, read again
+                with open_file(files["model.embed_tokens.weight"]) as handle:
+                    mine = handle.get_slice("model.embed_tokens.weight")[:].to(embedding.dtype)
+            else:
+                mine = local_tensor(embedding).cpu()
+            if not torch.equal(head.to(embedding.dtype), mine):
                 raise BatchpilotError(
                     FIELD, "lm_head.weight differs from the embedding, but config.json ties them"
                 )
@@ -437,8 +481,11 @@ def copy_weights(
     return len(loaded)
 
 
-def _copy_one(handle: Any, path: Path, name: str, target: torch.Tensor) -> None:
-    """One tensor into the model's own: the rank's part of it only (its shard's rows of the mapped file)."""
+def _copy_one(
+    handle: Any, path: Path, name: str, target: torch.Tensor, *, deliver: Callable[[torch.Tensor], Any] | None
+) -> None:
+    """One tensor into the model's own: the rank's part of it only (its shard's rows of the mapped file); with
+    `deliver`, the whole tensor to it."""
     stored = handle.get_slice(name)
     if tuple(stored.get_shape()) != tuple(target.shape):
         raise BatchpilotError(
@@ -446,4 +493,7 @@ def _copy_one(handle: Any, path: Path, name: str, target: torch.Tensor) -> None:
             f"{path} holds {name} of shape {list(stored.get_shape())}, the model's is {list(target.shape)}",
         )
     # casts a bf16 checkpoint to the model's dtype as load_state_dict does
+    if deliver is not None:
+        deliver(stored[tuple(slice(None) for _ in target.shape)].to(target.dtype))
+        return
     local_tensor(target).copy_(stored[part_slices(target)])

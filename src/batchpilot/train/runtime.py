@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from batchpilot.config import Config
+from batchpilot.models.deferred import Deferred
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer
 
 
@@ -104,6 +105,28 @@ class Place:
 
 
 @dataclass(frozen=True)
+class Initialization:
+    """How the meta-device model gets its values once a runtime has placed it.
+
+    Attributes:
+        fill: fills a placed model (each process's part given memory): the seed's weights, `train.init_from`'s,
+            or on a resume the buffers alone (the checkpoint's values follow).
+        seeded: the seed's recorded initialisation when `fill` makes the seed's weights (None otherwise), for a
+            runtime that places whole tensors one at a time (`Deferred.stream`, seeded with `seed` first).
+        seed: `train.seed`.
+        resuming: a checkpoint's values follow, so nothing but the buffers needs values.
+    """
+
+    fill: Callable[[nn.Module], None]
+    seeded: Deferred | None = None
+    seed: int = 0
+    resuming: bool = False
+
+    def __call__(self, placed: nn.Module) -> None:
+        self.fill(placed)
+
+
+@dataclass(frozen=True)
 class Passes:
     """How one step's passes run: the micro batch per device, whether the one pass runs as two halves to
     measure the noise scale (`split`), and what is measured."""
@@ -167,7 +190,7 @@ class Runtime(ABC):
         config: Config,
         *,
         strategy: str,
-        initialize: Callable[[nn.Module], None],
+        initialize: Initialization,
         shard_nodes: int = 1,
     ) -> str:
         """Spreads the meta-device `model` over the devices as `strategy` says (hsdp: shard groups of

@@ -23,7 +23,7 @@ from batchpilot.planning.devices import device_peak_flops
 from batchpilot.planning.flops import flops_per_token, peak_bf16_flops
 from batchpilot.train.checkpoint import Checkpoint
 from batchpilot.train.init_from import start_from
-from batchpilot.train.runtime import Place
+from batchpilot.train.runtime import Initialization, Place
 from batchpilot.train.shape import model_shape
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def initial_model(
     local_rank: int,
     say: Callable[[str], None],
     say_every_rank: Callable[[str], None],
-) -> tuple[nn.Module, Callable[[nn.Module], None]]:
+) -> tuple[nn.Module, Initialization]:
     """The model on the `meta` device (shapes only: nothing of a 70B model is held yet), with activation
     checkpointing as configured, and the function that fills it once the runtime has placed it (each rank's
     shard given memory): the seed's weights (`models.deferred`: those of the model built on the CPU under
@@ -160,8 +160,10 @@ def initial_model(
     check_vocabulary(model, vocab_size=vocab_size)
     set_activation_checkpointing(model, config.train.activation_checkpointing)
 
+    seeded = checkpoint is None and config.train.init_from is None
+
     def initialize(placed: nn.Module) -> None:
-        if checkpoint is None and config.train.init_from is None:
+        if seeded:
             torch.manual_seed(config.train.seed)
             deferred.initialize(placed)
             return
@@ -176,7 +178,12 @@ def initial_model(
             ranged=resolved_runtime(config) != "xla",  # eager ranks read their shards' byte ranges of gs://
         )
 
-    return model, initialize
+    return model, Initialization(
+        fill=initialize,
+        seeded=deferred if seeded else None,
+        seed=config.train.seed,
+        resuming=checkpoint is not None,
+    )
 
 
 def make_optimizer(model: nn.Module, *, weight_decay: float) -> torch.optim.Optimizer:

@@ -27,6 +27,7 @@ main venv never import it. Install it with the `tpu` extra (a torch/torch_xla pa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
+from batchpilot.models.deferred import reset_buffers
 from batchpilot.train.accelerators import require_tpu
 from batchpilot.train.parallel import model_blocks
 
@@ -145,23 +147,58 @@ def xla_device() -> torch.device:
     return torch_xla.device()
 
 
-def move_to_xla(model: nn.Module) -> None:
-    """Moves `model` to the XLA device keeping tied parameters tied.
-
-    `Module.to` cannot swap an XLA tensor into an existing CPU parameter, so it makes a new parameter per
-    module: a weight shared by two modules (the GPT's embedding and head) would become two separate
-    parameters, trained apart. The ties are recorded by identity before the move and restored after it.
+def place_streamed(
+    model: nn.Module, layout: Layout, produce: Callable[[Callable[[str, torch.Tensor], None]], Any]
+) -> int:
+    """The meta-device `model`'s parameters made on the XLA devices one whole tensor at a time: `produce(deliver)`
+    hands each to `deliver(name, cpu_tensor)` (the seed's recorded initialisation, `Deferred.stream`, the
+    eager runtime's values bit for bit; or train.init_from's weights, `init_from.stream_init_from`); each is
+    uploaded, marked sharded (`_param_spec`) and dropped from the host before the next comes, so a host holds
+    one tensor of the model, not all of it. Buffers are computed on the CPU, as the eager runtime computes
+    them, and moved. Tied parameters stay one. Returns how many parameters are sharded.
     """
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    import torch_xla.distributed.spmd as xs
+
+    device = xla_device()
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    aliases = {name: group for group in names.values() for name in group}
+    sharded = 0
+
+    def deliver(name: str, values: torch.Tensor) -> None:
+        nonlocal sharded
+        if name not in aliases:  # a buffer: recomputed below
+            return
+        param = nn.Parameter(values.to(device), requires_grad=model.get_parameter(name).requires_grad)
+        spec = _param_spec(param, layout)
+        if spec is not None:
+            xs.mark_sharding(param, layout.mesh, spec)
+            sharded += 1
+        for alias in aliases[name]:
+            owner, _, attribute = alias.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, param)
+
+    produce(deliver)
+    left = [name for name, param in model.named_parameters() if param.is_meta]
+    assert not left, f"never delivered: {left}"  # build_deferred refuses a parameter nothing initialises
+    place_buffers(model)
+    return sharded
+
+
+def place_buffers(model: nn.Module) -> None:
+    """The model's buffers computed on the CPU (`reset_buffers`: the values the eager runtime computes, bit for
+    bit), then moved to the XLA device; wherever they were (meta, or device memory with no values)."""
+    device = xla_device()
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((module, name))
-    model.to(xla_device())
-    for places in owners.values():
-        first_module, first_name = places[0]
-        shared = getattr(first_module, first_name)
-        for module, name in places[1:]:
-            setattr(module, name, shared)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype)
+    reset_buffers(model)
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffer.to(device)
 
 
 @dataclass(frozen=True)

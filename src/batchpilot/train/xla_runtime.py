@@ -33,7 +33,17 @@ from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.deferred import to_empty
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
-from batchpilot.train.runtime import Evaluation, Passes, Place, Runtime, Save, StepOutcome, StepValues
+from batchpilot.train.init_from import stream_init_from
+from batchpilot.train.runtime import (
+    Evaluation,
+    Initialization,
+    Passes,
+    Place,
+    Runtime,
+    Save,
+    StepOutcome,
+    StepValues,
+)
 from batchpilot.train.setup import device_peak
 from batchpilot.train.step import INJECT_OOM_ENV, micro_batch_loss
 from batchpilot.train.xla import (
@@ -42,12 +52,14 @@ from batchpilot.train.xla import (
     XlaHost,
     init_optimizer_state,
     make_layout,
-    move_to_xla,
+    place_buffers,
+    place_streamed,
     refuse_unsupported,
     shard_blocks,
     shard_parameters,
     start_runtime,
     uses_bf16_on_xla,
+    xla_device,
 )
 from batchpilot.train.xla_state import (
     agree,
@@ -125,16 +137,31 @@ class XlaRuntime(Runtime):
         config: Config,
         *,
         strategy: str,
-        initialize: Callable[[nn.Module], None],
+        initialize: Initialization,
         shard_nodes: int = 1,
     ) -> str:
         assert shard_nodes == 1, "hsdp shard groups are refused under xla at plan time"
-        # The whole model on this host's CPU first (the same values as the eager runtime's), then moved and
-        # sharded by SPMD: a host holds the whole fp32 model once while it starts (docs/status.md).
-        to_empty(model, device="cpu")
-        initialize(model)
-        move_to_xla(model)
-        sharded = shard_parameters(model, self.layout)
+        if initialize.seeded is not None:
+            # The seed's weights one whole tensor at a time (the eager runtime's values): each is uploaded and
+            # sharded before the next is made, so the host never holds the model (`place_streamed`).
+            torch.manual_seed(initialize.seed)
+            sharded = place_streamed(model, self.layout, initialize.seeded.stream)
+        elif initialize.resuming:
+            # A checkpoint's values follow (restore): the parameters get device memory only; the buffers are
+            # the CPU's values (`place_buffers`, after `initialize`, which only says what a resume skips).
+            to_empty(model, device=xla_device())
+            initialize(model)
+            place_buffers(model)
+            sharded = shard_parameters(model, self.layout)
+        else:
+            # train.init_from's weights, one whole tensor at a time (local, or gs:// by byte ranges): no copy on
+            # the node, and the host holds one tensor of the model at a time.
+            say = self._say
+
+            def produce(deliver: Callable[[str, torch.Tensor], None]) -> None:
+                stream_init_from(model, config=config, deliver=deliver, say=say)
+
+            sharded = place_streamed(model, self.layout, produce)
         shard_blocks(model, self.layout)
         if uses_bf16_on_xla(config.train.precision):
             self.autocast = lambda: torch.autocast(device_type="xla", dtype=torch.bfloat16)
@@ -144,6 +171,11 @@ class XlaRuntime(Runtime):
             f"all {sharded} parameters sharded {self.layout.shard_degree} ways on their largest dimension over "
             f"mesh axis {self.layout.param_axis!r}"
         )
+
+    def _say(self, message: str) -> None:
+        """A line of the main host's log."""
+        if self.place.is_main:
+            logger.info(message)
 
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         init_optimizer_state(
