@@ -50,9 +50,40 @@ def device(
     return measure
 
 
-def config(**explore):
+MIB = 2**20
+
+
+def budget_device(*, peak_at: int, budget: int, ac_cost: float = 1.35):
+    """A device whose memory decides what fits, as explore's CPU budget does: peak = 333 MiB + 1.9 MiB per sample
+    (1.7 with activation checkpointing, `ac_cost` slower); throughput as `device`'s. With a 370 MiB budget
+    19 fit without checkpointing and 21 with it, the demo model's figures in bench/explore_search.py."""
+
+    def measure(request: ProbeRequest) -> ProbeResult:
+        micro, ac = request.micro_batch_size, request.activation_checkpointing
+        result = ProbeResult(micro_batch_size=micro, activation_checkpointing=ac, compile=False, fits=False)
+        result.peak_memory_bytes = int(333 * MIB + micro * (1.7 if ac else 1.9) * MIB)
+        if result.peak_memory_bytes > budget:
+            result.error = "peak resident memory exceeds explore.memory_budget_bytes"
+            return result
+        efficiency = micro / (micro + 4) * (1 - 0.004 * abs(micro - peak_at))
+        step_s = micro * SEQ_LEN / (1000 * efficiency) * (ac_cost if ac else 1.0)
+        times = [step_s * (1 + 0.002 * ((i % 3) - 1)) for i in range(5)]
+        result.fits = True
+        result.step_time_s = sorted(times)[2]
+        result.tokens_per_s = micro * SEQ_LEN / result.step_time_s
+        result.samples_per_s = micro / result.step_time_s
+        result.step_times_s = times
+        result.repeats = len(times)
+        return result
+
+    return measure
+
+
+def config(*, accelerator: bool = False, **explore):
     raw = tiny_config(data_uri="file:///nowhere", checkpoint_uri="file:///nowhere/ckpt")
     raw["batch"]["global_batch_size"] = 256
+    if accelerator:  # probes on a GPU: no CPU budget to predict the frontier with
+        raw["cluster"]["accelerator_type"] = "nvidia-l4"
     raw["explore"] = {"max_probes": 40, **explore}
     return parse_config(raw)
 
@@ -81,10 +112,10 @@ def logged_lines(name: str) -> Iterator[list[str]]:
         logger.setLevel(previous_level)
 
 
-def search(measure, *, sizes=None, **explore):
+def search(measure, *, sizes=None, accelerator=False, **explore):
     with logged_lines("batchpilot.explore.runner") as lines:
         state, recommendation, stopped = search_micro_batch(
-            config=config(**explore),
+            config=config(accelerator=accelerator, **explore),
             max_probes=config(**explore).explore.max_probes,
             max_minutes=5,
             micro_batch_sizes=sizes,
@@ -286,3 +317,34 @@ def test_paired_and_unpaired_runs_of_one_size_are_not_mixed_in_the_noise_estimat
         )
     assert state.between_process_noise() == pytest.approx(0.007, abs=0.001)
     assert state.points(Setting(False))[0].tokens_per_s == pytest.approx(SEQ_LEN / 0.01005, rel=1e-3)
+
+
+def test_the_memory_frontier_is_predicted_from_the_peaks_and_a_slower_setting_stops_where_it_cannot_win():
+    """Past 16 (32 does not fit) the line through the peaks at 8 and 16 says 19 is the last size that fits:
+    probed at once, no bisection. Checkpointing (35% slower) is probed at 19 and then only where one pass could
+    beat the best (27, which does not fit), then dropped. The search stays within 2% of the sweep's best."""
+    measure = budget_device(peak_at=14, budget=370 * MIB)
+    sweep_probes, best_tokens_per_s = exhaustive(measure, 256)
+    state, recommendation, stopped, _ = search(measure, memory_budget_bytes=370 * MIB)
+    probes = [(r.micro_batch_size, r.activation_checkpointing) for r in state.results]
+    assert probes[:7] == [
+        (1, False),
+        (2, False),
+        (4, False),
+        (8, False),
+        (16, False),
+        (32, False),
+        (19, False),
+    ]
+    assert [micro for micro, ac in probes if ac] == [19, 27]
+    assert stopped == "converged"
+    assert recommendation.tokens_per_s >= 0.98 * best_tokens_per_s
+    assert len(state.results) <= 11 and sweep_probes == 42
+
+
+def test_without_a_budget_the_frontier_is_bisected():
+    """A GPU's limit is its own (no budget to predict against): 24 and 20 are probed after 32 fails."""
+    measure = budget_device(peak_at=14, budget=370 * MIB)
+    state, _, _, _ = search(measure, memory_budget_bytes=370 * MIB, accelerator=True)
+    probes = [r.micro_batch_size for r in state.results if not r.activation_checkpointing]
+    assert probes[:8] == [1, 2, 4, 8, 16, 32, 24, 20]

@@ -119,6 +119,13 @@ def check_devices(layout: ProbeLayout) -> None:
         )
 
 
+def on_gpu(config: Config) -> bool:
+    """Whether explore's probes run on the pool's GPU (else on the CPU, under explore.memory_budget_bytes)."""
+    from batchpilot.train.accelerators import planned_gpu
+
+    return planned_gpu(accelerator_type=config.cluster.accelerator_type)
+
+
 def check_accelerator(config: Config) -> None:
     """A gke GPU config's explore measures the pool's GPU, never the CPU: without a GPU it refuses in one
     line before any probe (the pipeline's explore task gets one GPU of the pool, `nvidia.com/gpu: 1`)."""
@@ -243,6 +250,8 @@ def search_micro_batch(
         settings=settings_of(config),
         max_micro_batch_size=explore.max_micro_batch_size or usable_bound(config),
         seq_len=config.data.seq_len,
+        # on the CPU a probe fits while its resident peak stays within the budget; a GPU's limit is its own
+        memory_budget_bytes=None if on_gpu(config) else explore.memory_budget_bytes,
     )
     deadline_s = time.monotonic() + max_minutes * 60
     stopped = "max_probes"

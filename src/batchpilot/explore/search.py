@@ -73,12 +73,22 @@ def _rel_within_noise(times_s: Sequence[float]) -> float:
 class SearchState:
     """The probes so far and what they say about each setting."""
 
-    def __init__(self, *, settings: Sequence[Setting], max_micro_batch_size: int, seq_len: int) -> None:
+    def __init__(
+        self,
+        *,
+        settings: Sequence[Setting],
+        max_micro_batch_size: int,
+        seq_len: int,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
         if not settings:
             raise ValueError("at least one setting")
         self.settings = list(settings)
         self.max_micro_batch_size = max_micro_batch_size
         self.seq_len = seq_len
+        self.memory_budget_bytes = memory_budget_bytes
+        """What a probe's peak may reach and still fit (CPU: explore.memory_budget_bytes), for predicting the
+        memory frontier from the peaks measured; None: unknown (the frontier is bisected)."""
         self.results: list[ProbeResult] = []
         self._by_key: dict[tuple[Setting, int], list[ProbeResult]] = {}
         self._points: dict[tuple[Setting, bool], list[Point]] = {}
@@ -94,6 +104,21 @@ class SearchState:
     def smallest_not_fitting(self, setting: Setting) -> int | None:
         sizes = [r.micro_batch_size for r in self.results if r.setting == setting and not r.fits]
         return min(sizes, default=None)
+
+    def memory_limit(self, setting: Setting) -> int | None:
+        """The smallest size taken not to fit: the smallest probed that did not, or the size after the largest
+        fitting one when the measured peaks predict nothing larger fits (`predicted_largest_fitting`)."""
+        limit = self.smallest_not_fitting(setting)
+        predicted = predicted_largest_fitting(self, setting)
+        points = self.points(setting)
+        if (
+            limit is not None
+            and predicted is not None
+            and points
+            and predicted <= points[-1].micro_batch_size
+        ):
+            return points[-1].micro_batch_size + 1
+        return limit
 
     def between_process_noise(self) -> float | None:
         """RMS relative spread of one probe's throughput between repeated probes (None: no repeats)."""
@@ -205,19 +230,85 @@ def _grow(state: SearchState, setting: Setting) -> Candidate | None:
         return Candidate(setting, limit // 2, "grow") if limit > 1 else None
     largest = points[-1].micro_batch_size
     if limit is None and largest < state.max_micro_batch_size:
-        return Candidate(setting, min(2 * largest, state.max_micro_batch_size), "grow")
+        target = 2 * largest
+        best = state.best()
+        if _anchor(state, setting) > 1 and best is not None and best.setting != setting:
+            # A second setting is worth growing only to where one pass's time, which never shrinks with the
+            # micro batch, would let it beat the best by `REFINE_TOLERANCE`: straight there (or to 2x).
+            worth = (
+                math.floor(best.tokens_per_s * (1 + REFINE_TOLERANCE) * largest / points[-1].tokens_per_s) + 1
+            )
+            if worth > state.max_micro_batch_size:
+                return None
+            target = max(min(worth, target), largest + 1) if worth > largest else target
+        return Candidate(setting, min(target, state.max_micro_batch_size), "grow")
     return None
 
 
+def predicted_largest_fitting(state: SearchState, setting: Setting) -> int | None:
+    """The largest micro batch whose peak the line through the two largest fitting sizes' peaks keeps within
+    the memory budget (activations grow linearly with the micro batch); None without a budget, with fewer than
+    two fitting sizes, or when the peaks do not grow."""
+    points = state.points(setting)
+    budget = state.memory_budget_bytes
+    if budget is None or len(points) < 2:
+        return None
+    a, b = points[-2], points[-1]
+    slope = (b.peak_memory_bytes - a.peak_memory_bytes) / (b.micro_batch_size - a.micro_batch_size)
+    if slope <= 0:
+        return None
+    return b.micro_batch_size + math.floor((budget - b.peak_memory_bytes) / slope)
+
+
 def _frontier(state: SearchState, setting: Setting) -> Candidate | None:
+    """Between the largest fitting size and the smallest that does not: the size the measured peaks predict
+    to be the last that fits, then (a prediction that did not fit, or none) bisection to within
+    `FRONTIER_TOLERANCE`. A prediction at or below the largest fitting size ends it: the next size up is
+    predicted not to fit, and the failed size above confirms the line."""
     points = state.points(setting)
     limit = state.smallest_not_fitting(setting)
     if not points or limit is None:
         return None
     largest = points[-1].micro_batch_size
+    predicted = predicted_largest_fitting(state, setting)
+    if predicted is not None:
+        if predicted <= largest:
+            return None
+        if predicted < limit and not state.probed(setting, predicted):
+            return Candidate(setting, predicted, "frontier")
     if limit - largest > max(1, math.ceil(largest * FRONTIER_TOLERANCE)):
         return Candidate(setting, (largest + limit) // 2, "frontier")
     return None
+
+
+def _cannot_win(state: SearchState, setting: Setting) -> bool:
+    """A setting that is not the leader and whose largest size, scaled up to its memory limit at the same pass
+    time, would not beat the best cannot win above that size. And activation checkpointing recomputes the forward, so at any size it is no faster than the same setting
+    without it; beyond that setting's memory frontier it is no faster than the line through that setting's two
+    largest sizes extended (throughput is concave in the micro batch). When that line stays within
+    `REFINE_TOLERANCE` of the best measured throughput up to the size cap, the setting cannot win: it is not
+    grown or bisected (its measured points still count)."""
+    best = state.best()
+    own, limit = state.points(setting), state.memory_limit(setting)
+    if best is not None and best.setting != setting and own and limit is not None:
+        # Above its largest fitting size a pass takes no less time, so no size below its memory limit beats
+        # what its largest size's throughput scaled up to that limit allows.
+        largest = own[-1]
+        if largest.tokens_per_s * (limit - 1) / largest.micro_batch_size <= best.tokens_per_s * (
+            1 + REFINE_TOLERANCE
+        ):
+            return True
+    if not setting.activation_checkpointing:
+        return False
+    without = Setting(activation_checkpointing=False, compile=setting.compile)
+    points = state.points(without) if without in state.settings else []
+    if best is None or len(points) < 2 or state.memory_limit(without) is None:
+        return False
+    a, b = points[-2], points[-1]
+    slope, intercept = _line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s)
+    reach = max(b.micro_batch_size, state.max_micro_batch_size)
+    bound = max(b.tokens_per_s, slope * reach + intercept)
+    return bound <= best.tokens_per_s * (1 + REFINE_TOLERANCE)
 
 
 @dataclass(frozen=True)
@@ -262,7 +353,7 @@ def gaps(state: SearchState) -> list[Gap]:
     found = []
     for setting in state.settings:
         points = state.points(setting)
-        limit = state.smallest_not_fitting(setting)
+        limit = state.memory_limit(setting)
         edges = [p.micro_batch_size for p in points] + [limit or state.max_micro_batch_size + 1]
         for index in range(len(points)):
             low, high = edges[index], edges[index + 1]
@@ -300,8 +391,12 @@ def _repeat(state: SearchState) -> Candidate | None:
 
 def next_probe(state: SearchState) -> Candidate | None:
     """The next measurement worth making, or None when the search has converged."""
-    for phase in (_grow, _frontier):
-        for setting in state.settings:
+    # One setting's memory frontier before the next setting's: a second setting is judged against the first's
+    # whole curve (`_cannot_win`).
+    for setting in state.settings:
+        if _cannot_win(state, setting):
+            continue
+        for phase in (_grow, _frontier):
             candidate = phase(state, setting)
             if candidate is not None:
                 return candidate
