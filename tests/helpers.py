@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 import time
@@ -192,3 +193,36 @@ def assert_identical(expected: object, actual: object, where: str = "") -> None:
         assert torch.equal(expected, actual), where
     else:
         assert expected == actual, where
+
+
+# Throughput per device relative to micro batch 1, measured pass by pass (explore.json's relative_throughput).
+EXPLORED_SPEEDS = {1: 1.0, 2: 1.3, 4: 1.5, 8: 1.7, 16: 1.71}
+
+
+def synthetic_explore_json(tmp_path: Path) -> str:
+    """An exploration whose fastest size (16) the 24-sample first stage cannot split: it plans with 4."""
+    probes = [
+        {
+            "micro_batch_size": micro,
+            "activation_checkpointing": False,
+            "compile": False,
+            "fits": True,
+            "samples_per_s": 100.0 * speed,
+            "tokens_per_s": 3200.0 * speed,
+            "step_time_s": micro / (100.0 * speed),
+            "relative_throughput": None if micro == 1 else speed,
+            "peak_memory_bytes": 2**20 * (10 + micro),
+        }
+        for micro, speed in EXPLORED_SPEEDS.items()
+    ]
+    document = {
+        "probes": probes,
+        "recommendation": {
+            "micro_batch_size": 16, "activation_checkpointing": False, "compile": False,
+            "plan_compatible_micro_batch_size": 4, "plan_compatible_activation_checkpointing": False,
+            "plan_compatible_compile": False,
+        },
+    }  # fmt: skip
+    path = tmp_path / "explore.json"
+    path.write_text(json.dumps(document))
+    return str(path)

@@ -318,7 +318,7 @@ def _summary(console: Console, output: Path, *, elapsed_s: float) -> None:
         for launch in launches(plan)
     ]
     console.print(
-        f"{PREFIX}done in {elapsed_s / 60:.1f} min: micro_batch_size {plan.micro_batch_size}, "
+        f"{PREFIX}done in {elapsed_s / 60:.1f} min: micro_batch_size {plan.micro_batches_label()}, "
         f"{len(groups)} launch(es) {' -> '.join(groups)}, {len(records)} steps, "
         f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}",
         markup=False,

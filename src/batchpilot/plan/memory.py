@@ -104,6 +104,28 @@ def _estimate_like(
     )  # fmt: skip
 
 
+def stage_estimate(
+    config: Config,
+    memory: MemoryPlan,
+    *,
+    shape: ModelShape,
+    stage: Stage,
+    micro_batch_size: int,
+    explore: dict[str, Any] | None,
+) -> MemoryEstimate:
+    """A stage's per-device memory at another micro batch under the plan's strategy (and hsdp groups), with
+    explore's measured activations per sample where it measured them."""
+    return estimate_memory(
+        shape=shape, strategy=memory.strategy, world_size=stage.world_size,
+        devices_per_node=config.cluster.devices_per_node, micro_batch_size=micro_batch_size,
+        seq_len=config.data.seq_len, mixed_precision=mixed_precision(config),
+        activation_checkpointing=config.train.activation_checkpointing,
+        activation_bytes_per_sample=explored_activation_bytes(config, explore),
+        reserve_fixed_bytes=_reserve_fixed_bytes(config), shard_nodes=memory.shard_nodes,
+        tensor_parallel_size=config.train.tensor_parallel_size,
+    )  # fmt: skip
+
+
 def explored_activation_bytes(config: Config, explore: dict[str, Any] | None) -> float | None:
     """Activation memory per sample from explore's fitting probes of the trained setting (the slope of the
     per-device peak over the micro batch), or None when explore did not measure two sizes of it."""

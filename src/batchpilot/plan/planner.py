@@ -10,6 +10,7 @@ sizes them, `plan.targets` resolves an `auto` target and plans the trials) and t
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,16 +18,18 @@ from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.checks import plan_problems
 from batchpilot.plan.inputs import explore_problems
-from batchpilot.plan.memory import memory_plan
+from batchpilot.plan.memory import memory_plan, stage_estimate
 from batchpilot.plan.rundoc import MicroBatchSource, RunDocument
 from batchpilot.plan.stages import build_plan
 from batchpilot.plan.targets import at_trials_bound, resolve_auto_target, resolve_trials_target, trials_for
 from batchpilot.planning import estimate_cost
 from batchpilot.planning.batch import raise_problems
 from batchpilot.planning.memory import (
+    MemoryPlan,
     ModelShape,
     check_shard_nodes,
 )
+from batchpilot.planning.stages import Plan, Stage, faster_micro_batches
 from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
 from batchpilot.planning.units import format_node_hours, format_number
 
@@ -111,6 +114,11 @@ def make_run_document(
     if config.train.hsdp_shard_nodes is not None:
         check_shard_nodes(plan.stages, config.train.hsdp_shard_nodes)
     memory = memory_plan(config, plan, shape=shape, explore=explore) if shape is not None else None
+    if source == "explore" and explore is not None and not plan.stage_per_launch:
+        plan, memory, faster_notes = with_faster_stage_micro_batches(
+            config, plan, memory=memory, shape=shape, explore=explore
+        )
+        notes += faster_notes
     requested = config.train.parallelism
     plan = replace(
         plan,
@@ -263,6 +271,78 @@ def explored_throughput(explore: dict[str, Any], *, micro_batch_size: int) -> fl
     if recommendation.get("micro_batch_size") == micro_batch_size and recommendation.get("samples_per_s"):
         return float(recommendation["samples_per_s"])
     return None
+
+
+def explored_speeds(
+    explore: dict[str, Any], *, activation_checkpointing: bool, compile: bool
+) -> dict[int, float]:
+    """Per micro batch of one setting, explore's throughput per device: the median of its probes' ratios to the
+    base probe, measured pass by pass in one process (steady on a machine whose speed drifts), when every probe
+    of the setting has one; else the median of their samples/s."""
+    fitting = [p for p in explore.get("probes", []) if p.get("fits") and p.get("samples_per_s")]
+    base = fitting[0] if fitting else None  # the first fitting probe is every pair's reference
+    mine = [
+        p
+        for p in fitting
+        if bool(p.get("activation_checkpointing")) == activation_checkpointing
+        and bool(p.get("compile")) == compile
+    ]
+    paired = all(p is base or p.get("relative_throughput") for p in mine)
+    values: dict[int, list[float]] = {}
+    for probe in mine:
+        value = (
+            (1.0 if probe is base else float(probe["relative_throughput"]))
+            if paired
+            else float(probe["samples_per_s"])
+        )
+        values.setdefault(int(probe["micro_batch_size"]), []).append(value)
+    return {micro: statistics.median(found) for micro, found in values.items()}
+
+
+def with_faster_stage_micro_batches(
+    config: Config,
+    plan: Plan,
+    *,
+    memory: MemoryPlan | None,
+    shape: ModelShape | None,
+    explore: dict[str, Any],
+) -> tuple[Plan, MemoryPlan | None, list[str]]:
+    """The plan with each stage on the fastest micro batch explore measured that splits its batch and fits its
+    devices (`planning.stages.faster_micro_batches`), the memory estimated again for them, and a note naming
+    the stages that changed. Explore's fitting probes ran on one node, where a device holds at least as much
+    of the model as on any stage's; the memory model checks each stage under the plan's strategy too."""
+    speeds = explored_speeds(
+        explore, activation_checkpointing=config.train.activation_checkpointing, compile=config.train.compile
+    )
+
+    def fits(stage: Stage, micro: int) -> bool:
+        if memory is None or shape is None or memory.device_memory_bytes is None:
+            return True
+        estimate = stage_estimate(
+            config, memory, shape=shape, stage=stage, micro_batch_size=micro, explore=explore
+        )
+        return estimate.total <= memory.device_memory_bytes
+
+    stages = faster_micro_batches(plan.stages, speeds=speeds, base=plan.micro_batch_size, fits=fits)
+    changed = [(old, new) for old, new in zip(plan.stages, stages, strict=True) if old != new]
+    if not changed:
+        return plan, memory, []
+    plan = replace(plan, stages=stages)
+    if shape is not None:
+        memory = memory_plan(config, plan, shape=shape, explore=explore)
+    base = speeds[plan.micro_batch_size]
+    described = ", ".join(
+        f"{new.name} at {new.micro_batch_size} ({speeds[new.micro_batch_size] / base:.2f}x)"
+        for _, new in changed
+    )
+    return (
+        plan,
+        memory,
+        [
+            f"stages whose batch splits into a faster measured micro batch train with it: {described} the plan's "
+            f"micro_batch_size {plan.micro_batch_size} per device (explore's throughput)"
+        ],
+    )
 
 
 def explore_summary(explore: dict[str, Any]) -> dict[str, Any]:

@@ -117,7 +117,7 @@ def stage_on_nodes(
         num_loading_hosts=num_loading_hosts(
             num_hosts=num_nodes,
             expansion_factor=expansion_factor,
-            samples_per_host_pass=stage.micro_batch_size * devices_per_node,
+            samples_per_host_pass=stage.micro_batch_size * dp // num_nodes,  # a node's data-parallel ranks
         ),
         planned_nodes=planned_nodes if num_nodes != planned_nodes else None,
     )

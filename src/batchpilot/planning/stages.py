@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -112,6 +113,14 @@ class Plan:
         if dash or not text.isdigit() or int(text) > last:
             raise BatchpilotError("--stage", f"{text!r} is not a stage of this plan", f"use {choices}")
         return (self.stages[int(text)],)
+
+    def micro_batches_label(self) -> str:
+        """The micro batch the stages train with: `16`, or per stage when they differ (`4 (stage-0), 16
+        (final)`: stages that take a faster size, `faster_micro_batches`)."""
+        sizes = {stage.micro_batch_size for stage in self.stages}
+        if len(sizes) == 1:
+            return str(sizes.pop())
+        return ", ".join(f"{stage.micro_batch_size} ({stage.name})" for stage in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -300,3 +309,53 @@ def _notes(stages: list[Stage], *, total_samples: int, max_nodes: int) -> tuple[
             f"the last {remainder} samples do not fill a step of {final.global_batch_size} and are not trained"
         )
     return tuple(notes)
+
+
+MIN_MICRO_GAIN = 0.03
+"""A stage trains with a larger micro batch than the plan's only when explore measured it this much faster
+(explore's confidence is about being within 3% of the fastest: smaller gains are within its noise)."""
+
+
+def faster_micro_batches(
+    stages: Sequence[Stage],
+    *,
+    speeds: Mapping[int, float],
+    base: int,
+    fits: Callable[[Stage, int], bool],
+    min_gain: float = MIN_MICRO_GAIN,
+) -> tuple[Stage, ...]:
+    """Each stage's micro batch: among the measured sizes (`speeds`: micro batch -> throughput per device,
+    in any one unit), the fastest that splits the stage's batch over its data-parallel ranks into whole
+    passes, fits its devices (`fits(stage, micro)`) and beats the plan's `base` by at least `min_gain`;
+    else the stage keeps its own. The plan's micro batch splits every stage's batch (the node walk placed
+    them with it), so a larger one is a stage's own choice: a stage on more nodes may take a size that the
+    first stage's batch does not split into, and, sharded over more devices, may hold one."""
+    floor = speeds.get(base)
+    if floor is None:
+        return tuple(stages)
+    chosen = []
+    for stage in stages:
+        candidates = [
+            micro
+            for micro, speed in speeds.items()
+            if micro > stage.micro_batch_size
+            and speed >= floor * (1 + min_gain)
+            and stage.global_batch_size % (micro * stage.data_parallel_size) == 0
+            and fits(stage, micro)
+        ]
+        if not candidates:
+            chosen.append(stage)
+            continue
+        micro = max(candidates, key=lambda size: (speeds[size], size))
+        chosen.append(
+            replace(
+                stage,
+                micro_batch_size=micro,
+                gradient_accumulation_steps=gradient_accumulation_steps(
+                    global_batch_size=stage.global_batch_size,
+                    micro_batch_size=micro,
+                    data_parallel_size=stage.data_parallel_size,
+                ),
+            )
+        )
+    return tuple(chosen)

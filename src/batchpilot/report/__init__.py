@@ -302,7 +302,7 @@ def _headline(
     cards += wall_card(clock) + (_cost_cards(document, actuals) if records else [])
     micro = _card(
         "micro batch trained",
-        format_int(document.plan.micro_batch_size),
+        document.plan.micro_batches_label(),
         micro_batch_reason(document, explore),
         wide=True,
     )

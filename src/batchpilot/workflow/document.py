@@ -25,7 +25,9 @@ def current_document(document: RunDocument, *, capacity: bool = True) -> RunDocu
     if is_adaptive(config):
         decisions = runstate.read_decisions(config.train.checkpoint_uri)
         plan = assemble_plan(config, micro_batch_size=document.plan.micro_batch_size, decisions=decisions)
-        plan = replace(plan, parallelism=document.plan.parallelism)
+        plan = replace(
+            plan, parallelism=document.plan.parallelism, hsdp_shard_nodes=document.plan.hsdp_shard_nodes
+        )
         # The plan step's memory estimate and cost were for the stages planned then, not these.
         document = replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
     if not capacity or config.cluster.fewer_nodes != "allow":  # only `allow` writes capacity records
