@@ -226,3 +226,41 @@ def synthetic_explore_json(tmp_path: Path) -> str:
     path = tmp_path / "explore.json"
     path.write_text(json.dumps(document))
     return str(path)
+
+
+def kill_9_then_resume(plan: str, root: Path, *, steps: int, fault_rng, kill_after: tuple[int, int]) -> str:
+    """`launch --stage final` of `plan` (checkpoints in `root`/ckpt, output in `root`/out), kill -9 of a
+    random trainer rank after a random step in `kill_after` (inclusive), the job's failure with no complete
+    checkpoint (or none yet: a loaded machine may kill before the first), then the same launch again;
+    returns the resumed launch's output."""
+    import os
+    import signal
+
+    from batchpilot.train.checkpoint import Checkpointer
+
+    out = root / "out"
+    proc = launch(plan, out)
+    wait_for_steps(out / "metrics.jsonl", fault_rng.randint(*kill_after), proc)
+    ranks = trainer_ranks(str(out))
+    os.kill(ranks[fault_rng.choice(sorted(ranks))], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output
+    assert (Checkpointer(uri=f"file://{root}/ckpt").latest_step() or 0) < steps
+    result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
+    return result.stdout
+
+
+def assert_same_run(reference: Path, root: Path) -> None:
+    """`root`'s final checkpoint (model and AdamW state) bit for bit `reference`'s, and its metrics.jsonl's
+    steps equal (folders as `kill_9_then_resume` uses them)."""
+    from batchpilot.runstate import read_metrics
+    from batchpilot.train.checkpoint import Checkpointer
+
+    expected = Checkpointer(uri=f"file://{reference}/ckpt").load().full_state()
+    assert_identical(expected, Checkpointer(uri=f"file://{root}/ckpt").load().full_state())
+    assert expected["optimizer"]["state"]
+    fields = ("step", "consumed_samples", "loss", "lr", "grad_norm", "noise_scale", "gradient_coherence")
+    metrics = read_metrics(root / "out" / "metrics.jsonl")
+    expected_metrics = read_metrics(reference / "out" / "metrics.jsonl")
+    assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in expected_metrics]

@@ -8,8 +8,6 @@ test_sharding_units.py.)
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,12 +16,10 @@ import torch
 from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
 from helpers import (
-    assert_identical,
-    launch,
+    assert_same_run,
+    kill_9_then_resume,
     run_batchpilot,
     tiny_config,
-    trainer_ranks,
-    wait_for_steps,
     write_plan,
 )
 
@@ -95,26 +91,10 @@ def test_hsdp_on_two_ranks_per_node_trains_as_ddp_does(runs):
 
 def test_kill_9_under_hsdp_then_resume_is_identical(runs, demo_data_uri, tmp_path, fault_rng):
     plan = write_plan(tmp_path, two_by_two_config(demo_data_uri, tmp_path, "hsdp"))
-    out = tmp_path / "out"
-    victim_step, victim_rank = fault_rng.randint(5, STEPS - 6), fault_rng.choice([0, 1, 2, 3])
-    proc = launch(plan, out)
-    wait_for_steps(out / "metrics.jsonl", victim_step, proc)
-    os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0, output
-    # Not complete: a checkpoint short of the end, or none yet (a loaded machine may kill before the first).
-    assert (Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() or 0) < STEPS
-    result = train_final(plan, out)
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "resumed from step" in result.stdout and "under hsdp" in result.stdout
-    # Parameters and AdamW state (moments and step counts) bit for bit.
-    expected = Checkpointer(uri=f"file://{runs['hsdp']}/ckpt").load().full_state()
-    assert_identical(expected, Checkpointer(uri=f"file://{tmp_path}/ckpt").load().full_state())
-    assert expected["optimizer"]["state"]
-    reference = read_metrics(runs["hsdp"] / "out" / "metrics.jsonl")
-    metrics = read_metrics(out / "metrics.jsonl")
-    fields = ("step", "consumed_samples", "loss", "lr", "grad_norm", "noise_scale", "gradient_coherence")
-    assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in reference]
+    resumed = kill_9_then_resume(plan, tmp_path, steps=STEPS, fault_rng=fault_rng, kill_after=(5, STEPS - 6))
+    assert "resumed from step" in resumed and "under hsdp" in resumed
+    # Parameters and AdamW state (moments and step counts) bit for bit, and the same metrics.
+    assert_same_run(runs["hsdp"], tmp_path)
 
 
 def test_hsdp_in_shard_groups_of_two_nodes_trains_as_ddp_does(runs, demo_data_uri, tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,10 @@ from batchpilot.data.sampling import num_samples, sample_at
 from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
 from helpers import (
-    assert_identical,
-    launch,
+    assert_same_run,
+    kill_9_then_resume,
     run_batchpilot,
     tiny_config,
-    trainer_ranks,
-    wait_for_steps,
     write_plan,
 )
 
@@ -137,25 +134,9 @@ def test_a_tensor_parallel_checkpoint_exports_as_a_hugging_face_llama(runs, tmp_
 
 def test_kill_9_under_fsdp_x_tp_then_resume_is_identical(runs, demo_data_uri, tmp_path, fault_rng):
     plan = write_plan(tmp_path, config(demo_data_uri, tmp_path, tensor_parallel_size=2))
-    out = tmp_path / "out"
-    victim_step, victim_rank = fault_rng.randint(5, STEPS - 4), fault_rng.choice([0, 1, 2, 3])
-    proc = launch(plan, out)
-    wait_for_steps(out / "metrics.jsonl", victim_step, proc)
-    os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0, output
-    assert (Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() or 0) < STEPS
-    result = train_final(plan, out)
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "resumed from step" in result.stdout and "under fsdp, each block split 2 ways" in result.stdout
-    reference_root = runs[2][0]
-    expected = Checkpointer(uri=f"file://{reference_root}/ckpt").load().full_state()
-    assert_identical(expected, Checkpointer(uri=f"file://{tmp_path}/ckpt").load().full_state())
-    assert expected["optimizer"]["state"]
-    fields = ("step", "consumed_samples", "loss", "lr", "grad_norm", "noise_scale", "gradient_coherence")
-    reference = read_metrics(reference_root / "out" / "metrics.jsonl")
-    metrics = read_metrics(out / "metrics.jsonl")
-    assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in reference]
+    resumed = kill_9_then_resume(plan, tmp_path, steps=STEPS, fault_rng=fault_rng, kill_after=(5, STEPS - 4))
+    assert "resumed from step" in resumed and "under fsdp, each block split 2 ways" in resumed
+    assert_same_run(runs[2][0], tmp_path)
 
 
 def test_a_stage_change_from_1_to_2_nodes_under_tp_trains_every_sample_once(demo_data_uri, tmp_path):

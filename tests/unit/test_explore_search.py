@@ -36,18 +36,25 @@ def device(
         if micro > (ac_frontier if ac else frontier):
             result.error = "peak resident memory exceeds explore.memory_budget_bytes"
             return result
-        efficiency = micro / (micro + 4) * (1 - 0.004 * abs(micro - peak_at))
-        step_s = micro * SEQ_LEN / (1000 * efficiency) * (ac_cost if ac else 1.0)
-        times = [step_s * (1 + 0.002 * ((i % 3) - 1)) for i in range(5)]
-        result.fits = True
-        result.step_time_s = sorted(times)[2]
-        result.tokens_per_s = micro * SEQ_LEN / result.step_time_s
-        result.samples_per_s = micro / result.step_time_s
-        result.step_times_s = times
-        result.repeats = len(times)
-        return result
+        return timed(result, peak_at=peak_at, slower=ac_cost if ac else 1.0)
 
     return measure
+
+
+def timed(result: ProbeResult, *, peak_at: int, slower: float) -> ProbeResult:
+    """`result` fitting, with five passes of a throughput that rises, peaks at `peak_at` and falls (`slower`
+    times the pass time: activation checkpointing's recomputation)."""
+    micro = result.micro_batch_size
+    efficiency = micro / (micro + 4) * (1 - 0.004 * abs(micro - peak_at))
+    step_s = micro * SEQ_LEN / (1000 * efficiency) * slower
+    times = [step_s * (1 + 0.002 * ((i % 3) - 1)) for i in range(5)]
+    result.fits = True
+    result.step_time_s = sorted(times)[2]
+    result.tokens_per_s = micro * SEQ_LEN / result.step_time_s
+    result.samples_per_s = micro / result.step_time_s
+    result.step_times_s = times
+    result.repeats = len(times)
+    return result
 
 
 MIB = 2**20
@@ -65,16 +72,7 @@ def budget_device(*, peak_at: int, budget: int, ac_cost: float = 1.35):
         if result.peak_memory_bytes > budget:
             result.error = "peak resident memory exceeds explore.memory_budget_bytes"
             return result
-        efficiency = micro / (micro + 4) * (1 - 0.004 * abs(micro - peak_at))
-        step_s = micro * SEQ_LEN / (1000 * efficiency) * (ac_cost if ac else 1.0)
-        times = [step_s * (1 + 0.002 * ((i % 3) - 1)) for i in range(5)]
-        result.fits = True
-        result.step_time_s = sorted(times)[2]
-        result.tokens_per_s = micro * SEQ_LEN / result.step_time_s
-        result.samples_per_s = micro / result.step_time_s
-        result.step_times_s = times
-        result.repeats = len(times)
-        return result
+        return timed(result, peak_at=peak_at, slower=ac_cost if ac else 1.0)
 
     return measure
 
