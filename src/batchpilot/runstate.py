@@ -325,3 +325,26 @@ def read_canary(checkpoint_uri: str) -> dict[str, Any] | None:
     except ObjectNotFound:
         return None
     return data
+
+
+# --- ledger/*.json: the goodput ledger's events ------------------------------------------------------------
+
+LEDGER_FOLDER = "ledger"
+
+
+def record_event(checkpoint_uri: str, event: dict[str, Any]) -> None:
+    """One goodput event (`planning.goodput`: `pool`, `launch`, `trainer`) as its own object under
+    `<checkpoint_uri>/ledger/`: tasks and trainers on different machines each write theirs, nothing is
+    appended to (an object store has no append)."""
+    import time
+    import uuid
+
+    name = f"{time.time_ns():020d}-{event['kind']}-{uuid.uuid4().hex[:8]}.json"
+    open_storage(join_uri(checkpoint_uri, LEDGER_FOLDER)).write(name, json.dumps(event).encode())
+
+
+def read_events(checkpoint_uri: str) -> list[dict[str, Any]]:
+    """Every goodput event recorded under the checkpoint URI, in the order they were written."""
+    storage = open_storage(join_uri(checkpoint_uri, LEDGER_FOLDER))
+    names = sorted(name for name in storage.list() if name.endswith(".json"))
+    return [json.loads(storage.read(name)) for name in names]

@@ -155,6 +155,33 @@ def test_demo_leaves_report_checkpoints_and_a_scaled_down_pool(demo_run):
     assert json.loads((output / "pool.json").read_text())["num_nodes"] == 0
 
 
+def test_demo_goodput_ledger_accounts_for_every_second_and_every_launch(demo_run):
+    """The goodput ledger (#36): the pool tasks, the train tasks and the trainers recorded their events; each
+    launch of the plan trained (no launch lost), the categories add up to the wall time within 1%, the run's
+    node-hours are those of the nodes up, and the report shows the goodput and a bar per launch."""
+    from batchpilot.planning.goodput import build_ledger
+    from batchpilot.runstate import read_events
+
+    output, _ = demo_run
+    events = read_events(f"file://{output / 'ckpt'}")
+    names = [name for name, _ in launches_of(output / "plan.json")]
+    assert [e["launch"] for e in events if e["kind"] == "launch"] == names
+    assert len([e for e in events if e["kind"] == "trainer"]) == len(names)
+    assert [(e["before"], e["after"]) for e in events if e["kind"] == "pool"][-1][1] == 0  # the scale-down
+    end = max(e.get("ended_s", e.get("ready_s", 0.0)) for e in events)
+    ledger = build_ledger(events, now_s=end)
+    assert ledger is not None and set(ledger.launches) == set(names)
+    assert "failed" not in ledger.categories
+    total = sum(share.wall_s for share in ledger.categories.values())
+    assert abs(total - ledger.wall_s) <= 0.01 * ledger.wall_s
+    trained_s = sum(r["step_time_s"] for r in read_metrics(output / "metrics.jsonl"))
+    assert ledger.categories["training_steps"].wall_s >= trained_s  # the steps and what the loop did between
+    assert 0 < ledger.goodput < 1
+    report = (output / "report.html").read_text()
+    assert "<div class='label'>goodput</div>" in report and "<h2>Where the node-hours went</h2>" in report
+    assert all(f"<td>{name}</td>" in report for name in names)
+
+
 RUN_LOCAL_PIPELINE = (
     "import sys; from pathlib import Path; from batchpilot.config import load_config; "
     "from batchpilot.kfp.local import local_run_config, run_pipeline; out = Path(sys.argv[2]); out.mkdir(); "

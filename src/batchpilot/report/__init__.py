@@ -33,6 +33,7 @@ from batchpilot.files import write_atomically
 from batchpilot.htmlpage import Html, bullets, figure, page, table
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning import CostEstimate, Plan
+from batchpilot.planning.goodput import Ledger
 from batchpilot.planning.launches import launches
 from batchpilot.planning.memory import MemoryPlan
 from batchpilot.planning.table import plan_table
@@ -46,6 +47,7 @@ from batchpilot.planning.units import (
 )
 from batchpilot.report.clock import RunClock, run_clock, wall_detail
 from batchpilot.report.figures import loss_figure, run_figures, validation_points
+from batchpilot.report.goodput import goodput_section, goodput_summary
 from batchpilot.report.sections import (
     canary_section,
     capacity_section,
@@ -420,6 +422,7 @@ def write_report(
     explore_html: Path | None = None,
     canary: dict[str, Any] | None = None,
     failure: str | None = None,
+    ledger: Ledger | None = None,
 ) -> dict[str, float]:
     """Writes the HTML report (and the Markdown table); returns the headline numbers for KFP Metrics.
 
@@ -427,6 +430,7 @@ def write_report(
         explore: this run's explore.json (its times count in the wall time), when its explore ran.
         canary: the run's canary.json, when its canary ran.
         failure: why the run failed (its report says where it stopped, and what ran); None: it completed.
+        ledger: the goodput ledger as of now (`planning.goodput`), when the run recorded its events.
     """
     plan, cost = document.plan, document.cost
     actuals = stage_actuals(document, records)
@@ -439,11 +443,22 @@ def write_report(
             document=document, records=records, explore=explore, canary=canary, failure=failure
         )
         parts.append(where)
-    parts.append(_headline(document, records, actuals, explore, clock))
+    headline = _headline(document, records, actuals, explore, clock)
+    if ledger is not None and ledger.goodput is not None:
+        card = _card(
+            "goodput",
+            f"{ledger.goodput:.2f}",
+            "training-step node-hours over all node-hours (Where the node-hours went, below)",
+        )
+        headline = headline.replace("<div class='cards'>", "<div class='cards'>" + card, 1)
+    parts.append(headline)
     study = (explore or document.explore or {}).get("noise_scale") or {}
     if document.trials_outcome is not None:
         parts.append(_trials_part(document, study))
         summary.update(trials_summary(document))
+    if ledger is not None:
+        parts.append(goodput_section(ledger))
+        summary.update(goodput_summary(ledger))
     parts.append("<h2>Launches and stages: plan and actuals</h2>" + _stage_rows(document, actuals))
     parts.append(
         "<p class='muted'>Time is the sum of a stage's step times (training alone); tokens/s is the stage's tokens "

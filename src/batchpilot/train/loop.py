@@ -77,6 +77,14 @@ class TrainingLoop:
     """An adaptive ramp-up's noise measurements so far (every step that measured one), in checkpoints."""
     decided: StageDecision | None = None
     """The decision that ended the open stage in this process, if it fired."""
+    first_step_s: float | None = None
+    """When this process's first step began (unix seconds; the goodput ledger's end of start-up)."""
+    last_step_s: float | None = None
+    """When its last finished step ended."""
+    checkpoint_blocked_s: float = 0.0
+    """Seconds its steps were blocked by checkpoints."""
+    evaluation_s: float = 0.0
+    """Seconds spent computing the validation loss."""
 
     @property
     def is_main(self) -> bool:
@@ -94,6 +102,8 @@ class TrainingLoop:
         end = self.stages[-1].end_sample
         while self.consumed < end:
             stage = self.plan.stage_at(self.consumed)
+            if self.first_step_s is None:
+                self.first_step_s = time.time()
             try:
                 outcome, micro, accumulation, started, lr = self._attempt(stage)
             except UnagreedOutOfMemory as error:
@@ -104,6 +114,7 @@ class TrainingLoop:
             # The step's one host synchronisation also agrees on a SIGTERM on any process and on the main
             # process's clock saying a time checkpoint is due (every process must enter the save together).
             stop, checkpoint_due = self._finish_step(stage, outcome, micro, accumulation, started, lr)
+            self.last_step_s = time.time()
             code = self.after_step(stage, stop=stop, checkpoint_due=checkpoint_due)
             if code is not None:
                 return code
@@ -285,7 +296,10 @@ class TrainingLoop:
             before, self.consumed, stage_end=self.consumed == stage.end_sample
         ):
             return None
-        return self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.runtime.autocast)
+        started = time.perf_counter()
+        loss = self.validator.evaluate(self.model, micro_batch_size=micro, autocast=self.runtime.autocast)
+        self.evaluation_s += time.perf_counter() - started
+        return loss
 
     def measure_noise(
         self, stage: Stage, *, small_batch: int | None, small_sq_norm: float, big_sq_norm: float
@@ -454,6 +468,7 @@ class TrainingLoop:
         save = Save(self.model, self.optimizer, self.step, self.consumed, extra, side)
         where, background = self.runtime.write_checkpoint(self.checkpointer, save)
         blocked_s = time.perf_counter() - started
+        self.checkpoint_blocked_s += blocked_s
         how = "writing in the background" if background else "committed"
         self.log(
             f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}: training blocked "

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from batchpilot import runstate
 from batchpilot.config import Config, resolved_runtime
+from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import PREEMPTED_FILE
-from batchpilot.planning import Plan
+from batchpilot.planning import Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.train.checkpoint import Checkpointer, restore_rng_state
 from batchpilot.train.evaluate import Validator
@@ -136,5 +137,37 @@ def train(
     loop.resume_from(checkpoint)
     say(f"training {', '.join(s.name for s in stages)} on {runtime.world_line(how)} from sample {consumed:,}")
     code = run_loop(loop, closing=[loader.close])
+    if runtime.place.is_main and loop.first_step_s is not None and loop.last_step_s is not None:
+        record_trainer_event(config, stages=stages, loop=loop)
     runtime.close()  # training ended on every process: its process groups go before the interpreter finalises
     return code
+
+
+def record_trainer_event(config: Config, *, stages: list[Stage], loop: TrainingLoop) -> None:
+    """The goodput ledger's `trainer` event (`planning.goodput`): this process's start, its first and last
+    steps, the seconds checkpoints blocked them and validation took. A failed write is a warning: the ledger
+    observes the run, the run goes on."""
+    event = {
+        "kind": "trainer", "stages": [stages[0].index, stages[-1].index], "started_s": process_started_s(),
+        "first_step_s": loop.first_step_s, "last_step_s": loop.last_step_s,
+        "checkpoint_blocked_s": loop.checkpoint_blocked_s, "evaluation_s": loop.evaluation_s,
+    }  # fmt: skip
+    try:
+        runstate.record_event(config.train.checkpoint_uri, event)
+    except (BatchpilotError, OSError) as error:  # storage refusals, credentials, the disk
+        logger.warning("the goodput ledger misses this trainer's event: %s", error)
+
+
+def process_started_s() -> float:
+    """When this process started (unix seconds), from the kernel's record: /proc/self/stat's start time in
+    clock ticks after boot, plus the boot time in /proc/stat (Linux, where the trainers run)."""
+    import os
+
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[19])  # field 22 of stat(5), counted after the command's closing parenthesis
+    boot_s = next(
+        int(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime ")
+    )
+    return boot_s + ticks / os.sysconf("SC_CLK_TCK")

@@ -46,6 +46,7 @@ def prepare_pool(
     pool = node_pool_for(config, state_path=state_path)
     _claim(config, pool)
     started = time.monotonic()
+    requested_s = time.time()
     before = pool.current_size()
     pool.resize(num_nodes)
     # Flex-start (a ProvisioningRequest per launch) and autoscale mode (pending pods) bring the nodes
@@ -58,12 +59,34 @@ def prepare_pool(
         logger.info("resized: %d -> %d node(s)", before, num_nodes)
     pool.wait_ready(num_nodes, timeout_s=timeout_s if timeout_s is not None else cluster.ready_timeout_s)
     change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
+    record_goodput_event(
+        config,
+        {
+            "kind": "pool",
+            "before": before,
+            "after": num_nodes,
+            "requested_s": requested_s,
+            "ready_s": time.time(),
+        },
+    )
     if deferred:
         how = "its ProvisioningRequest" if cluster.provisioning == "flex-start" else "the cluster autoscaler"
         logger.info("%d node(s) come with the launch's job (%s); %s", num_nodes, how, change.description)
     else:
         logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
     return change
+
+
+def record_goodput_event(config: Config, event: dict[str, Any]) -> None:
+    """One event of the goodput ledger beside the run's checkpoints (`runstate.record_event`). The ledger
+    observes the run: a write that fails is said in a warning naming what the ledger misses, and the run goes
+    on (a resize or a launch is not undone for it)."""
+    from batchpilot.runstate import record_event
+
+    try:
+        record_event(config.train.checkpoint_uri, event)
+    except (BatchpilotError, OSError) as error:  # storage refusals, credentials, the disk
+        logger.warning("the goodput ledger misses this %s event: %s", event["kind"], error)
 
 
 def _claim(config: Config, pool: Any) -> None:
@@ -112,10 +135,21 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
             delete_run_jobs(cluster=config.cluster, run=run)
     pool = node_pool_for(config, state_path=state_path)
     started = time.monotonic()
+    requested_s = time.time()
     before = pool.current_size()
     pool.resize(config.cluster.idle_nodes)
     _release(config, pool)
     change = PoolChange(before, config.cluster.idle_nodes, time.monotonic() - started, pool.describe())
+    record_goodput_event(
+        config,
+        {
+            "kind": "pool",
+            "before": before,
+            "after": change.after,
+            "requested_s": requested_s,
+            "ready_s": time.time(),
+        },
+    )
     logger.info(
         "scaled down: %d -> %d node(s) (cluster.idle_nodes); %s", before, change.after, change.description
     )

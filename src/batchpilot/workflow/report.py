@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchpilot import runstate
 from batchpilot.files import write_atomically
 from batchpilot.plan.rundoc import RunDocument, read_run_document
+from batchpilot.planning.goodput import build_ledger, describe
 from batchpilot.workflow.canary import read_canary
 from batchpilot.workflow.document import current_document
 
@@ -28,12 +30,15 @@ def report(
 
     document = current_document(document)  # an adaptive ramp-up's stages as the run decided them
     records = runstate.load_metrics(document.config.train.checkpoint_uri)
+    ledger = build_ledger(runstate.read_events(document.config.train.checkpoint_uri), now_s=time.time())
+    if ledger is not None:
+        logger.info("%s", describe(ledger))
     explore_json = explore_dir / "explore.json" if explore_dir is not None else None
     explore_data = json.loads(explore_json.read_text()) if explore_json and explore_json.is_file() else None
     summary = write_report(
         document=document, records=records, explore=explore_data, html_path=html_path,
         markdown_path=markdown_path, explore_html=explore_dir / "explore.html" if explore_dir else None,
-        canary=read_canary(document.config),
+        canary=read_canary(document.config), ledger=ledger,
     )  # fmt: skip
     logger.info("report: %s", html_path)
     return summary, records

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.storage import open_storage
 from batchpilot.workflow.document import current_document
+from batchpilot.workflow.pool import record_goodput_event
 
 if TYPE_CHECKING:
     pass
@@ -168,7 +170,18 @@ def train_stage(document: RunDocument, *, launch_index: int, work_dir: Path | No
     local = document.config.cluster.backend == "local"
     if local and work_dir is None:
         work_dir = Path(tempfile.mkdtemp(prefix="batchpilot-"))
-    code = run_stage(document, stage=launch.stage_arg, work_dir=work_dir if local else None)
+    submitted_s = time.time()
+    code = 1
+    try:
+        code = run_stage(document, stage=launch.stage_arg, work_dir=work_dir if local else None)
+    finally:  # the goodput ledger's record of the launch, whatever became of it
+        record_goodput_event(
+            document.config,
+            {
+                "kind": "launch", "launch": launch.name, "stages": [launch.first_stage, launch.last_stage],
+                "nodes": launch.num_nodes, "submitted_s": submitted_s, "ended_s": time.time(), "exit_code": code,
+            },
+        )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"{launch.name} ended with exit code {code}; see its trainers' lines above")
     return stage_metrics(document, launch=launch)

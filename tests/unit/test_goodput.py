@@ -1,0 +1,79 @@
+"""The goodput ledger (planning/goodput.py) from a written-out timeline of events."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchpilot.planning.goodput import build_ledger, describe
+
+# A run: explore's pool (0 -> 2 nodes, 10 s), explore and plan (until 100), launch-0 on 1 node (resize down
+# 2 -> 1 at 100..102), its job 105..200 (process 120, first step 140, last step 190), resize up 1 -> 2
+# (200..260), launch-1 265..400 (process 275, first 285, last 380), scale-down 2 -> 0 at 410..420.
+EVENTS = [
+    {"kind": "pool", "before": 0, "after": 2, "requested_s": 0.0, "ready_s": 10.0},
+    {"kind": "pool", "before": 2, "after": 1, "requested_s": 100.0, "ready_s": 102.0},
+    {"kind": "launch", "launch": "launch-0", "stages": [0, 0], "submitted_s": 105.0, "ended_s": 200.0, "exit_code": 0},
+    {
+        "kind": "trainer", "stages": [0, 0], "started_s": 120.0, "first_step_s": 140.0, "last_step_s": 190.0,
+        "checkpoint_blocked_s": 2.0, "evaluation_s": 3.0,
+    },
+    {"kind": "pool", "before": 1, "after": 2, "requested_s": 200.0, "ready_s": 260.0},
+    {"kind": "launch", "launch": "launch-1", "stages": [1, 1], "submitted_s": 265.0, "ended_s": 400.0, "exit_code": 0},
+    {
+        "kind": "trainer", "stages": [1, 1], "started_s": 275.0, "first_step_s": 285.0, "last_step_s": 380.0,
+        "checkpoint_blocked_s": 1.0, "evaluation_s": 0.0,
+    },
+    {"kind": "pool", "before": 2, "after": 0, "requested_s": 410.0, "ready_s": 420.0},
+]  # fmt: skip
+
+
+def test_every_second_is_in_one_category_and_node_hours_follow_the_nodes_up():
+    ledger = build_ledger(EVENTS, now_s=420.0)
+    assert ledger is not None
+    walls = {name: share.wall_s for name, share in ledger.categories.items()}
+    assert walls == pytest.approx(
+        {
+            "waiting_for_nodes": 10 + 60,
+            "pod_start": 15 + 10,
+            "start_up": 20 + 10,
+            "training_steps": 50 + 95,
+            "tail": 10 + 20,
+            "idle": 90 + 2 + 3 + 5 + 20,  # explore/plan, scale-down 100..102, 102..105, 260..265, 400..420
+        }
+    )
+    assert sum(walls.values()) == pytest.approx(ledger.wall_s) == pytest.approx(420)
+    # Training: launch-0's 50 s on 1 node, launch-1's 95 s on 2.
+    assert ledger.categories["training_steps"].node_hours == pytest.approx((50 * 1 + 95 * 2) / 3600)
+    # Nodes up: 0 until 10, 2 until 102, 1 until 260, 2 until 420 (0 after).
+    paid = (92 * 2 + 158 * 1 + 160 * 2) / 3600
+    assert ledger.node_hours == pytest.approx(paid)
+    assert ledger.goodput == pytest.approx(((50 + 190) / 3600) / paid)
+    assert ledger.launches["launch-1"]["training_steps"].wall_s == pytest.approx(95)
+    assert (ledger.checkpoint_blocked_s, ledger.evaluation_s) == (3.0, 3.0)
+    assert describe(ledger).startswith(f"goodput {ledger.goodput:.2f}: ")
+
+
+def test_a_resize_while_training_is_training_and_a_launch_without_trainer_is_failed():
+    early = [
+        *EVENTS[:4],
+        {"kind": "pool", "before": 1, "after": 2, "requested_s": 150.0, "ready_s": 180.0},  # ahead of time
+        {
+            "kind": "launch",
+            "launch": "launch-1",
+            "stages": [1, 1],
+            "submitted_s": 205.0,
+            "ended_s": 230.0,
+            "exit_code": 1,
+        },
+    ]
+    ledger = build_ledger(early, now_s=230.0)
+    assert ledger is not None
+    assert ledger.categories["training_steps"].wall_s == pytest.approx(50)
+    assert ledger.categories["waiting_for_nodes"].wall_s == pytest.approx(10)  # explore's pool only
+    assert ledger.categories["failed"].wall_s == pytest.approx(25)
+    # the second node, ready at 180 while launch-0 trains on one, is paid: 1 node-second per second
+    assert ledger.categories["training_steps"].node_hours == pytest.approx((40 * 1 + 10 * 2) / 3600)
+
+
+def test_no_resize_no_ledger():
+    assert build_ledger([], now_s=5.0) is None
