@@ -41,7 +41,7 @@ import yaml
 from batchpilot.cluster.gke import GkeNodePool, PoolRef
 from batchpilot.cluster.readiness import PoolNodes
 from batchpilot.kfp import pipeline
-from batchpilot.runstate import load_metrics
+from batchpilot.runstate import load_metrics, read_events
 from batchpilot.storage import open_storage
 from helpers import processes_with, tiny_config, write_plan
 
@@ -361,6 +361,21 @@ def test_the_compiled_pipeline_explores_plans_and_trains_every_stage_on_a_pool_r
     assert "Batch-size ramp" in (run.output / "report.html").read_text()  # the report task ran
     # The exit handler: no JobSet, no pod, no node.
     assert not gke.sim.jobsets and not gke.sim.pods and gke.sim.pool_size("cpu") == 0
+    # The goodput ledger in the bucket: every resize from its pool task, each launch from its train task, and a
+    # trainer event from each launch's main trainer pod (the preempted attempt stopped at a step's end and
+    # reported too); the report task read them.
+    events = read_events(run.checkpoint_uri)
+    assert [(e["before"], e["after"]) for e in events if e["kind"] == "pool"] == [
+        (0, 2),
+        (2, 2),
+        (2, 1),
+        (1, 2),
+        (2, 0),
+    ]
+    assert [e["launch"] for e in events if e["kind"] == "launch"] == ["stage-0", "stages-1-final"]
+    trainers = [tuple(e["stages"]) for e in events if e["kind"] == "trainer"]
+    assert trainers[0] == (0, 0) and set(trainers[1:]) == {(1, 2)}
+    assert "<div class='label'>goodput</div>" in (run.output / "report.html").read_text()
 
 
 def test_a_partial_resize_trains_the_launch_on_the_nodes_that_came(simulated_cluster, start_pipeline, bucket):
