@@ -335,12 +335,19 @@ LEDGER_FOLDER = "ledger"
 def record_event(checkpoint_uri: str, event: dict[str, Any]) -> None:
     """One goodput event (`planning.goodput`: `pool`, `launch`, `trainer`) as its own object under
     `<checkpoint_uri>/ledger/`: tasks and trainers on different machines each write theirs, nothing is
-    appended to (an object store has no append)."""
+    appended to (an object store has no append). The ledger observes the run: a write that fails (storage,
+    credentials, the disk) is a warning naming what the ledger misses, and the run goes on."""
+    import logging
     import time
     import uuid
 
     name = f"{time.time_ns():020d}-{event['kind']}-{uuid.uuid4().hex[:8]}.json"
-    open_storage(join_uri(checkpoint_uri, LEDGER_FOLDER)).write(name, json.dumps(event).encode())
+    try:
+        open_storage(join_uri(checkpoint_uri, LEDGER_FOLDER)).write(name, json.dumps(event).encode())
+    except (BatchpilotError, OSError) as error:
+        logging.getLogger(__name__).warning(
+            "the goodput ledger misses this %s event: %s", event["kind"], error
+        )
 
 
 def read_events(checkpoint_uri: str) -> list[dict[str, Any]]:

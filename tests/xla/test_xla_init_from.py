@@ -73,7 +73,10 @@ def test_stage_0_on_xla_starts_from_the_checkpoint_and_a_resume_does_not_reload_
     assert f"initialized the model from {source} (21 tensors of a Hugging Face Llama checkpoint)" in output
     if where == "gcs":
         weight_bytes = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
-        assert f"train.init_from {source}: read {weight_bytes / 2**20:.1f} MiB by ranges" in output
+        assert (
+            f"train.init_from {source}: read {weight_bytes / 2**20:.1f} MiB, by ranges, one tensor at a time"
+            in output
+        )
     assert not cache.exists()  # no copy on the node
     records = metrics(tmp_path / "out")
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["runtime"] == "xla"

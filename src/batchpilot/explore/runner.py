@@ -129,10 +129,10 @@ def on_gpu(config: Config) -> bool:
 def check_accelerator(config: Config) -> None:
     """A gke GPU config's explore measures the pool's GPU, never the CPU: without a GPU it refuses in one
     line before any probe (the pipeline's explore task gets one GPU of the pool, `nvidia.com/gpu: 1`)."""
-    from batchpilot.train.accelerators import planned_gpu, require_cuda
+    from batchpilot.train.accelerators import require_cuda
 
     cluster = config.cluster
-    if planned_gpu(accelerator_type=cluster.accelerator_type):
+    if on_gpu(config):
         assert cluster.accelerator_type is not None
         require_cuda(
             accelerator_type=cluster.accelerator_type,

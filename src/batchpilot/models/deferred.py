@@ -198,19 +198,12 @@ class Deferred:
         operation and dropped after (a runtime whose devices take whole tensors, SPMD under XLA, uploads and
         shards it). A tied weight is delivered once, under the name its operations were recorded with.
         Buffers are not made here (`reset_buffers` on the placed model)."""
+        layouts = {op.target: (op.shape, op.dtype) for op in self.ops if op.target is not None}
         self._replay(
             part=lambda name: (),
-            empty=lambda name: torch.empty(self._shapes[name], dtype=self._dtypes[name]),
+            empty=lambda name: torch.empty(layouts[name][0], dtype=layouts[name][1]),
             deliver=deliver,
         )
-
-    @property
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return {op.target: op.shape for op in self.ops if op.target is not None}
-
-    @property
-    def _dtypes(self) -> dict[str, torch.dtype]:
-        return {op.target: op.dtype for op in self.ops if op.target is not None}
 
     def _replay(
         self,

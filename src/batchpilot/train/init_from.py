@@ -69,14 +69,16 @@ def start_from(
     say: Callable[[str], None],
     say_every_rank: Callable[[str], None],
     ranged: bool = False,
+    deliver: Deliver | None = None,
 ) -> None:
     """`train.init_from`: a start without a checkpoint of the run's own takes the Hugging Face weights (step 0,
     a fresh optimizer); a resume (`resuming_step` set) never does, its checkpoint's weights have trained on.
     With `ranged` (the eager trainer) every rank reads its own shards' byte ranges of a gs:// folder
-    (`ranged_safetensors.py`); otherwise (XLA's hosts, explore's probes) a gs:// folder is first downloaded
-    once per node (local rank 0; the other local ranks wait for it). The eager trainer calls this on every
-    rank once its shards (or replica) have memory; the XLA trainer on every host before the model moves to
-    its devices.
+    (`ranged_safetensors.py`); with `deliver` (an XLA host, whose model is still on meta) every weight is read
+    whole, by byte ranges from gs://, and handed to `deliver` one tensor at a time (`copy_weights`);
+    otherwise (explore's probes) a gs:// folder is first downloaded once per node (local rank 0; the other
+    local ranks wait for it). The eager trainer calls this on every rank once its shards (or replica) have
+    memory.
 
     Args:
         say: a message once (the main rank's log); say_every_rank: a message from this rank.
@@ -87,31 +89,14 @@ def start_from(
     if resuming_step is not None:
         say(f"train.init_from {source} not loaded: resuming from step {resuming_step}'s checkpoint")
         return
-    if ranged and source.startswith("gs://"):
-        loaded, read_bytes = load_init_from_bucket(model, config=config, uri=source)
-        say_every_rank(f"train.init_from {source}: read {read_bytes / 2**20:.1f} MiB, this rank's shards")
+    if (ranged or deliver is not None) and source.startswith("gs://"):
+        loaded, read_bytes = load_init_from_bucket(model, config=config, uri=source, deliver=deliver)
+        what = "by ranges, one tensor at a time" if deliver is not None else "this rank's shards"
+        say_every_rank(f"train.init_from {source}: read {read_bytes / 2**20:.1f} MiB, {what}")
         say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
         return
     folder = init_from_folder(source, local_rank=local_rank, say=say_every_rank)
-    loaded = load_init_from(model, config=config, folder=folder)
-    say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
-
-
-def stream_init_from(
-    model: nn.Module, *, config: Config, deliver: Deliver, say: Callable[[str], None]
-) -> None:
-    """`train.init_from`'s weights handed to `deliver` one whole tensor at a time, read from the local folder
-    or by byte ranges straight from gs:// (no copy on the node), with the checks of `load_init_from`; the XLA
-    host's start (its devices take whole tensors, each uploaded and sharded before the next is read)."""
-    source = config.train.init_from
-    assert source is not None
-    if source.startswith("gs://"):
-        loaded, read_bytes = load_init_from_bucket(model, config=config, uri=source, deliver=deliver)
-        say(f"train.init_from {source}: read {read_bytes / 2**20:.1f} MiB by ranges, one tensor at a time")
-    else:
-        loaded = load_init_from(
-            model, config=config, folder=Path(source.removeprefix("file://")), deliver=deliver
-        )
+    loaded = load_init_from(model, config=config, folder=folder, deliver=deliver)
     say(f"initialized the model from {source} ({loaded} tensors of a Hugging Face Llama checkpoint)")
 
 
@@ -492,8 +477,8 @@ def _copy_one(
             FIELD,
             f"{path} holds {name} of shape {list(stored.get_shape())}, the model's is {list(target.shape)}",
         )
-    # casts a bf16 checkpoint to the model's dtype as load_state_dict does
+    values = stored[part_slices(target)]  # all of it where the target is not a DTensor (a meta model's)
     if deliver is not None:
-        deliver(stored[tuple(slice(None) for _ in target.shape)].to(target.dtype))
+        deliver(values.to(target.dtype))  # cast as load_state_dict casts a bf16 checkpoint
         return
-    local_tensor(target).copy_(stored[part_slices(target)])
+    local_tensor(target).copy_(values)  # casts a bf16 checkpoint to the model's dtype as load_state_dict does

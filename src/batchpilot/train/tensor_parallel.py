@@ -22,19 +22,14 @@ Only models with a plan here take tensor parallelism; the plan refuses the other
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from batchpilot.models.llama import Llama
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def has_plan(model: nn.Module) -> bool:
@@ -44,6 +39,17 @@ def has_plan(model: nn.Module) -> bool:
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Splits `model` (on meta, before `fully_shard`) over the 1-D tensor-parallel `mesh` (module docstring)."""
+    # DTensor's parallel styles are imported here, not with the module: `plan` reads `has_plan` through
+    # train/shape.py, and importing them costs about half a second there.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     assert has_plan(model), f"no tensor-parallel plan for {type(model).__name__} (refused at plan time)"
     assert isinstance(model, Llama)
     tied = model.output.weight is model.tok_embeddings.weight

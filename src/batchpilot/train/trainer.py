@@ -15,7 +15,6 @@ from pathlib import Path
 
 from batchpilot import runstate
 from batchpilot.config import Config, resolved_runtime
-from batchpilot.errors import BatchpilotError
 from batchpilot.exitcodes import PREEMPTED_FILE
 from batchpilot.planning import Plan, Stage
 from batchpilot.planning.adaptive import AdaptiveRun
@@ -145,17 +144,13 @@ def train(
 
 def record_trainer_event(config: Config, *, stages: list[Stage], loop: TrainingLoop) -> None:
     """The goodput ledger's `trainer` event (`planning.goodput`): this process's start, its first and last
-    steps, the seconds checkpoints blocked them and validation took. A failed write is a warning: the ledger
-    observes the run, the run goes on."""
+    steps, the seconds checkpoints blocked them and validation took."""
     event = {
         "kind": "trainer", "stages": [stages[0].index, stages[-1].index], "started_s": process_started_s(),
         "first_step_s": loop.first_step_s, "last_step_s": loop.last_step_s,
         "checkpoint_blocked_s": loop.checkpoint_blocked_s, "evaluation_s": loop.evaluation_s,
     }  # fmt: skip
-    try:
-        runstate.record_event(config.train.checkpoint_uri, event)
-    except (BatchpilotError, OSError) as error:  # storage refusals, credentials, the disk
-        logger.warning("the goodput ledger misses this trainer's event: %s", error)
+    runstate.record_event(config.train.checkpoint_uri, event)
 
 
 def process_started_s() -> float:

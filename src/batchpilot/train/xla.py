@@ -152,7 +152,7 @@ def place_streamed(
 ) -> int:
     """The meta-device `model`'s parameters made on the XLA devices one whole tensor at a time: `produce(deliver)`
     hands each to `deliver(name, cpu_tensor)` (the seed's recorded initialisation, `Deferred.stream`, the
-    eager runtime's values bit for bit; or train.init_from's weights, `init_from.stream_init_from`); each is
+    eager runtime's values bit for bit; or train.init_from's weights, `init_from.start_from` with `deliver`); each is
     uploaded, marked sharded (`_param_spec`) and dropped from the host before the next comes, so a host holds
     one tensor of the model, not all of it. Buffers are computed on the CPU, as the eager runtime computes
     them, and moved. Tied parameters stay one. Returns how many parameters are sharded.

@@ -33,7 +33,7 @@ from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.deferred import to_empty
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer, capture_rng_state
-from batchpilot.train.init_from import stream_init_from
+from batchpilot.train.init_from import start_from
 from batchpilot.train.runtime import (
     Evaluation,
     Initialization,
@@ -159,7 +159,10 @@ class XlaRuntime(Runtime):
             say = self._say
 
             def produce(deliver: Callable[[str, torch.Tensor], None]) -> None:
-                stream_init_from(model, config=config, deliver=deliver, say=say)
+                start_from(
+                    model, config=config, resuming_step=None, local_rank=0, say=say, say_every_rank=say,
+                    deliver=deliver,
+                )  # fmt: skip
 
             sharded = place_streamed(model, self.layout, produce)
         shard_blocks(model, self.layout)

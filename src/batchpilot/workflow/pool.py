@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning.trials import trial_run_names
+from batchpilot.runstate import record_event
 from batchpilot.workflow.timeouts import task_timeouts
 
 if TYPE_CHECKING:
@@ -59,8 +60,8 @@ def prepare_pool(
         logger.info("resized: %d -> %d node(s)", before, num_nodes)
     pool.wait_ready(num_nodes, timeout_s=timeout_s if timeout_s is not None else cluster.ready_timeout_s)
     change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
-    record_goodput_event(
-        config,
+    record_event(
+        config.train.checkpoint_uri,
         {
             "kind": "pool",
             "before": before,
@@ -75,18 +76,6 @@ def prepare_pool(
     else:
         logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
     return change
-
-
-def record_goodput_event(config: Config, event: dict[str, Any]) -> None:
-    """One event of the goodput ledger beside the run's checkpoints (`runstate.record_event`). The ledger
-    observes the run: a write that fails is said in a warning naming what the ledger misses, and the run goes
-    on (a resize or a launch is not undone for it)."""
-    from batchpilot.runstate import record_event
-
-    try:
-        record_event(config.train.checkpoint_uri, event)
-    except (BatchpilotError, OSError) as error:  # storage refusals, credentials, the disk
-        logger.warning("the goodput ledger misses this %s event: %s", event["kind"], error)
 
 
 def _claim(config: Config, pool: Any) -> None:
@@ -140,8 +129,8 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
     pool.resize(config.cluster.idle_nodes)
     _release(config, pool)
     change = PoolChange(before, config.cluster.idle_nodes, time.monotonic() - started, pool.describe())
-    record_goodput_event(
-        config,
+    record_event(
+        config.train.checkpoint_uri,
         {
             "kind": "pool",
             "before": before,

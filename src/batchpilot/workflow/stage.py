@@ -20,7 +20,6 @@ from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.planning.launches import Launch, launch_containing, launch_of, launches
 from batchpilot.storage import open_storage
 from batchpilot.workflow.document import current_document
-from batchpilot.workflow.pool import record_goodput_event
 
 if TYPE_CHECKING:
     pass
@@ -175,8 +174,8 @@ def train_stage(document: RunDocument, *, launch_index: int, work_dir: Path | No
     try:
         code = run_stage(document, stage=launch.stage_arg, work_dir=work_dir if local else None)
     finally:  # the goodput ledger's record of the launch, whatever became of it
-        record_goodput_event(
-            document.config,
+        runstate.record_event(
+            document.config.train.checkpoint_uri,
             {
                 "kind": "launch", "launch": launch.name, "stages": [launch.first_stage, launch.last_stage],
                 "nodes": launch.num_nodes, "submitted_s": submitted_s, "ended_s": time.time(), "exit_code": code,
