@@ -177,7 +177,7 @@ def _saved_worker(rank: int, world_size: int, per_node: int, port: int, out: str
 def test_a_split_blocks_saved_activations_are_the_estimate_within_10_percent(tmp_path, monkeypatch):
     """The memory model's tensor-parallel activations (planning/memory.py, `tensor_parallel_size` 2) against
     what autograd saves on each rank of the group, as test_memory_saved_tensors measures one process."""
-    from batchpilot.planning.memory import block_activation_bytes_per_token
+    from batchpilot.planning.activations import block_activation_bytes_per_token
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -12,7 +12,8 @@ import pytest
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import LRSchedule, megatron_rampup, plan_stages
-from batchpilot.planning.memory import MemoryPlan, ModelShape, plan_memory
+from batchpilot.planning.memory import MemoryPlan, plan_memory
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.nodes import Placement
 
 H, LAYERS, VOCAB, SEQ = 1024, 8, 32000, 1024

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.planning.memory import ModelShape, check_shard_nodes, estimate_memory, shard_node_choices
+from batchpilot.planning.memory import check_shard_nodes, estimate_memory, shard_node_choices
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.stages import Stage
 from helpers import run_batchpilot
 

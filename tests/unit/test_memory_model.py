@@ -4,16 +4,10 @@ import pytest
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import LRSchedule, megatron_rampup, plan_stages
+from batchpilot.planning.activations import activation_bytes_per_sample
 from batchpilot.planning.devices import device_memory_bytes
-from batchpilot.planning.memory import (
-    MemoryEstimate,
-    MemoryPlan,
-    ModelShape,
-    activation_bytes_per_sample,
-    estimate_memory,
-    plan_memory,
-    shard_degree,
-)
+from batchpilot.planning.memory import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory, shard_degree
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.nodes import Placement
 
 GIB = 2**30

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from batchpilot.models.gpt import GPT, GPTConfig
 from batchpilot.models.llama import Llama, LlamaConfig
-from batchpilot.planning.memory import LOSS_BYTES_PER_LOGIT, block_activation_bytes_per_token
+from batchpilot.planning.activations import LOSS_BYTES_PER_LOGIT, block_activation_bytes_per_token
 from batchpilot.train.shape import model_shape
 from batchpilot.train.step import micro_batch_loss
 

@@ -10,7 +10,7 @@ from batchpilot.config import load_config
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
 from batchpilot.models.llama import Llama
-from batchpilot.planning.memory import ModelShape
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.train.shape import model_shape
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -9,7 +9,8 @@ from batchpilot.plan.memory import does_not_fit
 from batchpilot.plan.schedule import placement
 from batchpilot.plan.stages import build_plan
 from batchpilot.planning.adaptive import AdaptiveRule, AdaptiveRun, StageDecision
-from batchpilot.planning.memory import MemoryPlan, ModelShape
+from batchpilot.planning.memory import MemoryPlan
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.nodes import walk_nodes
 
 

@@ -12,18 +12,18 @@ from batchpilot.config import Config, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.stages import build_plan
 from batchpilot.planning import Plan
+from batchpilot.planning.activations import activation_bytes_per_sample
 from batchpilot.planning.devices import device_memory_bytes
 from batchpilot.planning.memory import (
     RESERVE_FIXED_BYTES,
     MemoryEstimate,
     MemoryPlan,
-    ModelShape,
     StageMemory,
-    activation_bytes_per_sample,
     estimate_memory,
     plan_memory,
     tensor_parallel_problem,
 )
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.stages import Stage
 
 

@@ -24,11 +24,8 @@ from batchpilot.plan.stages import build_plan
 from batchpilot.plan.targets import at_trials_bound, resolve_auto_target, resolve_trials_target, trials_for
 from batchpilot.planning import estimate_cost
 from batchpilot.planning.batch import raise_problems
-from batchpilot.planning.memory import (
-    MemoryPlan,
-    ModelShape,
-    check_shard_nodes,
-)
+from batchpilot.planning.memory import MemoryPlan, check_shard_nodes
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.stages import Plan, Stage, faster_micro_batches
 from batchpilot.planning.trials import TrialsOutcome, TrialsPlan
 from batchpilot.planning.units import format_node_hours, format_number

@@ -13,7 +13,8 @@ from batchpilot.plan.memory import does_not_fit
 from batchpilot.plan.schedule import batch_schedule, placement
 from batchpilot.plan.stages import build_plan, lr_schedule
 from batchpilot.planning import Plan
-from batchpilot.planning.memory import MemoryPlan, ModelShape
+from batchpilot.planning.memory import MemoryPlan
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.planning.trials import TrialsOutcome, TrialsPlan, candidate_batches, plan_trials
 from batchpilot.planning.units import format_number
 

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
-from batchpilot.planning.memory import ModelShape
+from batchpilot.planning.model_shape import ModelShape
 from batchpilot.train.tensor_parallel import has_plan
 
 
