@@ -16,25 +16,26 @@ from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
 
 
-def config_dict(**cluster: object) -> dict:
+def config_dict(root: Path, **cluster: object) -> dict:
+    """A local config whose checkpoints (and the ledger's pool events beside them) go under `root`."""
     return {
         "name": "pooltest",
         "data": {"uri": "file://data", "seq_len": 32},
         "cluster": {"devices_per_node": 1, "max_nodes": 2, **cluster},
         "batch": {"global_batch_size": 64, "micro_batch_size": 16},
-        "train": {"total_samples": 2048, "lr": 1e-3, "checkpoint_uri": "file://ckpt"},
+        "train": {"total_samples": 2048, "lr": 1e-3, "checkpoint_uri": f"file://{root / 'ckpt'}"},
     }
 
 
 def write_config(folder: Path, **cluster: object) -> str:
     path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config_dict(**cluster)))
+    path.write_text(yaml.safe_dump(config_dict(folder, **cluster)))
     return str(path)
 
 
 def test_local_pool_records_the_size_and_another_instance_reads_it(tmp_path):
     state = tmp_path / "pool.json"
-    pool = node_pool_for(parse_config(config_dict()), state_path=state)
+    pool = node_pool_for(parse_config(config_dict(tmp_path)), state_path=state)
     assert isinstance(pool, NodePool)
     assert pool.current_size() == 0
     pool.resize(2)
@@ -105,7 +106,7 @@ def test_pool_state_flag_overrides_the_config(tmp_path, capsys):
 
 
 def test_gke_settings_on_a_local_backend_are_reported_as_ignored(tmp_path, batchpilot_log):
-    node_pool_for(parse_config(config_dict(project="p", node_pool="gpu")), state_path=tmp_path / "s.json")
+    node_pool_for(parse_config(config_dict(tmp_path, project="p", node_pool="gpu")), state_path=tmp_path / "s.json")
     warnings = [r.getMessage() for r in batchpilot_log.records if r.levelno == logging.WARNING]
     assert any("ignoring gke settings project, node_pool" in message for message in warnings)
 
@@ -122,8 +123,8 @@ def test_gke_settings_on_a_local_backend_are_reported_as_ignored(tmp_path, batch
         ({"pool_mode": "manual"}, "cluster.pool_mode: Input should be 'resize', 'autoscale' or 'static'"),
     ],
 )
-def test_cluster_settings_are_checked_when_the_config_loads(cluster, message):
+def test_cluster_settings_are_checked_when_the_config_loads(cluster, message, tmp_path):
     from batchpilot.config import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        parse_config(config_dict(**cluster))
+        parse_config(config_dict(tmp_path, **cluster))
