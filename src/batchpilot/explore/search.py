@@ -106,19 +106,16 @@ class SearchState:
         return min(sizes, default=None)
 
     def memory_limit(self, setting: Setting) -> int | None:
-        """The smallest size taken not to fit: the smallest probed that did not, or the size after the largest
-        fitting one when the measured peaks predict nothing larger fits (`predicted_largest_fitting`)."""
+        """The smallest size taken not to fit: the smallest probed that did not, or the size after the last one
+        the measured peaks predict to fit (`predicted_largest_fitting`, never below the largest that fitted),
+        whichever is smaller; None while neither is known."""
         limit = self.smallest_not_fitting(setting)
         predicted = predicted_largest_fitting(self, setting)
         points = self.points(setting)
-        if (
-            limit is not None
-            and predicted is not None
-            and points
-            and predicted <= points[-1].micro_batch_size
-        ):
-            return points[-1].micro_batch_size + 1
-        return limit
+        if predicted is None or not points:
+            return limit
+        by_peaks = max(predicted, points[-1].micro_batch_size) + 1
+        return by_peaks if limit is None else min(limit, by_peaks)
 
     def between_process_noise(self) -> float | None:
         """RMS relative spread of one probe's throughput between repeated probes (None: no repeats)."""
@@ -210,15 +207,52 @@ def _anchor(state: SearchState, setting: Setting) -> int:
     """Where a setting's growth starts: 1 for the first setting that fits, else near that setting's frontier.
 
     A second setting (activation checkpointing, compile) only matters where it differs: at the first
-    setting's largest fitting size and beyond, so it starts there instead of at 1.
+    setting's largest fitting size and beyond, so it starts there instead of at 1. Activation checkpointing over
+    the same setting without it starts at that setting's memory limit: it recomputes the forward, so it is no
+    faster at any size both fit.
     """
     for primary in state.settings:
         if primary == setting:
             return 1
         points = state.points(primary)
         if points:
+            limit = state.memory_limit(primary)
+            if limit is not None and primary == _without_checkpointing(setting):
+                return min(limit, state.max_micro_batch_size)
             return max(p.micro_batch_size for p in points)
     return 1
+
+
+def _without_checkpointing(setting: Setting) -> Setting | None:
+    """The same setting without activation checkpointing (None: `setting` has none)."""
+    if not setting.activation_checkpointing:
+        return None
+    return Setting(activation_checkpointing=False, compile=setting.compile)
+
+
+def _room_above(state: SearchState, setting: Setting) -> float | None:
+    """The highest throughput a size above the setting's largest fitting one (and below its memory limit and the
+    size cap) may reach, by the gap bound of the module docstring; None when no such size is left."""
+    points = state.points(setting)
+    limit = state.memory_limit(setting)
+    high = min(limit if limit is not None else math.inf, state.max_micro_batch_size + 1)
+    if not points or high - points[-1].micro_batch_size < 2:
+        return None
+    return _gap_bound(points, len(points) - 1, int(high))
+
+
+def _promising(state: SearchState, bound: float | None) -> bool:
+    """A bound worth a probe: above the best measured throughput by more than `margin(state)`."""
+    best = state.best()
+    return bound is not None and (best is None or bound > best.tokens_per_s * (1 + margin(state)))
+
+
+def margin(state: SearchState) -> float:
+    """How far above the best a bound must reach to be worth a probe: `REFINE_TOLERANCE`, plus twice the typical
+    relative noise of one measured size (the bounds extend lines through measured points, so a probe cannot
+    resolve less than that)."""
+    noises = [p.rel_noise for p in state.all_points()]
+    return REFINE_TOLERANCE + (2 * statistics.median(noises) if noises else 0.0)
 
 
 def _grow(state: SearchState, setting: Setting) -> Candidate | None:
@@ -230,7 +264,12 @@ def _grow(state: SearchState, setting: Setting) -> Candidate | None:
         return Candidate(setting, limit // 2, "grow") if limit > 1 else None
     largest = points[-1].micro_batch_size
     if limit is None and largest < state.max_micro_batch_size:
+        if not _promising(state, _room_above(state, setting)):
+            return None  # no size above can beat the best by what counts
         target = 2 * largest
+        predicted = state.memory_limit(setting)
+        if predicted is not None and largest + 1 < predicted <= target:
+            target = predicted - 1  # the last size the peaks predict to fit
         best = state.best()
         if _anchor(state, setting) > 1 and best is not None and best.setting != setting:
             # A second setting is worth growing only to where one pass's time, which never shrinks with the
@@ -270,6 +309,8 @@ def _frontier(state: SearchState, setting: Setting) -> Candidate | None:
     if not points or limit is None:
         return None
     largest = points[-1].micro_batch_size
+    if not _promising(state, _room_above(state, setting)):
+        return None  # nothing between it and the limit can beat the best by what counts
     predicted = predicted_largest_fitting(state, setting)
     if predicted is not None:
         if predicted <= largest:
@@ -282,33 +323,53 @@ def _frontier(state: SearchState, setting: Setting) -> Candidate | None:
 
 
 def _cannot_win(state: SearchState, setting: Setting) -> bool:
-    """A setting that is not the leader and whose largest size, scaled up to its memory limit at the same pass
-    time, would not beat the best cannot win above that size. And activation checkpointing recomputes the forward, so at any size it is no faster than the same setting
-    without it; beyond that setting's memory frontier it is no faster than the line through that setting's two
-    largest sizes extended (throughput is concave in the micro batch). When that line stays within
-    `REFINE_TOLERANCE` of the best measured throughput up to the size cap, the setting cannot win: it is not
-    grown or bisected (its measured points still count)."""
+    """A setting that is not the leader cannot win when no size above its largest measured one may beat the best
+    by `REFINE_TOLERANCE`: it is then not grown or bisected (its measured points still count, and the gaps
+    between them are refined). Above its largest fitting size a pass takes no less time (that size's
+    throughput scaled up bounds it) and throughput is concave in the micro batch (the line through its two
+    largest sizes, extended, bounds it). Activation checkpointing recomputes the forward, so at any size it is no
+    faster than the same setting without it: it matters only from that setting's memory limit up, where the
+    line through that setting's two largest sizes, extended, bounds it too; a checkpointed setting whose own
+    memory limit is no higher cannot win at all."""
     best = state.best()
+    if best is None or best.setting == setting:
+        return False
     own, limit = state.points(setting), state.memory_limit(setting)
-    if best is not None and best.setting != setting and own and limit is not None:
-        # Above its largest fitting size a pass takes no less time, so no size below its memory limit beats
-        # what its largest size's throughput scaled up to that limit allows.
-        largest = own[-1]
-        if largest.tokens_per_s * (limit - 1) / largest.micro_batch_size <= best.tokens_per_s * (
-            1 + REFINE_TOLERANCE
-        ):
-            return True
-    if not setting.activation_checkpointing:
+    low = own[-1].micro_batch_size + 1 if own else 1
+    high = min(limit - 1 if limit is not None else state.max_micro_batch_size, state.max_micro_batch_size)
+    lines = []
+    if own:
+        lines.append((own[-1].tokens_per_s / own[-1].micro_batch_size, 0.0))
+    if len(own) >= 2:
+        a, b = own[-2], own[-1]
+        lines.append(_line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s))
+    without = _without_checkpointing(setting)
+    if without is not None and without in state.settings:
+        points, without_limit = state.points(without), state.memory_limit(without)
+        if len(points) >= 2 and without_limit is not None:
+            if limit is not None and limit <= without_limit:
+                return True
+            low = max(low, without_limit)
+            a, b = points[-2], points[-1]
+            lines.append(_line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s))
+    if not lines:
         return False
-    without = Setting(activation_checkpointing=False, compile=setting.compile)
-    points = state.points(without) if without in state.settings else []
-    if best is None or len(points) < 2 or state.memory_limit(without) is None:
-        return False
-    a, b = points[-2], points[-1]
-    slope, intercept = _line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s)
-    reach = max(b.micro_batch_size, state.max_micro_batch_size)
-    bound = max(b.tokens_per_s, slope * reach + intercept)
-    return bound <= best.tokens_per_s * (1 + REFINE_TOLERANCE)
+    if high < low:
+        return bool(own)  # no size left above its largest (a setting with no point yet still needs one)
+    return _max_of_min(lines, low, high) <= best.tokens_per_s * (1 + margin(state))
+
+
+def _max_of_min(lines: Sequence[tuple[float, float]], low: int, high: int) -> float:
+    """The highest value the lowest of `lines` (slope, intercept) takes at a size in [low, high]: at an end or
+    where two lines cross."""
+    sizes = {low, high}
+    for first in range(len(lines)):
+        for second in range(first + 1, len(lines)):
+            (s1, c1), (s2, c2) = lines[first], lines[second]
+            if s1 != s2:
+                crossing = (c2 - c1) / (s1 - s2)
+                sizes.update({math.floor(crossing), math.ceil(crossing)})
+    return max(min(s * x + c for s, c in lines) for x in sizes if low <= x <= high)
 
 
 @dataclass(frozen=True)
@@ -337,15 +398,7 @@ def _gap_bound(points: list[Point], index: int, high: int) -> float:
     if index + 2 < len(points):
         b, c = points[index + 1], points[index + 2]
         lines.append(_line(b.micro_batch_size, b.tokens_per_s, c.micro_batch_size, c.tokens_per_s))
-    candidates = {a.micro_batch_size + 1, high - 1}
-    for first in range(len(lines)):
-        for second in range(first + 1, len(lines)):
-            (s1, c1), (s2, c2) = lines[first], lines[second]
-            if s1 != s2:
-                crossing = (c2 - c1) / (s1 - s2)
-                candidates.update({math.floor(crossing), math.ceil(crossing)})
-    inside = [x for x in candidates if a.micro_batch_size < x < high]
-    return max(min(s * x + c for s, c in lines) for x in inside)
+    return _max_of_min(lines, a.micro_batch_size + 1, high - 1)
 
 
 def gaps(state: SearchState) -> list[Gap]:
@@ -362,10 +415,12 @@ def gaps(state: SearchState) -> list[Gap]:
     return found
 
 
-def _refine(state: SearchState) -> Candidate | None:
-    best = state.best()
+def _refine(state: SearchState, setting: Setting | None = None) -> Candidate | None:
+    """The middle of the most promising gap (of `setting` only, when given)."""
     promising = [
-        g for g in gaps(state) if best and g.bound_tokens_per_s > best.tokens_per_s * (1 + REFINE_TOLERANCE)
+        g
+        for g in gaps(state)
+        if (setting is None or g.setting == setting) and _promising(state, g.bound_tokens_per_s)
     ]
     if not promising:
         return None
@@ -373,30 +428,36 @@ def _refine(state: SearchState) -> Candidate | None:
     return Candidate(gap.setting, (gap.low + gap.high) // 2, "refine")
 
 
+MAX_REPEATS = 2
+"""Re-measurements in one search: the leader's, and one more for a runner-up or a new leader."""
+
+
 def _repeat(state: SearchState) -> Candidate | None:
-    """Re-measures the best point, then a runner-up that timing noise cannot tell apart from it."""
+    """Re-measures the best point, then the runner-up when the noise leaves room for it to be faster than the
+    best by more than `REFINE_TOLERANCE` (a runner-up that could only tie is as good a choice); at most
+    `MAX_REPEATS` in all (on a plateau each repeat can make another size the leader)."""
     points = sorted(state.all_points(), key=lambda p: p.tokens_per_s, reverse=True)
-    if not points:
+    if not points or sum(p.num_probes - 1 for p in points) >= MAX_REPEATS:
         return None
     best = points[0]
     if best.num_probes < 2:
         return Candidate(best.setting, best.micro_batch_size, "repeat")
-    for other in points[1:3]:
+    for other in points[1:2]:
         spread = math.hypot(best.rel_noise, other.rel_noise)
-        close = (best.tokens_per_s - other.tokens_per_s) / best.tokens_per_s < 2 * spread
-        if close and other.num_probes < 2:
+        could_lead = other.tokens_per_s * (1 + 2 * spread) > best.tokens_per_s * (1 + REFINE_TOLERANCE)
+        if could_lead and other.num_probes < 2:
             return Candidate(other.setting, other.micro_batch_size, "repeat")
     return None
 
 
 def next_probe(state: SearchState) -> Candidate | None:
     """The next measurement worth making, or None when the search has converged."""
-    # One setting's memory frontier before the next setting's: a second setting is judged against the first's
-    # whole curve (`_cannot_win`).
+    # One setting's memory frontier and curve before the next setting's: a second setting is judged against the
+    # first's whole curve (`_cannot_win`), whose two largest sizes are then close together.
     for setting in state.settings:
         if _cannot_win(state, setting):
             continue
-        for phase in (_grow, _frontier):
+        for phase in (_grow, _frontier, _refine):
             candidate = phase(state, setting)
             if candidate is not None:
                 return candidate
