@@ -386,3 +386,12 @@ def test_on_a_noisy_plateau_the_search_stops_where_a_probe_cannot_resolve_the_di
     assert stopped == "converged"
     assert 8 <= recommendation.micro_batch_size <= 19 and recommendation.activation_checkpointing is False
     assert len(state.results) <= 10  # a quarter of a sweep's 40 (19 without checkpointing, 21 with)
+
+
+def test_no_probe_goes_above_the_size_cap_even_where_memory_would_fit_far_more():
+    """The demo's plan splits into micro batches of at most 16 while its memory would fit hundreds: the
+    predicted memory frontier never takes a probe past the cap."""
+    measure = budget_device(peak_at=40, budget=2048 * MIB)
+    state, recommendation, stopped, _ = search(measure, memory_budget_bytes=2048 * MIB, max_micro_batch_size=16)
+    assert max(r.micro_batch_size for r in state.results) == 16
+    assert stopped == "converged" and recommendation.micro_batch_size == 16

@@ -407,7 +407,8 @@ def gaps(state: SearchState) -> list[Gap]:
     for setting in state.settings:
         points = state.points(setting)
         limit = state.memory_limit(setting)
-        edges = [p.micro_batch_size for p in points] + [limit or state.max_micro_batch_size + 1]
+        cap = state.max_micro_batch_size + 1
+        edges = [p.micro_batch_size for p in points] + [min(limit, cap) if limit is not None else cap]
         for index in range(len(points)):
             low, high = edges[index], edges[index + 1]
             if high - low >= 2:
