@@ -57,6 +57,7 @@ from batchpilot.storage import (
     join_uri,
     open_storage,
 )
+from batchpilot.train.checkpoint_writer import ProcessStorageWriter, WriterProcess
 from batchpilot.train.dcp_storage import StorageReader, StorageWriter
 
 logger = logging.getLogger(__name__)
@@ -232,11 +233,17 @@ class Checkpointer:
         self.uri = uri
         self.keep_last = keep_last
         self.storage = storage or open_storage(uri)
+        # A storage object given by the caller is written in this process (its writes may do what its URI
+        # cannot say); one opened from the URI is written by the writer process too.
+        self._writes_by_uri = storage is None
         self.upload_threads = upload_threads
         self.save_timeout_s = save_timeout_s
         self._in_flight: _InFlight | None = None
         self._group: Any = None  # the checkpoint's own gloo process group (asynchronous saves)
         self._stager: DefaultStager | None = None
+        self._writer: WriterProcess | None = (
+            None  # writes the asynchronous saves' files (checkpoint_writer.py)
+        )
 
     def latest_step(self) -> int | None:
         """The step `latest` points to, or None before the first checkpoint."""
@@ -297,8 +304,10 @@ class Checkpointer:
         side_objects: dict[str, bytes] | None = None,
     ) -> str:
         """`save_sharded` in the background. Every rank calls it at the same step. Blocks while it waits for
-        the previous save (raising its failure) and while `state` is copied to CPU memory; returns the step
-        folder's URI the save will commit. `side_objects` (rank 0): objects written before `latest` moves."""
+        the previous save (raising its failure) and while `state` is copied to shared CPU memory (buffers reused
+        from save to save); returns the step folder's URI the save will commit. The files are written by this
+        rank's writer process (train/checkpoint_writer.py), the plan and the commit by a background thread.
+        `side_objects` (rank 0): objects written before `latest` moves."""
         self.wait()
         group = self._checkpoint_group()
         if self._stager is None:
@@ -306,11 +315,12 @@ class Checkpointer:
             self._stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=on_gpu,
-                    use_shared_memory=False,
+                    use_shared_memory=True,  # the writer process reads the staged copy where it is
                     use_async_staging=False,
                     use_non_blocking_copy=False,
                 )
             )
+            self._writer = WriterProcess(timeout_s=self.save_timeout_s) if self._writes_by_uri else None
         staged = self._stager.stage(state)
         assert isinstance(staged, dict)  # synchronous staging returns the copy itself
         where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
@@ -321,7 +331,7 @@ class Checkpointer:
                 time.sleep(float(os.environ.get(DELAY_ENV, "0")))  # tests: a slow upload
                 self._write_and_commit(
                     step=step, consumed_samples=consumed_samples, state=staged, rng=rng, extra=extra,
-                    planner=None, side_objects=side_objects, group=group,
+                    planner=None, side_objects=side_objects, group=group, writer=self._writer,
                 )  # fmt: skip
             except BaseException as error:  # surfaced by the next wait(), never dropped
                 in_flight.error = error
@@ -337,6 +347,11 @@ class Checkpointer:
         )
         in_flight.thread.start()
         return where
+
+    @property
+    def writing(self) -> bool:
+        """Whether a save started in the background is still being written."""
+        return self._in_flight is not None and not self._in_flight.done.is_set()
 
     @property
     def save_in_flight(self) -> int | None:
@@ -380,6 +395,8 @@ class Checkpointer:
             self.wait()
         except BatchpilotError as error:
             logger.error("%s", error)
+        if self._writer is not None:
+            self._writer.close()
 
     def _checkpoint_group(self) -> Any:
         """A gloo group of every rank for the background thread's collectives (created on first use: every
@@ -401,17 +418,28 @@ class Checkpointer:
         planner: SavePlanner | None,
         side_objects: dict[str, bytes] | None,
         group: Any,
+        writer: WriterProcess | None = None,
     ) -> str | None:
-        """Every rank's files, then rank 0's commit; every rank learns whether it committed; then rank 0
-        prunes (nobody waits for that)."""
+        """Every rank's files (by `writer`, the writer process, when given), then rank 0's commit; every rank
+        learns whether it committed; then rank 0 prunes (nobody waits for that)."""
         folder = runstate.step_folder(step)
         distributed = dist.is_initialized()
-        writer = StorageWriter(self.storage, folder, thread_count=self.upload_threads)
+        storage_writer = (
+            StorageWriter(self.storage, folder, thread_count=self.upload_threads)
+            if writer is None
+            else ProcessStorageWriter(
+                self.storage, folder, thread_count=self.upload_threads, writer=writer, uri=self.uri
+            )
+        )
         with user_errors_of_dcp(), dcp_quietly():
             dcp.save(
-                state, storage_writer=writer, no_dist=not distributed, planner=planner, process_group=group
+                state,
+                storage_writer=storage_writer,
+                no_dist=not distributed,
+                planner=planner,
+                process_group=group,
             )
-        files = dict(writer.storage_fs.written)
+        files = dict(storage_writer.storage_fs.written)
         if distributed:
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, files, group=group)

@@ -1,0 +1,191 @@
+"""A checkpoint's files written by another process, so that writing them does not slow the training steps.
+
+An asynchronous save (train/checkpoint.py) stages the state into shared memory (one host copy per rank, its
+buffers reused from save to save), then its background thread runs DCP's save as before: the plan, the
+collectives, the commit. Only the bytes move here: `ProcessStorageWriter.write_data` resolves each item of the
+rank's plan to its staged tensor (a view of shared memory: nothing is copied to send it) and hands the lot to
+this rank's writer process, which serializes, checksums and writes the files through the storage layer and
+returns DCP's write results and the files' checksums. The thread only waits meanwhile, without the GIL.
+
+A Python thread that wrote the files itself held the GIL for much of the serialization and hashing, and the
+steps ran about 2x slower while a save was written (bench/checkpoint_blocking.py); a process runs beside them.
+The process runs at a lower priority (`NICE`), so the trainer's own threads (the data prefetch, the launch of
+device work) come first where cores are short; it is started with the first asynchronous save (spawned: no
+copy of the trainer's threads or devices), serves every later one, and ends with the trainer: at `close()`,
+or by itself within a second when the trainer dies (kill -9 included), so it never writes into a step folder
+that a resumed run writes again.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing.connection
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.storage import join_uri, open_storage
+from batchpilot.train.dcp_storage import StorageWriter
+
+logger = logging.getLogger(__name__)
+
+NICE = 10
+"""How much lower the writer's CPU priority is than the trainer's (Linux `nice` increment)."""
+START_TIMEOUT_S = 120.0
+"""How long the writer process may take to start (a spawned Python imports torch first)."""
+
+
+class _Resolved(SavePlanner):
+    """A planner in the writer process that only answers `resolve_data`, from the items the trainer resolved."""
+
+    def __init__(self, data: dict[MetadataIndex, Any]) -> None:
+        self._data = data
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        value = self._data[write_item.index]
+        return io.BytesIO(value) if isinstance(value, bytes) else value
+
+    # The writer process takes part in no planning: DCP's plan was made in the trainer.
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def create_local_plan(self) -> SavePlan:
+        raise NotImplementedError
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        raise NotImplementedError
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        raise NotImplementedError
+
+
+def _serve(requests: Any, responses: Any) -> None:
+    """The writer process: one request per save, `(uri, folder, thread_count, plan, data)`; answers
+    `("ok", results, written)` or `("error", what went wrong)`; `None` ends it."""
+    # Its own session: the signals a pod or torchrun sends to the trainer's process group (SIGTERM at a
+    # preemption, after which the trainer still saves) or a terminal's Ctrl-C do not end a write; the trainer
+    # ends it (close(), or terminate() when the interpreter exits), or its death does (below).
+    os.setsid()
+    os.nice(NICE)
+    parent = mp.parent_process()
+
+    def end_with_the_trainer() -> None:
+        if parent is not None:
+            multiprocessing.connection.wait([parent.sentinel])
+            os._exit(1)  # the trainer is gone: write nothing more into a folder a resumed run may write again
+
+    threading.Thread(target=end_with_the_trainer, daemon=True).start()
+    storages: dict[str, Any] = {}
+    while (request := requests.get()) is not None:
+        uri, folder, thread_count, plan, data = request
+        try:
+            storage = storages.get(uri) or storages.setdefault(uri, open_storage(uri))
+            writer = StorageWriter(storage, folder, thread_count=thread_count)
+            results = writer.write_data(plan, _Resolved(data)).value()
+            responses.put(("ok", results, dict(writer.storage_fs.written)))
+        except BaseException as error:  # the trainer raises it from its save, in words (not every error pickles)
+            responses.put(("error", str(error) if isinstance(error, BatchpilotError) else repr(error)))
+        del data, request
+
+
+class WriterProcess:
+    """This rank's writer process (started on first use)."""
+
+    def __init__(self, *, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._process: Any = None
+        self._requests: Any = None
+        self._responses: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's id while it runs."""
+        return None if self._process is None else self._process.pid
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        self._requests, self._responses = context.Queue(), context.Queue()
+        self._process = context.Process(
+            target=_serve, args=(self._requests, self._responses), name="checkpoint-writer", daemon=True
+        )
+        self._process.start()
+
+    def write(
+        self, *, uri: str, folder: str, thread_count: int, plan: SavePlan, data: dict[MetadataIndex, Any]
+    ) -> tuple[list[WriteResult], dict[str, Any]]:
+        """Writes the plan's items (`data`: each item's tensor or bytes) into `folder` of `uri`; returns DCP's
+        write results and the written files' checksums. Bounded by the save's timeout."""
+        if self._process is None:
+            self._start()
+        self._requests.put((uri, folder, thread_count, plan, data))
+        deadline = time.monotonic() + self.timeout_s + START_TIMEOUT_S
+        where = join_uri(uri, folder)
+        while True:
+            try:
+                answer = self._responses.get(timeout=1.0)
+                break
+            except Exception:  # queue.Empty: check the process, then wait on
+                if not self._process.is_alive():
+                    code = self._process.exitcode
+                    self._process = None
+                    raise BatchpilotError(
+                        where, f"the checkpoint writer process ended with exit code {code} while writing"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise BatchpilotError(
+                        where,
+                        f"the checkpoint writer process wrote for over {self.timeout_s:g} s without finishing",
+                        "check that the checkpoint storage is reachable",
+                    ) from None
+        if answer[0] == "error":
+            raise BatchpilotError(where, f"the checkpoint writer process failed: {answer[1]}")
+        return answer[1], answer[2]
+
+    def close(self) -> None:
+        """Ends the writer process (after the save it is writing, if any; bounded)."""
+        if self._process is None:
+            return
+        self._requests.put(None)
+        self._process.join(self.timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        for channel in (self._requests, self._responses):
+            channel.close()
+            channel.join_thread()
+        self._process = None
+
+
+class ProcessStorageWriter(StorageWriter):
+    """The DCP writer of one step folder whose files `writer` (this rank's writer process) writes."""
+
+    def __init__(self, *args: Any, writer: WriterProcess, uri: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writer, self._uri = writer, uri
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        data: dict[MetadataIndex, Any] = {}
+        for item in plan.items:
+            value = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(value, io.BytesIO)
+                data[item.index] = value.getvalue()
+            else:
+                data[item.index] = value.detach()
+        results, written = self._writer.write(
+            uri=self._uri, folder=os.fspath(self.path), thread_count=self.thread_count, plan=plan, data=data
+        )
+        self.storage_fs.written.update(written)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future

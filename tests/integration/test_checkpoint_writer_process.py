@@ -1,0 +1,108 @@
+"""An asynchronous save's files are written by the rank's writer process (train/checkpoint_writer.py): another
+process than the trainer, the same one for every save, gone with the trainer, its failures raised by the
+trainer's next wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot.errors import BatchpilotError
+from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+
+
+def start(checkpointer: Checkpointer, step: int, weights: torch.Tensor) -> str:
+    return checkpointer.start_save_sharded(
+        step=step,
+        consumed_samples=step * 16,
+        state={"model": {"w": weights}, "optimizer": {"state": {}, "param_groups": []}},
+        rng=capture_rng_state(),
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (ended, not yet reaped by its parent) counts as gone
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def test_an_asynchronous_save_is_written_by_another_process_the_same_for_every_save(tmp_path):
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
+    weights = torch.arange(12.0).reshape(3, 4)
+    start(checkpointer, 1, weights)
+    checkpointer.wait()
+    writer = checkpointer._writer
+    assert writer is not None and writer.pid is not None and writer.pid != os.getpid() and alive(writer.pid)
+    first_pid = writer.pid
+    start(checkpointer, 2, weights * 2)
+    checkpointer.wait()
+    assert writer.pid == first_pid
+    loaded = Checkpointer(uri=f"file://{tmp_path}").load()
+    assert loaded is not None and loaded.step == 2
+    assert torch.equal(loaded.full_state()["model"]["w"], weights * 2)
+    checkpointer.close()
+    deadline = time.monotonic() + 10
+    while alive(first_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(first_pid), "close() left the writer process running"
+
+
+def test_a_write_that_fails_in_the_writer_process_fails_the_next_wait_and_latest_stays(tmp_path):
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}")
+    start(checkpointer, 1, torch.ones(4))
+    checkpointer.wait()
+    (tmp_path / "000000002").write_text("a file where the step's folder goes")
+    start(checkpointer, 2, torch.zeros(4))
+    with pytest.raises(BatchpilotError, match=r"checkpoint of step 2 failed in the background"):
+        checkpointer.wait()
+    assert Checkpointer(uri=f"file://{tmp_path}").latest_step() == 1
+    checkpointer.close()
+
+
+def test_the_writer_process_ends_when_its_trainer_is_killed_mid_write(tmp_path):
+    """kill -9 of the trainer while its writer process writes a 400 MB checkpoint: the writer is gone within
+    seconds (it must not write on into a step folder the resumed run writes again), `latest` on the step before."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+        checkpointer = Checkpointer(uri="file://{tmp_path}")
+        def save(step, weights):
+            checkpointer.start_save_sharded(step=step, consumed_samples=step, rng=capture_rng_state(),
+                state={{"model": {{"w": weights}}, "optimizer": {{"state": {{}}, "param_groups": []}}}})
+        save(1, torch.ones(4))
+        checkpointer.wait()
+        save(2, torch.randn(100_000_000))
+        while not (checkpointer.writing and checkpointer._writer.pid):
+            time.sleep(0.01)
+        print(checkpointer._writer.pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = trainer.stdout.readline()
+        assert line.strip().isdigit(), f"the script printed {line!r}"
+        writer_pid = int(line)
+        time.sleep(0.3)  # into the write
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(writer_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(writer_pid), "the writer process outlived its trainer"
+    finally:
+        trainer.kill()
+    assert Checkpointer(uri=f"file://{tmp_path}").latest_step() == 1
