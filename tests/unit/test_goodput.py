@@ -15,13 +15,13 @@ EVENTS = [
     {"kind": "launch", "launch": "launch-0", "stages": [0, 0], "submitted_s": 105.0, "ended_s": 200.0, "exit_code": 0},
     {
         "kind": "trainer", "stages": [0, 0], "started_s": 120.0, "first_step_s": 140.0, "last_step_s": 190.0,
-        "checkpoint_blocked_s": 2.0, "evaluation_s": 3.0,
+        "checkpoint_blocked_s": 2.0, "evaluation_s": 3.0, "data_wait_s": 0.5,
     },
     {"kind": "pool", "before": 1, "after": 2, "requested_s": 200.0, "ready_s": 260.0},
     {"kind": "launch", "launch": "launch-1", "stages": [1, 1], "submitted_s": 265.0, "ended_s": 400.0, "exit_code": 0},
     {
         "kind": "trainer", "stages": [1, 1], "started_s": 275.0, "first_step_s": 285.0, "last_step_s": 380.0,
-        "checkpoint_blocked_s": 1.0, "evaluation_s": 0.0,
+        "checkpoint_blocked_s": 1.0, "evaluation_s": 0.0, "data_wait_s": 0.25,
     },
     {"kind": "pool", "before": 2, "after": 0, "requested_s": 410.0, "ready_s": 420.0},
 ]  # fmt: skip
@@ -49,7 +49,7 @@ def test_every_second_is_in_one_category_and_node_hours_follow_the_nodes_up():
     assert ledger.node_hours == pytest.approx(paid)
     assert ledger.goodput == pytest.approx(((50 + 190) / 3600) / paid)
     assert ledger.launches["launch-1"]["training_steps"].wall_s == pytest.approx(95)
-    assert (ledger.checkpoint_blocked_s, ledger.evaluation_s) == (3.0, 3.0)
+    assert (ledger.checkpoint_blocked_s, ledger.evaluation_s, ledger.data_wait_s) == (3.0, 3.0, 0.75)
     assert describe(ledger).startswith(f"goodput {ledger.goodput:.2f}: ")
 
 

@@ -55,8 +55,9 @@ class Ledger:
     """Per category (and per launch and category) the wall seconds and node-hours, over `start_s`..`end_s`.
 
     Attributes:
-        checkpoint_blocked_s, evaluation_s: seconds of the training steps blocked by checkpoints and spent
-            validating (the trainers' own sums; part of `training_steps`).
+        checkpoint_blocked_s, evaluation_s, data_wait_s: seconds of the training steps blocked by checkpoints,
+            spent validating, and waiting for the next step's data (the main trainers' own sums; part of
+            `training_steps`).
     """
 
     start_s: float
@@ -65,6 +66,7 @@ class Ledger:
     launches: dict[str, dict[str, Share]] = field(default_factory=dict)
     checkpoint_blocked_s: float = 0.0
     evaluation_s: float = 0.0
+    data_wait_s: float = 0.0
 
     @property
     def wall_s(self) -> float:
@@ -95,6 +97,7 @@ class Ledger:
             "launches": {name: shares(items) for name, items in self.launches.items()},
             "checkpoint_blocked_s": self.checkpoint_blocked_s,
             "evaluation_s": self.evaluation_s,
+            "data_wait_s": self.data_wait_s,
         }
 
 
@@ -171,6 +174,7 @@ def build_ledger(events: Sequence[Mapping[str, Any]], *, now_s: float) -> Ledger
         if event["kind"] == "trainer":
             ledger.checkpoint_blocked_s += float(event.get("checkpoint_blocked_s") or 0.0)
             ledger.evaluation_s += float(event.get("evaluation_s") or 0.0)
+            ledger.data_wait_s += float(event.get("data_wait_s") or 0.0)
     return ledger
 
 

@@ -67,8 +67,9 @@ def goodput_section(ledger: Ledger) -> str:
         if name in ledger.categories
     ]
     of_training = (
-        f"Of the training steps, checkpoints blocked {ledger.checkpoint_blocked_s:.1f} s and validation took "
-        f"{ledger.evaluation_s:.1f} s (the trainers' own sums; data waits are not measured)."
+        f"Of the training steps, checkpoints blocked {ledger.checkpoint_blocked_s:.1f} s, validation took "
+        f"{ledger.evaluation_s:.1f} s and the steps waited {ledger.data_wait_s:.1f} s for their data (the main "
+        "trainers' own sums)."
     )
     return (
         "<h2>Where the node-hours went</h2>"

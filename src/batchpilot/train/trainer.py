@@ -144,11 +144,12 @@ def train(
 
 def record_trainer_event(config: Config, *, stages: list[Stage], loop: TrainingLoop) -> None:
     """The goodput ledger's `trainer` event (`planning.goodput`): this process's start, its first and last
-    steps, the seconds checkpoints blocked them and validation took."""
+    steps, the seconds checkpoints blocked them, validation took and they waited for their data."""
     event = {
         "kind": "trainer", "stages": [stages[0].index, stages[-1].index], "started_s": process_started_s(),
         "first_step_s": loop.first_step_s, "last_step_s": loop.last_step_s,
         "checkpoint_blocked_s": loop.checkpoint_blocked_s, "evaluation_s": loop.evaluation_s,
+        "data_wait_s": loop.loader.stats.wait_s,
     }  # fmt: skip
     runstate.record_event(config.train.checkpoint_uri, event)
 
