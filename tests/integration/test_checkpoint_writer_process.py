@@ -16,16 +16,8 @@ import pytest
 import torch
 
 from batchpilot.errors import BatchpilotError
-from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
-
-
-def start(checkpointer: Checkpointer, step: int, weights: torch.Tensor) -> str:
-    return checkpointer.start_save_sharded(
-        step=step,
-        consumed_samples=step * 16,
-        state={"model": {"w": weights}, "optimizer": {"state": {}, "param_groups": []}},
-        rng=capture_rng_state(),
-    )
+from batchpilot.train.checkpoint import Checkpointer
+from helpers import start_async_save
 
 
 def alive(pid: int) -> bool:
@@ -41,12 +33,12 @@ def alive(pid: int) -> bool:
 def test_an_asynchronous_save_is_written_by_another_process_the_same_for_every_save(tmp_path):
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
     weights = torch.arange(12.0).reshape(3, 4)
-    start(checkpointer, 1, weights)
+    start_async_save(checkpointer, 1, weights, side=False)
     checkpointer.wait()
     writer = checkpointer._writer
     assert writer is not None and writer.pid is not None and writer.pid != os.getpid() and alive(writer.pid)
     first_pid = writer.pid
-    start(checkpointer, 2, weights * 2)
+    start_async_save(checkpointer, 2, weights * 2, side=False)
     checkpointer.wait()
     assert writer.pid == first_pid
     loaded = Checkpointer(uri=f"file://{tmp_path}").load()
@@ -61,10 +53,10 @@ def test_an_asynchronous_save_is_written_by_another_process_the_same_for_every_s
 
 def test_a_write_that_fails_in_the_writer_process_fails_the_next_wait_and_latest_stays(tmp_path):
     checkpointer = Checkpointer(uri=f"file://{tmp_path}")
-    start(checkpointer, 1, torch.ones(4))
+    start_async_save(checkpointer, 1, torch.ones(4))
     checkpointer.wait()
     (tmp_path / "000000002").write_text("a file where the step's folder goes")
-    start(checkpointer, 2, torch.zeros(4))
+    start_async_save(checkpointer, 2, torch.zeros(4))
     with pytest.raises(BatchpilotError, match=r"checkpoint of step 2 failed in the background"):
         checkpointer.wait()
     assert Checkpointer(uri=f"file://{tmp_path}").latest_step() == 1

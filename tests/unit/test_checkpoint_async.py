@@ -19,6 +19,7 @@ import batchpilot.train.checkpoint as checkpoint_module
 from batchpilot.errors import BatchpilotError
 from batchpilot.storage import LocalStorage, StorageError
 from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+from helpers import start_async_save
 
 
 class GatedStorage(LocalStorage):
@@ -41,16 +42,6 @@ class GatedStorage(LocalStorage):
         return super().write(name, data, if_generation_match=if_generation_match)
 
 
-def start(checkpointer: Checkpointer, step: int, weights: torch.Tensor) -> str:
-    return checkpointer.start_save_sharded(
-        step=step,
-        consumed_samples=step * 16,
-        state={"model": {"w": weights}, "optimizer": {"state": {}, "param_groups": []}},
-        rng=capture_rng_state(),
-        side_objects={"metrics.jsonl": f"step {step}\n".encode()},
-    )
-
-
 def saved_weights(root: Path, step: int | None = None) -> torch.Tensor:
     loaded = Checkpointer(uri=f"file://{root}").load(step)
     assert loaded is not None
@@ -70,7 +61,7 @@ def test_the_checkpoint_holds_the_state_of_its_step_not_later_updates(tmp_path, 
     monkeypatch.setattr(checkpoint_module.dcp, "save", save_after_training_moved_on)
     checkpointer = Checkpointer(uri=f"file://{tmp_path}")
     weights = torch.zeros(1000)
-    assert start(checkpointer, 1, weights) == f"file://{tmp_path}/000000001"
+    assert start_async_save(checkpointer, 1, weights) == f"file://{tmp_path}/000000001"
     weights.add_(7.0)  # the next optimizer step, while the checkpoint is being written
     may_write.set()
     assert checkpointer.wait() is not None
@@ -81,11 +72,11 @@ def test_the_checkpoint_holds_the_state_of_its_step_not_later_updates(tmp_path, 
 def test_latest_moves_only_after_the_background_commit_and_one_save_at_a_time(tmp_path):
     storage = GatedStorage(tmp_path)
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", storage=storage)
-    start(checkpointer, 1, torch.ones(10))
+    start_async_save(checkpointer, 1, torch.ones(10))
     assert checkpointer.save_in_flight == 1
     assert checkpointer.latest_step() is None  # files may be written, the commit waits for meta.json
     threading.Timer(0.3, storage.gate.set).start()
-    start(checkpointer, 2, torch.full((10,), 2.0))  # waits for step 1 to commit first
+    start_async_save(checkpointer, 2, torch.full((10,), 2.0))  # waits for step 1 to commit first
     assert checkpointer.latest_step() == 1 and checkpointer.save_in_flight == 2
     checkpointer.wait()
     assert checkpointer.latest_step() == 2 and checkpointer.save_in_flight is None
@@ -99,10 +90,12 @@ def test_latest_moves_only_after_the_background_commit_and_one_save_at_a_time(tm
 def test_a_failed_background_upload_fails_the_next_wait_and_latest_stays(tmp_path):
     storage = GatedStorage(tmp_path, gated_suffix="never")
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", storage=storage)
-    start(checkpointer, 1, torch.ones(10))
+    start_async_save(checkpointer, 1, torch.ones(10))
     checkpointer.wait()
     storage.fail_suffix = ".distcp"
-    start(checkpointer, 2, torch.full((10,), 2.0))  # returns: the failure happens in the background
+    start_async_save(
+        checkpointer, 2, torch.full((10,), 2.0)
+    )  # returns: the failure happens in the background
     with pytest.raises(
         BatchpilotError, match=r"000000002: the checkpoint of step 2 failed in the background"
     ):
@@ -114,7 +107,7 @@ def test_a_failed_background_upload_fails_the_next_wait_and_latest_stays(tmp_pat
 def test_a_wait_for_a_stuck_upload_is_bounded(tmp_path):
     storage = GatedStorage(tmp_path)
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", storage=storage, save_timeout_s=0.2)
-    start(checkpointer, 1, torch.ones(10))
+    start_async_save(checkpointer, 1, torch.ones(10))
     with pytest.raises(BatchpilotError, match=r"still being written after 0.2 s"):
         checkpointer.wait()
     storage.gate.set()
@@ -150,7 +143,7 @@ def test_a_process_killed_during_a_background_save_leaves_latest_on_the_previous
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=1)
     assert checkpointer.latest_step() == 1
     assert torch.equal(saved_weights(tmp_path), torch.full((1000,), 1.0))
-    start(checkpointer, 3, torch.full((10,), 3.0))
+    start_async_save(checkpointer, 3, torch.full((10,), 3.0))
     checkpointer.wait()
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["000000003"]
 
@@ -205,7 +198,7 @@ def test_a_wait_returns_only_when_the_background_thread_has_ended(tmp_path, monk
 
     monkeypatch.setattr(checkpoint_module, "_InFlight", InFlight)
     checkpointer = Checkpointer(uri=f"file://{tmp_path}")
-    start(checkpointer, 1, torch.zeros(10))
+    start_async_save(checkpointer, 1, torch.zeros(10))
     assert checkpointer.wait() is not None
     assert [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")] == []
 
@@ -217,7 +210,7 @@ def test_close_ends_a_failed_save_in_flight_without_raising(tmp_path, caplog):
     storage.fail_suffix = "/meta.json"
     storage.gate.set()
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", storage=storage)
-    start(checkpointer, 1, torch.zeros(10))
+    start_async_save(checkpointer, 1, torch.zeros(10))
     checkpointer.close()
     assert "the checkpoint of step 1 failed in the background" in caplog.text
     assert checkpointer.save_in_flight is None

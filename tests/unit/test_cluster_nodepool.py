@@ -106,7 +106,9 @@ def test_pool_state_flag_overrides_the_config(tmp_path, capsys):
 
 
 def test_gke_settings_on_a_local_backend_are_reported_as_ignored(tmp_path, batchpilot_log):
-    node_pool_for(parse_config(config_dict(tmp_path, project="p", node_pool="gpu")), state_path=tmp_path / "s.json")
+    node_pool_for(
+        parse_config(config_dict(tmp_path, project="p", node_pool="gpu")), state_path=tmp_path / "s.json"
+    )
     warnings = [r.getMessage() for r in batchpilot_log.records if r.levelno == logging.WARNING]
     assert any("ignoring gke settings project, node_pool" in message for message in warnings)
 

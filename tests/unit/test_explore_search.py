@@ -392,6 +392,8 @@ def test_no_probe_goes_above_the_size_cap_even_where_memory_would_fit_far_more()
     """The demo's plan splits into micro batches of at most 16 while its memory would fit hundreds: the
     predicted memory frontier never takes a probe past the cap."""
     measure = budget_device(peak_at=40, budget=2048 * MIB)
-    state, recommendation, stopped, _ = search(measure, memory_budget_bytes=2048 * MIB, max_micro_batch_size=16)
+    state, recommendation, stopped, _ = search(
+        measure, memory_budget_bytes=2048 * MIB, max_micro_batch_size=16
+    )
     assert max(r.micro_batch_size for r in state.results) == 16
     assert stopped == "converged" and recommendation.micro_batch_size == 16
