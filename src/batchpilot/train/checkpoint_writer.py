@@ -93,7 +93,9 @@ def _serve(requests: Any, responses: Any) -> None:
             writer = StorageWriter(storage, folder, thread_count=thread_count)
             results = writer.write_data(plan, _Resolved(data)).value()
             responses.put(("ok", results, dict(writer.storage_fs.written)))
-        except BaseException as error:  # the trainer raises it from its save, in words (not every error pickles)
+        except (
+            BaseException
+        ) as error:  # the trainer raises it from its save, in words (not every error pickles)
             responses.put(("error", str(error) if isinstance(error, BatchpilotError) else repr(error)))
         del data, request
 
