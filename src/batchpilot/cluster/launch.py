@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,11 @@ def follow(
                 "free or add capacity (or fix the image or sizes the message names), or raise "
                 "cluster.pending_timeout_s",
             )
+        # The logs' tails, within one bound for all nodes (not one per node: 64 nodes' streams that do not end
+        # would otherwise hold a finished job's task for half an hour).
+        deadline = time.monotonic() + STREAM_TAIL_WAIT_S
         for thread in streams:
-            thread.join(timeout=30)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
         runner.cancel(handle)
         raise
@@ -256,6 +260,8 @@ def _stream(
         since = datetime.datetime.now() - datetime.timedelta(seconds=RESTREAM_WAIT_S)
 
 
+STREAM_TAIL_WAIT_S = 30.0
+"""How long a finished job's task waits, in all, for its nodes' log streams to end."""
 RESTREAM_WAIT_S = 2.0
 """How long a node's stream waits, after its pod's log ended, before it looks for the pod that replaced it."""
 
