@@ -180,6 +180,13 @@ def test_demo_goodput_ledger_accounts_for_every_second_and_every_launch(demo_run
     report = (output / "report.html").read_text()
     assert "<div class='label'>goodput</div>" in report and "<h2>Where the node-hours went</h2>" in report
     assert all(f"<td>{name}</td>" in report for name in names)
+    kept = json.loads((output / "plan.json").read_text())[
+        "goodput"
+    ]  # the run's record, kept after the report
+    assert set(kept["launches"]) == set(names) and 0 < kept["goodput"] < 1
+    assert (
+        abs(sum(c["wall_s"] for c in kept["categories"].values()) - kept["wall_s"]) <= 0.01 * kept["wall_s"]
+    )
 
 
 RUN_LOCAL_PIPELINE = (

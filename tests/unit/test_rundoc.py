@@ -29,6 +29,23 @@ def test_an_untouched_document_reads_back_to_the_same_bytes(text):
     assert parse_run_document(text).to_json() == text
 
 
+def test_a_run_record_with_its_goodput_ledger_reads_back_and_the_ledger_is_hashed_too(text):
+    from dataclasses import replace
+
+    from batchpilot.planning.goodput import build_ledger
+
+    ledger = build_ledger(
+        [{"kind": "pool", "before": 0, "after": 1, "requested_s": 0.0, "ready_s": 2.0}], now_s=10
+    )
+    assert ledger is not None
+    record = replace(parse_run_document(text), goodput=ledger.to_dict()).to_json()
+    assert "goodput" not in json.loads(text)  # a plan has none
+    assert parse_run_document(record).goodput == ledger.to_dict()
+    assert parse_run_document(record).to_json() == record
+    with pytest.raises(BatchpilotError, match="document_hash mismatch"):
+        parse_run_document(edited(record, lambda d: d["goodput"].update(goodput=1.0)))
+
+
 EDITS = {
     "a stage's node count": lambda d: d["stages"][0].update(num_nodes=d["stages"][0]["num_nodes"] + 1),
     "a stage removed": lambda d: d["stages"].pop(1),

@@ -73,6 +73,9 @@ class RunDocument:
     """The batch trials (`trials.enabled`): their branches, samples and share of the training."""
     trials_outcome: TrialsOutcome | None = None
     """The trials' results and decision, once they ran (the plan made after them carries them)."""
+    goodput: dict[str, Any] | None = None
+    """The run's goodput ledger (`planning.goodput.Ledger.to_dict`), in the run folder's record kept after
+    the report; None in a plan."""
 
     def to_dict(self) -> dict[str, Any]:
         config = self.config.model_dump(mode="json")
@@ -99,6 +102,7 @@ class RunDocument:
             **({"capacity": [record.to_dict() for record in self.capacity]} if self.capacity else {}),
             **({"trials": self.trials.to_dict()} if self.trials else {}),
             **({"trials_outcome": self.trials_outcome.to_dict()} if self.trials_outcome else {}),
+            **({"goodput": self.goodput} if self.goodput is not None else {}),
         }
         return {**document, "document_hash": document_hash(document)}
 
@@ -161,6 +165,7 @@ def _run_document(data: dict[str, Any]) -> RunDocument:
         trials_outcome=TrialsOutcome.from_dict(data["trials_outcome"])
         if data.get("trials_outcome")
         else None,
+        goodput=data.get("goodput"),
     )
 
 

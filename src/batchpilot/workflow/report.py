@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,8 +153,11 @@ def _run_metrics(run_dir: Path, checkpoint_uri: str | None) -> list[dict[str, An
 
 def keep_run_record(run_dir: str | Path, document: RunDocument) -> None:
     """Rewrites the run folder's plan.json as the run stands at its end: an adaptive ramp-up's stages and
-    decisions (`adaptive_decisions`) as they were taken; any other run's plan is the one planned."""
-    write_atomically(Path(run_dir) / "plan.json", current_document(document).to_json())
+    decisions (`adaptive_decisions`) as they were taken (any other run's plan is the one planned), and the
+    goodput ledger up to now (`goodput`: the report included)."""
+    ledger = build_ledger(runstate.read_events(document.config.train.checkpoint_uri), now_s=time.time())
+    record = replace(current_document(document), goodput=ledger.to_dict() if ledger is not None else None)
+    write_atomically(Path(run_dir) / "plan.json", record.to_json())
 
 
 def keep_copies(run_dir: str | Path, files: dict[str, Path]) -> None:
