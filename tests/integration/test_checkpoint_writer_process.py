@@ -98,3 +98,27 @@ def test_the_writer_process_ends_when_its_trainer_is_killed_mid_write(tmp_path):
     finally:
         trainer.kill()
     assert Checkpointer(uri=f"file://{tmp_path}").latest_step() == 1
+
+
+def test_a_long_temporary_folder_does_not_stop_the_handover(tmp_path):
+    """The staged tensors' shared memory reaches the writer through a Unix socket in multiprocessing's temporary
+    folder, whose path must stay under 108 bytes: under a pod's long private TMPDIR the save still commits."""
+    long_tmp = tmp_path / ("t" * 60) / ("m" * 60)
+    long_tmp.mkdir(parents=True)
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+        checkpointer = Checkpointer(uri="file://{tmp_path}/ckpt", save_timeout_s=60)
+        checkpointer.start_save_sharded(step=1, consumed_samples=1, rng=capture_rng_state(),
+            state={{"model": {{"w": torch.arange(8.0)}}, "optimizer": {{"state": {{}}, "param_groups": []}}}})
+        checkpointer.close()
+        """
+    )
+    env = {**os.environ, "TMPDIR": str(long_tmp)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], torch.arange(8.0))

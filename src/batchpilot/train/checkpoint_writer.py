@@ -18,10 +18,13 @@ that a resumed run writes again.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import multiprocessing.connection
 import os
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any
@@ -69,7 +72,7 @@ class _Resolved(SavePlanner):
         raise NotImplementedError
 
 
-def _serve(requests: Any, responses: Any) -> None:
+def _serve(connection: Any) -> None:
     """The writer process: one request per save, `(uri, folder, thread_count, plan, data)`; answers
     `("ok", results, written)` or `("error", what went wrong)`; `None` ends it."""
     # Its own session: the signals a pod or torchrun sends to the trainer's process group (SIGTERM at a
@@ -86,18 +89,36 @@ def _serve(requests: Any, responses: Any) -> None:
 
     threading.Thread(target=end_with_the_trainer, daemon=True).start()
     storages: dict[str, Any] = {}
-    while (request := requests.get()) is not None:
+    while (request := connection.recv()) is not None:
         uri, folder, thread_count, plan, data = request
         try:
             storage = storages.get(uri) or storages.setdefault(uri, open_storage(uri))
             writer = StorageWriter(storage, folder, thread_count=thread_count)
             results = writer.write_data(plan, _Resolved(data)).value()
-            responses.put(("ok", results, dict(writer.storage_fs.written)))
+            answer: tuple[Any, ...] = ("ok", results, dict(writer.storage_fs.written))
         except (
             BaseException
         ) as error:  # the trainer raises it from its save, in words (not every error pickles)
-            responses.put(("error", str(error) if isinstance(error, BatchpilotError) else repr(error)))
+            answer = ("error", str(error) if isinstance(error, BatchpilotError) else repr(error))
         del data, request
+        connection.send(answer)
+
+
+def _short_socket_folder() -> None:
+    """Where multiprocessing puts the Unix socket through which the staged tensors' shared memory is passed
+    (its temporary folder, under TMPDIR): a socket's path must stay under 108 bytes (AF_UNIX), which a long
+    TMPDIR (a pod's private one, say) exceeds, so such a process uses a short folder under /tmp instead."""
+    from multiprocessing import process, util
+
+    if len(util.get_temp_dir()) <= SOCKET_FOLDER_MAX:
+        return
+    short = tempfile.mkdtemp(prefix="batchpilot-mp-", dir="/tmp")
+    process.current_process()._config["tempdir"] = short  # type: ignore[attr-defined]  # get_temp_dir()'s
+    util.Finalize(None, shutil.rmtree, args=[short], kwargs={"ignore_errors": True}, exitpriority=-100)
+
+
+SOCKET_FOLDER_MAX = 64
+"""The longest temporary folder multiprocessing may use for its sockets here (their names add ~30 bytes)."""
 
 
 class WriterProcess:
@@ -106,8 +127,7 @@ class WriterProcess:
     def __init__(self, *, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._process: Any = None
-        self._requests: Any = None
-        self._responses: Any = None
+        self._connection: Any = None
 
     @property
     def pid(self) -> int | None:
@@ -115,40 +135,43 @@ class WriterProcess:
         return None if self._process is None else self._process.pid
 
     def _start(self) -> None:
+        _short_socket_folder()
         context = mp.get_context("spawn")
-        self._requests, self._responses = context.Queue(), context.Queue()
-        self._process = context.Process(
-            target=_serve, args=(self._requests, self._responses), name="checkpoint-writer", daemon=True
-        )
+        self._connection, theirs = context.Pipe()
+        self._process = context.Process(target=_serve, args=(theirs,), name="checkpoint-writer", daemon=True)
         self._process.start()
+        theirs.close()
 
     def write(
         self, *, uri: str, folder: str, thread_count: int, plan: SavePlan, data: dict[MetadataIndex, Any]
     ) -> tuple[list[WriteResult], dict[str, Any]]:
         """Writes the plan's items (`data`: each item's tensor or bytes) into `folder` of `uri`; returns DCP's
-        write results and the written files' checksums. Bounded by the save's timeout."""
+        write results and the written files' checksums. Bounded by the save's timeout. Sending the request
+        (the tensors' shared memory by reference) happens here: a failure to send is raised, never lost."""
         if self._process is None:
             self._start()
-        self._requests.put((uri, folder, thread_count, plan, data))
-        deadline = time.monotonic() + self.timeout_s + START_TIMEOUT_S
         where = join_uri(uri, folder)
-        while True:
-            try:
-                answer = self._responses.get(timeout=1.0)
-                break
-            except Exception:  # queue.Empty: check the process, then wait on
-                if not self._process.is_alive():
-                    code = self._process.exitcode
-                    self._process = None
-                    raise BatchpilotError(
-                        where, f"the checkpoint writer process ended with exit code {code} while writing"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise BatchpilotError(
-                        where,
-                        f"the checkpoint writer process wrote for over {self.timeout_s:g} s without finishing",
-                        "check that the checkpoint storage is reachable",
-                    ) from None
+        try:
+            self._connection.send((uri, folder, thread_count, plan, data))
+        except (OSError, EOFError) as error:
+            raise BatchpilotError(
+                where, f"could not hand the checkpoint to its writer process: {error}"
+            ) from None
+        deadline = time.monotonic() + self.timeout_s + START_TIMEOUT_S
+        while not self._connection.poll(1.0):
+            if not self._process.is_alive():
+                code = self._process.exitcode
+                self._process = None
+                raise BatchpilotError(
+                    where, f"the checkpoint writer process ended with exit code {code} while writing"
+                )
+            if time.monotonic() > deadline:
+                raise BatchpilotError(
+                    where,
+                    f"the checkpoint writer process wrote for over {self.timeout_s:g} s without finishing",
+                    "check that the checkpoint storage is reachable",
+                )
+        answer = self._connection.recv()
         if answer[0] == "error":
             raise BatchpilotError(where, f"the checkpoint writer process failed: {answer[1]}")
         return answer[1], answer[2]
@@ -157,14 +180,13 @@ class WriterProcess:
         """Ends the writer process (after the save it is writing, if any; bounded)."""
         if self._process is None:
             return
-        self._requests.put(None)
+        with contextlib.suppress(OSError):
+            self._connection.send(None)
         self._process.join(self.timeout_s)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
-        for channel in (self._requests, self._responses):
-            channel.close()
-            channel.join_thread()
+        self._connection.close()
         self._process = None
 
 
