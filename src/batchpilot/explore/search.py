@@ -342,7 +342,7 @@ def _cannot_win(state: SearchState, setting: Setting) -> bool:
         lines.append((own[-1].tokens_per_s / own[-1].micro_batch_size, 0.0))
     if len(own) >= 2:
         a, b = own[-2], own[-1]
-        lines.append(_line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s))
+        lines.append(_segment(a, b))
     without = _without_checkpointing(setting)
     if without is not None and without in state.settings:
         points, without_limit = state.points(without), state.memory_limit(without)
@@ -351,7 +351,7 @@ def _cannot_win(state: SearchState, setting: Setting) -> bool:
                 return True
             low = max(low, without_limit)
             a, b = points[-2], points[-1]
-            lines.append(_line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s))
+            lines.append(_segment(a, b))
     if not lines:
         return False
     if high < low:
@@ -382,6 +382,11 @@ class Gap:
     bound_tokens_per_s: float
 
 
+def _segment(a: Point, b: Point) -> tuple[float, float]:
+    """(slope, intercept) of the throughput line through two measured sizes."""
+    return _line(a.micro_batch_size, a.tokens_per_s, b.micro_batch_size, b.tokens_per_s)
+
+
 def _line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
     """(slope, intercept) of the line through two points."""
     slope = (y1 - y0) / (x1 - x0)
@@ -394,10 +399,10 @@ def _gap_bound(points: list[Point], index: int, high: int) -> float:
     lines = [(a.tokens_per_s / a.micro_batch_size, 0.0)]  # f(x) <= f(a) x / a
     if index >= 1:
         p = points[index - 1]
-        lines.append(_line(p.micro_batch_size, p.tokens_per_s, a.micro_batch_size, a.tokens_per_s))
+        lines.append(_segment(p, a))
     if index + 2 < len(points):
         b, c = points[index + 1], points[index + 2]
-        lines.append(_line(b.micro_batch_size, b.tokens_per_s, c.micro_batch_size, c.tokens_per_s))
+        lines.append(_segment(b, c))
     return _max_of_min(lines, a.micro_batch_size + 1, high - 1)
 
 
