@@ -122,3 +122,36 @@ def test_a_long_temporary_folder_does_not_stop_the_handover(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
     assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], torch.arange(8.0))
+
+
+def test_a_sigterm_to_the_trainers_process_group_while_its_writer_starts_does_not_lose_the_save(tmp_path):
+    """A preemption's SIGTERM goes to the trainer's whole process group, and the trainer then saves. A writer
+    process still starting (importing torch, not yet in its own session) dies of it: it is started again and
+    the save commits."""
+    script = textwrap.dedent(
+        f"""
+        import logging, os, signal, sys, time, torch
+        from batchpilot.train.checkpoint import Checkpointer, capture_rng_state
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+        os.setpgrp()  # a group of its own, as a pod's or torchrun's
+        signal.signal(signal.SIGTERM, lambda *_: print("trainer: SIGTERM", flush=True))
+        checkpointer = Checkpointer(uri="file://{tmp_path}/ckpt", save_timeout_s=60)
+        checkpointer.start_save_sharded(step=1, consumed_samples=1, rng=capture_rng_state(),
+            state={{"model": {{"w": torch.arange(8.0)}}, "optimizer": {{"state": {{}}, "param_groups": []}}}})
+        while checkpointer._writer.pid is None:
+            time.sleep(0.001)
+        first = checkpointer._writer.pid
+        os.killpg(0, signal.SIGTERM)
+        checkpointer.wait()
+        print("writers", first, checkpointer._writer.pid, flush=True)
+        checkpointer.close()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "trainer: SIGTERM" in result.stdout
+    assert "ended by signal 15 as it started; starting it again" in result.stdout
+    first, second = result.stdout.split("writers ")[1].split()[:2]
+    assert first != second
+    loaded = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], torch.arange(8.0))

@@ -80,6 +80,7 @@ def _serve(connection: Any) -> None:
     # ends it (close(), or terminate() when the interpreter exits), or its death does (below).
     os.setsid()
     os.nice(NICE)
+    connection.send(READY)  # out of the trainer's group now: a signal to the group no longer ends it
     parent = mp.parent_process()
 
     def end_with_the_trainer() -> None:
@@ -117,6 +118,11 @@ def _short_socket_folder() -> None:
     util.Finalize(None, shutil.rmtree, args=[short], kwargs={"ignore_errors": True}, exitpriority=-100)
 
 
+READY = "ready"
+"""The writer's first message: it has left the trainer's process group."""
+START_ATTEMPTS = 3
+"""How many times a writer that died before it was ready is started (see `WriterProcess._start`)."""
+
 SOCKET_FOLDER_MAX = 64
 """The longest temporary folder multiprocessing may use for its sockets here (their names add ~30 bytes)."""
 
@@ -134,13 +140,45 @@ class WriterProcess:
         """The writer process's id while it runs."""
         return None if self._process is None else self._process.pid
 
-    def _start(self) -> None:
+    def _start(self, where: str) -> None:
+        """Starts the writer and waits until it is ready (in its own session), bounded by START_TIMEOUT_S.
+
+        Until then it is in the trainer's process group, importing torch for a second or more, and a signal to
+        that group ends it: the SIGTERM of a preemption (a pod's, or `kill -TERM -PGID`), after which the
+        trainer still saves. A signal mask would not help (multiprocessing's spawn starts a fresh interpreter
+        with default dispositions), so a writer that a signal ended before it was ready is started again, up to
+        START_ATTEMPTS times; any other early end is raised."""
         _short_socket_folder()
         context = mp.get_context("spawn")
-        self._connection, theirs = context.Pipe()
-        self._process = context.Process(target=_serve, args=(theirs,), name="checkpoint-writer", daemon=True)
-        self._process.start()
-        theirs.close()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._connection, theirs = context.Pipe()
+            self._process = context.Process(
+                target=_serve, args=(theirs,), name="checkpoint-writer", daemon=True
+            )
+            self._process.start()
+            theirs.close()
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not self._connection.poll(0.2) and self._process.is_alive():
+                if time.monotonic() > deadline:
+                    self._process.kill()
+                    self._process = None
+                    raise BatchpilotError(
+                        where, f"the checkpoint writer process did not start within {START_TIMEOUT_S:g} s"
+                    )
+            with contextlib.suppress(EOFError):  # EOF: it ended before it said anything
+                if self._connection.poll(0) and self._connection.recv() == READY:
+                    return
+            self._process.join(5)
+            code = self._process.exitcode
+            self._connection.close()
+            self._process = None
+            if code is None or code >= 0 or attempt == START_ATTEMPTS:
+                raise BatchpilotError(
+                    where, f"the checkpoint writer process ended with exit code {code} as it started"
+                )
+            logger.info(
+                "the checkpoint writer process was ended by signal %d as it started; starting it again", -code
+            )
 
     def write(
         self, *, uri: str, folder: str, thread_count: int, plan: SavePlan, data: dict[MetadataIndex, Any]
@@ -148,16 +186,16 @@ class WriterProcess:
         """Writes the plan's items (`data`: each item's tensor or bytes) into `folder` of `uri`; returns DCP's
         write results and the written files' checksums. Bounded by the save's timeout. Sending the request
         (the tensors' shared memory by reference) happens here: a failure to send is raised, never lost."""
-        if self._process is None:
-            self._start()
         where = join_uri(uri, folder)
+        if self._process is None:
+            self._start(where)
         try:
             self._connection.send((uri, folder, thread_count, plan, data))
         except (OSError, EOFError) as error:
             raise BatchpilotError(
                 where, f"could not hand the checkpoint to its writer process: {error}"
             ) from None
-        deadline = time.monotonic() + self.timeout_s + START_TIMEOUT_S
+        deadline = time.monotonic() + self.timeout_s
         while not self._connection.poll(1.0):
             if not self._process.is_alive():
                 code = self._process.exitcode
