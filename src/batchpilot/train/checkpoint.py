@@ -302,12 +302,13 @@ class Checkpointer:
         rng: dict[str, Any],
         extra: dict[str, Any] | None = None,
         side_objects: dict[str, bytes] | None = None,
+        planner: SavePlanner | None = None,
     ) -> str:
         """`save_sharded` in the background. Every rank calls it at the same step. Blocks while it waits for
         the previous save (raising its failure) and while `state` is copied to shared CPU memory (buffers reused
         from save to save); returns the step folder's URI the save will commit. The files are written by this
         rank's writer process (train/checkpoint_writer.py), the plan and the commit by a background thread.
-        `side_objects` (rank 0): objects written before `latest` moves."""
+        `side_objects` (rank 0): objects written before `latest` moves. `planner`: as `save_sharded`'s."""
         self.wait()
         group = self._checkpoint_group()
         if self._stager is None:
@@ -321,8 +322,8 @@ class Checkpointer:
                 )
             )
             self._writer = WriterProcess(timeout_s=self.save_timeout_s) if self._writes_by_uri else None
-        staged = self._stager.stage(state)
-        assert isinstance(staged, dict)  # synchronous staging returns the copy itself
+        copy = self._stager.stage(state)
+        assert isinstance(copy, dict)  # synchronous staging returns the copy itself
         where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
         in_flight = _InFlight(step=step, where=where, started_s=time.monotonic())
 
@@ -330,8 +331,8 @@ class Checkpointer:
             try:
                 time.sleep(float(os.environ.get(DELAY_ENV, "0")))  # tests: a slow upload
                 self._write_and_commit(
-                    step=step, consumed_samples=consumed_samples, state=staged, rng=rng, extra=extra,
-                    planner=None, side_objects=side_objects, group=group, writer=self._writer,
+                    step=step, consumed_samples=consumed_samples, state=copy, rng=rng, extra=extra,
+                    planner=planner, side_objects=side_objects, group=group, writer=self._writer,
                 )  # fmt: skip
             except BaseException as error:  # surfaced by the next wait(), never dropped
                 in_flight.error = error

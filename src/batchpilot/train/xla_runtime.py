@@ -65,8 +65,8 @@ from batchpilot.train.xla_state import (
     agree,
     peak_memory_bytes,
     restore_xla_state,
-    save_xla_checkpoint,
     send_rows,
+    start_xla_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -276,9 +276,8 @@ class XlaRuntime(Runtime):
         return {"runtime": XLA_RUNTIME, "num_hosts": self.host.num_hosts}
 
     def write_checkpoint(self, checkpointer: Checkpointer, save: Save) -> tuple[str | None, bool]:
-        # Synchronous: each host writes its devices' shards through torch_xla's SPMD planner, which reads
-        # them from the devices; there is no staged CPU copy to write in the background.
-        where = save_xla_checkpoint(
+        # Blocks while each host copies its devices' shards to host memory; written in the background.
+        where = start_xla_checkpoint(
             checkpointer,
             model=save.model,
             optimizer=save.optimizer,
@@ -288,7 +287,7 @@ class XlaRuntime(Runtime):
             extra=save.extra,
             side_objects=save.side,
         )
-        return where, False
+        return where, True
 
     def close(self) -> None:
         """Nothing to leave: the hosts' CPU group (DCP's) lives as long as the process."""

@@ -77,7 +77,7 @@ def capture_xla_rng(rng: dict[str, Any]) -> dict[str, Any]:
     return {**rng, "xla": int(xm.get_rng_state())}
 
 
-def save_xla_checkpoint(
+def start_xla_checkpoint(
     checkpointer: Checkpointer,
     *,
     model: nn.Module,
@@ -87,18 +87,24 @@ def save_xla_checkpoint(
     rng: dict[str, Any],
     extra: dict[str, Any],
     side_objects: dict[str, bytes] | None = None,
-) -> str | None:
-    """Every host calls this: each writes its devices' shards; host 0 writes `side_objects`, rng.pt and
-    meta.json and moves `latest` (Checkpointer.save_sharded). Returns the step folder's URI on host 0."""
+) -> str:
+    """Every host calls this: each takes its devices' shards to host memory (torch_xla's
+    `_sharded_cpu_state_dict`, as its own asynchronous checkpoint manager does: each shard with its place in
+    the global tensor) and, as the eager runtime's save (`Checkpointer.start_save_sharded`), copies them into
+    the shared staging buffers, which is all training waits for (the staging copy is needed: without it, on PJRT's CPU
+    client, the host shards changed with the next steps and a resume after kill -9 was not exact); the
+    files are then written in the background by the host's writer process through torch_xla's SPMD planner,
+    and host 0 commits. Returns the step folder's URI."""
     import torch_xla
     import torch_xla.experimental.distributed_checkpoint as xc
+    from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
     torch_xla.sync()
     state, mappings = _flat_state(model, optimizer)
-    return checkpointer.save_sharded(
+    return checkpointer.start_save_sharded(
         step=step,
         consumed_samples=consumed_samples,
-        state=state,
+        state=_sharded_cpu_state_dict(state),
         rng=capture_xla_rng(rng),
         extra=extra,
         planner=_save_planner(xc.SPMDSavePlanner, mappings),
