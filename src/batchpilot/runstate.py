@@ -350,8 +350,45 @@ def record_event(checkpoint_uri: str, event: dict[str, Any]) -> None:
         )
 
 
-def read_events(checkpoint_uri: str) -> list[dict[str, Any]]:
-    """Every goodput event recorded under the checkpoint URI, in the order they were written."""
+def read_events(checkpoint_uri: str, *, kind: str | None = None) -> list[dict[str, Any]]:
+    """Every goodput event recorded under the checkpoint URI (of `kind` only: one listing, and only those
+    objects read), in the order they were written."""
     storage = open_storage(join_uri(checkpoint_uri, LEDGER_FOLDER))
-    names = sorted(name for name in storage.list() if name.endswith(".json"))
+    names = sorted(
+        name for name in storage.list() if name.endswith(".json") and (kind is None or f"-{kind}-" in name)
+    )
     return [json.loads(storage.read(name)) for name in names]
+
+
+# --- progress/<first>-<last>.json: a running launch's progress (cluster.capacity_ahead) ---------------------
+
+PROGRESS_FOLDER = "progress"
+
+
+def progress_name(stages: Sequence[int]) -> str:
+    """The progress object of the job training stages `stages[0]..stages[-1]`."""
+    return f"{stages[0]}-{stages[-1]}.json"
+
+
+def write_progress(checkpoint_uri: str, *, stages: Sequence[int], progress: dict[str, Any]) -> None:
+    """The main trainer's latest progress (`planning.ahead.Progress`'s fields), replacing the one before. Like
+    the ledger it observes the run: a failed write is a warning and training goes on."""
+    import logging
+
+    try:
+        open_storage(join_uri(checkpoint_uri, PROGRESS_FOLDER)).write(
+            progress_name(stages), json.dumps(progress).encode()
+        )
+    except (BatchpilotError, OSError) as error:
+        logging.getLogger(__name__).warning("the launch's progress record was not written: %s", error)
+
+
+def read_progress(checkpoint_uri: str, *, stages: Sequence[int]) -> dict[str, Any] | None:
+    """The progress the job training `stages` last wrote, or None before it wrote any."""
+    try:
+        data: dict[str, Any] = json.loads(
+            open_storage(join_uri(checkpoint_uri, PROGRESS_FOLDER)).read(progress_name(stages))
+        )
+    except ObjectNotFound:
+        return None
+    return data

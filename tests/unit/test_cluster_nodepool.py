@@ -53,6 +53,31 @@ def test_wait_ready_refuses_when_fewer_nodes_are_recorded(tmp_path):
         pool.wait_ready(2, timeout_s=1)
 
 
+def test_a_modelled_resize_delay_makes_new_nodes_ready_that_much_later_and_a_shorter_wait_says_so(tmp_path):
+    import time
+
+    pool = LocalNodePool(
+        state_path=tmp_path / "pool.json", devices_per_node=1, max_nodes=2, resize_delay_s=1.5
+    )
+    pool.resize(1)
+    started = time.monotonic()
+    pool.wait_ready(1, timeout_s=10)
+    assert 1.3 <= time.monotonic() - started <= 3
+    pool.resize(1)  # the same size again: ready already, nothing to wait for
+    started = time.monotonic()
+    pool.wait_ready(1, timeout_s=10)
+    assert time.monotonic() - started < 0.5
+    pool.resize(2)
+    pool.resize(2)  # asked again while it grows: the nodes already coming, not a new delay
+    with pytest.raises(
+        BatchpilotError, match=r"cluster.local_resize_delay_s: .* ready in \d+ s, after the 0.5 s"
+    ):
+        pool.wait_ready(2, timeout_s=0.5)
+    started = time.monotonic()
+    pool.wait_ready(2, timeout_s=10)
+    assert 0.5 <= time.monotonic() - started <= 1.6
+
+
 def test_a_size_this_machine_cannot_host_is_refused_and_not_recorded(tmp_path):
     cpus = available_cpus()
     pool = LocalNodePool(state_path=tmp_path / "pool.json", devices_per_node=1, max_nodes=cpus + 1)

@@ -77,3 +77,39 @@ def test_a_resize_while_training_is_training_and_a_launch_without_trainer_is_fai
 
 def test_no_resize_no_ledger():
     assert build_ledger([], now_s=5.0) is None
+
+
+def test_nodes_up_for_the_next_launch_beside_a_running_one_are_paid_early_capacity_not_training():
+    """cluster.capacity_ahead grows the pool for launch-1 while launch-0 trains on 1 node: the second node, ready
+    at 180, is paid and idle until launch-1 runs on it (early_capacity, node-hours only)."""
+    launch_0 = {**EVENTS[2], "nodes": 1}
+    early = [
+        *EVENTS[:2],
+        launch_0,
+        EVENTS[3],
+        {"kind": "pool", "before": 1, "after": 2, "requested_s": 150.0, "ready_s": 180.0, "early": True},
+        {**EVENTS[5], "submitted_s": 205.0, "nodes": 2},
+        {**EVENTS[6], "started_s": 215.0},
+    ]
+    ledger = build_ledger(early, now_s=400.0)
+    assert ledger is not None
+    assert ledger.categories["training_steps"].node_hours == pytest.approx((50 * 1 + 95 * 2) / 3600)
+    # 180..200 on launch-0 (training 10 s, tail 10 s) and 200..205 between launches (idle: no launch runs)
+    assert ledger.categories["early_capacity"].node_hours == pytest.approx(20 / 3600)
+    assert ledger.categories["early_capacity"].wall_s == 0
+    assert ledger.launches["launch-0"]["early_capacity"].node_hours == pytest.approx(20 / 3600)
+    assert ledger.categories["idle"].node_hours == pytest.approx((90 * 2 + 2 * 2 + 3 * 1 + 5 * 2) / 3600)
+    assert sum(s.wall_s for s in ledger.categories.values()) == pytest.approx(400)
+    paid = (92 * 2 + 78 * 1 + 220 * 2) / 3600
+    assert ledger.node_hours == pytest.approx(paid)
+    assert "nodes up early for the next launch: " in describe(ledger)
+
+
+def test_the_report_says_when_a_resize_delay_is_modelled():
+    from batchpilot.report.goodput import goodput_section
+
+    ledger = build_ledger(EVENTS, now_s=420.0)
+    assert ledger is not None
+    assert "cluster.local_resize_delay_s" in goodput_section(ledger, modelled_resize_delay_s=10)
+    assert "ready 10 s after each resize up" in goodput_section(ledger, modelled_resize_delay_s=10)
+    assert "modelled" not in goodput_section(ledger)

@@ -66,6 +66,7 @@ def node_pool_for(config: Config, *, state_path: str | Path | None = None) -> No
             max_nodes=cluster.max_nodes,
             capacity_nodes=cluster.local_capacity_nodes,
             state_field="--pool-state" if state_path else "cluster.pool_state_path",
+            resize_delay_s=cluster.local_resize_delay_s,
         )
     if state_path is not None:
         raise BatchpilotError("--pool-state", "only the local backend keeps its pool size in a file")
@@ -119,8 +120,11 @@ class LocalNodePool:
         max_nodes: int,
         capacity_nodes: int | None = None,
         state_field: str = "cluster.pool_state_path",
+        resize_delay_s: float = 0.0,
     ) -> None:
         self.state_path = state_path
+        self.resize_delay_s = resize_delay_s
+        """`cluster.local_resize_delay_s`: a growing pool's new nodes are ready this long after the resize."""
         self.state_field = state_field
         """The setting that named `state_path` (`--pool-state` or the config's), for error lines."""
         self.devices_per_node = devices_per_node
@@ -163,6 +167,7 @@ class LocalNodePool:
         """Records `num_nodes` after checking that this machine can run that many processes; with a
         capacity limit, records what the limit grants (and what was asked for)."""
         self._check_capacity(num_nodes)
+        before = self.current_size()
         granted = num_nodes if self.capacity_nodes is None else min(num_nodes, self.capacity_nodes)
         if granted < num_nodes:
             logger.warning(
@@ -175,17 +180,28 @@ class LocalNodePool:
             "devices_per_node": self.devices_per_node,
             "updated_unix_s": round(time.time(), 3),
         }
+        if self.resize_delay_s and granted > before:  # the modelled resize: new nodes come that much later
+            state["ready_unix_s"] = round(time.time() + self.resize_delay_s, 3)
+        elif granted == before and (previous := self._state()).get("ready_unix_s"):
+            state["ready_unix_s"] = previous["ready_unix_s"]  # asked again for the size coming: same nodes
         # Atomic, so a concurrent reader sees the old or the new size, never half a file.
         write_atomically(self.state_path, json.dumps(state, indent=2) + "\n")
 
     def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
-        """Local nodes are ready as soon as they are recorded; raises when fewer are recorded.
-
-        `timeout_s` is accepted for the protocol: nothing here is waited for, the check is immediate.
-        """
-        del timeout_s
+        """Local nodes are ready as soon as they are recorded (or, with `cluster.local_resize_delay_s`, when
+        their modelled resize ends, waited for within `timeout_s`); raises when fewer are recorded."""
         self._check_capacity(num_nodes)
         recorded = self.current_size()
+        ready_at = self._state().get("ready_unix_s")
+        if recorded >= num_nodes and ready_at is not None and ready_at > time.time():
+            if ready_at - time.time() > timeout_s:
+                raise BatchpilotError(
+                    "cluster.local_resize_delay_s",
+                    f"the local pool's {recorded} node(s) are ready in {ready_at - time.time():.0f} s, after "
+                    f"the {timeout_s:g} s this wait may take",
+                    "lower cluster.local_resize_delay_s",
+                )
+            time.sleep(ready_at - time.time())
         if recorded < num_nodes and self.capacity_nodes is not None and recorded == self.capacity_nodes:
             raise CapacityShortfall(
                 "cluster.local_capacity_nodes",
@@ -200,6 +216,14 @@ class LocalNodePool:
                 f"the local pool has {recorded} node(s) recorded in {self.state_path}, {num_nodes} are needed",
                 f"run `batchpilot pool resize --nodes {num_nodes}` first",
             )
+
+    def _state(self) -> dict:
+        """The state file's fields ({} before the first resize); `current_size` checked it."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return {}
+        return state if isinstance(state, dict) else {}
 
     def describe(self) -> str:
         """The recorded size, the state file and this machine's CPU count."""

@@ -20,7 +20,9 @@ asked to ready), else `idle` (nodes up with no launch on them: explore, plan, re
 scale-down in progress). So the categories add up to the wall time exactly. Node-hours integrate the nodes
 up: `before` until a resize's `ready_s`, `after` from it (a node that is coming is not counted; on GKE it is
 billed from its creation, so the paid figure is a lower bound by at most one resize's new nodes x its wait).
-Goodput = training-step node-hours / all node-hours.
+Nodes beyond the ones a launch runs on, while it runs (the next launch's, asked for ahead: `planning.ahead`),
+are paid and idle: their node-hours go to `early_capacity` (a share of node-hours only: the wall time is the
+launch's). Goodput = training-step node-hours / all node-hours.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any
 
 PRIORITY = ("training_steps", "start_up", "pod_start", "tail", "failed", "waiting_for_nodes", "idle")
 """The categories, in the order an instant is given to them when intervals overlap."""
+EARLY_CAPACITY = "early_capacity"
+"""Node-hours of the nodes up beyond those of the launch that runs (no wall time of its own)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class Interval:
     start_s: float
     end_s: float
     launch: str | None = None
+    nodes: int | None = None
+    """The nodes the launch runs on (None: not a launch's interval, or not recorded)."""
 
 
 @dataclass
@@ -117,17 +123,18 @@ def intervals(events: Sequence[Mapping[str, Any]]) -> list[Interval]:
                 if list(t["stages"]) == list(event["stages"]) and submitted <= float(t["started_s"]) <= ended
             ]
             if not mine:
-                found.append(Interval("failed", submitted, ended, name))
+                found.append(Interval("failed", submitted, ended, name, event.get("nodes")))
                 continue
             trainer = min(mine, key=lambda t: float(t["started_s"]))
             started, first, last = (
                 float(trainer[key]) for key in ("started_s", "first_step_s", "last_step_s")
             )
+            nodes = int(event["nodes"]) if event.get("nodes") is not None else None
             found += [
-                Interval("pod_start", submitted, started, name),
-                Interval("start_up", started, first, name),
-                Interval("training_steps", first, last, name),
-                Interval("tail", last, ended, name),
+                Interval("pod_start", submitted, started, name, nodes),
+                Interval("start_up", started, first, name, nodes),
+                Interval("training_steps", first, last, name, nodes),
+                Interval("tail", last, ended, name, nodes),
             ]
     return found
 
@@ -159,17 +166,21 @@ def build_ledger(events: Sequence[Mapping[str, Any]], *, now_s: float) -> Ledger
         chosen = min(active, key=lambda s: PRIORITY.index(s.category), default=None)
         category = chosen.category if chosen is not None else "idle"
         nodes = next(n for t, n in reversed(timeline) if t <= middle)
+        early = max(0, nodes - chosen.nodes) if chosen is not None and chosen.nodes is not None else 0
         seconds = right - left
-        for share in (
-            ledger.categories.setdefault(category, Share()),
-            *(
-                [ledger.launches.setdefault(chosen.launch, {}).setdefault(category, Share())]
-                if chosen is not None and chosen.launch is not None
-                else []
-            ),
-        ):
-            share.wall_s += seconds
-            share.node_hours += seconds * nodes / 3600
+        for name, wall_s, node_count in ((category, seconds, nodes - early), (EARLY_CAPACITY, 0.0, early)):
+            if name == EARLY_CAPACITY and not early:
+                continue
+            for share in (
+                ledger.categories.setdefault(name, Share()),
+                *(
+                    [ledger.launches.setdefault(chosen.launch, {}).setdefault(name, Share())]
+                    if chosen is not None and chosen.launch is not None
+                    else []
+                ),
+            ):
+                share.wall_s += wall_s
+                share.node_hours += seconds * node_count / 3600
     for event in events:
         if event["kind"] == "trainer":
             ledger.checkpoint_blocked_s += float(event.get("checkpoint_blocked_s") or 0.0)
@@ -187,7 +198,9 @@ def describe(ledger: Ledger) -> str:
         if name in ledger.categories
     )
     trained = ledger.categories.get("training_steps", Share()).node_hours
+    early = ledger.categories.get(EARLY_CAPACITY)
     return (
         f"goodput {goodput}: {trained:.3g} of {ledger.node_hours:.3g} node-hours trained; "
         f"wall {ledger.wall_s / 60:.1f} min = {parts}"
+        + (f"; nodes up early for the next launch: {early.node_hours:.3g} node-hours" if early else "")
     )

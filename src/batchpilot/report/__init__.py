@@ -457,7 +457,9 @@ def write_report(
         parts.append(_trials_part(document, study))
         summary.update(trials_summary(document))
     if ledger is not None:
-        parts.append(goodput_section(ledger))
+        cluster = document.config.cluster
+        modelled = cluster.local_resize_delay_s if cluster.backend == "local" else 0.0
+        parts.append(goodput_section(ledger, modelled_resize_delay_s=modelled))
         summary.update(goodput_summary(ledger))
     parts.append("<h2>Launches and stages: plan and actuals</h2>" + _stage_rows(document, actuals))
     parts.append(

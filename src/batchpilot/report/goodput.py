@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from batchpilot.htmlpage import Html, table
-from batchpilot.planning.goodput import PRIORITY, Ledger, Share, describe
+from batchpilot.planning.goodput import EARLY_CAPACITY, PRIORITY, Ledger, Share, describe
 from batchpilot.planning.units import format_duration
 
 COLOURS = {
@@ -17,6 +17,7 @@ COLOURS = {
     "failed": "#cf222e",
     "waiting_for_nodes": "#0969da",
     "idle": "#afb8c1",
+    EARLY_CAPACITY: "#eac54f",
 }
 """One colour per category, the same in every bar and in the table's key."""
 
@@ -28,6 +29,8 @@ MEANING = {
     "failed": "a launch whose trainer never reported",
     "waiting_for_nodes": "a resize up, from asked to ready",
     "idle": "nodes up with no launch on them: explore, plan, report, between launches",
+    EARLY_CAPACITY: "nodes up for the next launch beside a running one (cluster.capacity_ahead): node-hours "
+    "only, the wall time is the running launch's",
 }
 
 
@@ -41,9 +44,10 @@ def _bar(shares: dict[str, Share], total_s: float) -> Html:
     return Html(f"<div style='width:420px;border:1px solid #d1d9e0;line-height:0'>{parts}</div>")
 
 
-def goodput_section(ledger: Ledger) -> str:
+def goodput_section(ledger: Ledger, *, modelled_resize_delay_s: float = 0.0) -> str:
     """`<h2>Where the node-hours went</h2>`: the summary line, a bar per launch, the run's bar, and a table
-    of the categories (wall time, node-hours, what each holds)."""
+    of the categories (wall time, node-hours, what each holds). `modelled_resize_delay_s`: a local pool's
+    modelled resize (`cluster.local_resize_delay_s`), said beside the figures it is in."""
     rows = [
         (
             name,
@@ -63,7 +67,7 @@ def goodput_section(ledger: Ledger) -> str:
             f"{ledger.categories[name].node_hours:.4g}",
             MEANING[name],
         )
-        for name in PRIORITY
+        for name in (*PRIORITY, EARLY_CAPACITY)
         if name in ledger.categories
     ]
     of_training = (
@@ -71,9 +75,17 @@ def goodput_section(ledger: Ledger) -> str:
         f"{ledger.evaluation_s:.1f} s and the steps waited {ledger.data_wait_s:.1f} s for their data (the main "
         "trainers' own sums)."
     )
+    modelled = (
+        f"<p><b>A resize delay is modelled</b>: the local pool's new nodes were ready "
+        f"{modelled_resize_delay_s:g} s after each resize up (<code>cluster.local_resize_delay_s</code>), a "
+        "stand-in for a cloud pool's; waiting for nodes holds that wait.</p>"
+        if modelled_resize_delay_s
+        else ""
+    )
     return (
         "<h2>Where the node-hours went</h2>"
         f"<p>{html.escape(describe(ledger))}</p>"
+        + modelled
         + table(["launch", "wall time by category", "wall"], rows, align="llr")
         + table(["category", "wall", "node-hours", "what it holds"], key, align="lrrl")
         + f"<p class='muted'>{html.escape(of_training)} From the events the pool tasks, the train tasks and the "

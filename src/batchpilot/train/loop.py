@@ -37,6 +37,7 @@ from batchpilot.runstate import METRICS_OBJECT, MetricsLog, restore_metrics, wri
 from batchpilot.train.checkpoint import Checkpoint, Checkpointer
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.noise import NoiseScaleEMA, noise_terms
+from batchpilot.train.progress import ProgressWriter
 from batchpilot.train.runtime import Passes, Runtime, Save, StepOutcome
 from batchpilot.train.setup import data_order
 from batchpilot.train.step import UnagreedOutOfMemory
@@ -85,6 +86,8 @@ class TrainingLoop:
     """Seconds its steps were blocked by checkpoints."""
     evaluation_s: float = 0.0
     """Seconds spent computing the validation loss."""
+    progress: ProgressWriter | None = None
+    """The main process's progress record (train/progress.py), for the next launch's nodes."""
 
     @property
     def is_main(self) -> bool:
@@ -424,6 +427,8 @@ class TrainingLoop:
         )
         if self.metrics is not None:
             self.metrics.append(record)
+        if self.progress is not None:
+            self.progress.note(consumed=self.consumed, at_s=record["time"])
         now = time.monotonic()
         if (
             now - self.last_log_s >= 2.0

@@ -21,6 +21,7 @@ from batchpilot.planning.adaptive import AdaptiveRun
 from batchpilot.train.checkpoint import Checkpointer, restore_rng_state
 from batchpilot.train.evaluate import Validator
 from batchpilot.train.loop import TrainingLoop, prepare_outputs, run_loop
+from batchpilot.train.progress import ProgressWriter
 from batchpilot.train.runtime import Runtime
 from batchpilot.train.setup import (
     check_resume_point,
@@ -132,6 +133,11 @@ def train(
         micro_override=runstate.read_micro_batch_overrides(checkpointer.storage),
         preempted_file=output_dir / PREEMPTED_FILE,
         adaptive=adaptive,
+        progress=(
+            ProgressWriter(config.train.checkpoint_uri, stages=[s.index for s in stages])
+            if runtime.place.is_main
+            else None
+        ),
     )
     loop.resume_from(checkpoint)
     say(f"training {', '.join(s.name for s in stages)} on {runtime.world_line(how)} from sample {consumed:,}")
