@@ -95,6 +95,8 @@ def gke_config(bucket: Bucket) -> dict:
         image="batchpilot:0.1.0", cpu_per_node=1, memory_per_node_bytes=3 * 2**30,
         # The trainer pods' way to the emulator (pod_runner.py passes them the container's env only).
         env={"STORAGE_EMULATOR_HOST": bucket.endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT_ID},
+        # The pool histories below are of resizes in series; asking ahead is tested on its own (the end).
+        capacity_ahead="off",
     )  # fmt: skip
     return config
 
@@ -453,3 +455,37 @@ def test_a_cancelled_pipeline_leaves_no_jobset_and_no_nodes(
     # The trainer had its grace period: it checkpointed where it stopped, before the node went.
     consumed = [r["consumed_samples"] for r in load_metrics(run.checkpoint_uri)]
     assert consumed == list(range(16, consumed[-1] + 1, 16)) and consumed[-1] < 1600, consumed
+
+
+def test_the_next_launchs_nodes_are_asked_for_while_the_current_launch_trains(
+    simulated_cluster, start_pipeline, bucket
+):
+    """#36 (cluster.capacity_ahead): nodes take 3 s to be Ready (and the pool task sees them at its 10 s
+    readiness poll). stage-0 trains on 1 node, paced to 20 s; the pool task beside its train task asks for
+    stages-1-final's second node at once (the lead measured at the canary's resize is longer than what is
+    left), the node is Ready before stage-0's last step, and stages-1-final's own resize finds both nodes:
+    no wait between the launches for nodes."""
+    gke = simulated_cluster
+    gke.sim.ready_delay_s = 3.0
+    config = gke_config(bucket)
+    config["cluster"]["capacity_ahead"] = "auto"
+    config["batch"]["schedule"] = "0:16 320:32 384:64"  # stage-0: 20 steps; stage-1 and final: 2 each
+    config["train"].update(total_samples=512, min_step_s=1.0)
+    config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
+    run = start_pipeline(config)
+    assert run.finish(timeout_s=420) == 0, run.log[-6000:]
+    events = read_events(run.checkpoint_uri)
+    pools = [e for e in events if e["kind"] == "pool"]
+    # the canary's 2 nodes, stage-0's 1, the next launch's 2 asked ahead, its own resize (nothing to do), 0
+    assert [(e["before"], e["after"], bool(e.get("early"))) for e in pools] == [
+        (0, 2, False), (2, 1, False), (1, 2, True), (2, 2, False), (2, 0, False),
+    ]  # fmt: skip
+    stage_0 = next(e for e in events if e["kind"] == "launch" and e["launch"] == "stage-0")
+    trainer = next(e for e in events if e["kind"] == "trainer" and e["stages"] == [0, 0])
+    early, own = pools[2], pools[3]
+    assert stage_0["submitted_s"] < early["requested_s"] and early["ready_s"] <= trainer["last_step_s"]
+    assert own["ready_s"] - own["requested_s"] < 2.0  # the canary's resize up took 10 s here
+    assert pools[0]["ready_s"] - pools[0]["requested_s"] >= 3.0
+    assert "stage-0: the pool grew 1 -> 2 node(s) for stages-1-final" in run.log
+    assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 2, 1, 2, 2, 0]
+    assert not gke.sim.jobsets and not gke.sim.pods and gke.sim.pool_size("cpu") == 0

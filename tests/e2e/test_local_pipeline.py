@@ -189,6 +189,28 @@ def test_demo_goodput_ledger_accounts_for_every_second_and_every_launch(demo_run
     )
 
 
+def test_demo_asks_for_the_final_launchs_second_node_while_stages_0_2_train(demo_run):
+    """cluster.capacity_ahead (#36): stages-0-2 trains on 1 node and final on 2; the pool task beside
+    stages-0-2's train task grew the pool to 2 before stages-0-2's last step, so final's own resize found both
+    nodes there, and the second node's time beside stages-0-2 is early capacity in the ledger."""
+    from batchpilot.planning.goodput import build_ledger
+    from batchpilot.runstate import read_events
+
+    output, result = demo_run
+    events = read_events(f"file://{output / 'ckpt'}")
+    first = next(e for e in events if e["kind"] == "launch" and e["launch"] == "stages-0-2")
+    trainer = next(e for e in events if e["kind"] == "trainer" and e["stages"] == [0, 2])
+    early = [e for e in events if e["kind"] == "pool" and e.get("early")]
+    assert [(e["before"], e["after"]) for e in early] == [(1, 2)]
+    assert early[0]["ready_s"] <= trainer["last_step_s"]  # ready before the launch's last step ended
+    final_resize = next(e for e in events if e["kind"] == "pool" and e["requested_s"] > first["ended_s"])
+    assert (final_resize["before"], final_resize["after"]) == (2, 2)  # nothing left to wait for
+    assert "launch-0: next launch's nodes (1/4)" in result.stdout
+    end = max(e.get("ended_s", e.get("ready_s", 0.0)) for e in events)
+    ledger = build_ledger(events, now_s=end)
+    assert ledger is not None and ledger.launches["stages-0-2"]["early_capacity"].node_hours > 0
+
+
 RUN_LOCAL_PIPELINE = (
     "import sys; from pathlib import Path; from batchpilot.config import load_config; "
     "from batchpilot.kfp.local import local_run_config, run_pipeline; out = Path(sys.argv[2]); out.mkdir(); "

@@ -74,6 +74,26 @@ def inner_tasks(spec: dict) -> dict:
     return spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
 
 
+def group_tasks(spec: dict, group: str) -> dict:
+    """A launch group's tasks, those under its parallel-for and conditions (cluster.capacity_ahead) included,
+    each with the dependencies it inherits from the sub-DAGs around it (`dependentTasks`) and the conditions
+    it runs under (`conditions`)."""
+    found: dict = {}
+
+    def walk(component: str, inherited: list[str], conditions: list[str]) -> None:
+        for name, task in spec["components"][component]["dag"]["tasks"].items():
+            deps = sorted({*inherited, *task.get("dependentTasks", [])})
+            held = [*conditions, *([task["triggerPolicy"]["condition"]] if "triggerPolicy" in task else [])]
+            child = task["componentRef"]["name"]
+            if "dag" in spec["components"][child]:
+                walk(child, deps, held)
+            else:
+                found[name] = {**task, "dependentTasks": deps, "conditions": held}
+
+    walk(f"comp-{group}", [], [])
+    return found
+
+
 @pytest.mark.parametrize(
     ("name", "groups"),
     [
@@ -102,10 +122,23 @@ def test_launch_groups_run_in_order(compiled, name, groups):
         assert before in tasks[after]["dependentTasks"]
     assert groups[-1] in tasks["report"]["dependentTasks"]
     for k, group_name in enumerate(groups):
-        group = compiled[name]["components"][f"comp-{group_name}"]["dag"]["tasks"]
+        group = group_tasks(compiled[name], group_name)
         assert group["train-stage"]["dependentTasks"] == ["resize-pool"]
         for task in ("resize-pool", "train-stage"):
             assert group[task]["inputs"]["parameters"]["launch_index"]["runtimeValue"]["constant"] == k
+        # The next launch's nodes are asked for beside the train task (capacity_ahead: auto) where the nodes
+        # come from a resize, in every group but the last.
+        ahead = k < len(groups) - 1 and name not in ("demo_adaptive.yaml", "llama_5b_tpu.yaml")
+        assert ("bring-next-nodes" in group) == ahead, group_name
+        if ahead:
+            assert group["bring-next-nodes"]["dependentTasks"] == ["resize-pool"]
+            constant = group["bring-next-nodes"]["inputs"]["parameters"]["launch_index"]["runtimeValue"]
+            assert constant["constant"] == k
+            (train_if,), (next_if,) = (
+                group["train-stage"]["conditions"],
+                group["bring-next-nodes"]["conditions"],
+            )
+            assert train_if.endswith("== 'train'") and next_if.endswith("== 'next-nodes'")
     plan_inputs = tasks["plan"]["inputs"]["parameters"]
     assert plan_inputs["num_launch_slots"]["runtimeValue"]["constant"] == len(groups)
     named = "" if name in ("demo.yaml", "demo_adaptive.yaml") else ",".join(groups)
@@ -126,7 +159,8 @@ def test_side_effect_tasks_are_not_cached_and_retry(compiled):
     # The plan too: it copies plan.json into the run folder, which a cache hit would skip.
     for name in ("prepare-explore-pool", "canary", "explore", "plan", "launch-0", "launch-3", "report"):
         assert tasks[name]["cachingOptions"] == {}, name
-    group = spec["components"]["comp-launch-1"]["dag"]["tasks"]
+    group = group_tasks(spec, "launch-1")
+    assert "retryPolicy" not in group["bring-next-nodes"]  # a resize it could not make is the next launch's
     for name in ("resize-pool", "train-stage"):
         assert group[name]["cachingOptions"] == {}
         assert group[name]["retryPolicy"]["maxRetryCount"] >= 2
@@ -336,3 +370,16 @@ def test_the_explore_task_schedules_on_every_gpu_machine_it_may_run_on():
         if machine.gpu_label.startswith("nvidia"):
             allocatable = gke_allocatable(machine)
             assert cpu * 1000 <= allocatable.cpu_millicores and memory <= allocatable.memory_bytes, name
+
+
+def test_with_capacity_ahead_off_a_launch_group_is_resize_then_train_as_before(tmp_path):
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["cluster"]["capacity_ahead"] = "off"
+    path = tmp_path / "demo_off.yaml"
+    path.write_text(yaml.safe_dump(config))
+    spec = compile_and_load(path, tmp_path / "pipeline.yaml")
+    for k in range(4):
+        tasks = spec["components"][f"comp-launch-{k}"]["dag"]["tasks"]
+        assert set(tasks) == {"resize-pool", "train-stage"}
+        assert tasks["train-stage"]["dependentTasks"] == ["resize-pool"]
+    assert "comp-bring-next-nodes" not in spec["components"]

@@ -99,11 +99,15 @@ class TaskConsole:
     def label(self, task: str) -> str:
         """`train-stage-3` -> `launch-2: train (3/4)` (or the launch's name, `stages-0-2: train (1/2)`, when
         the pipeline names its launches): kfp.local numbers repeated tasks from the second on."""
-        match = re.fullmatch(r"(resize-pool|train-stage)(?:-(\d+))?", task)
+        match = re.fullmatch(r"(resize-pool|train-stage|bring-next-nodes)(?:-(\d+))?", task)
         if not match:
             return task
         index = int(match.group(2) or 1) - 1
-        action = "resize pool" if match.group(1) == "resize-pool" else "train"
+        action = {
+            "resize-pool": "resize pool",
+            "train-stage": "train",
+            "bring-next-nodes": "next launch's nodes",
+        }[match.group(1)]
         name = self.launch_names[index] if index < len(self.launch_names) else f"launch-{index}"
         return f"{name}: {action} ({index + 1}/{len(self.launch_names)})"
 

@@ -165,6 +165,25 @@ class ClusterConfig(_Section):
         description="local backend: the most nodes the local pool grants (none: max_nodes): a stand-in for a "
         "stockout, to try fewer_nodes on a laptop",
     )
+    local_resize_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="local backend: seconds a local pool takes to grow (its new nodes are ready that long after "
+        "the resize), a stand-in for a cloud pool's resize to try capacity_ahead on a laptop (bench/stage_gap.py)",
+    )
+    capacity_ahead: Literal["auto", "off"] = Field(
+        "auto",
+        description="when the next launch needs more nodes: auto = ask for them while the current launch trains, "
+        "timed from its measured step rate and the longest resize up measured in the run (else resize_lead_s) "
+        "so that they are ready at its last step (a pool task beside the train task; resize pools, local and "
+        "gke GPU/CPU); off = the next launch's own task resizes after the current launch ends",
+    )
+    resize_lead_s: float = Field(
+        600.0,
+        gt=0,
+        description="capacity_ahead: how long a resize up is taken to last before one was measured in the run "
+        "(the explore pool's, an earlier launch's)",
+    )
     stage_timeout_s: float = Field(
         30 * 24 * 3600.0,
         gt=0,

@@ -130,6 +130,17 @@ def resize_pool(plan_json: str, launch_index: int) -> int:
     return -1 if nodes is None else nodes
 
 
+def bring_next_nodes(plan_json: str, launch_index: int) -> str:
+    """Beside the train task of launch `launch_index`: grows the pool to the next launch's node count while
+    this launch trains, timed to be ready at its last step (cluster.capacity_ahead); says what it did."""
+    from batchpilot.logs import configure_console
+    from batchpilot.plan.rundoc import parse_run_document
+    from batchpilot.workflow.ahead import bring_next_nodes
+
+    configure_console()
+    return bring_next_nodes(parse_run_document(plan_json), launch_index=launch_index)
+
+
 def train_stage(plan_json: str, launch_index: int, run_dir: str, launch_metrics: Output[Metrics]):
     """Trains the stages of the plan's launch `launch_index` in one job to the last one's end sample,
     checkpointing at every stage end; logs the last step's metrics."""
@@ -276,7 +287,8 @@ def report(
 
 
 COMPONENT_FUNCTIONS = (
-    prepare_explore_pool, canary, explore, plan, resize_pool, train_stage, prepare_trials_pool, trials_warmup,
+    prepare_explore_pool, canary, explore, plan, resize_pool, bring_next_nodes, train_stage, prepare_trials_pool,
+    trials_warmup,
     trial_branch, decide_trials, scale_down, report,
 )  # fmt: skip
 

@@ -25,6 +25,7 @@ from batchpilot.kfp.components import build_components
 from batchpilot.kfp.shape import expected_stage_count, explore_in_pipeline, pipeline_launch_names
 from batchpilot.plan.adaptive import is_adaptive
 from batchpilot.planning.stages import stage_name
+from batchpilot.workflow.ahead import ahead_unavailable
 from batchpilot.workflow.timeouts import TaskTimeouts, task_timeouts
 
 DEFAULT_IMAGE = f"batchpilot:{__version__}"
@@ -92,6 +93,7 @@ TASK_REQUESTS = {
     "report": ("500m", "2Gi"),
     "explore": ("2", "8Gi"),
     "canary": ("250m", "1Gi"),  # like train: it follows a job on the trainers' nodes
+    "next_nodes": ("100m", "512Mi"),  # a pool task that follows a launch's progress beside its train task
 }
 """CPU and memory requests of each kind of task pod on a cluster: without requests a pod is BestEffort,
 the first the kubelet evicts under node pressure (Kubernetes "Node-pressure eviction")."""
@@ -129,7 +131,7 @@ def _task_pod(task: Any, *, kind: str, avoid_pool: str | None) -> None:
         kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
         kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
     expressions = []
-    if kind in ("train", "canary", "pool"):
+    if kind in ("train", "canary", "pool", "next_nodes"):
         # Never on a node that GKE may take back at any time: a Spot or preemptible VM's reclaim ignores
         # disruption budgets and deletes the pod, and Argo may not retry a deleted pod (docs/cluster.md,
         # "Argo retries"). A node without the label matches NotIn.
@@ -196,13 +198,32 @@ def _settings(
     return task
 
 
+TRAIN_ROLE, AHEAD_ROLE = "train", "next-nodes"
+"""The two branches of a launch that asks for the next launch's nodes ahead (`_launch_pipeline`)."""
+
+
 def _launch_pipeline(
-    ops: SimpleNamespace, *, index: int, name: str, limits: TaskTimeouts, cluster: TaskPods | None
+    ops: SimpleNamespace,
+    *,
+    index: int,
+    name: str,
+    limits: TaskTimeouts,
+    cluster: TaskPods | None,
+    ahead: bool,
 ) -> Any:
+    """A launch's group: resize, then train. With `ahead` (cluster.capacity_ahead, and a launch after this one)
+    a pool task runs beside the train task and grows the pool for the next launch in time (`workflow.ahead`).
+
+    The two run as the branches of a two-item parallel-for, each under a condition on its item: Argo runs
+    sibling tasks at once anyway, but kfp.local runs a DAG's tasks one after another (its orchestrator pops a
+    topological order) and only a parallel-for's iterations at once, so this is the one shape that trains and
+    follows the training at the same time in both."""
+
     @dsl.pipeline(
         name=name,
         description=f"{name}: resize the node pool to the launch's node count, then train its stages in one "
-        "job to the last one's end sample",
+        "job to the last one's end sample"
+        + (", while the next launch's nodes are asked for in time" if ahead else ""),
     )
     def launch(plan_json: str, run_dir: str):
         resize = ops.resize_pool(plan_json=plan_json, launch_index=index)
@@ -210,11 +231,27 @@ def _launch_pipeline(
             resize, name=f"{name}: resize pool", kind="pool", limits=limits, cluster=cluster,
             retries=RESIZE_RETRIES,
         )  # fmt: skip
-        train = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
-        _settings(
-            train, name=f"{name}: train", kind="train", limits=limits, cluster=cluster,
-            retries=STAGE_RETRIES, backoff_s=STAGE_BACKOFF_S,
-        )  # fmt: skip
+
+        def train() -> None:
+            task = ops.train_stage(plan_json=plan_json, launch_index=index, run_dir=run_dir).after(resize)
+            _settings(
+                task, name=f"{name}: train", kind="train", limits=limits, cluster=cluster,
+                retries=STAGE_RETRIES, backoff_s=STAGE_BACKOFF_S,
+            )  # fmt: skip
+
+        if not ahead:
+            train()
+            return
+        with dsl.ParallelFor(
+            items=[TRAIN_ROLE, AHEAD_ROLE], name=f"{name}-and-next-nodes", parallelism=2
+        ) as role:
+            with dsl.If(role == TRAIN_ROLE, name=f"{name}-train"):
+                train()
+            with dsl.If(role == AHEAD_ROLE, name=f"{name}-next-nodes"):
+                nodes = ops.bring_next_nodes(plan_json=plan_json, launch_index=index).after(resize)
+                # No retries: a resize it could not make is the next launch's own resize's to make.
+                _settings(nodes, name=f"{name}: next launch's nodes", kind="next_nodes", limits=limits,
+                          cluster=cluster)  # fmt: skip
 
     return launch
 
@@ -303,8 +340,11 @@ def build_pipeline(config: Config, *, image: str | None = None) -> Any:
     names = pipeline_launch_names(config)
     limits = task_timeouts(config)  # what a cluster applies; also sizes every retry window
     cluster = TaskPods(trainer_pool=config.cluster.node_pool) if config.cluster.backend == "gke" else None
+    ahead = ahead_unavailable(config) is None
     groups = [
-        _launch_pipeline(ops, index=k, name=name, limits=limits, cluster=cluster)
+        _launch_pipeline(
+            ops, index=k, name=name, limits=limits, cluster=cluster, ahead=ahead and k < len(names) - 1
+        )
         for k, name in enumerate(names)
     ]
     # The groups are the plan's launches, by name, when the micro batch and the target are known now.

@@ -31,9 +31,15 @@ class PoolChange:
 
 
 def prepare_pool(
-    config: Config, *, num_nodes: int, timeout_s: float | None = None, state_path: str | None = None
+    config: Config,
+    *,
+    num_nodes: int,
+    timeout_s: float | None = None,
+    state_path: str | None = None,
+    early: bool = False,
 ) -> PoolChange:
-    """Resizes the pool to `num_nodes` and waits until that many nodes are ready; bad input touches nothing."""
+    """Resizes the pool to `num_nodes` and waits until that many nodes are ready; bad input touches nothing.
+    `early`: for the next launch, while the current one trains (`workflow.ahead`; the ledger's event says so)."""
     from batchpilot.cluster.nodepool import node_pool_for
 
     if not 0 <= num_nodes <= config.cluster.max_nodes:
@@ -68,6 +74,7 @@ def prepare_pool(
             "after": num_nodes,
             "requested_s": requested_s,
             "ready_s": time.time(),
+            **({"early": True} if early else {}),
         },
     )
     if deferred:

@@ -24,6 +24,8 @@ class TaskTimeouts:
     train_s: int
     report_s: int
     canary_s: int
+    next_nodes_s: int
+    """The task beside a train task that asks for the next launch's nodes ahead: it follows the launch."""
 
 
 def task_timeouts(config: Config) -> TaskTimeouts:
@@ -39,6 +41,7 @@ def task_timeouts(config: Config) -> TaskTimeouts:
         train_s=int(cluster.stage_timeout_s),
         report_s=margin_s,
         canary_s=_canary_timeout_s(config) + margin_s,
+        next_nodes_s=int(cluster.stage_timeout_s),
     )
 
 
