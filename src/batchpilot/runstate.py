@@ -212,9 +212,59 @@ class MetricsLog:
             file.write(json.dumps(record) + "\n")
 
 
+LAUNCH_RECORD = "launch"
+"""The `record` of a launch's goodput line in metrics.jsonl (written at the report step); step records have no
+`record` key."""
+
+
 def parse_metrics(text: str) -> list[dict[str, Any]]:
-    """The records of metrics.jsonl text: one JSON object per non-blank line."""
+    """The step records of metrics.jsonl text (one JSON object per non-blank line; launch records left out:
+    `parse_launch_records`)."""
+    return [record for record in _parse_lines(text) if "record" not in record]
+
+
+def parse_launch_records(text: str) -> list[dict[str, Any]]:
+    """The launch records of metrics.jsonl text: one per launch, its share of the goodput ledger."""
+    return [record for record in _parse_lines(text) if record.get("record") == LAUNCH_RECORD]
+
+
+def _parse_lines(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def launch_records(ledger: Any, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A metrics.jsonl record per launch of the ledger (`planning.goodput.Ledger`): its stages and nodes (from
+    its `launch` event), wall time, node-hours and goodput, and each category's share."""
+    launched = {e["launch"]: e for e in events if e["kind"] == "launch"}
+    records = []
+    for name, shares in ledger.launches.items():
+        event = launched.get(name, {})
+        paid = sum(share.node_hours for share in shares.values())
+        trained = shares["training_steps"].node_hours if "training_steps" in shares else 0.0
+        records.append(
+            {
+                "record": LAUNCH_RECORD,
+                "launch": name,
+                "stages": event.get("stages"),
+                "nodes": event.get("nodes"),
+                "exit_code": event.get("exit_code"),
+                "wall_s": sum(share.wall_s for share in shares.values()),
+                "node_hours": paid,
+                "goodput": trained / paid if paid > 0 else None,
+                "categories": {
+                    k: {"wall_s": v.wall_s, "node_hours": v.node_hours} for k, v in shares.items()
+                },
+            }
+        )
+    return records
+
+
+def with_launch_records(text: str, records: Sequence[dict[str, Any]]) -> str:
+    """metrics.jsonl text with its launch records replaced by `records` (after the step records)."""
+    lines = [
+        line for line in text.splitlines() if line.strip() and json.loads(line).get("record") != LAUNCH_RECORD
+    ]
+    return "".join(line + "\n" for line in lines) + "".join(json.dumps(r) + "\n" for r in records)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

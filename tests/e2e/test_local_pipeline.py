@@ -184,6 +184,13 @@ def test_demo_goodput_ledger_accounts_for_every_second_and_every_launch(demo_run
         "goodput"
     ]  # the run's record, kept after the report
     assert set(kept["launches"]) == set(names) and 0 < kept["goodput"] < 1
+    # and a record per launch at the end of metrics.jsonl (the run folder's and the one beside the checkpoints)
+    from batchpilot.runstate import METRICS_OBJECT, parse_launch_records
+
+    for text in ((output / METRICS_OBJECT).read_text(), (output / "ckpt" / METRICS_OBJECT).read_text()):
+        lines = parse_launch_records(text)
+        assert [r["launch"] for r in lines] == names
+        assert all(0 < r["goodput"] <= 1 and r["node_hours"] > 0 for r in lines)
     assert (
         abs(sum(c["wall_s"] for c in kept["categories"].values()) - kept["wall_s"]) <= 0.01 * kept["wall_s"]
     )

@@ -113,3 +113,31 @@ def test_the_report_says_when_a_resize_delay_is_modelled():
     assert "cluster.local_resize_delay_s" in goodput_section(ledger, modelled_resize_delay_s=10)
     assert "ready 10 s after each resize up" in goodput_section(ledger, modelled_resize_delay_s=10)
     assert "modelled" not in goodput_section(ledger)
+
+
+def test_metrics_jsonl_gets_a_record_per_launch_that_step_readers_skip_and_a_rewrite_replaces():
+    import json
+
+    from batchpilot import runstate
+
+    ledger = build_ledger(EVENTS, now_s=420.0)
+    assert ledger is not None
+    records = runstate.launch_records(
+        ledger, [{**e, "nodes": 1} if e["kind"] == "launch" else e for e in EVENTS]
+    )
+    assert [(r["record"], r["launch"], r["stages"], r["exit_code"]) for r in records] == [
+        ("launch", "launch-0", [0, 0], 0),
+        ("launch", "launch-1", [1, 1], 0),
+    ]
+    launch_1 = records[1]
+    assert launch_1["wall_s"] == pytest.approx(400 - 265)  # pod start to the job's end
+    assert launch_1["categories"]["training_steps"]["wall_s"] == pytest.approx(95)
+    assert launch_1["goodput"] == pytest.approx(95 / 135)  # 2 nodes throughout: the wall-time share
+    steps = "".join(json.dumps({"step": k, "consumed_samples": 16 * k}) + "\n" for k in (1, 2))
+    text = runstate.with_launch_records(steps, records)
+    assert runstate.parse_metrics(text) == runstate.parse_metrics(steps)  # step readers see the steps only
+    assert runstate.parse_launch_records(text) == records
+    again = runstate.with_launch_records(text, records[:1])  # the next report replaces them
+    assert runstate.parse_launch_records(again) == records[:1] and runstate.parse_metrics(
+        again
+    ) == runstate.parse_metrics(steps)

@@ -14,6 +14,7 @@ from batchpilot import runstate
 from batchpilot.files import write_atomically
 from batchpilot.plan.rundoc import RunDocument, read_run_document
 from batchpilot.planning.goodput import build_ledger, describe
+from batchpilot.storage import open_storage
 from batchpilot.workflow.canary import read_canary
 from batchpilot.workflow.document import current_document
 
@@ -31,9 +32,11 @@ def report(
 
     document = current_document(document)  # an adaptive ramp-up's stages as the run decided them
     records = runstate.load_metrics(document.config.train.checkpoint_uri)
-    ledger = build_ledger(runstate.read_events(document.config.train.checkpoint_uri), now_s=time.time())
+    events = runstate.read_events(document.config.train.checkpoint_uri)
+    ledger = build_ledger(events, now_s=time.time())
     if ledger is not None:
         logger.info("%s", describe(ledger))
+        keep_launch_records(document.config.train.checkpoint_uri, runstate.launch_records(ledger, events))
     explore_json = explore_dir / "explore.json" if explore_dir is not None else None
     explore_data = json.loads(explore_json.read_text()) if explore_json and explore_json.is_file() else None
     summary = write_report(
@@ -155,9 +158,32 @@ def keep_run_record(run_dir: str | Path, document: RunDocument) -> None:
     """Rewrites the run folder's plan.json as the run stands at its end: an adaptive ramp-up's stages and
     decisions (`adaptive_decisions`) as they were taken (any other run's plan is the one planned), and the
     goodput ledger up to now (`goodput`: the report included)."""
-    ledger = build_ledger(runstate.read_events(document.config.train.checkpoint_uri), now_s=time.time())
+    events = runstate.read_events(document.config.train.checkpoint_uri)
+    ledger = build_ledger(events, now_s=time.time())
     record = replace(current_document(document), goodput=ledger.to_dict() if ledger is not None else None)
+    if ledger is not None:
+        keep_launch_records(
+            document.config.train.checkpoint_uri, runstate.launch_records(ledger, events), run_dir=run_dir
+        )
     write_atomically(Path(run_dir) / "plan.json", record.to_json())
+
+
+def keep_launch_records(
+    checkpoint_uri: str, records: list[dict[str, Any]], run_dir: str | Path | None = None
+) -> None:
+    """Writes a record per launch (its goodput ledger share, `runstate.launch_records`) into the metrics.jsonl
+    kept beside the checkpoints, or into the run folder's (`run_dir`), after the step records: readers of
+    step records skip them (`runstate.parse_metrics`), and a resumed trainer drops them (they are written
+    again at the next report)."""
+    if run_dir is not None:
+        path = Path(run_dir) / runstate.METRICS_OBJECT
+        if path.is_file():
+            write_atomically(path, runstate.with_launch_records(path.read_text(), records))
+        return
+    storage = open_storage(checkpoint_uri)
+    if storage.exists(runstate.METRICS_OBJECT):
+        text = storage.read(runstate.METRICS_OBJECT).decode()
+        storage.write(runstate.METRICS_OBJECT, runstate.with_launch_records(text, records).encode())
 
 
 def keep_copies(run_dir: str | Path, files: dict[str, Path]) -> None:

@@ -183,7 +183,24 @@ def train_stage(document: RunDocument, *, launch_index: int, work_dir: Path | No
         )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"{launch.name} ended with exit code {code}; see its trainers' lines above")
-    return stage_metrics(document, launch=launch)
+    return stage_metrics(document, launch=launch) | launch_goodput(document, launch=launch)
+
+
+def launch_goodput(document: RunDocument, *, launch: Launch) -> dict[str, float]:
+    """The launch's share of the goodput ledger, for the KFP UI: `launch_goodput` (its training-step
+    node-hours over its paid ones), `launch_node_hours` and `launch_wall_s` ({} before its events exist)."""
+    from batchpilot.planning.goodput import build_ledger
+
+    events = runstate.read_events(document.config.train.checkpoint_uri)
+    ledger = build_ledger(events, now_s=time.time())
+    mine = (
+        [r for r in runstate.launch_records(ledger, events) if r["launch"] == launch.name] if ledger else []
+    )
+    if not mine:
+        return {}
+    share = mine[-1]
+    figures = {"launch_node_hours": float(share["node_hours"]), "launch_wall_s": float(share["wall_s"])}
+    return figures | ({"launch_goodput": float(share["goodput"])} if share["goodput"] is not None else {})
 
 
 def stage_metrics(document: RunDocument, *, launch: Launch) -> dict[str, float]:
