@@ -28,7 +28,7 @@ import pytest
 import yaml
 from test_gke_simulated import RUN_PIPELINE, PipelineRun, bucket, gcs, gke_config  # noqa: F401 (fixtures)
 
-from batchpilot.runstate import load_metrics
+from batchpilot.runstate import load_metrics, read_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from gke_sim import SimulatedGke, simulated_gke
@@ -106,14 +106,17 @@ def test_the_pipeline_trains_every_launch_on_nodes_its_provisioning_request_brou
     config = gke_config(bucket)
     config["batch"]["schedule"] = "0:16 320:32 960:64"  # stage-0 on 1 node, stages 1 and final on 2
     config["train"]["total_samples"] = 2048
+    # stage-0 paced to 10 s: long enough for the task beside its train task to read its progress and queue
+    # stages-1-final's request while it trains (cluster.capacity_ahead, the default)
+    config["train"]["min_step_s"] = 0.5
     config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
     config["cluster"].update(
         node_pool="gpu", machine_type="g2-standard-8", accelerator_type="nvidia-l4", devices_per_node=1,
         provisioning="flex-start", capacity_timeout_s=60, image="registry.example/batchpilot:0.1.0",
-        idle_nodes=0, container_api_endpoint=gke.container.endpoint,
+        idle_nodes=0, container_api_endpoint=gke.container.endpoint, capacity_ahead="auto",
     )  # fmt: skip
     run = start(config)
-    assert run.finish(timeout_s=170) == 0, run.log[-6000:]
+    assert run.finish(timeout_s=240) == 0, run.log[-6000:]
     log = re.sub(r"\x1b\[[0-9;]*m", "", run.log)
     requests = [
         b for m, p, _, b in gke.kube.state.requests if m == "POST" and p.endswith("/provisioningrequests")
@@ -128,6 +131,25 @@ def test_the_pipeline_trains_every_launch_on_nodes_its_provisioning_request_brou
     assert re.search(r"ProvisioningRequest tiny-stages-1-final-\w+ for 2 node\(s\): Provisioned", log), log[
         -6000:
     ]
+    # stages-1-final's request was queued while stage-0 trained (the pool's 2 nodes then still held stage-0's
+    # one, so GKE provisioned it once stage-0's request was gone), and its train task adopted it.
+    stage_0 = next(
+        e for e in read_events(run.checkpoint_uri) if e["kind"] == "launch" and e["launch"] == "stage-0"
+    )
+    asked = next(
+        i for i, (m, p, _, b) in enumerate(gke.kube.state.requests)
+        if m == "POST" and p.endswith("/provisioningrequests") and b["metadata"]["name"].startswith("tiny-stages-1-final-")
+    )  # fmt: skip
+    ended = next(
+        i for i, (m, p, _, b) in enumerate(gke.kube.state.requests)
+        if m == "DELETE" and "/provisioningrequests/tiny-stage-0-" in p
+    )  # fmt: skip
+    assert asked < ended, "stages-1-final's request was not queued before stage-0's was deleted"
+    assert "stage-0: asked GKE for 2 node(s) ahead: ProvisioningRequest tiny-stages-1-final-" in log
+    assert re.search(
+        r"tiny-stages-1-final-(\w+): adopting its ProvisioningRequest tiny-stages-1-final-\1", log
+    ), log[-6000:]
+    assert stage_0["exit_code"] == 0
     # Every trainer ran on a node of the pool, which nothing resized: the nodes came with the requests.
     for body in [b for m, p, _, b in gke.kube.state.requests if m == "POST" and p.endswith("/jobsets")]:
         nodes = run.nodes_of(body["metadata"]["name"])

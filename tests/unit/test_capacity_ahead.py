@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from batchpilot import runstate
 from batchpilot.cluster.nodepool import node_pool_for
@@ -26,7 +27,7 @@ from batchpilot.planning.ahead import (
 )
 from batchpilot.workflow import ahead
 from batchpilot.workflow.ahead import ahead_unavailable, bring_next_nodes
-from helpers import gke_a3_config, tiny_config, write_manifest
+from helpers import REPO, gke_a3_config, tiny_config, write_manifest
 
 
 def test_the_lead_is_the_longest_resize_up_measured_else_the_configured_bound():
@@ -71,9 +72,24 @@ def test_where_nodes_come_some_other_way_nothing_is_asked_ahead():
         return ahead_unavailable(parse_config(gke_a3_config(**cluster)))
 
     assert why() is None
+    assert why(provisioning="flex-start") is None  # the next launch's request is queued ahead
     assert "autoscaled pool" in why(pool_mode="autoscale")
-    assert "ProvisioningRequest" in why(provisioning="flex-start")
     assert "capacity_ahead is off" in why(capacity_ahead="off")
+    tpu = yaml.safe_load((REPO / "src" / "batchpilot" / "configs" / "llama_5b_tpu.yaml").read_text())
+    assert "TPU slice" in (ahead_unavailable(parse_config(tpu)) or "")
+
+
+def test_a_flex_start_request_is_queued_no_earlier_than_its_booking_can_be_held():
+    from batchpilot.planning.ahead import BOOKING_MARGIN_S, FLEX_START_BOOKING_S, flex_start_seconds_until_ask
+
+    progress = Progress(consumed=0, at_s=0.0, samples_per_s=1.0)
+    # 3,600 s left: queue it when 600 - 120 = 480 s are left, i.e. in 3,120 s
+    assert (
+        flex_start_seconds_until_ask(progress, end_sample=3600, now_s=0.0)
+        == pytest.approx(3600 - (FLEX_START_BOOKING_S - BOOKING_MARGIN_S))
+        == pytest.approx(3120)
+    )
+    assert flex_start_seconds_until_ask(progress, end_sample=400, now_s=0.0) < 0  # less left: at once
 
 
 @pytest.fixture
@@ -150,3 +166,25 @@ def test_the_last_launch_and_a_launch_whose_successor_needs_no_more_nodes_ask_fo
     said = bring_next_nodes(document, launch_index=1)
     assert "nothing to ask for ahead (the last launch" in said
     assert pool_size(tmp_path) == 1
+
+
+def test_a_train_task_logs_its_launchs_share_of_the_goodput_ledger(document):
+    """The train task's KFP metrics carry the launch's goodput (its training-step node-hours over its paid
+    ones), from the ledger's events (workflow.stage.launch_goodput)."""
+    from batchpilot.planning.launches import launches
+    from batchpilot.workflow.stage import launch_goodput
+
+    uri = document.config.train.checkpoint_uri
+    launch = launches(document.plan)[0]
+    assert launch_goodput(document, launch=launch) == {}  # nothing recorded yet
+    for event in (
+        {"kind": "pool", "before": 0, "after": 1, "requested_s": 0.0, "ready_s": 10.0},
+        {"kind": "launch", "launch": launch.name, "stages": [0, 0], "submitted_s": 10.0, "ended_s": 110.0,
+         "exit_code": 0, "nodes": 1},
+        {"kind": "trainer", "stages": [0, 0], "started_s": 20.0, "first_step_s": 30.0, "last_step_s": 90.0},
+    ):  # fmt: skip
+        runstate.record_event(uri, event)
+    figures = launch_goodput(document, launch=launch)
+    assert figures["launch_wall_s"] == pytest.approx(100)
+    assert figures["launch_node_hours"] == pytest.approx(100 / 3600)
+    assert figures["launch_goodput"] == pytest.approx(60 / 100)

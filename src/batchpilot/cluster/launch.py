@@ -582,6 +582,23 @@ def _capacity(
     )  # fmt: skip
 
 
+def ask_capacity_ahead(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
+    """Flex-start: creates the ProvisioningRequest of the launch `spec` before it starts, as its train task
+    would (its name, labels, pods and node count: `_capacity`); that task adopts it. Returns what it did."""
+    from batchpilot.cluster.provisioning import ask_ahead
+    from batchpilot.cluster.readiness import kube_api_client
+
+    runner = cluster_runner()
+    appdef = cluster_appdef(spec, cluster=cluster, read_nodes=True)
+    resource = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels).request.resource
+    (replicated,) = resource["spec"]["replicatedJobs"]
+    return ask_ahead(
+        api_client=kube_api_client(), namespace=cluster.namespace, name=resource["metadata"]["name"],
+        labels=spec.labels, pod=replicated["template"]["spec"]["template"], count=spec.num_nodes,
+        stage_timeout_s=cluster.stage_timeout_s,
+    )  # fmt: skip
+
+
 def _run_lease(spec: LaunchSpec, *, cluster: ClusterConfig) -> contextlib.AbstractContextManager[None]:
     """While the launch is followed, the run's Lease is renewed (`batchpilot.cluster.ownership`), so its
     pool is not taken for orphaned however long the launch trains."""

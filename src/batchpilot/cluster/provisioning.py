@@ -393,6 +393,33 @@ def flex_start_capacity(
             requests.delete(name, why="the launch ended")
 
 
+def ask_ahead(
+    *,
+    api_client: Any,
+    namespace: str,
+    name: str,
+    labels: dict[str, str],
+    pod: dict[str, Any],
+    count: int,
+    stage_timeout_s: float,
+) -> str:
+    """Asks GKE for launch `name`'s nodes before the launch starts (`cluster.capacity_ahead`): creates its
+    request and PodTemplate as `flex_start_capacity` would, unless a live one of the same plan is there, and
+    neither waits nor deletes: the launch adopts the request (`adopt_or_clear`), and the exit handler deletes
+    it with the run's others. Returns what it did, in words."""
+    requests = Requests(api_client, namespace)
+    live = adopt_or_clear(requests, labels=labels, name=name)
+    if live is not None:
+        return f"ProvisioningRequest {name} for {count} node(s) was asked for already ({describe(live)})"
+    template = pod_template_manifest(name=name, namespace=namespace, labels=labels, pod=pod)
+    request = provisioning_request_manifest(
+        name=name, namespace=namespace, labels=labels, count=count,
+        max_run_duration_s=max_run_duration_s(stage_timeout_s),
+    )  # fmt: skip
+    requests.create(template=template, request=request)
+    return f"asked GKE for {count} node(s) ahead: ProvisioningRequest {name} (class {PROVISIONING_CLASS})"
+
+
 def delete_run_requests(
     *, api_client: Any, namespace: str, run: str, unserved_is_none: bool = False
 ) -> list[str]:

@@ -13,6 +13,8 @@ for ahead instead, so that they are ready when the current launch's last step en
   current launch trains on it).
 
 Nodes that arrive before the launch that needs them starts are paid and idle (the ledger's `early_capacity`).
+With flex-start each launch has its own ProvisioningRequest: the next one is queued while the current launch
+trains, no earlier than its booking could be held (`flex_start_seconds_until_ask`).
 Pure arithmetic: the pool step (`workflow.ahead`) reads the events and the progress and does the resize.
 """
 
@@ -71,6 +73,24 @@ def seconds_until_ask(
     the progress is looked at again, so the ask is made that much earlier (it would come late by up to one
     poll otherwise; with a lead of 0, as on a local pool, it would come at the launch's end)."""
     return remaining_s(progress, end_sample=end_sample, now_s=now_s) - LEAD_MARGIN * lead.seconds - poll_s
+
+
+FLEX_START_BOOKING_S = 600.0
+"""How long the cluster autoscaler holds a Provisioned request's nodes for pods that have not come yet, after
+which the request is BookingExpired (its defaultReservationTime, 10 minutes: cluster-autoscaler's
+provisioningrequest processors; the simulator's ProvisioningController keeps the same figure)."""
+BOOKING_MARGIN_S = 120.0
+"""Of that booking, what is kept for the current launch's tail and the next launch's tasks to create its pods."""
+
+
+def flex_start_seconds_until_ask(progress: Progress, *, end_sample: int, now_s: float) -> float:
+    """How long to wait before queueing the next launch's flex-start request (<= 0: now). It is queued no
+    earlier than its booking can be held: were GKE to provision it at once, its nodes must still be booked
+    when the next launch's pods come (`FLEX_START_BOOKING_S` less `BOOKING_MARGIN_S` before this launch's
+    end). How long GKE queues it is not known ahead, so it is queued as early as that allows."""
+    return remaining_s(progress, end_sample=end_sample, now_s=now_s) - (
+        FLEX_START_BOOKING_S - BOOKING_MARGIN_S
+    )
 
 
 def nodes_to_ask(*, current_nodes: int, next_nodes: int | None) -> int | None:

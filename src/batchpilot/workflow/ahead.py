@@ -18,16 +18,21 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.plan.adaptive import is_adaptive
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.ahead import (
+    BOOKING_MARGIN_S,
+    FLEX_START_BOOKING_S,
     LEAD_MARGIN,
     Lead,
     Progress,
+    flex_start_seconds_until_ask,
     nodes_to_ask,
     remaining_s,
     resize_lead,
     seconds_until_ask,
 )
+from batchpilot.planning.launches import Launch
 from batchpilot.planning.tpu import is_tpu
 from batchpilot.planning.units import format_duration
+from batchpilot.workflow.document import current_document
 from batchpilot.workflow.pool import prepare_pool
 from batchpilot.workflow.stage import pipeline_launch
 from batchpilot.workflow.timeouts import task_timeouts
@@ -50,8 +55,6 @@ def ahead_unavailable(config: Config) -> str | None:
     if cluster.backend == "gke":
         if is_tpu(cluster.accelerator_type):
             return "a TPU slice pool is created per launch (not done ahead of time yet)"
-        if cluster.provisioning == "flex-start":
-            return "flex-start nodes come through the next launch's ProvisioningRequest (not done ahead of time yet)"
         if cluster.pool_mode == "autoscale":
             return "an autoscaled pool grows when the next launch's pods ask for nodes"
         if cluster.pool_mode == "static":
@@ -68,13 +71,12 @@ def bring_next_nodes(document: RunDocument, *, launch_index: int, poll_s: float 
     if current is None or why_not is not None:
         return _said(f"launch-{launch_index}: nothing to ask for ahead: {why_not or 'an unused launch slot'}")
     following = pipeline_launch(document, slot=launch_index + 1)
-    wanted = nodes_to_ask(
-        current_nodes=current.num_nodes, next_nodes=None if following is None else following.requested_nodes
-    )
+    flex = config.cluster.backend == "gke" and config.cluster.provisioning == "flex-start"
+    next_nodes = None if following is None else following.requested_nodes
+    # flex-start: every launch has its own request and nodes, so any next launch is asked for
+    wanted = next_nodes if flex else nodes_to_ask(current_nodes=current.num_nodes, next_nodes=next_nodes)
     if following is None or wanted is None:
-        after = (
-            "the last launch" if following is None else f"{following.name} needs {following.requested_nodes}"
-        )
+        after = "the last launch" if following is None else f"{following.name} needs {next_nodes}"
         return _said(
             f"{current.name}: nothing to ask for ahead ({after}; it trains on {current.num_nodes} node(s) and a "
             "pool is never shrunk early)"
@@ -84,28 +86,40 @@ def bring_next_nodes(document: RunDocument, *, launch_index: int, poll_s: float 
     started_s = time.time()
     lead = resize_lead(runstate.read_events(uri), configured_s=config.cluster.resize_lead_s)
     bound_s = task_timeouts(config).train_s
-    logger.info(
-        "%s: %d node(s) for %s will be asked for %.0f s before this launch's last step (a resize up takes %.0f "
-        "s: %s); following it for at most %s",
-        current.name, wanted, following.name, lead.seconds * LEAD_MARGIN + poll_s, lead.seconds, lead.source,
-        format_duration(bound_s),
-    )  # fmt: skip
+    if flex:
+        logger.info(
+            "%s: %s's ProvisioningRequest for %d node(s) will be queued %s before this launch's last step (no "
+            "earlier: a provisioned request's nodes are booked %s); following it for at most %s",
+            current.name, following.name, wanted, format_duration(FLEX_START_BOOKING_S - BOOKING_MARGIN_S),
+            format_duration(FLEX_START_BOOKING_S), format_duration(bound_s),
+        )  # fmt: skip
+    else:
+        logger.info(
+            "%s: %d node(s) for %s will be asked for %.0f s before this launch's last step (a resize up takes "
+            "%.0f s: %s); following it for at most %s",
+            current.name, wanted, following.name, lead.seconds * LEAD_MARGIN + poll_s, lead.seconds,
+            lead.source, format_duration(bound_s),
+        )  # fmt: skip
     wait_s = 0.0  # until the progress is read next
     while True:
         ended = _launch_ended(uri, current.name, since_s=started_s)
         if ended is not None:
             return _said(
                 f"{current.name} ended (exit code {ended}) before its next launch's nodes were due: "
-                f"{following.name}'s own resize brings them"
+                f"{following.name}'s own task asks for them"
             )
         if time.time() - started_s > bound_s:
             return _said(
                 f"{current.name}: waited {bound_s:.0f} s (the train task's timeout) for this launch's progress "
-                f"without asking; {following.name}'s own resize brings its nodes"
+                f"without asking; {following.name}'s own task asks for its nodes"
             )
         if wait_s <= 0:
-            due = _seconds_until_due(uri, stages=stages, end_sample=end_sample, lead=lead, poll_s=poll_s)
+            due = _seconds_until_due(
+                uri, stages=stages, end_sample=end_sample, lead=lead, poll_s=poll_s, flex=flex
+            )
             if due is not None and due <= 0:
+                if flex:
+                    return _queue_request(document, current=current.name, following=following)
                 return _grow(config, current=current.name, following=following.name, nodes=wanted)
             wait_s = END_POLL_S if due is None else min(poll_s, due)  # no progress yet: the launch starts
         time.sleep(min(END_POLL_S, wait_s))
@@ -113,7 +127,7 @@ def bring_next_nodes(document: RunDocument, *, launch_index: int, poll_s: float 
 
 
 def _seconds_until_due(
-    uri: str, *, stages: list[int], end_sample: int, lead: Lead, poll_s: float
+    uri: str, *, stages: list[int], end_sample: int, lead: Lead, poll_s: float, flex: bool
 ) -> float | None:
     """Seconds until the next launch's nodes are to be asked for (None: the launch wrote no progress yet)."""
     record = runstate.read_progress(uri, stages=stages)
@@ -124,7 +138,10 @@ def _seconds_until_due(
         at_s=float(record["at_s"]),
         samples_per_s=float(record["samples_per_s"]),
     )
-    due = seconds_until_ask(progress, end_sample=end_sample, now_s=time.time(), lead=lead, poll_s=poll_s)
+    now = time.time()
+    if flex:
+        return flex_start_seconds_until_ask(progress, end_sample=end_sample, now_s=now)
+    due = seconds_until_ask(progress, end_sample=end_sample, now_s=now, lead=lead, poll_s=poll_s)
     if due <= 0:
         logger.info(
             "about %.0f s of training left at %.1f samples/s (a resize up takes %.0f s)",
@@ -145,6 +162,25 @@ def _grow(config: Config, *, current: str, following: str, nodes: int) -> str:
         f"{current}: the pool grew {change.before} -> {change.after} node(s) for {following} in "
         f"{change.elapsed_s:.1f} s, while this launch trained"
     )
+
+
+def _queue_request(document: RunDocument, *, current: str, following: Launch) -> str:
+    """Flex-start: queues the ProvisioningRequest of the launch `following` while `current` trains; its train
+    task adopts it (`cluster.provisioning.adopt_or_clear`)."""
+    from batchpilot.cluster.launch import ask_capacity_ahead
+    from batchpilot.cluster.launch_spec import cluster_launch_spec
+
+    config = current_document(document).config
+    spec = cluster_launch_spec(
+        run_name=config.name, launch=following, devices_per_node=config.cluster.devices_per_node,
+        plan_text=current_document(document).to_json(),
+    )  # fmt: skip
+    try:
+        done = ask_capacity_ahead(spec, cluster=config.cluster)
+    except BatchpilotError as error:  # not this launch's failure: the next launch's task asks again
+        logger.warning("%s: no ProvisioningRequest queued ahead: %s", current, error)
+        return _said(f"{current}: nothing asked ahead ({error}); {following.name}'s own task asks")
+    return _said(f"{current}: {done}, for {following.name}, while this launch trained")
 
 
 def _launch_ended(uri: str, name: str, *, since_s: float) -> int | None:
