@@ -144,14 +144,17 @@ def exit_75_when_preempted(command: str, *, marker: str, program: str = "torchru
     exits 1 (143 on SIGTERM) whatever its workers' codes were. torchrun therefore runs through a shell
     function: bash stays PID 1 of the container, which is the process the kubelet sends SIGTERM to
     (Kubernetes "Pod termination"), forwards it to torchrun, waits until torchrun has really ended, then
-    turns the trainers' marker into exit 75.
+    turns the trainers' marker into exit 75. The trap is set before the program starts and remembers a
+    SIGTERM that came before its process id was known (forwarded as soon as it is): a SIGTERM right after
+    the start would otherwise end bash itself (exit 143, no marker), as seen on a loaded machine.
     """
     assert f"{program} " in command, command
     wrapper = (
         f"rm -f {marker}; "
         f"{program}() {{ "
+        "child=; term=; trap 'term=1; [ -n \"$child\" ] && kill -TERM $child 2>/dev/null' TERM; "
         f'command {program} "$@" & child=$!; '
-        "trap 'kill -TERM $child 2>/dev/null' TERM; "
+        "[ -n \"$term\" ] && kill -TERM $child 2>/dev/null; "
         "wait $child; code=$?; "
         # wait returns early (128 + signal) when the trap runs; wait again until the program has exited.
         "while kill -0 $child 2>/dev/null; do wait $child; code=$?; done; "

@@ -12,6 +12,7 @@ leaves the `[batchpilot]` lines findable.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import io
 import os
@@ -127,7 +128,14 @@ def run_pipeline(config: Config, *, output: Path, micro_batch_size: int = 0) -> 
 
     pipeline = build_pipeline(config)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(output.absolute() / "kfp"))
-    pipeline(micro_batch_size=micro_batch_size, run_dir=str(output.absolute()))
+    printer = builtins.print
+    try:
+        pipeline(micro_batch_size=micro_batch_size, run_dir=str(output.absolute()))
+    finally:
+        # kfp.local indents a task's output by swapping `builtins.print` for the task (logging_utils.
+        # indented_print) without a lock: two tasks at once (a parallel-for's iterations, as a launch and the
+        # task beside it) can leave the swapped one in place, and every later print of this process indented.
+        builtins.print = printer
 
 
 @contextlib.contextmanager
