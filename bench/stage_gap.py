@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from batchpilot.planning.goodput import PRIORITY, intervals
+from batchpilot.planning.goodput import EARLY_CAPACITY, PRIORITY, build_ledger, intervals
 from batchpilot.runstate import read_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,10 @@ def run(arm: str, *, root: Path, data: str, delay_s: float) -> dict[str, float]:
         raise SystemExit(f"{arm}: the run failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     report = (out / "report.html").read_text()
     assert "cluster.local_resize_delay_s" in report, "the report does not say that a resize delay is modelled"
-    return gap(read_events(f"file://{out / 'ckpt'}"))
+    events = read_events(f"file://{out / 'ckpt'}")
+    ledger = build_ledger(events, now_s=max(e.get("ended_s", e.get("ready_s", 0.0)) for e in events))
+    early = ledger.categories.get(EARLY_CAPACITY) if ledger is not None else None
+    return {**gap(events), "early node-seconds": early.node_hours * 3600 if early else 0.0}
 
 
 def main() -> None:
@@ -88,7 +91,7 @@ def main() -> None:
                 root.mkdir(exist_ok=True)
                 results[arm].append(run(arm, root=root, data=f"file://{data}", delay_s=args.resize_delay_s))
                 print(f"pair {pair} {arm}: " + ", ".join(f"{k} {v:.1f}" for k, v in results[arm][-1].items()))
-    columns = ["total", "tail", "waiting_for_nodes", "idle", "pod_start", "start_up"]
+    columns = ["total", "tail", "waiting_for_nodes", "idle", "pod_start", "start_up", "early node-seconds"]
     print("\ncapacity_ahead | " + " | ".join(f"{c} (s, median)" for c in columns))
     medians = {
         arm: {c: statistics.median(r.get(c, 0.0) for r in results[arm]) for c in columns} for arm in ARMS
