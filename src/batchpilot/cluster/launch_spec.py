@@ -154,7 +154,7 @@ def exit_75_when_preempted(command: str, *, marker: str, program: str = "torchru
         f"{program}() {{ "
         "child=; term=; trap 'term=1; [ -n \"$child\" ] && kill -TERM $child 2>/dev/null' TERM; "
         f'command {program} "$@" & child=$!; '
-        "[ -n \"$term\" ] && kill -TERM $child 2>/dev/null; "
+        '[ -n "$term" ] && kill -TERM $child 2>/dev/null; '
         "wait $child; code=$?; "
         # wait returns early (128 + signal) when the trap runs; wait again until the program has exited.
         "while kill -0 $child 2>/dev/null; do wait $child; code=$?; done; "
