@@ -388,3 +388,24 @@ def test_a_create_and_a_delete_that_meet_another_operation_are_retried(gke, batc
     pool.resize(0)
     assert writes(gke.container) == [("create", "v6e-2x4")] * 3 + [("delete", "v6e-2x4")] * 2
     assert pools(gke) == [] and batchpilot_log.text.count("retrying") == 3
+
+
+def test_the_next_launchs_slice_comes_up_beside_the_current_one_and_its_resize_only_deletes_the_old(gke):
+    """cluster.capacity_ahead with create-first: the 4x4 slice of the next launch is brought up while the 2x4
+    slice still trains (both there), and the next launch's resize creates nothing, only deletes the 2x4."""
+    pool = make_pool(gke, slice_change="create-first")
+    pool.resize(2)
+    assert pool.create_ahead(4) == 6  # both slices' hosts up
+    assert pools(gke) == ["v6e-2x4", "v6e-4x4"]
+    assert len(nodes_of(gke, "v6e-2x4")) == 2 and len(nodes_of(gke, "v6e-4x4")) == 4
+    pool.resize(4)
+    assert pools(gke) == ["v6e-4x4"]
+    assert writes(gke.container) == [("create", "v6e-2x4"), ("create", "v6e-4x4"), ("delete", "v6e-2x4")]
+
+
+def test_a_slice_ahead_is_refused_with_delete_first(gke):
+    pool = make_pool(gke)  # delete-first: the quota may hold one slice only
+    pool.resize(2)
+    with pytest.raises(BatchpilotError, match=r"cluster.tpu_slice_change: is delete-first .* create-first"):
+        pool.create_ahead(4)
+    assert pools(gke) == ["v6e-2x4"]

@@ -17,7 +17,9 @@ workloads in GKE Standard").
 3. creates its pool unless one of that name and shape exists (a re-run or a KFP retry creates nothing);
 4. waits until its hosts are Ready with `google.com/tpu` allocatable = chips per host;
 5. with `tpu_slice_change: create-first`, deletes the other slice pools only now (the next slice comes
-   up while the previous one still exists: faster, but the quota must hold both).
+   up while the previous one still exists: faster, but the quota must hold both). With it the next
+   launch's slice may also be brought up while the current launch trains (`create_ahead`,
+   `cluster.capacity_ahead`): its resize then finds the slice up and only deletes the previous one.
 
 `resize(0)` (the exit handler, `batchpilot pool scale-down`) deletes every slice pool batchpilot created.
 batchpilot marks the pools it creates with the node label `batchpilot.dev/slice-of: <cluster.node_pool>`
@@ -256,6 +258,30 @@ class TpuSlicePool:
         )
         if self.slice_change == "create-first":
             self._delete(others)
+
+    def create_ahead(self, num_nodes: int) -> int:
+        """resize mode with `create-first`: brings up the slice of `num_nodes` hosts for the next launch while
+        the current one trains on its own slice, which stays (the next launch's `resize` deletes it, once its
+        slice is up: here it already is). Returns the hosts of every slice pool then up."""
+        if self.pool_mode != "resize" or self.slice_change != "create-first":
+            raise BatchpilotError(
+                "cluster.tpu_slice_change",
+                f"is {self.slice_change} (pool_mode {self.pool_mode}): a slice asked for ahead would stand "
+                "beside the current one",
+                "set cluster.tpu_slice_change: create-first (the TPU quota must hold both slices), or "
+                "cluster.capacity_ahead: off",
+            )
+        shape = self.slices.for_hosts(num_nodes)
+        name = slice_pool_name(self.pool.node_pool, shape.topology)
+        existing = next((state for state in self.slice_pools() if state.name == name), None)
+        if existing is None:
+            existing = self._create(shape, name)
+        if existing is not None:
+            self._check_shape(existing, shape)
+        self._nodes(name).wait(
+            num_nodes, timeout_s=self.ready_timeout_s, poll_interval_s=self.ready_poll_interval_s
+        )
+        return self.current_size()
 
     def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
         """Waits until the slice of `num_nodes` hosts has them Ready with their chips allocatable; in

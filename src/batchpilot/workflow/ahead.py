@@ -53,8 +53,13 @@ def ahead_unavailable(config: Config) -> str | None:
     if is_adaptive(config):
         return "an adaptive ramp-up decides the next launch's batch, and so its nodes, when this launch ends"
     if cluster.backend == "gke":
-        if is_tpu(cluster.accelerator_type):
-            return "a TPU slice pool is created per launch (not done ahead of time yet)"
+        if is_tpu(cluster.accelerator_type) and cluster.pool_mode == "resize":
+            if cluster.tpu_slice_change != "create-first":
+                return (
+                    "cluster.tpu_slice_change is delete-first: the next launch's slice may stand beside the "
+                    "current one only with create-first (the TPU quota must hold both)"
+                )
+            return None
         if cluster.pool_mode == "autoscale":
             return "an autoscaled pool grows when the next launch's pods ask for nodes"
         if cluster.pool_mode == "static":
@@ -72,9 +77,14 @@ def bring_next_nodes(document: RunDocument, *, launch_index: int, poll_s: float 
         return _said(f"launch-{launch_index}: nothing to ask for ahead: {why_not or 'an unused launch slot'}")
     following = pipeline_launch(document, slot=launch_index + 1)
     flex = config.cluster.backend == "gke" and config.cluster.provisioning == "flex-start"
+    tpu = config.cluster.backend == "gke" and is_tpu(config.cluster.accelerator_type)
     next_nodes = None if following is None else following.requested_nodes
-    # flex-start: every launch has its own request and nodes, so any next launch is asked for
-    wanted = next_nodes if flex else nodes_to_ask(current_nodes=current.num_nodes, next_nodes=next_nodes)
+    # flex-start: every launch has its own request and nodes, and TPU slices their own pool (another shape),
+    # so any next launch on other nodes is asked for; a resized pool only ever grows early
+    if flex or tpu:
+        wanted = None if tpu and next_nodes == current.num_nodes else next_nodes
+    else:
+        wanted = nodes_to_ask(current_nodes=current.num_nodes, next_nodes=next_nodes)
     if following is None or wanted is None:
         after = "the last launch" if following is None else f"{following.name} needs {next_nodes}"
         return _said(
@@ -120,6 +130,8 @@ def bring_next_nodes(document: RunDocument, *, launch_index: int, poll_s: float 
             if due is not None and due <= 0:
                 if flex:
                     return _queue_request(document, current=current.name, following=following)
+                if tpu:
+                    return _next_slice(config, current=current.name, following=following.name, hosts=wanted)
                 return _grow(config, current=current.name, following=following.name, nodes=wanted)
             wait_s = END_POLL_S if due is None else min(poll_s, due)  # no progress yet: the launch starts
         time.sleep(min(END_POLL_S, wait_s))
@@ -161,6 +173,31 @@ def _grow(config: Config, *, current: str, following: str, nodes: int) -> str:
     return _said(
         f"{current}: the pool grew {change.before} -> {change.after} node(s) for {following} in "
         f"{change.elapsed_s:.1f} s, while this launch trained"
+    )
+
+
+def _next_slice(config: Config, *, current: str, following: str, hosts: int) -> str:
+    """TPU (`tpu_slice_change: create-first`): brings up the slice of `hosts` for `following` beside the slice
+    `current` trains on; the next launch's resize deletes the old one."""
+    from batchpilot.cluster.tpu_pool import tpu_node_pool
+
+    pool = tpu_node_pool(config.cluster, run=config.name)
+    before = pool.current_size()
+    requested_s = time.time()
+    logger.info("%s: bringing up %s's slice of %d host(s) now", current, following, hosts)
+    try:
+        after = pool.create_ahead(hosts)
+    except BatchpilotError as error:  # not this launch's failure: the next launch's resize tries again
+        logger.warning("%s: no slice brought up ahead: %s", current, error)
+        return _said(f"{current}: nothing asked ahead ({error}); {following}'s own resize tries again")
+    runstate.record_event(
+        config.train.checkpoint_uri,
+        {"kind": "pool", "before": before, "after": after, "requested_s": requested_s, "ready_s": time.time(),
+         "early": True},
+    )  # fmt: skip
+    return _said(
+        f"{current}: {following}'s slice of {hosts} host(s) is up beside this launch's ({before} -> {after} "
+        "node(s)), while this launch trained"
     )
 
 
