@@ -342,6 +342,19 @@ class Handover:
         logger.info("keeping ProvisioningRequest %s and its %d node(s) for %s", self.name, self.count, launch)
 
 
+def _create(
+    requests: Requests, *, name: str, labels: dict[str, str], pod: dict[str, Any], count: int,
+    stage_timeout_s: float,
+) -> None:  # fmt: skip
+    """Creates the launch's PodTemplate (from its trainer pod template `pod`) and ProvisioningRequest."""
+    template = pod_template_manifest(name=name, namespace=requests.namespace, labels=labels, pod=pod)
+    request = provisioning_request_manifest(
+        name=name, namespace=requests.namespace, labels=labels, count=count,
+        max_run_duration_s=max_run_duration_s(stage_timeout_s),
+    )  # fmt: skip
+    requests.create(template=template, request=request)
+
+
 @contextlib.contextmanager
 def flex_start_capacity(
     *,
@@ -369,16 +382,11 @@ def flex_start_capacity(
     keep = False
     try:
         if adopt_or_clear(requests, labels=labels, name=name, consumed=consumed) is None:
-            template = pod_template_manifest(name=name, namespace=namespace, labels=labels, pod=pod)
-            request = provisioning_request_manifest(
-                name=name, namespace=namespace, labels=labels, count=count,
-                max_run_duration_s=max_run_duration_s(stage_timeout_s),
-            )  # fmt: skip
             logger.info(
                 "asking GKE for %d node(s) at once: ProvisioningRequest %s (class %s), waiting up to %gs",
                 count, name, PROVISIONING_CLASS, timeout_s,
             )  # fmt: skip
-            requests.create(template=template, request=request)
+            _create(requests, name=name, labels=labels, pod=pod, count=count, stage_timeout_s=stage_timeout_s)
         wait_provisioned(
             requests, name=name, count=count, timeout_s=timeout_s, poll_s=poll_s, consumed=consumed
         )
@@ -411,12 +419,7 @@ def ask_ahead(
     live = adopt_or_clear(requests, labels=labels, name=name)
     if live is not None:
         return f"ProvisioningRequest {name} for {count} node(s) was asked for already ({describe(live)})"
-    template = pod_template_manifest(name=name, namespace=namespace, labels=labels, pod=pod)
-    request = provisioning_request_manifest(
-        name=name, namespace=namespace, labels=labels, count=count,
-        max_run_duration_s=max_run_duration_s(stage_timeout_s),
-    )  # fmt: skip
-    requests.create(template=template, request=request)
+    _create(requests, name=name, labels=labels, pod=pod, count=count, stage_timeout_s=stage_timeout_s)
     return f"asked GKE for {count} node(s) ahead: ProvisioningRequest {name} (class {PROVISIONING_CLASS})"
 
 

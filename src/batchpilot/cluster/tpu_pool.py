@@ -249,13 +249,7 @@ class TpuSlicePool:
             # The previous stage checkpointed to the bucket: its slice is idle, and deleting it first means
             # the project's TPU quota never has to cover two slices at once.
             self._delete(others)
-        if existing is None:
-            existing = self._create(shape, name)
-        if existing is not None:
-            self._check_shape(existing, shape)
-        self._nodes(name).wait(
-            num_nodes, timeout_s=self.ready_timeout_s, poll_interval_s=self.ready_poll_interval_s
-        )
+        self._bring_up(shape, name, existing)
         if self.slice_change == "create-first":
             self._delete(others)
 
@@ -273,15 +267,19 @@ class TpuSlicePool:
             )
         shape = self.slices.for_hosts(num_nodes)
         name = slice_pool_name(self.pool.node_pool, shape.topology)
-        existing = next((state for state in self.slice_pools() if state.name == name), None)
+        self._bring_up(shape, name, next((state for state in self.slice_pools() if state.name == name), None))
+        return self.current_size()
+
+    def _bring_up(self, shape: TpuSlice, name: str, existing: SlicePoolState | None) -> None:
+        """Creates the pool of `shape` unless it exists (`existing`, checked against the shape), then waits
+        until its hosts are Ready with their chips."""
         if existing is None:
             existing = self._create(shape, name)
         if existing is not None:
             self._check_shape(existing, shape)
         self._nodes(name).wait(
-            num_nodes, timeout_s=self.ready_timeout_s, poll_interval_s=self.ready_poll_interval_s
+            shape.hosts, timeout_s=self.ready_timeout_s, poll_interval_s=self.ready_poll_interval_s
         )
-        return self.current_size()
 
     def wait_ready(self, num_nodes: int, *, timeout_s: float) -> None:
         """Waits until the slice of `num_nodes` hosts has them Ready with their chips allocatable; in
