@@ -33,8 +33,8 @@ from batchpilot.planning.launches import Launch
 from batchpilot.planning.tpu import is_tpu
 from batchpilot.planning.units import format_duration
 from batchpilot.workflow.document import current_document
-from batchpilot.workflow.pool import prepare_pool
-from batchpilot.workflow.stage import pipeline_launch
+from batchpilot.workflow.pool import prepare_pool, record_pool_event
+from batchpilot.workflow.stage import cluster_spec, pipeline_launch
 from batchpilot.workflow.timeouts import task_timeouts
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def _seconds_until_due(
     if due <= 0:
         logger.info(
             "about %.0f s of training left at %.1f samples/s (a resize up takes %.0f s)",
-            remaining_s(progress, end_sample=end_sample, now_s=time.time()), progress.samples_per_s, lead.seconds,
+            remaining_s(progress, end_sample=end_sample, now_s=now), progress.samples_per_s, lead.seconds,
         )  # fmt: skip
     return due
 
@@ -190,11 +190,7 @@ def _next_slice(config: Config, *, current: str, following: str, hosts: int) -> 
     except BatchpilotError as error:  # not this launch's failure: the next launch's resize tries again
         logger.warning("%s: no slice brought up ahead: %s", current, error)
         return _said(f"{current}: nothing asked ahead ({error}); {following}'s own resize tries again")
-    runstate.record_event(
-        config.train.checkpoint_uri,
-        {"kind": "pool", "before": before, "after": after, "requested_s": requested_s, "ready_s": time.time(),
-         "early": True},
-    )  # fmt: skip
+    record_pool_event(config, before=before, after=after, requested_s=requested_s, early=True)
     return _said(
         f"{current}: {following}'s slice of {hosts} host(s) is up beside this launch's ({before} -> {after} "
         "node(s)), while this launch trained"
@@ -205,15 +201,10 @@ def _queue_request(document: RunDocument, *, current: str, following: Launch) ->
     """Flex-start: queues the ProvisioningRequest of the launch `following` while `current` trains; its train
     task adopts it (`cluster.provisioning.adopt_or_clear`)."""
     from batchpilot.cluster.launch import ask_capacity_ahead
-    from batchpilot.cluster.launch_spec import cluster_launch_spec
 
-    config = current_document(document).config
-    spec = cluster_launch_spec(
-        run_name=config.name, launch=following, devices_per_node=config.cluster.devices_per_node,
-        plan_text=current_document(document).to_json(),
-    )  # fmt: skip
+    current_run = current_document(document)
     try:
-        done = ask_capacity_ahead(spec, cluster=config.cluster)
+        done = ask_capacity_ahead(cluster_spec(current_run, following), cluster=current_run.config.cluster)
     except BatchpilotError as error:  # not this launch's failure: the next launch's task asks again
         logger.warning("%s: no ProvisioningRequest queued ahead: %s", current, error)
         return _said(f"{current}: nothing asked ahead ({error}); {following.name}'s own task asks")

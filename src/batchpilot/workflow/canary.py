@@ -101,14 +101,11 @@ def _first_launch(document: RunDocument | None) -> Any:
     uses and hands over), or None without a plan or off GKE."""
     if document is None or document.config.cluster.backend != "gke":
         return None
-    from batchpilot.cluster.launch_spec import cluster_launch_spec
     from batchpilot.workflow.document import current_document
+    from batchpilot.workflow.stage import cluster_spec
 
     current = current_document(document)
-    return cluster_launch_spec(
-        run_name=current.config.name, launch=launches(current.plan)[0],
-        devices_per_node=current.config.cluster.devices_per_node, plan_text=current.to_json(),
-    )  # fmt: skip
+    return cluster_spec(current, launches(current.plan)[0])
 
 
 def read_canary(config: Config) -> dict[str, Any] | None:

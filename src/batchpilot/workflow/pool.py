@@ -66,23 +66,28 @@ def prepare_pool(
         logger.info("resized: %d -> %d node(s)", before, num_nodes)
     pool.wait_ready(num_nodes, timeout_s=timeout_s if timeout_s is not None else cluster.ready_timeout_s)
     change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
-    record_event(
-        config.train.checkpoint_uri,
-        {
-            "kind": "pool",
-            "before": before,
-            "after": num_nodes,
-            "requested_s": requested_s,
-            "ready_s": time.time(),
-            **({"early": True} if early else {}),
-        },
-    )
+    record_pool_event(config, before=before, after=num_nodes, requested_s=requested_s, early=early)
     if deferred:
         how = "its ProvisioningRequest" if cluster.provisioning == "flex-start" else "the cluster autoscaler"
         logger.info("%d node(s) come with the launch's job (%s); %s", num_nodes, how, change.description)
     else:
         logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
     return change
+
+
+def record_pool_event(
+    config: Config, *, before: int, after: int, requested_s: float, early: bool = False
+) -> None:
+    """The goodput ledger's `pool` event of a resize asked for at `requested_s` and ready now; `early`: for the
+    next launch, while the current one trains (`planning.goodput`)."""
+    event = {
+        "kind": "pool",
+        "before": before,
+        "after": after,
+        "requested_s": requested_s,
+        "ready_s": time.time(),
+    }
+    record_event(config.train.checkpoint_uri, event | ({"early": True} if early else {}))
 
 
 def _claim(config: Config, pool: Any) -> None:
@@ -136,16 +141,7 @@ def scale_down(config: Config, *, state_path: str | None = None) -> PoolChange:
     pool.resize(config.cluster.idle_nodes)
     _release(config, pool)
     change = PoolChange(before, config.cluster.idle_nodes, time.monotonic() - started, pool.describe())
-    record_event(
-        config.train.checkpoint_uri,
-        {
-            "kind": "pool",
-            "before": before,
-            "after": change.after,
-            "requested_s": requested_s,
-            "ready_s": time.time(),
-        },
-    )
+    record_pool_event(config, before=before, after=change.after, requested_s=requested_s)
     logger.info(
         "scaled down: %d -> %d node(s) (cluster.idle_nodes); %s", before, change.after, change.description
     )

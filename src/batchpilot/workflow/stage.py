@@ -22,7 +22,7 @@ from batchpilot.storage import open_storage
 from batchpilot.workflow.document import current_document
 
 if TYPE_CHECKING:
-    pass
+    from batchpilot.cluster.launch_spec import LaunchSpec
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def run_stage(
     `work_dir` (default: runs/<name>). GKE: a JobSet or Volcano Job carrying the run document.
     """
     from batchpilot.cluster import launch as launcher
-    from batchpilot.cluster.launch_spec import cluster_launch_spec, stage_launch_spec
+    from batchpilot.cluster.launch_spec import stage_launch_spec
 
     document = current_document(document)
     config = document.config
@@ -105,11 +105,7 @@ def run_stage(
                 "applies to local launches; gke trainers write checkpoints to train.checkpoint_uri",
                 "remove the option",
             )
-        spec = cluster_launch_spec(
-            run_name=config.name, launch=chosen, devices_per_node=config.cluster.devices_per_node,
-            plan_text=document.to_json(), audit=audit,
-        )  # fmt: skip
-        return launcher.run_cluster(spec, cluster=config.cluster)
+        return launcher.run_cluster(cluster_spec(document, chosen, audit=audit), cluster=config.cluster)
     if resolved_runtime(config) == "xla":
         raise BatchpilotError(
             "train.runtime",
@@ -129,7 +125,6 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
     """The JobSet or Volcano Job of a gke launch as YAML, without any API call."""
     from batchpilot.cluster import launch
     from batchpilot.cluster.gke import require_gke_settings
-    from batchpilot.cluster.launch_spec import cluster_launch_spec
 
     config = document.config
     if config.cluster.backend != "gke":
@@ -138,11 +133,19 @@ def render_stage_job(document: RunDocument, *, stage: str | int, audit: bool = F
         )
     require_gke_settings(config.cluster)
     document = current_document(document, capacity=False)
-    spec = cluster_launch_spec(
-        run_name=config.name, launch=select_launch(document, stage),
-        devices_per_node=config.cluster.devices_per_node, plan_text=document.to_json(), audit=audit,
-    )  # fmt: skip
+    spec = cluster_spec(document, select_launch(document, stage), audit=audit)
     return launch.render_cluster_yaml(spec, cluster=config.cluster)
+
+
+def cluster_spec(document: RunDocument, launch: Launch, *, audit: bool = False) -> LaunchSpec:
+    """The gke launch spec of `launch` as its train task makes it: labelled with the run and carrying
+    `document` (the run document as the run stands: `current_document`, whose hash labels the job)."""
+    from batchpilot.cluster.launch_spec import cluster_launch_spec
+
+    return cluster_launch_spec(
+        run_name=document.config.name, launch=launch, devices_per_node=document.config.cluster.devices_per_node,
+        plan_text=document.to_json(), audit=audit,
+    )  # fmt: skip
 
 
 def pipeline_launch(document: RunDocument, *, slot: int) -> Launch | None:
