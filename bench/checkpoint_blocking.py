@@ -9,9 +9,10 @@ the checkpoint is about 800 MB), checkpoints to a local folder (`file://`). Both
   the state to CPU memory, returns; the files are written in a background thread). The final checkpoint's
   wait is reported on its own line (a stage waits for it once, before the process exits).
 
-Prints the blocked seconds per save of each mode, their ratio (target <= 0.2, bench/README.md), and the
-mean step time while a background save was running against the steps of the synchronous run (the
-background thread shares the cores).
+Prints the blocked seconds per save of each mode, their ratio (target <= 0.2, bench/README.md), the
+median step time while a save was being written against the other steps of the same run (target <= 1.10),
+and the writer process's CPU seconds per save (the CPU a save takes from the steps where every core
+trains).
 
     .venv/bin/python bench/checkpoint_blocking.py [--saves 3] [--steps-between 3]
 """
@@ -19,6 +20,7 @@ background thread shares the cores).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -48,6 +50,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
     return time.perf_counter() - started
 
 
+def process_cpu_s(pid: int | None) -> float:
+    """User and system CPU seconds of a running process (/proc/PID/stat)."""
+    if pid is None:
+        return float("nan")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(*, mode: str, root: Path, saves: int, steps_between: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = build(**MODEL_ARGS)
@@ -59,8 +69,9 @@ def run(*, mode: str, root: Path, saves: int, steps_between: int) -> dict[str, f
     storage = open_storage(uri) if mode == "thread" else None
     checkpointer = Checkpointer(uri=uri, keep_last=2, storage=storage)
     blocked, step_times, writing, steady = [], [], [], []
+    writer_cpu_from = float("nan")
     step = 1
-    for _ in range(saves):
+    for save in range(saves):
         for _ in range(steps_between):
             during = checkpointer.writing
             seconds = train_step(model, optimizer)
@@ -77,9 +88,17 @@ def run(*, mode: str, root: Path, saves: int, steps_between: int) -> dict[str, f
                 step=step, consumed_samples=step, state=state, rng=capture_rng_state()
             )
         blocked.append(time.perf_counter() - started)
+        if save == 1 and mode == "async":  # the first save's write has ended (a save waits for the last one)
+            writer_cpu_from = process_cpu_s(checkpointer._writer.pid)  # type: ignore[union-attr]
     started = time.perf_counter()
     checkpointer.wait()
     final_wait_s = time.perf_counter() - started
+    writer_cpu_s = (
+        (process_cpu_s(checkpointer._writer.pid) - writer_cpu_from) / (saves - 1)  # type: ignore[union-attr]
+        if mode == "async" and saves > 1
+        else float("nan")
+    )
+    checkpointer.close()
     size_bytes = sum(p.stat().st_size for p in (root / mode / f"{step:09d}").iterdir())
     return {
         "blocked_s": statistics.mean(blocked),
@@ -91,6 +110,7 @@ def run(*, mode: str, root: Path, saves: int, steps_between: int) -> dict[str, f
         "steady_step_s": statistics.median(steady) if steady else float("nan"),
         "writing_steps": len(writing),
         "checkpoint_bytes": size_bytes,
+        "writer_cpu_s": writer_cpu_s,
     }
 
 
@@ -128,6 +148,9 @@ def main() -> None:
         f"ratio (async blocked / sync blocked): {asynchronous['blocked_s'] / sync['blocked_s']:.3f}  (target <= 0.2)"
     )
     print(f"step time with a save in the background / without: {asynchronous['step_s'] / sync['step_s']:.3f}")
+    print(
+        f"async: the writer process's CPU per save (saves 2..n, user + system): {asynchronous['writer_cpu_s']:.2f} s"
+    )
     for name, row in (("thread", thread), ("async", asynchronous)):
         print(
             f"{name}: step time while a save is being written / steady step time (medians of "

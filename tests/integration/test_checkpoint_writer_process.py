@@ -155,3 +155,50 @@ def test_a_sigterm_to_the_trainers_process_group_while_its_writer_starts_does_no
     assert first != second
     loaded = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
     assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], torch.arange(8.0))
+
+
+def minor_faults(pid: int) -> int:
+    """The process's minor page faults so far (/proc/PID/stat's 10th field)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def test_the_writer_serializes_a_shard_straight_into_its_file_without_a_copy_in_memory(tmp_path):
+    """The writer process streams DCP's serialized tensors into the local file (checksummed on the way); a copy
+    of the 40 MB shard in the writer's memory would fault in a page for every 4 KiB of it at every save (the
+    staged tensors' shared memory is mapped 16 pages per fault)."""
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
+    weights = torch.randn(10_000_000)
+    pages = weights.numel() * 4 // 4096
+    start_async_save(checkpointer, 1, weights, side=False)
+    checkpointer.wait()
+    before = minor_faults(checkpointer._writer.pid)
+    start_async_save(checkpointer, 2, weights * 2, side=False)
+    checkpointer.wait()
+    faults = minor_faults(checkpointer._writer.pid) - before
+    checkpointer.close()
+    assert faults < pages // 10, f"{faults} page faults writing {pages} staged pages"
+    loaded = Checkpointer(uri=f"file://{tmp_path}").load()
+    assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * 2)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/sys/kernel/sched_autogroup_enabled").exists()
+    or Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() != "1"
+    or Path("/proc/self/autogroup").read_text().split()[-1] != "0",
+    reason="the kernel groups no sessions for scheduling here (no autogroup), or this test runs reniced",
+)
+def test_the_writer_runs_at_lower_priority_than_the_trainer_also_across_session_groups(tmp_path):
+    """The writer's own session is a scheduling group of its own under Linux's autogroup, where a process's nice
+    value ranks it only within its group: the group's nice is lowered too, or the writer takes as much CPU as
+    the whole trainer."""
+    from batchpilot.train.checkpoint_writer import NICE
+
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}")
+    start_async_save(checkpointer, 1, torch.ones(4), side=False)
+    checkpointer.wait()
+    pid = checkpointer._writer.pid
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + NICE
+        assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == str(NICE)
+    finally:
+        checkpointer.close()

@@ -206,8 +206,7 @@ def test_a_ranged_checkpoint_read_one_byte_short_names_the_object_and_both_sizes
     store.write("000000001/__0_0.distcp", data)
     expected = {
         "000000001/__0_0.distcp": {
-            "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "block_bytes": 4096,
-            "block_sha256": block_checksums(data, 4096),
+            "size_bytes": len(data), "block_bytes": 4096, "block_crc32": block_checksums(data, 4096),
         }
     }  # fmt: skip
     files = StorageFileSystem(store, expected=expected)

@@ -23,6 +23,14 @@ from batchpilot.storage.protocol import (
 _HIDDEN_PREFIX = ".bp-"
 
 
+class _Writing:
+    """An object being written by `LocalStorage.open_write`: its open file, and its generation once written."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.generation = 0
+
+
 class LocalStorage:
     """A folder of files. Generations are modification times in ns, made strictly increasing per name."""
 
@@ -58,6 +66,19 @@ class LocalStorage:
             raise ObjectNotFound(join_uri(self.uri, name)) from None
 
     def write(self, name: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        with self.open_write(name, if_generation_match=if_generation_match) as writing:
+            writing.file.write(data)
+        return writing.generation
+
+    @contextlib.contextmanager
+    def open_write(
+        self, name: str, *, if_generation_match: int | None = None, keep_cached: bool = True
+    ) -> Iterator[_Writing]:
+        """Writes the object from a stream: `writing.file` takes the bytes, and the object appears whole
+        when the block ends without an exception (`writing.generation` is then set) or not at all. A
+        checkpoint's shards are serialized straight into the file this way, without a copy in memory.
+        `keep_cached=False` drops the file's pages from the page cache once they are on disk: memory that
+        the next large write then takes without the kernel reclaiming it first."""
         # Not `files.write_atomically`: between writing the temporary file and renaming it, this fsyncs it,
         # checks the precondition under the name's lock and stamps the generation on it (set after the
         # rename, a reader could pin a generation that then changes under it).
@@ -65,9 +86,12 @@ class LocalStorage:
         tmp = path.with_name(f"{_HIDDEN_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
             with _create_in_folder(tmp) as file:
-                file.write(data)
+                writing = _Writing(file)
+                yield writing
                 file.flush()
                 os.fsync(file.fileno())
+                if not keep_cached:
+                    os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             lock = self._name_lock(path) if if_generation_match is not None else contextlib.nullcontext()
             with lock:
                 current = self._generation_or_zero(path)
@@ -75,13 +99,12 @@ class LocalStorage:
                     raise PreconditionFailed(join_uri(self.uri, name), if_generation_match)
                 # Coarse file-system clocks can give two quick writes the same mtime; the generation must
                 # change on every write or a stale precondition could pass.
-                generation = max(time.time_ns(), current + 1)
-                os.utime(tmp, ns=(generation, generation))
+                writing.generation = max(time.time_ns(), current + 1)
+                os.utime(tmp, ns=(writing.generation, writing.generation))
                 os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(path.parent)
-        return generation
 
     @staticmethod
     def _lock_path(path: Path) -> Path:

@@ -79,7 +79,7 @@ def _serve(connection: Any) -> None:
     # preemption, after which the trainer still saves) or a terminal's Ctrl-C do not end a write; the trainer
     # ends it (close(), or terminate() when the interpreter exits), or its death does (below).
     os.setsid()
-    os.nice(NICE)
+    _lower_priority()
     connection.send(READY)  # out of the trainer's group now: a signal to the group no longer ends it
     parent = mp.parent_process()
 
@@ -90,11 +90,17 @@ def _serve(connection: Any) -> None:
 
     threading.Thread(target=end_with_the_trainer, daemon=True).start()
     storages: dict[str, Any] = {}
-    while (request := connection.recv()) is not None:
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:  # the trainer ended without close(): nothing more to write
+            return
+        if request is None:
+            return
         uri, folder, thread_count, plan, data = request
         try:
             storage = storages.get(uri) or storages.setdefault(uri, open_storage(uri))
-            writer = StorageWriter(storage, folder, thread_count=thread_count)
+            writer = StorageWriter(storage, folder, thread_count=thread_count, stream_writes=True)
             results = writer.write_data(plan, _Resolved(data)).value()
             answer: tuple[Any, ...] = ("ok", results, dict(writer.storage_fs.written))
         except (
@@ -103,6 +109,19 @@ def _serve(connection: Any) -> None:
             answer = ("error", str(error) if isinstance(error, BatchpilotError) else repr(error))
         del data, request
         connection.send(answer)
+
+
+def _lower_priority() -> None:
+    """This process's CPU priority NICE below the trainer's. Where the kernel groups a session's processes
+    for scheduling (autogroup: Linux's default for processes in the root CPU cgroup, a VM or a laptop, not a
+    container's), a nice value ranks processes only within their group, and this process's new session is
+    a group of its own with nice 0: the writer then took as much CPU as the whole trainer (steps 2-5x
+    slower while a save was written, bench/checkpoint_blocking.py with every core training). So the group's
+    nice value is set too (/proc/self/autogroup; see the Linux manual's sched(7), "The autogroup feature")."""
+    os.nice(NICE)
+    # no /proc/self/autogroup: a kernel without the feature (a container's cgroup ranks by nice anyway)
+    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as autogroup:
+        autogroup.write(str(NICE))
 
 
 def _short_socket_folder() -> None:
