@@ -1,12 +1,13 @@
-"""Tensor parallelism's arithmetic on real gloo processes (one per rank, spawned here), a Llama on 2 nodes x 2
-ranks with each node's 2 ranks one tensor-parallel group (train/tensor_parallel.py):
+"""Tensor parallelism's arithmetic on real gloo processes (one per rank, spawned here), a Llama and a GPT on 2
+nodes x 2 ranks with each node's 2 ranks one tensor-parallel group (train/tensor_parallel.py):
 
 - under fsdp (over the 2 groups) and hsdp (replicated across them), one step's accumulated gradient is the
   global batch's mean gradient computed in one process, and the clipped norm is its norm;
 - the noise-scale terms are those of the first pass over the data-parallel ranks of a shard group, a norm's
   scale (whole on both ranks of a group) counted once; coherence compares the first two passes;
 - each rank holds 1/2 of every matrix of a block and whole norms, and its heads are the whole model's heads
-  of its part;
+  of its part (the GPT: its fused QKV and position embedding whole, as many parameters per rank as the memory
+  model counts);
 - what a split block saves for its backward is the memory model's tensor-parallel estimate.
 """
 
@@ -38,9 +39,11 @@ pytestmark = pytest.mark.slow
 TP = 2
 
 
-def _tp_worker(rank: int, world_size: int, per_node: int, port: int, out: str, strategy: str) -> None:
+def _tp_worker(
+    rank: int, world_size: int, per_node: int, port: int, out: str, strategy: str, name: str
+) -> None:
     ctx = _join(rank, world_size, per_node, port)
-    model = build("llama")
+    model = build(name)
     parallel = wrap_model(
         model, ctx, strategy=strategy, bf16=False, materialize=already_real, tensor_parallel_size=TP
     )
@@ -56,6 +59,7 @@ def _tp_worker(rank: int, world_size: int, per_node: int, port: int, out: str, s
     )
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     block = model.blocks[0]
+    local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731
     result = {
         "grads": {name: full(p.grad) for name, p in model.named_parameters()},
         "norm": float(norm.full_tensor() if isinstance(norm, DTensor) else norm),
@@ -63,8 +67,11 @@ def _tp_worker(rank: int, world_size: int, per_node: int, port: int, out: str, s
         "small_batch": outcome.small_batch,
         "coherence": float(outcome.coherence) if outcome.coherence is not None else None,
         "describe": parallel.describe(),
-        "wq_rows": block.attention.wq.weight.to_local().shape[0],
-        "norm_tp_replicated": isinstance(block.attention_norm.weight.placements[-1], Replicate),
+        "wq_rows": local(block.attention.wq.weight if name == "llama" else block.attn.qkv.weight).shape[0],
+        "norm_tp_replicated": isinstance(
+            (block.attention_norm if name == "llama" else block.ln_1).weight.placements[-1], Replicate
+        ),
+        "local_params": sum(local(p).numel() for p in model.parameters()),
         "tp_placements": {
             name: (type(p.placements[-1]).__name__, getattr(p.placements[-1], "dim", None))
             for name, p in model.named_parameters()
@@ -75,19 +82,30 @@ def _tp_worker(rank: int, world_size: int, per_node: int, port: int, out: str, s
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=["fsdp", "hsdp"])
+@pytest.fixture(scope="module", params=["fsdp", "hsdp", "fsdp-gpt", "hsdp-gpt"])
 def tp_ranks(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    """One step of 2 nodes x 2 ranks, tensor-parallel within each node, micro batch 2, accumulation 8."""
+    """One step of 2 nodes x 2 ranks, tensor-parallel within each node, micro batch 2, accumulation 8; the
+    Llama, or the GPT (`-gpt`). Returns the strategy (the Llama's) or `<strategy>-gpt`, and each rank's
+    results."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(key, None)
-    return request.param, spawn(_tp_worker, 4, 2, tmp_path_factory.mktemp("tp") / "result", request.param)
+    strategy, _, name = request.param.partition("-")
+    out = tmp_path_factory.mktemp("tp") / "result"
+    return request.param, spawn(_tp_worker, 4, 2, out, strategy, name or "llama")
+
+
+def model_of(param: str) -> tuple[str, str]:
+    """(strategy, model name) of a `tp_ranks` parameter."""
+    strategy, _, name = param.partition("-")
+    return strategy, name or "llama"
 
 
 def test_the_accumulated_gradient_is_the_global_batch_mean(tp_ranks):
-    strategy, ranks = tp_ranks
+    param, ranks = tp_ranks
+    strategy, model_name = model_of(param)
     whole_batch = torch.cat([batch for r in (0, 1) for batch in rank_micro_batches(r, 2)])
-    reference = mean_loss_gradient(build("llama"), whole_batch)
-    names = [name for name, _ in build("llama").named_parameters()]
+    reference = mean_loss_gradient(build(model_name), whole_batch)
+    names = [name for name, _ in build(model_name).named_parameters()]
     whole_norm = float(torch.stack([g.double().norm() for g in reference]).norm())
     for result in ranks:
         assert (
@@ -102,8 +120,9 @@ def test_the_accumulated_gradient_is_the_global_batch_mean(tp_ranks):
 def test_noise_terms_are_the_shard_groups_first_pass_with_norms_counted_once(tp_ranks):
     """fsdp: the small batch is the first pass over both data-parallel ranks (2 x 2 = 4 samples); hsdp: over
     the shard group's one data-parallel rank (2 samples), before the cross-node all-reduce."""
-    strategy, ranks = tp_ranks
-    model = build("llama")
+    param, ranks = tp_ranks
+    strategy, model_name = model_of(param)
+    model = build(model_name)
     groups = [(0, 1)] if strategy == "fsdp" else [(0,), (1,)]  # data-parallel ranks per shard group
     for group in groups:
         first = torch.cat([rank_micro_batches(r, 2)[0] for r in group])
@@ -121,7 +140,11 @@ def test_noise_terms_are_the_shard_groups_first_pass_with_norms_counted_once(tp_
 
 
 def test_each_rank_holds_half_of_each_matrix_and_whole_norms(tp_ranks):
-    strategy, ranks = tp_ranks
+    param, ranks = tp_ranks
+    strategy, model_name = model_of(param)
+    if model_name == "gpt":
+        _gpt_rank_holds_its_part(strategy, ranks)
+        return
     for result in ranks:
         # wq: 4 heads x 8 = 32 rows, split by heads over the group, then under fsdp over the 2 groups' shards
         assert result["wq_rows"] == (8 if strategy == "fsdp" else 16)
@@ -135,24 +158,59 @@ def test_each_rank_holds_half_of_each_matrix_and_whole_norms(tp_ranks):
         assert placements["norm.weight"] == ("Replicate", None)
 
 
+def _gpt_rank_holds_its_part(strategy: str, ranks: list[dict]) -> None:
+    """The GPT: the fused QKV projection and the position embedding whole on each rank of a group, the other
+    matrices split as the Llama's; per rank as many parameters as the memory model's tensor-parallel part."""
+    from test_sharding_units import GPT_ARGS
+
+    from batchpilot.train.shape import model_shape
+
+    shape = model_shape(factory="batchpilot.models.gpt:build", args=GPT_ARGS)
+    per_device = shape.tensor_parallel_part(TP).num_params
+    for result in ranks:
+        # qkv: 3 x 32 = 96 rows, whole on each rank of the group, under fsdp sharded over the 2 groups
+        assert result["wq_rows"] == (48 if strategy == "fsdp" else 96)
+        assert result["norm_tp_replicated"]
+        placements = result["tp_placements"]
+        assert placements["blocks.0.attn.qkv.weight"] == ("Replicate", None)
+        assert placements["blocks.0.attn.qkv.bias"] == ("Replicate", None)
+        assert placements["blocks.0.attn.proj.weight"] == ("Shard", 1)
+        assert placements["blocks.0.attn.proj.bias"] == ("Replicate", None)
+        assert placements["blocks.0.mlp.0.weight"] == ("Shard", 0)
+        assert placements["blocks.0.mlp.2.weight"] == ("Shard", 1)
+        assert placements["wte.weight"] == ("Shard", 0)
+        assert placements["wpe.weight"] == ("Replicate", None)
+        assert placements["ln_f.bias"] == ("Replicate", None)
+        if strategy == "hsdp":  # a shard group is one node, its tensor-parallel group: no data-parallel split
+            assert result["local_params"] == per_device
+    assert per_device > shape.num_params / TP + 3 * 32 * 32  # the QKV whole: more than half per device
+
+
 # tests/unit/test_memory_saved_tensors.py's block: 96 tokens, so no activation has a weight's shape.
 BATCH, SEQ = 2, 48
 SAVED_ARGS = {"n_layer": 1, "n_head": 4, "n_kv_head": 2, "n_embd": 128, "max_seq_len": SEQ, "vocab_size": 512}
+SAVED_GPT_ARGS = {"n_layer": 1, "n_head": 4, "n_embd": 128, "block_size": SEQ, "vocab_size": 512}
 
 
-def _saved_worker(rank: int, world_size: int, per_node: int, port: int, out: str) -> None:
-    """What one Llama block saves for its backward on this rank of a tensor-parallel group of 2, from the
-    residual stream's part of the sequence (as the blocks pass it under sequence parallelism)."""
+def _saved_worker(
+    rank: int, world_size: int, per_node: int, port: int, out: str, name: str = "llama"
+) -> None:
+    """What one Llama (or GPT) block saves for its backward on this rank of a tensor-parallel group of 2, from
+    the residual stream's part of the sequence (as the blocks pass it under sequence parallelism)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from batchpilot.models.llama import build as build_llama
+    from batchpilot.models.factory import build_model
     from batchpilot.train.shape import model_shape
     from batchpilot.train.tensor_parallel import apply_tensor_parallel
 
     _join(rank, world_size, per_node, port)
     torch.manual_seed(0)
-    model = build_llama(**SAVED_ARGS)
-    shape = model_shape(factory="batchpilot.models.llama:build", args=SAVED_ARGS)
+    factory, args = (
+        ("batchpilot.models.llama:build", SAVED_ARGS) if name == "llama"
+        else ("batchpilot.models.gpt:build", SAVED_GPT_ARGS)
+    )  # fmt: skip
+    model = build_model(factory=factory, args=args)
+    shape = model_shape(factory=factory, args=args)
     apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
     local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
     own = {local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
@@ -169,19 +227,23 @@ def _saved_worker(rank: int, world_size: int, per_node: int, port: int, out: str
     torch.manual_seed(1)
     x = torch.randn(BATCH, SEQ // world_size, shape.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.blocks[0](x, model.rope_cos[:SEQ], model.rope_sin[:SEQ])
+        if name == "llama":
+            model.blocks[0](x, model.rope_cos[:SEQ], model.rope_sin[:SEQ])
+        else:
+            model.blocks[0](x)
     torch.save({"saved_bytes": sum(saved.values()), "shape": shape}, f"{out}.rank{rank}")
     dist.destroy_process_group()
 
 
-def test_a_split_blocks_saved_activations_are_the_estimate_within_10_percent(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_a_split_blocks_saved_activations_are_the_estimate_within_10_percent(tmp_path, monkeypatch, name):
     """The memory model's tensor-parallel activations (planning/memory.py, `tensor_parallel_size` 2) against
     what autograd saves on each rank of the group, as test_memory_saved_tensors measures one process."""
     from batchpilot.planning.activations import block_activation_bytes_per_token
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    ranks = spawn(_saved_worker, 2, 2, tmp_path / "result")
+    ranks = spawn(_saved_worker, 2, 2, tmp_path / "result", name)
     shape = ranks[0]["shape"]
     per_token = block_activation_bytes_per_token(
         shape, act_bytes=4, residual_bytes=4, autocast=False, tensor_parallel_size=2

@@ -41,7 +41,20 @@ def measured(model: nn.Module) -> ModelShape:
         lookup_params=(0 if model.config.tie_embeddings else embedding.weight.numel())
         if llama
         else model.wpe.weight.numel(),
-        tensor_parallel=llama,  # the trainer's plan is the Llama's (train/tensor_parallel.py)
+        tensor_parallel=True,  # the trainer has plans for both (train/tensor_parallel.py)
+        # what the plans leave whole: the Llama's two norm scales a block and the final one; the GPT's LayerNorms,
+        # fused QKV and row-parallel biases a block, its position embedding and final LayerNorm
+        whole_block_params=sum(
+            p.numel()
+            for name, p in model.blocks[0].named_parameters()
+            if (name.endswith("norm.weight") if llama else name.startswith(("ln_", "attn.qkv.")))
+            or name in ("attn.proj.bias", "mlp.2.bias")
+        ),
+        whole_outer_params=sum(
+            p.numel()
+            for name, p in model.named_parameters()
+            if name in (("norm.weight",) if llama else ("wpe.weight", "ln_f.weight", "ln_f.bias"))
+        ),
     )
 
 
@@ -88,6 +101,8 @@ def test_the_5b_example_config_is_measured_on_meta_in_well_under_2_s():
         context_length=4096,
         lookup_params=128256 * 3072,  # the untied token embedding
         tensor_parallel=True,
+        whole_block_params=2 * 3072,  # the two RMSNorm scales
+        whole_outer_params=3072,  # the final norm's
     )
     assert elapsed_s < 1.0
 

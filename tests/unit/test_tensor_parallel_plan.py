@@ -92,21 +92,47 @@ def test_what_the_trainer_cannot_split_is_refused_one_line_each(tmp_path, capsys
     assert all("(fix: " in line for line in lines[:4])
 
 
+OWN_MODEL = """
+from torch import nn
+
+
+class Own(nn.Module):
+    def __init__(self, vocab_size, n_embd):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, n_embd)
+        self.blocks = nn.ModuleList([nn.Linear(n_embd, n_embd)])
+        self.head = nn.Linear(n_embd, vocab_size)
+
+    def forward(self, idx):
+        x = self.embedding(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(**args):
+    return Own(**args)
+"""
+
+
 @pytest.mark.parametrize(
     ("model", "fragment"),
     [
         (
-            {"args": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 258}},
-            "no tensor-parallel plan for batchpilot.models.gpt:build",
+            {"factory": "own_model:build", "args": {"vocab_size": 258, "n_embd": 32}},
+            "no tensor-parallel plan for own_model:build",
         ),
         (
             {**TINY_LLAMA, "args": {**TINY_LLAMA["args"], "n_head": 6, "n_kv_head": 3, "n_embd": 48}},
             "does not divide the model's n_head 6, n_kv_head 3",
         ),
     ],
-    ids=["gpt", "uneven-heads"],
+    ids=["own-model", "uneven-heads"],
 )
-def test_a_model_that_cannot_be_split_is_refused_at_plan_time(tmp_path, capsys, model, fragment):
+def test_a_model_that_cannot_be_split_is_refused_at_plan_time(tmp_path, capsys, monkeypatch, model, fragment):
+    """A model of the user's own (a factory batchpilot has no plan for), or one whose heads do not split."""
+    (tmp_path / "own_model.py").write_text(OWN_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
     config = tiny_config(data_uri="file:///nowhere", checkpoint_uri=f"file://{tmp_path}/ckpt")
     config["model"] = model
     config["cluster"]["devices_per_node"] = 4

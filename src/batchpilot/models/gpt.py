@@ -59,12 +59,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Q, K and V side by side; `-1` heads: under tensor parallelism a device's QKV projection gives the
+        # Q, K and V of its heads only (train/tensor_parallel.py), and its heads are -1 of `head_dim` each.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        head_dim = width // self.n_head
+        q, k, v = (t.view(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).contiguous().view(batch, seq, width))
+        return self.proj(y.transpose(1, 2).contiguous().view(batch, seq, -1))
 
 
 class Block(nn.Module):

@@ -30,8 +30,9 @@ Activations: planning/activations.py (the tensors each block saves, the loss's b
 measured slope).
 
 Tensor parallelism (`tensor_parallel_size` t, train/tensor_parallel.py): each device holds 1/t of every
-matrix and whole norms (their scales: `ModelShape.replicated_params`), sharded further over the data-parallel
-ranks of its shard group; FSDP gathers 1/t of each unit. Of a block's activations the norms' saved tensors
+matrix and whole norms (their scales: `ModelShape.replicated_params`; the GPT's plan keeps its fused QKV
+projection, biases and position embedding whole too), sharded further over the data-parallel ranks of its
+shard group; FSDP gathers each unit's part (`ModelShape.tensor_parallel_part`). Of a block's activations the norms' saved tensors
 (sequence-parallel: 1/t of the sequence), Q K V, the attention's output and log-sum-exps (1/t of the heads)
 and the MLP's inner tensors (1/t of its width) are split; the projections' inputs, gathered whole from the
 sequence's parts, are not (one tensor per norm, shared by its column-parallel projections). Between blocks
@@ -231,8 +232,9 @@ def estimate_memory(
         working_set = 2 * shape.num_params if mixed_precision else 0
     else:
         parameters, gradients, optimizer = (math.ceil(b * n / degree) for b in (4, 4, 8))
-        # the gathered units are this device's tensor-parallel parts
-        working_set = math.ceil(_fsdp_working_set(shape, param_bytes=2 if mixed_precision else 4) / tp)
+        # the gathered units are this device's tensor-parallel parts (the whole parameters whole)
+        part = shape.tensor_parallel_part(tp)
+        working_set = _fsdp_working_set(part, param_bytes=2 if mixed_precision else 4)
     source: ActivationsSource
     if activation_bytes_per_sample is not None:
         activations, source = round(activation_bytes_per_sample * micro_batch_size), "explore"
@@ -380,9 +382,9 @@ def tensor_parallel_problem(
     if not shape.tensor_parallel:
         return BatchpilotError(
             "train.tensor_parallel_size",
-            f"is {t}, but the trainer has no tensor-parallel plan for {factory} (one exists for "
-            "batchpilot.models.llama:build; the GPT's fused QKV projection would need its heads regrouped)",
-            "use the Llama model, or train.tensor_parallel_size: 1 with fsdp or hsdp",
+            f"is {t}, but the trainer has no tensor-parallel plan for {factory} (plans exist for "
+            "batchpilot.models.llama:build and batchpilot.models.gpt:build)",
+            "use one of those models, or train.tensor_parallel_size: 1 with fsdp or hsdp",
         )
     sizes = {
         "n_head": shape.num_heads,

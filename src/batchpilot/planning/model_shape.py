@@ -3,7 +3,8 @@ train/shape.py reads it off a built model)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class ModelShape:
         lookup_params: parameters used by lookups, not matrix multiplies: the embeddings whose weight no
             linear layer shares (an untied token embedding, a position embedding).
         tensor_parallel: the trainer has a tensor-parallel plan for the model (train/tensor_parallel.py).
+        whole_block_params: of a block's parameters, those its tensor-parallel plan leaves whole on every
+            device of the group (None: its two norms' scales, as the Llama's; the GPT's plan also keeps its
+            fused QKV projection, LayerNorm biases and its row-parallel projections' biases whole).
+        whole_outer_params: the same outside the blocks (None: the final norm's scale; the GPT's adds its
+            position embedding).
     """
 
     num_params: int
@@ -45,6 +51,8 @@ class ModelShape:
     context_length: int | None = None
     lookup_params: int = 0
     tensor_parallel: bool = False
+    whole_block_params: int | None = None
+    whole_outer_params: int | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -55,9 +63,31 @@ class ModelShape:
 
     @property
     def replicated_params(self) -> int:
-        """Parameters tensor parallelism leaves whole on every device of its group: the norms' scales (two per
-        block and the final one), which sequence parallelism runs on each device's part of the sequence."""
-        return (2 * self.num_layers + 1) * self.hidden_size
+        """Parameters tensor parallelism leaves whole on every device of its group: by default the norms'
+        scales (two per block and the final one), which sequence parallelism runs on each device's part of
+        the sequence; `whole_block_params` and `whole_outer_params` where the model's plan says more."""
+        return self.num_layers * self._whole_block + self._whole_outer
+
+    @property
+    def _whole_block(self) -> int:
+        return 2 * self.hidden_size if self.whole_block_params is None else self.whole_block_params
+
+    @property
+    def _whole_outer(self) -> int:
+        return self.hidden_size if self.whole_outer_params is None else self.whole_outer_params
+
+    def tensor_parallel_part(self, size: int) -> ModelShape:
+        """The part of the model one device of a tensor-parallel group of `size` holds, as FSDP2 gathers it:
+        1/size of every split parameter (the vocabulary-split embedding too) and the whole ones whole."""
+        if size == 1:
+            return self
+        block_whole = self._whole_block if self.num_layers else 0
+        return replace(
+            self,
+            num_params=math.ceil((self.num_params - self.replicated_params) / size) + self.replicated_params,
+            largest_block_params=math.ceil((self.largest_block_params - block_whole) / size) + block_whole,
+            vocab_size=math.ceil(self.vocab_size / size),
+        )
 
     @property
     def matmul_params(self) -> int:

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from batchpilot.errors import BatchpilotError
 from batchpilot.models.factory import build_model
 from batchpilot.planning.model_shape import ModelShape
-from batchpilot.train.tensor_parallel import has_plan
+from batchpilot.train.tensor_parallel import has_plan, whole_params
 
 
 def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
@@ -77,6 +77,11 @@ def model_shape(*, factory: str, args: dict[str, Any]) -> ModelShape:
         context_length=_context_length(config),
         lookup_params=_lookup_params(model),
         tensor_parallel=has_plan(model),
+        **(
+            dict(zip(("whole_block_params", "whole_outer_params"), whole_params(model), strict=True))
+            if has_plan(model)
+            else {}
+        ),
     )
 
 

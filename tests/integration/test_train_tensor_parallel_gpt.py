@@ -1,0 +1,101 @@
+"""The GPT's tensor-parallel plan in the trainer (train/tensor_parallel.py): 2 local nodes x 2 processes (gloo),
+each node one tensor-parallel group of 2, fsdp over the 2 groups, a GPT with biases.
+
+- It trains as dp=4 does on the same 4 processes: the same losses (the tolerance is the Llama's, reasoned in
+  test_train_tensor_parallel.py), gradient norms and final weights. The fused QKV projection stays whole on
+  each device, which multiplies its heads' rows of Q, K and V only; the position embedding stays whole, each
+  device adding its part of the sequence's rows.
+- Its DCP checkpoint exports as a Hugging Face GPT-2.
+
+What holds for every model with a plan (a stage change across node counts, kill -9 and resume, an OOM and
+its retry) is tested with the Llama in test_train_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_tensor_parallel import LOSS_TOLERANCE, train_final
+
+from batchpilot.runstate import read_metrics
+from batchpilot.train.checkpoint import Checkpointer
+from helpers import run_batchpilot, tiny_config, write_plan
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+GPT = {
+    "factory": "batchpilot.models.gpt:build",
+    "args": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32, "vocab_size": 258, "bias": True},
+}
+
+
+def config(data_uri: str, root: Path, *, tensor_parallel_size: int) -> dict:
+    """One stage of 8 steps at global batch 32 on 2 nodes x 2 processes, micro batch 2, the GPT under fsdp."""
+    result = tiny_config(
+        data_uri=data_uri,
+        checkpoint_uri=f"file://{root}/ckpt",
+        batch__global_batch_size=32,
+        batch__micro_batch_size=2,
+        batch__schedule=None,
+        train__total_samples=32 * STEPS,
+        train__checkpoint_every_steps=4,
+        train__parallelism="fsdp",
+        train__tensor_parallel_size=tensor_parallel_size,
+    )
+    result["model"] = GPT
+    result["cluster"]["devices_per_node"] = 2
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(demo_data_uri, tmp_path_factory):
+    """The uninterrupted runs at tensor_parallel_size 1 (dp 4) and 2 (dp 2), each on 2 nodes x 2 processes."""
+    roots = {}
+    for tp in (1, 2):
+        root = tmp_path_factory.mktemp(f"gpt-tp{tp}")
+        plan = write_plan(root, config(demo_data_uri, root, tensor_parallel_size=tp))
+        document = json.loads(Path(plan).read_text())
+        assert [(s["num_nodes"], s["data_parallel_size"]) for s in document["stages"]] == [(2, 4 // tp)]
+        result = train_final(plan, root / "out")
+        assert result.returncode == 0, result.stdout[-3000:]
+        roots[tp] = (root, result.stdout)
+    return roots
+
+
+def test_a_gpt_at_tp2_x_dp2_trains_as_dp4_does(runs):
+    (dp_root, _), (tp_root, log) = runs[1], runs[2]
+    assert "fsdp: parameters sharded 2 ways, each block split 2 ways (tensor parallel)" in log
+    dp = read_metrics(dp_root / "out" / "metrics.jsonl")
+    tp = read_metrics(tp_root / "out" / "metrics.jsonl")
+    assert len(dp) == len(tp) == STEPS
+    for a, b in zip(dp, tp, strict=True):
+        assert (a["consumed_samples"], a["world_size"], b["world_size"]) == (b["consumed_samples"], 4, 2)
+        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_TOLERANCE), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=LOSS_TOLERANCE), a["step"]
+    assert tp[-1]["val_loss"] == pytest.approx(dp[-1]["val_loss"], rel=LOSS_TOLERANCE)
+    expected = Checkpointer(uri=f"file://{dp_root}/ckpt").load().full_state()["model"]
+    actual = Checkpointer(uri=f"file://{tp_root}/ckpt").load().full_state()["model"]
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.allclose(actual[name], expected[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_a_tensor_parallel_gpt_checkpoint_exports_as_a_hugging_face_gpt2(runs, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from test_export_hf_checkpoints import logits_difference
+
+    from batchpilot.models.factory import build_model
+
+    root = runs[2][0]
+    exported = run_batchpilot(
+        "export", "--plan", str(root / "plan.json"), "--format", "hf", "--out", str(tmp_path)
+    )
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    ours = build_model(factory=GPT["factory"], args=GPT["args"])
+    ours.load_state_dict(Checkpointer(uri=f"file://{root}/ckpt").load().full_state()["model"])
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    assert logits_difference(theirs, ours, seq=32) <= 1e-4
