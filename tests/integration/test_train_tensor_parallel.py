@@ -46,22 +46,24 @@ were seen to differ by < 2e-8. 1e-5 leaves room for that drift, and a wrong spli
 the wrong rank, a gradient counted twice) moves the first loss by more than 1e-3."""
 
 
-def config(data_uri: str, root: Path, *, tensor_parallel_size: int) -> dict:
-    """One stage of 16 steps at global batch 32 on 2 nodes x 2 processes, micro batch 2, checkpointing every
-    4 steps, the tiny Llama under fsdp."""
+def config(
+    data_uri: str, root: Path, *, tensor_parallel_size: int, model: dict = LLAMA, steps: int = STEPS
+) -> dict:
+    """One stage of `steps` steps at global batch 32 on 2 nodes x 2 processes, micro batch 2, checkpointing
+    every 4 steps, the tiny Llama (or `model`) under fsdp."""
     result = tiny_config(
         data_uri=data_uri,
         checkpoint_uri=f"file://{root}/ckpt",
         batch__global_batch_size=32,
         batch__micro_batch_size=2,
         batch__schedule=None,
-        train__total_samples=32 * STEPS,
+        train__total_samples=32 * steps,
         train__checkpoint_every_steps=4,
         train__parallelism="fsdp",
         train__measure_coherence=True,
         train__tensor_parallel_size=tensor_parallel_size,
     )
-    result["model"] = LLAMA
+    result["model"] = model
     result["cluster"]["devices_per_node"] = 2
     return result
 
@@ -70,13 +72,13 @@ def train_final(plan: str, out: Path):
     return run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
 
 
-@pytest.fixture(scope="module")
-def runs(demo_data_uri, tmp_path_factory):
-    """The uninterrupted runs at tensor_parallel_size 1 (dp 4) and 2 (dp 2), each on 2 nodes x 2 processes."""
+def tp_runs(data_uri: str, tmp_path_factory, *, name: str, **settings) -> dict[int, tuple[Path, str]]:
+    """The uninterrupted runs at tensor_parallel_size 1 (dp 4) and 2 (dp 2), each on 2 nodes x 2 processes:
+    {tp: (root, log)}; `settings` go to `config`."""
     roots = {}
     for tp in (1, 2):
-        root = tmp_path_factory.mktemp(f"tp{tp}")
-        plan = write_plan(root, config(demo_data_uri, root, tensor_parallel_size=tp))
+        root = tmp_path_factory.mktemp(f"{name}{tp}")
+        plan = write_plan(root, config(data_uri, root, tensor_parallel_size=tp, **settings))
         document = json.loads(Path(plan).read_text())
         assert document.get("tensor_parallel_size", 1) == tp
         assert [(s["num_nodes"], s["world_size"], s["data_parallel_size"]) for s in document["stages"]] == [
@@ -86,6 +88,12 @@ def runs(demo_data_uri, tmp_path_factory):
         assert result.returncode == 0, result.stdout[-3000:]
         roots[tp] = (root, result.stdout)
     return roots
+
+
+@pytest.fixture(scope="module")
+def runs(demo_data_uri, tmp_path_factory):
+    """The Llama's uninterrupted runs at tensor_parallel_size 1 and 2 (`tp_runs`)."""
+    return tp_runs(demo_data_uri, tmp_path_factory, name="tp")
 
 
 def test_tp2_x_dp2_trains_as_dp4_does(runs):

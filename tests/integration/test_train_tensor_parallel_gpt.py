@@ -13,16 +13,13 @@ its retry) is tested with the Llama in test_train_tensor_parallel.py.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from test_train_tensor_parallel import LOSS_TOLERANCE, train_final
+from test_train_tensor_parallel import LOSS_TOLERANCE, tp_runs
 
 from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
-from helpers import run_batchpilot, tiny_config, write_plan
+from helpers import run_batchpilot
 
 pytestmark = pytest.mark.slow
 
@@ -33,37 +30,10 @@ GPT = {
 }
 
 
-def config(data_uri: str, root: Path, *, tensor_parallel_size: int) -> dict:
-    """One stage of 8 steps at global batch 32 on 2 nodes x 2 processes, micro batch 2, the GPT under fsdp."""
-    result = tiny_config(
-        data_uri=data_uri,
-        checkpoint_uri=f"file://{root}/ckpt",
-        batch__global_batch_size=32,
-        batch__micro_batch_size=2,
-        batch__schedule=None,
-        train__total_samples=32 * STEPS,
-        train__checkpoint_every_steps=4,
-        train__parallelism="fsdp",
-        train__tensor_parallel_size=tensor_parallel_size,
-    )
-    result["model"] = GPT
-    result["cluster"]["devices_per_node"] = 2
-    return result
-
-
 @pytest.fixture(scope="module")
 def runs(demo_data_uri, tmp_path_factory):
-    """The uninterrupted runs at tensor_parallel_size 1 (dp 4) and 2 (dp 2), each on 2 nodes x 2 processes."""
-    roots = {}
-    for tp in (1, 2):
-        root = tmp_path_factory.mktemp(f"gpt-tp{tp}")
-        plan = write_plan(root, config(demo_data_uri, root, tensor_parallel_size=tp))
-        document = json.loads(Path(plan).read_text())
-        assert [(s["num_nodes"], s["data_parallel_size"]) for s in document["stages"]] == [(2, 4 // tp)]
-        result = train_final(plan, root / "out")
-        assert result.returncode == 0, result.stdout[-3000:]
-        roots[tp] = (root, result.stdout)
-    return roots
+    """The GPT's uninterrupted runs at tensor_parallel_size 1 and 2, 8 steps each."""
+    return tp_runs(demo_data_uri, tmp_path_factory, name="gpt-tp", model=GPT, steps=STEPS)
 
 
 def test_a_gpt_at_tp2_x_dp2_trains_as_dp4_does(runs):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -92,91 +93,94 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _apply_to_llama(model: Llama, mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    tied = model.output.weight is model.tok_embeddings.weight
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for block in model.blocks:
-        parallelize_module(
-            block,
-            mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            },
-        )
-    if tied:  # each side was distributed on its own: one vocabulary-split parameter again
-        model.output.weight = model.tok_embeddings.weight
+    _split(model, mesh, embedding="tok_embeddings", final_norm="norm", head="output", block_plan=_llama_block)
 
 
 def _apply_to_gpt(model: GPT, mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    tied = model.head.weight is model.wte.weight
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "ln_f": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for block in model.blocks:
-        parallelize_module(
-            block,
-            mesh,
-            {
-                "ln_1": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-                "ln_2": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp.0": ColwiseParallel(),
-                "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+    _split(model, mesh, embedding="wte", final_norm="ln_f", head="head", block_plan=_gpt_block)
     _positions_of_each_part(model.wpe, mesh)
     blocks: Any = model.blocks
     for block in blocks:
         _fused_columnwise(block.attn.qkv, mesh, parts=3)
-    if tied:
-        model.head.weight = model.wte.weight
+
+
+def _split(
+    model: nn.Module, mesh: DeviceMesh, *, embedding: str, final_norm: str, head: str,
+    block_plan: Callable[[], dict[str, Any]],
+) -> None:  # fmt: skip
+    """What the plans share: the token embedding split over the vocabulary (its output scattered along the
+    sequence), the final norm sequence-parallel, the head column-parallel with the logits gathered whole, and
+    each block split by `block_plan`; a tied embedding and head share one vocabulary-split parameter again."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tied = getattr(model, head).weight is getattr(model, embedding).weight
+    parallelize_module(
+        model,
+        mesh,
+        {
+            embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            final_norm: SequenceParallel(),
+            head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    blocks: Any = model.blocks
+    for block in blocks:
+        parallelize_module(block, mesh, block_plan())
+    if tied:  # each side was distributed on its own: one vocabulary-split parameter again
+        getattr(model, head).weight = getattr(model, embedding).weight
+
+
+def _llama_block() -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def _gpt_block() -> dict[str, Any]:
+    """The GPT's block but its fused QKV (`_fused_columnwise`, applied after)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "ln_1": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_2": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
