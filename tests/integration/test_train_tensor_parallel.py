@@ -96,28 +96,35 @@ def runs(demo_data_uri, tmp_path_factory):
     return tp_runs(demo_data_uri, tmp_path_factory, name="tp")
 
 
-def test_tp2_x_dp2_trains_as_dp4_does(runs):
+def assert_tp_trains_as_dp(runs: dict[int, tuple[Path, str]], *, steps: int) -> tuple[list[dict], str]:
+    """The tp 2 x dp 2 run of `tp_runs` trained the dp 4 run's losses, gradient norms, validation loss and final
+    weights; returns its metrics and log."""
     (dp_root, _), (tp_root, log) = runs[1], runs[2]
     assert "fsdp: parameters sharded 2 ways, each block split 2 ways (tensor parallel)" in log
-    assert "batch 32 = 2 x 2 x 8" in log  # micro x data-parallel ranks x accumulation
     dp = read_metrics(dp_root / "out" / "metrics.jsonl")
     tp = read_metrics(tp_root / "out" / "metrics.jsonl")
-    assert len(dp) == len(tp) == STEPS
+    assert len(dp) == len(tp) == steps
     for a, b in zip(dp, tp, strict=True):
         assert (a["consumed_samples"], a["world_size"], b["world_size"]) == (b["consumed_samples"], 4, 2)
         assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_TOLERANCE), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=LOSS_TOLERANCE), a["step"]
     assert tp[-1]["val_loss"] == pytest.approx(dp[-1]["val_loss"], rel=LOSS_TOLERANCE)
-    # The noise scale from the first pass over the 2 data-parallel ranks (4 samples), coherence from two.
-    assert sum(r["noise_scale"] is not None for r in tp) > STEPS // 2
-    assert all(-1 <= r["gradient_coherence"] <= 1 for r in tp)
-    checkpoint = Checkpointer(uri=f"file://{tp_root}/ckpt").load()
-    assert checkpoint.meta["tensor_parallel_size"] == 2 and checkpoint.meta["world_size"] == 2
     expected = Checkpointer(uri=f"file://{dp_root}/ckpt").load().full_state()["model"]
-    actual = checkpoint.full_state()["model"]
+    actual = Checkpointer(uri=f"file://{tp_root}/ckpt").load().full_state()["model"]
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.allclose(actual[name], expected[name], rtol=1e-4, atol=1e-6), name
+    return tp, log
+
+
+def test_tp2_x_dp2_trains_as_dp4_does(runs):
+    tp, log = assert_tp_trains_as_dp(runs, steps=STEPS)
+    assert "batch 32 = 2 x 2 x 8" in log  # micro x data-parallel ranks x accumulation
+    # The noise scale from the first pass over the 2 data-parallel ranks (4 samples), coherence from two.
+    assert sum(r["noise_scale"] is not None for r in tp) > STEPS // 2
+    assert all(-1 <= r["gradient_coherence"] <= 1 for r in tp)
+    checkpoint = Checkpointer(uri=f"file://{runs[2][0]}/ckpt").load()
+    assert checkpoint.meta["tensor_parallel_size"] == 2 and checkpoint.meta["world_size"] == 2
 
 
 def test_a_tensor_parallel_checkpoint_exports_as_a_hugging_face_llama(runs, tmp_path):

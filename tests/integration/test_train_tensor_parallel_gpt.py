@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_train_tensor_parallel import LOSS_TOLERANCE, tp_runs
+from test_train_tensor_parallel import assert_tp_trains_as_dp, tp_runs
 
-from batchpilot.runstate import read_metrics
 from batchpilot.train.checkpoint import Checkpointer
 from helpers import run_batchpilot
 
@@ -37,21 +36,7 @@ def runs(demo_data_uri, tmp_path_factory):
 
 
 def test_a_gpt_at_tp2_x_dp2_trains_as_dp4_does(runs):
-    (dp_root, _), (tp_root, log) = runs[1], runs[2]
-    assert "fsdp: parameters sharded 2 ways, each block split 2 ways (tensor parallel)" in log
-    dp = read_metrics(dp_root / "out" / "metrics.jsonl")
-    tp = read_metrics(tp_root / "out" / "metrics.jsonl")
-    assert len(dp) == len(tp) == STEPS
-    for a, b in zip(dp, tp, strict=True):
-        assert (a["consumed_samples"], a["world_size"], b["world_size"]) == (b["consumed_samples"], 4, 2)
-        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_TOLERANCE), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=LOSS_TOLERANCE), a["step"]
-    assert tp[-1]["val_loss"] == pytest.approx(dp[-1]["val_loss"], rel=LOSS_TOLERANCE)
-    expected = Checkpointer(uri=f"file://{dp_root}/ckpt").load().full_state()["model"]
-    actual = Checkpointer(uri=f"file://{tp_root}/ckpt").load().full_state()["model"]
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert torch.allclose(actual[name], expected[name], rtol=1e-4, atol=1e-6), name
+    assert_tp_trains_as_dp(runs, steps=STEPS)
 
 
 def test_a_tensor_parallel_gpt_checkpoint_exports_as_a_hugging_face_gpt2(runs, tmp_path):
