@@ -134,7 +134,7 @@ def test_under_argos_default_a_deleted_train_task_is_not_retried_and_the_rehears
     assert code == 1, out[-6000:]
     lines = lines_of(out)
     line = lines["train task pod deleted"]
-    assert ": train task pod deleted: FAILED: deleted the train task's pod " in line, line
+    assert ": train task pod deleted: FAILED: deleted the train task's pod " in line, out[-6000:]
     assert "Argo did not retry it and the run ended FAILED" in line and "argo retries" in line, line
     for name in ("stage change", "terminate", "clean up"):
         # the whole rehearsal's tail on failure: a stage change that failed once under load said too little

@@ -184,7 +184,7 @@ def test_the_writer_serializes_a_shard_straight_into_its_file_without_a_copy_in_
 @pytest.mark.skipif(
     not Path("/proc/sys/kernel/sched_autogroup_enabled").exists()
     or Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() != "1"
-    or Path("/proc/self/autogroup").read_text().split()[-1] != "0",
+    or Path("/proc/self/autogroup").read_text().split()[-1:] != ["0"],
     reason="the kernel groups no sessions for scheduling here (no autogroup), or this test runs reniced",
 )
 def test_the_writer_runs_at_lower_priority_than_the_trainer_also_across_session_groups(tmp_path):

@@ -114,6 +114,10 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference, demo_data_u
     result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"resumed from step {checkpointed.step}" in result.stdout
+    # each save says where its process started: the rehearsal tells a restart's saves from its predecessor's
+    final = Checkpointer(uri=f"file://{tmp_path}/ckpt").load()
+    assert checkpointed.meta["resumed_from_step"] is None
+    assert final is not None and final.meta["resumed_from_step"] == checkpointed.step
     assert_identical_to(reference, tmp_path)
 
 

@@ -158,6 +158,46 @@ def latest_step(checkpoint_uri: str) -> int | None:
     return latest(open_storage(checkpoint_uri))
 
 
+def _saves(checkpoint_uri: str) -> list[tuple[int, dict[str, Any]]]:
+    """Every committed step with its meta (a step pruned while read is left out)."""
+    from batchpilot.runstate import committed_steps, read_meta
+    from batchpilot.storage import ObjectNotFound, open_storage
+
+    storage = open_storage(checkpoint_uri)
+    saves = []
+    for step in committed_steps(storage):
+        try:
+            saves.append((step, read_meta(storage, step)))
+        except ObjectNotFound:
+            continue
+    return saves
+
+
+def saved_before(checkpoint_uri: str, *, after_step: int) -> list[int]:
+    """The committed steps after `after_step` that a trainer which had not resumed from `after_step` or
+    later saved (their meta's `resumed_from_step`: None, a start from scratch, or an earlier step). A meta
+    without the field (an image older than this command) says nothing either way."""
+    return [
+        step
+        for step, meta in _saves(checkpoint_uri)
+        if step > after_step
+        and "resumed_from_step" in meta
+        and (meta["resumed_from_step"] is None or meta["resumed_from_step"] < after_step)
+    ]
+
+
+def resumed_from(checkpoint_uri: str) -> int | None:
+    """The step the first trainer that resumed started from, as its saves' meta says (None: no save by a
+    resumed trainer yet). A rehearsal's first stage starts from scratch in a folder of its own, so a save
+    with `resumed_from_step` set was made after a restart."""
+    points = [
+        meta["resumed_from_step"]
+        for _, meta in _saves(checkpoint_uri)
+        if meta.get("resumed_from_step") is not None
+    ]
+    return min(points) if points else None
+
+
 def pool_size(cluster: ClusterConfig) -> int:
     from batchpilot.cluster.gke import gke_node_pool
 

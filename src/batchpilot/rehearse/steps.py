@@ -19,7 +19,16 @@ from batchpilot.cluster.labels import STAGE_LABEL
 from batchpilot.config import Config, parse_config
 from batchpilot.doctor.core import Check, fail, ok, one_line, skip
 from batchpilot.errors import BatchpilotError
-from batchpilot.rehearse.cluster import ClusterView, KfpRuns, Pod, latest_step, pool_size, pool_target
+from batchpilot.rehearse.cluster import (
+    ClusterView,
+    KfpRuns,
+    Pod,
+    latest_step,
+    pool_size,
+    pool_target,
+    resumed_from,
+    saved_before,
+)
 from batchpilot.rehearse.shape import Target, rehearsal_config, rehearsal_root
 
 logger = logging.getLogger(__name__)
@@ -269,30 +278,38 @@ class Rehearsal:
                         "the stage ended before the rehearsal could disturb it: lower --pace-s's speed-up")  # fmt: skip
         step = latest_step(uri)
         view.delete_pod(pods[0].name)
-        restarted = wait_for(
-            f"pod of JobSet {jobset}'s next attempt Running",
-            lambda: [
-                p for p in view.trainer_pods(jobset) if p.restart_attempt != "0" and p.phase == "Running"
-            ],
-            timeout_s=self.options.step_timeout_s,
-        )
-        resumed = wait_for(
-            f"resume line in the logs of JobSet {jobset}'s restarted pod(s)",
-            lambda: logged(view, restarted, RESUMED), timeout_s=self.options.step_timeout_s,
+        at, how = wait_for(
+            f"resume of JobSet {jobset}'s next attempt (a resume line in its pods' logs, or a save of theirs)",
+            lambda: self._resume_point(jobset, uri), timeout_s=self.options.step_timeout_s,
         )  # fmt: skip
-        at = latest_step(uri)
-        if int(resumed.group(1)) not in (step, at) or int(resumed.group(1)) < (step or 0):
+        # The restart resumes from the last save of the attempt it replaces (its SIGTERM save, else the one
+        # before the delete). Saves after the resume point are the restarted trainers' own unless their meta
+        # says a trainer that started earlier wrote them: the restart then skipped a newer checkpoint. (The
+        # newest step alone cannot tell: the restarted trainers may have saved again before it is read.)
+        skipped = saved_before(uri, after_step=at)
+        if at < (step or 0) or skipped:
             return fail(
                 "trainer pod deleted",
-                f"deleted pod {pods[0].name} at checkpoint step {step}; the restart resumed from step "
-                f"{resumed.group(1)}", "a restart must resume from the last committed checkpoint: report it",
+                f"deleted pod {pods[0].name} at checkpoint step {step}; the restart resumed from step {at}"
+                + (f", not from step {max(skipped)} its predecessor saved" if skipped else ""),
+                "a restart must resume from the last committed checkpoint: report it",
             )  # fmt: skip
         return ok(
             "trainer pod deleted",
-            f"deleted pod {pods[0].name} after step {step}'s checkpoint; JobSet {jobset} restarted (attempt "
-            f"{restarted[0].restart_attempt}) and resumed from step {resumed.group(1)} ({resumed.group(2)} samples), "
-            "the last checkpoint committed (the trainers save one on SIGTERM)",
+            f"deleted pod {pods[0].name} after step {step}'s checkpoint; JobSet {jobset} restarted and resumed "
+            f"from step {at} ({how}), the last checkpoint committed (the trainers save one on SIGTERM)",
         )
+
+    def _resume_point(self, jobset: str, uri: str) -> tuple[int, str] | None:
+        """Where the restarted trainers resumed from: their resume line while their pods are there (Running,
+        or done already: the stage's rest can end between two polls), else the meta of a save of theirs (the
+        JobSet may be gone with its pods by then)."""
+        restarted = [p for p in self.view.trainer_pods(jobset) if p.restart_attempt != "0"]
+        match = logged(self.view, restarted, RESUMED)
+        if match is not None:
+            return int(match.group(1)), f"{match.group(2)} samples, a restarted pod's log"
+        step = resumed_from(uri)
+        return None if step is None else (step, "the meta of the restarted trainers' saves")
 
     def stage_change(self) -> Check:
         view = self.view

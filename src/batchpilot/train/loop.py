@@ -63,6 +63,10 @@ class TrainingLoop:
     consumed: int
     step: int
     audit_dir: Path | None
+    resumed_from: int | None = None
+    """The checkpoint step this process started from (None: from scratch). In each save's meta it tells one
+    process's saves from another's: the rehearsal checks a restarted trainer resumed from the last save of
+    the one it replaced."""
     flops_per_token: float = 0.0
     peak_flops: float | None = None
     noise: NoiseScaleEMA = field(default_factory=NoiseScaleEMA)
@@ -459,6 +463,7 @@ class TrainingLoop:
                 else {}
             ),
             "stage": self.plan.stage_at(self.consumed - 1).index,
+            "resumed_from_step": self.resumed_from,
             "data_order": data_order(self.config),
             "run": run_record(self.config),
             "noise_scale_ema": self.noise.state_dict(),

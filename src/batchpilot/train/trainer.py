@@ -126,6 +126,7 @@ def train(
         lr=plan.lr_schedule,
         consumed=consumed,
         step=checkpoint.step if checkpoint else 0,
+        resumed_from=checkpoint.step if checkpoint else None,
         audit_dir=audit_dir,
         validator=validator if validator.enabled else None,
         flops_per_token=model_flops_per_token(config),
