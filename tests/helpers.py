@@ -150,6 +150,21 @@ def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout_s:
     raise AssertionError(f"{metrics} did not reach {steps} steps")
 
 
+def wait_for_checkpoint(uri: str, proc: subprocess.Popen, timeout_s: float = 120) -> int:
+    """Waits until a checkpoint under `uri` is committed and returns its step, failing with the job's output
+    if it ends first (saves are asynchronous: on a loaded machine the first may commit steps after it began)."""
+    from batchpilot.train.checkpoint import Checkpointer
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        step = Checkpointer(uri=uri).latest_step()
+        if step is not None:
+            return step
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint committed under {uri} within {timeout_s:g} s")
+
+
 SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
 """Published CRDs the rendered objects are validated against (sources in its README.md)."""
 

@@ -24,6 +24,7 @@ from helpers import (
     run_batchpilot,
     tiny_config,
     trainer_ranks,
+    wait_for_checkpoint,
     wait_for_steps,
     write_plan,
 )
@@ -107,6 +108,7 @@ def test_kill_9_under_fsdp_then_resume_is_identical(runs, demo_data_uri, tmp_pat
     victim_step, victim_rank = fault_rng.randint(5, STEPS - 6), fault_rng.choice([0, 1])
     proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", victim_step, proc)
+    wait_for_checkpoint(f"file://{tmp_path}/ckpt", proc)  # the resume below must have one to start from
     os.kill(trainer_ranks(str(out))[victim_rank], signal.SIGKILL)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, output
