@@ -77,6 +77,7 @@ class ClusterSim(WorkloadControllers):
     pool_history: list[tuple[str, int]] = field(default_factory=list)  # (pool, nodes) after each setSize
     daemon_pods: dict[Key, dict[str, Any]] = field(default_factory=dict)  # system DaemonSets' pods, per node
     provisioning: Any = None  # a provisioning_controller.ProvisioningController: GKE's queued provisioning
+    kueue: Any = None  # a kueue_controller.KueueController: Kueue's queues and Workloads
 
     # -- node pools ---------------------------------------------------------------------------
     def add_pool(self, name: str, *, zones: list[str], machine_type: str, spot: bool = False) -> None:
@@ -295,6 +296,8 @@ class ClusterSim(WorkloadControllers):
     def reconcile(self) -> None:
         """One pass of every controller: JobSets, Jobs, the scheduler, the kubelet."""
         with self.lock:
+            if self.kueue is not None:
+                self.kueue.reconcile(self)
             for key in list(self.jobsets):
                 self._reconcile_jobset(key)
             for key in list(self.jobs):

@@ -76,6 +76,7 @@ def simulated_gke(
     gpu_delay_s: float = 0.0,
     scale_down_unneeded_s: float = 600.0,
     run_pods_in: Path | None = None,
+    kueue: Any = None,
 ) -> Iterator[SimulatedGke]:
     """The simulated cluster; with `run_pods_in` (a folder) bound pods run there as local processes."""
     kubelet = LocalKubelet(workdir=run_pods_in) if run_pods_in else None
@@ -86,6 +87,7 @@ def simulated_gke(
         scale_down_unneeded_s=scale_down_unneeded_s,
         kubelet=kubelet,
         provisioning=ProvisioningController(),
+        kueue=kueue,
     )
     with (
         container_server_running(sim=sim) as container,

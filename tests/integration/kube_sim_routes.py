@@ -8,8 +8,9 @@ Shapes follow the Kubernetes API conventions (kubernetes.io docs "API Concepts")
 
 Routes: nodes (list, get); pods (list in a namespace or all, create, get, delete, log); events (list);
 batch/v1 Jobs (list, get); JobSets jobset.x-k8s.io/v1alpha2 (create, list, get, delete); with GKE's queued
-provisioning (`sim.provisioning`), PodTemplates and ProvisioningRequests (provisioning_controller.py). A JobSet create
-passes the API server's name check and the JobSet webhook's name rules first (`jobset_webhook.py`).
+provisioning (`sim.provisioning`), PodTemplates and ProvisioningRequests (provisioning_controller.py); with Kueue
+(`sim.kueue`), its objects (kueue_controller.py). A JobSet create passes Kueue's webhook (a queued JobSet is
+suspended), the API server's name check and the JobSet webhook's name rules first (`jobset_webhook.py`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def route(
         with sim.lock:
             sim.reconcile()
             return sim.provisioning.route(sim, method, path, query, body)  # type: ignore[no-any-return]
+    if sim.kueue is not None and sim.kueue.serves(path):  # Kueue's queues and Workloads
+        with sim.lock:
+            sim.reconcile()
+            return sim.kueue.route(method, path, query)  # type: ignore[no-any-return]
     for name, pattern in ROUTES:
         if match := pattern.match(path):
             with sim.lock:
@@ -121,7 +126,10 @@ def _create(sim: ClusterSim, route: str, ns: str, body: Any) -> tuple[int, Any]:
     objects = {"pods": sim.pods, "jobsets": sim.jobsets}.get(route)
     if objects is None:
         return 405, status(405, "MethodNotAllowed", f"creating {route} is not simulated")
-    # Validation and validating admission come before storage, hence before AlreadyExists (store.go).
+    # Mutating admission (Kueue's JobSet webhook), then validation and validating admission, all before
+    # storage, hence before AlreadyExists (store.go).
+    if route == "jobsets" and sim.kueue is not None and (denied := sim.kueue.admit_jobset(body)):
+        return 422, denied
     if route == "jobsets" and (denied := jobset_webhook.admit_create(body)):
         return 422, denied
     if name and (ns, name) in objects:

@@ -568,3 +568,53 @@ def test_argo_retries_are_skipped_when_the_caller_may_not_read_the_configmap(gke
     assert (
         "argo retries: skipped: the caller may not read ConfigMap kubeflow/workflow-controller-configmap (HTTP 403)"
     ) in lines
+
+
+def with_kueue(cluster: SimulatedGke, *, gpus: str = "16", accelerator: str = "nvidia-h100-80gb") -> None:
+    """Kueue on the simulated cluster: LocalQueue team-a in batchpilot, ClusterQueue team with `gpus` GPUs of
+    quota in flavor h100 (for `accelerator` nodes)."""
+    from kueue_controller import KueueController
+
+    kueue = KueueController()
+    kueue.add_flavor("h100", node_labels={"cloud.google.com/gke-accelerator": accelerator})
+    kueue.add_cluster_queue(
+        "team", quota={"h100": {"cpu": "1000", "memory": "10000Gi", "nvidia.com/gpu": gpus}}
+    )
+    kueue.add_local_queue("batchpilot", "team-a", cluster_queue="team")
+    cluster.sim.kueue = kueue
+
+
+def test_a_kueue_queue_that_can_hold_the_largest_launch_passes(gke, tmp_path, capsys):
+    with_kueue(gke)
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", kueue_queue="team-a")
+    _, lines = doctor(tmp_path, capsys, config)
+    assert status_of(lines)["kueue"] == "passed", lines
+    assert "kueue: passed: LocalQueue team-a in batchpilot can hold the largest launch (2 node(s))" in lines
+    assert status_of(lines)["rbac"] == "passed"  # the reads of the queue and the Workloads are reviewed too
+    reviews = [b["spec"]["resourceAttributes"] for _, path, _, b in gke.kube.state.requests
+               if path.endswith("selfsubjectaccessreviews")]  # fmt: skip
+    assert {"verb": "get", "group": "kueue.x-k8s.io", "resource": "clusterqueues"} in reviews
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ({"gpus": "8"}, "kueue: FAILED: cluster.kueue_queue: a launch on 2 node(s) asks LocalQueue team-a for "
+                        "nvidia.com/gpu 16; ClusterQueue team can never hold it: flavor h100: nvidia.com/gpu 16 > 8"),
+        ({"accelerator": "nvidia-a100-80gb"}, "kueue: FAILED: cluster.kueue_queue: a launch on 2 node(s) asks "
+         "LocalQueue team-a for nvidia.com/gpu 16; ClusterQueue team can never hold it: flavor h100 is for "
+         "nvidia-a100-80gb nodes"),
+        (None, "kueue: FAILED: cluster.kueue_queue: no LocalQueue team-a in namespace batchpilot (or Kueue v0.15 "
+               "or later is not installed)"),
+    ],
+)  # fmt: skip
+def test_a_kueue_queue_that_cannot_hold_the_largest_launch_is_named(gke, tmp_path, capsys, setup, expected):
+    if setup is not None:
+        with_kueue(gke, **setup)
+    else:
+        with_kueue(gke)
+        gke.sim.kueue.objects["localqueues"].clear()
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", kueue_queue="team-a")
+    code, lines = doctor(tmp_path, capsys, config)
+    found = [line for line in failed(lines) if line.startswith("kueue: ")]
+    assert code == 1 and found and found[0].startswith(expected), lines

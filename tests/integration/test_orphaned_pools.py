@@ -160,3 +160,28 @@ def test_an_orphaned_autoscaled_pool_gets_its_bounds_set_to_the_idle_size(gke, t
     assert not [
         r for r in gke.container.state.requests if r.path.endswith(":setSize") and r.body["nodeCount"] == 1
     ]
+
+
+def test_a_kueue_queue_whose_quota_can_never_hold_the_launch_refuses_before_the_pool_is_touched(gke):
+    """Issue #37: with `cluster.kueue_queue`, the LocalQueue's ClusterQueue is read before any node is asked
+    for; a launch its quota can never hold would wait for ever, so it is refused in one line, pool untouched."""
+    from kueue_controller import KueueController
+
+    kueue = KueueController()
+    kueue.add_flavor("h100", node_labels={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"})
+    kueue.add_cluster_queue("team", quota={"h100": {"nvidia.com/gpu": "8"}})
+    kueue.add_local_queue(NS, "team-a", cluster_queue="team")
+    gke.sim.kueue = kueue
+    base = config_of(gke, "alpha")
+    config = base.model_copy(update={"cluster": base.cluster.model_copy(update={"kueue_queue": "team-a"})})
+    calls = len(gke.container.state.requests)
+    with pytest.raises(BatchpilotError) as refused:
+        prepare_pool(config, num_nodes=2)
+    assert str(refused.value).startswith(
+        "cluster.kueue_queue: a launch on 2 node(s) asks LocalQueue team-a for nvidia.com/gpu 16; ClusterQueue team "
+        "can never hold it: flavor h100: nvidia.com/gpu 16 > 8"
+    )
+    assert gke.container.state.requests[calls:] == [] and gke.sim.pool_size("gpu") == 0
+    assert labels(gke) == {} and leases(gke) == []  # not claimed either
+    prepare_pool(config, num_nodes=1)  # 8 GPUs: the quota holds it
+    assert gke.sim.pool_size("gpu") == 1

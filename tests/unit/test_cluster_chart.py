@@ -118,6 +118,12 @@ def test_rbac_reads_nodes_pods_and_the_jobset_crd_cluster_wide_and_runs_jobsets_
             "resourceNames": ["jobsets.jobset.x-k8s.io"],
             "verbs": ["get"],
         },
+        # cluster.kueue_queue: the ClusterQueue behind the LocalQueue and its flavors, read-only
+        {
+            "apiGroups": ["kueue.x-k8s.io"],
+            "resources": ["clusterqueues", "resourceflavors"],
+            "verbs": ["get", "list"],
+        },
     ]
     rules = {
         (r["apiGroups"][0], res): set(r["verbs"])
@@ -369,8 +375,10 @@ def test_the_orphan_reaper_is_an_optional_hardened_cronjob_scaling_down_orphaned
         render({"orphanReaper": {"enabled": True, "every": 5}})  # values.schema.json: no unknown keys
 
 
-@pytest.mark.parametrize("provisioning", ["resize", "flex-start"])
-def test_the_chart_grants_every_permission_a_run_calls(provisioning):
+@pytest.mark.parametrize(
+    ("provisioning", "kueue"), [("resize", False), ("flex-start", False), ("resize", True)]
+)
+def test_the_chart_grants_every_permission_a_run_calls(provisioning, kueue):
     """The chart's Role (namespace) and ClusterRole grant each call `batchpilot doctor` checks, which lists
     what cluster/ calls, call site by call site (doctor/kube.py run_access)."""
     from batchpilot.doctor.kube import run_access
@@ -389,7 +397,7 @@ def test_the_chart_grants_every_permission_a_run_calls(provisioning):
         }
 
     role, cluster_role, task_pod = granted("-launcher"), granted("ClusterRole"), granted("-task-pod")
-    for access in run_access("jobset", provisioning):
+    for access in run_access("jobset", provisioning, kueue=kueue):
         resource = f"{access.resource}/{access.subresource}" if access.subresource else access.resource
         where = cluster_role if access.cluster_wide else task_pod if access.task_namespace else role
         assert (access.group, resource, access.verb) in where, access

@@ -91,3 +91,18 @@ def test_a_gke_config_is_checked_and_a_local_one_is_not():
     assert (
         line.startswith("cluster.node_pool: 'v6e") and "(fix: shorten cluster.node_pool to at most 36" in line
     )
+
+
+def test_a_priority_class_needs_a_queue_and_a_name_kueue_can_label():
+    assert gke_problems(kueue_queue="team-a", priority_class="high") == []
+    assert gke_problems(priority_class="high") == [
+        "cluster.priority_class: is a Kueue WorkloadPriorityClass and applies only to JobSets in a Kueue queue "
+        "(fix: set cluster.kueue_queue to the team's LocalQueue, or remove cluster.priority_class)"
+    ]
+    refused = gke_problems(kueue_queue="team-a", priority_class="High_Priority")
+    assert len(refused) == 1 and refused[0].startswith(
+        "cluster.priority_class: 'High_Priority' cannot name a"
+    )
+    assert gke_problems(kueue_queue="team-a", priority_class="p" * 64)[0].startswith(
+        "cluster.priority_class: "
+    )

@@ -34,12 +34,13 @@ from torchx.specs.api import AppDef, AppDryRunInfo, AppState, CfgVal, Role, macr
 from torchx.specs.overlays import apply_overlay, get_overlay
 from torchx.util.strings import normalize_str
 
+from batchpilot.cluster.kueue import PRIORITY_LABEL, QUEUE_LABEL
 from batchpilot.cluster.placement import harden_containers
 from batchpilot.exitcodes import EXIT_PREEMPTED
 from batchpilot.planning.names import jobset_problems
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL = QUEUE_LABEL, PRIORITY_LABEL
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -73,6 +74,9 @@ class JobSetOpts(StructuredOpts):
 
     queue: str | None = None
     """Kueue LocalQueue to submit to (adds the kueue.x-k8s.io/queue-name label); none: no Kueue."""
+
+    workload_priority_class: str | None = None
+    """Kueue WorkloadPriorityClass of the JobSet (the kueue.x-k8s.io/priority-class label), with `queue`."""
 
     service_account: str | None = None
     """Service account of the pods (a role's pod overlay may also set it)."""
@@ -222,6 +226,8 @@ def app_to_jobset(app: AppDef, opts: JobSetOpts, *, name: str | None = None) -> 
     }
     if opts.queue:
         metadata["labels"][KUEUE_QUEUE_LABEL] = opts.queue
+        if opts.workload_priority_class:
+            metadata["labels"][KUEUE_PRIORITY_LABEL] = opts.workload_priority_class
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "JobSet",

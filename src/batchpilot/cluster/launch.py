@@ -435,6 +435,8 @@ def cluster_scheduler(
         cfg: dict[str, object] = {"namespace": cluster.namespace, "service_account": cluster.service_account}
         if cluster.kueue_queue:
             cfg["queue"] = cluster.kueue_queue
+        if cluster.priority_class:
+            cfg["workload_priority_class"] = cluster.priority_class
         if labels:
             cfg["labels"] = dict(labels)
         return "jobset", cfg
@@ -530,6 +532,8 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
             with _capacity(runner, appdef, spec=spec, cluster=cluster, capacity_of=capacity_of) as capacity:
                 request = capacity_of.name if capacity_of is not None else None
                 handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster, request=request)
+                if cluster.launcher == "jobset" and cluster.kueue_queue:
+                    _admitted(handle, spec=spec, cluster=cluster)
                 code = follow(
                     runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
                     via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
@@ -551,6 +555,36 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
             if cluster.launcher == "jobset" and spec.labels:
                 delete_labelled(cluster, labels=stage_selector(spec.labels), wait_s=0.0, why="interrupted")
             raise
+
+
+def _admitted(handle: str, *, spec: LaunchSpec, cluster: ClusterConfig) -> None:
+    """Waits until Kueue admits the launch's JobSet (`cluster/kueue.py`), within `cluster.capacity_timeout_s`
+    (else `ready_timeout_s`); a JobSet Kueue refuses or has not admitted by then is deleted, so that nothing of
+    the launch stays queued, before the error is raised."""
+    from kubernetes import client
+    from torchx.specs.api import parse_app_handle
+
+    from batchpilot.cluster import kueue
+    from batchpilot.cluster.jobset import GROUP, VERSION
+    from batchpilot.cluster.readiness import kube_api_client
+
+    assert cluster.kueue_queue is not None
+    api = kube_api_client()
+    namespace, name = parse_app_handle(handle).app_id.split(":")
+    jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, "jobsets", name, _request_timeout=30
+    )
+    try:
+        kueue.wait_admitted(
+            kueue.Workloads(api, namespace=namespace), jobset=name, uid=jobset["metadata"]["uid"],
+            queue=cluster.kueue_queue, timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s,
+        )  # fmt: skip
+    except BatchpilotError:
+        if spec.labels:
+            delete_labelled(
+                cluster, labels=stage_selector(spec.labels), wait_s=0.0, why="not admitted by Kueue"
+            )
+        raise
 
 
 def _capacity(

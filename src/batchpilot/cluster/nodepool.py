@@ -86,6 +86,7 @@ _GKE_ONLY = (
     "node_pool",
     "accelerator_type",
     "kueue_queue",
+    "priority_class",
     "container_api_endpoint",
 )
 

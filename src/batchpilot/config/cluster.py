@@ -7,7 +7,9 @@ from typing import Literal
 
 from pydantic import (
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -16,6 +18,9 @@ from batchpilot.config.fields import ByteSize, PositiveInt, _Section
 MAX_NODES = 65_000
 """The most nodes a stage may plan for: GKE's largest cluster ("Plan for large GKE clusters": up to 65,000
 nodes). It also keeps every node walk of the planner bounded."""
+OMITTED_WHEN_UNSET = ("priority_class",)
+"""Settings added after the compiled pipelines' format settled: left out of a dump while unset, so that a
+pipeline compiled from a config without them stays byte-identical (a config read back gets the default)."""
 MAX_DEVICES_PER_NODE = 64
 """The most devices per node: the largest GPU machines have 16 (a2-megagpu-16g), TPU hosts 8; a local node
 is that many processes on one machine."""
@@ -92,6 +97,12 @@ class ClusterConfig(_Section):
     )
     kueue_queue: str | None = Field(
         None, description="gke: Kueue LocalQueue the JobSet is submitted to (none: no Kueue label)"
+    )
+    priority_class: str | None = Field(
+        None,
+        description="gke with kueue_queue: the Kueue WorkloadPriorityClass of the run's JobSets (label "
+        "kueue.x-k8s.io/priority-class); a higher one may preempt lower ones in the queue's ClusterQueue, and a "
+        "preempted launch resumes from its checkpoint once admitted again (none: Kueue's default priority)",
     )
     volcano_queue: str = Field("default", description="gke: Volcano queue when launcher is volcano")
     node_selector: dict[str, str] = Field(
@@ -214,6 +225,14 @@ class ClusterConfig(_Section):
                 "https://container.googleapis.com or http://127.0.0.1:8080 (an emulator)"
             )
         return value.rstrip("/") if value else value  # the client appends /v1/...
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
+        for name in OMITTED_WHEN_UNSET:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
     @model_validator(mode="after")
     def _min_le_max(self) -> ClusterConfig:

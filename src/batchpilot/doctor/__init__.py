@@ -26,6 +26,7 @@ from batchpilot.doctor.kube import (
     check_gpu_nodes,
     check_jobset_crd,
     check_kubernetes,
+    check_kueue,
     check_rbac,
 )
 from batchpilot.doctor.plan import check_cpus, check_plan, skip_cloud
@@ -64,6 +65,7 @@ def steps(config: Config) -> list[Step]:
         ("quota", check_quota),
         ("rbac", check_rbac),
         ("jobset crd", check_jobset_crd),
+        *([("kueue", check_kueue)] if config.cluster.kueue_queue else []),
         ("gpu driver", check_gpu_driver),
         ("gpu nodes", check_gpu_nodes),
         *storage,

@@ -86,9 +86,10 @@ class Access:
         return f"{self.verb} {what}{f' {self.name}' if self.name else ''} {where}"
 
 
-def run_access(launcher: str, provisioning: str = "resize") -> list[Access]:
+def run_access(launcher: str, provisioning: str = "resize", *, kueue: bool = False) -> list[Access]:
     """What batchpilot.cluster calls during a run, call by call (the Volcano launcher's own calls are
-    torchx's and not listed); with flex-start, the ProvisioningRequests and their PodTemplates too."""
+    torchx's and not listed); with flex-start, the ProvisioningRequests and their PodTemplates too; with
+    `kueue` (cluster.kueue_queue), what reads the queue and the launches' Workloads."""
     from batchpilot.cluster.crds import JOBSET_CRD
 
     jobsets = [
@@ -127,6 +128,18 @@ def run_access(launcher: str, provisioning: str = "resize") -> list[Access]:
             if provisioning == "flex-start"
             else []
         ),
+        # kueue.py: wait_admitted lists the launch's Workload; queue_problem reads the queue, its
+        # ClusterQueue and their flavors
+        *(
+            [
+                Access("list", "workloads", "kueue.x-k8s.io"),
+                Access("get", "localqueues", "kueue.x-k8s.io"),
+                Access("get", "clusterqueues", "kueue.x-k8s.io", cluster_wide=True),
+                Access("get", "resourceflavors", "kueue.x-k8s.io", cluster_wide=True),
+            ]
+            if kueue
+            else []
+        ),
     ]
 
 
@@ -140,7 +153,7 @@ def check_rbac(context: Context) -> Check:
     cluster = context.config.cluster
     authorization = client.AuthorizationV1Api(api)
     denied = []
-    needed = run_access(cluster.launcher, cluster.provisioning)
+    needed = run_access(cluster.launcher, cluster.provisioning, kueue=cluster.kueue_queue is not None)
     for access in needed:
         namespace = context.kfp_namespace if access.task_namespace else cluster.namespace
         attributes = client.V1ResourceAttributes(
@@ -178,6 +191,29 @@ def check_jobset_crd(context: Context) -> Check:
     return ok(
         "jobset crd",
         f"{crds.JOBSET_CRD} serves {crds.JOBSET_VERSION} with failurePolicy.rules ({crds.MIN_JOBSET_RELEASE} or later)",
+    )
+
+
+def check_kueue(context: Context) -> Check:
+    """With `cluster.kueue_queue`: the LocalQueue exists, its ClusterQueue too, and one of its flavors can
+    ever hold the plan's largest launch (`cluster/kueue.py` `queue_problem`)."""
+    from batchpilot.cluster.kueue import queue_problem
+
+    cluster = context.config.cluster
+    if cluster.kueue_queue is None:
+        return skip("kueue", "no cluster.kueue_queue")
+    api = kube_api(context, "kueue")
+    if isinstance(api, Check):
+        return api
+    largest = context.found.get("plan")
+    if largest is None:
+        return skip("kueue", "no plan")
+    problem = queue_problem(api, cluster, nodes=largest.num_nodes)
+    if problem is not None:
+        raise problem
+    return ok(
+        "kueue",
+        f"LocalQueue {cluster.kueue_queue} in {cluster.namespace} can hold the largest launch ({largest.num_nodes} node(s))",
     )
 
 

@@ -123,7 +123,7 @@ def cluster_config_problems(config: Config) -> list[BatchpilotError]:
         kueue_queue=cluster.kueue_queue, node_pool=cluster.node_pool, accelerator_type=cluster.accelerator_type,
         machine_type=cluster.machine_type, devices_per_node=cluster.devices_per_node,
         min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, data_uri=config.data.uri,
-        checkpoint_uri=config.train.checkpoint_uri,
+        checkpoint_uri=config.train.checkpoint_uri, priority_class=cluster.priority_class,
     )  # fmt: skip
     problems += provisioning_problems(
         provisioning=cluster.provisioning, backend=cluster.backend, launcher=cluster.launcher,

@@ -171,6 +171,7 @@ def cluster_problems(
     max_nodes: int,
     data_uri: str,
     checkpoint_uri: str,
+    priority_class: str | None = None,
 ) -> list[BatchpilotError]:
     """Every name a gke run would create that GKE, Kubernetes or the JobSet webhook would refuse, and
     storage its trainer pods cannot reach, one error each naming the field and the fix ([] off gke).
@@ -182,8 +183,9 @@ def cluster_problems(
     if backend != "gke":
         return []
     problems = name_problems(
-        run_name=run_name, namespace=namespace, kueue_queue=kueue_queue, max_nodes=max_nodes
-    )
+        run_name=run_name, namespace=namespace, kueue_queue=kueue_queue, max_nodes=max_nodes,
+        priority_class=priority_class,
+    )  # fmt: skip
     problems += node_pool_problems(
         node_pool=node_pool, accelerator_type=accelerator_type, machine_type=machine_type,
         devices_per_node=devices_per_node, min_nodes=min_nodes, max_nodes=max_nodes,
@@ -192,9 +194,15 @@ def cluster_problems(
 
 
 def name_problems(
-    *, run_name: str, namespace: str, kueue_queue: str | None, max_nodes: int
+    *,
+    run_name: str,
+    namespace: str,
+    kueue_queue: str | None,
+    max_nodes: int,
+    priority_class: str | None = None,
 ) -> list[BatchpilotError]:
-    """The run label, the JobSets and their Jobs and pods at `max_nodes`, the namespace and the queue label."""
+    """The run label, the JobSets and their Jobs and pods at `max_nodes`, the namespace, the queue and priority
+    labels (Kueue reads a priority class only beside a queue)."""
     problems: list[BatchpilotError] = []
     if not is_label_value(run_name):
         problems.append(
@@ -233,6 +241,26 @@ def name_problems(
                 f"{kueue_queue!r} cannot be the value of the kueue.x-k8s.io/queue-name label (at most 63 "
                 "letters, digits, '-', '_' or '.', a letter or digit at both ends)",
                 "use the name of a LocalQueue in cluster.namespace",
+            )
+        )
+    if priority_class is not None and kueue_queue is None:
+        problems.append(
+            BatchpilotError(
+                "cluster.priority_class",
+                "is a Kueue WorkloadPriorityClass and applies only to JobSets in a Kueue queue",
+                "set cluster.kueue_queue to the team's LocalQueue, or remove cluster.priority_class",
+            )
+        )
+    elif priority_class is not None and (
+        dns1123_subdomain_problems(priority_class) or not is_label_value(priority_class)
+    ):
+        problems.append(
+            BatchpilotError(
+                "cluster.priority_class",
+                f"{priority_class!r} cannot name a WorkloadPriorityClass (a DNS-1123 subdomain: at most 63 "
+                "lower case letters, digits, '-' or '.' here, as the value of the kueue.x-k8s.io/priority-class "
+                "label, a letter or digit at both ends)",
+                "use the name of a WorkloadPriorityClass of the cluster (`kubectl get workloadpriorityclasses`)",
             )
         )
     return problems

@@ -50,6 +50,15 @@ def prepare_pool(
         )
     if timeout_s is not None and timeout_s <= 0:
         raise BatchpilotError("--timeout-s", f"{timeout_s} is not positive", "give seconds > 0")
+    cluster = config.cluster
+    if cluster.backend == "gke" and cluster.kueue_queue and num_nodes > 0:
+        from batchpilot.cluster.kueue import queue_problem
+        from batchpilot.cluster.readiness import kube_api_client
+
+        # Before any node is asked for: a queue whose quota can never hold the launch would keep it waiting.
+        problem = queue_problem(kube_api_client(), cluster, nodes=num_nodes)
+        if problem is not None:
+            raise problem
     pool = node_pool_for(config, state_path=state_path)
     _claim(config, pool)
     started = time.monotonic()
@@ -58,7 +67,6 @@ def prepare_pool(
     pool.resize(num_nodes)
     # Flex-start (a ProvisioningRequest per launch) and autoscale mode (pending pods) bring the nodes
     # when the launch's job asks for them: the pool task neither resized nor waited for them.
-    cluster = config.cluster
     deferred = cluster.backend == "gke" and (
         cluster.provisioning == "flex-start" or cluster.pool_mode == "autoscale"
     )

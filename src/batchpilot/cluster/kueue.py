@@ -1,0 +1,301 @@
+"""Kueue admission (`cluster.kueue_queue`): a launch's JobSet is created suspended in the team's LocalQueue,
+and the launch waits until Kueue admits its Workload, saying what Kueue reports while it waits.
+
+Facts read from Kueue v0.19.2 (kubernetes-sigs/kueue; docs/research/kueue_trainer.md has them with their files):
+- the JobSet carries the label `kueue.x-k8s.io/queue-name` (a LocalQueue in its namespace) and optionally
+  `kueue.x-k8s.io/priority-class` (a WorkloadPriorityClass), and is created suspended; Kueue unsuspends it
+  when its Workload is admitted (pkg/controller/constants/constants.go, jobframework/defaults.go);
+- Kueue creates one Workload per JobSet, labelled `kueue.x-k8s.io/job-uid: <the JobSet's uid>`
+  (jobframework/utils.go `NewWorkload`); its API is `kueue.x-k8s.io/v1beta2` (the storage version since 0.16;
+  v1beta1 is still served and deprecated);
+- the Workload's conditions (apis/kueue/v1beta2/workload_types.go): QuotaReserved (False while it waits, its
+  message the flavor assigner's reason, e.g. insufficient unused quota), Admitted (True once quota is reserved
+  and every admission check is Ready), Evicted and Preempted (a higher-priority workload took the quota),
+  Requeued, Finished; `status.admissionChecks[]` with `name`, `state` (Pending, Ready, Retry, Rejected) and
+  `message`; a Workload whose `spec.active` is false is deactivated and will not be admitted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batchpilot.cluster.placement import GKE_ACCELERATOR_LABEL
+from batchpilot.config import ClusterConfig
+from batchpilot.errors import BatchpilotError
+
+logger = logging.getLogger(__name__)
+
+GROUP = "kueue.x-k8s.io"
+VERSION = "v1beta2"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+SHOWN = ("QuotaReserved", "Admitted", "Evicted", "Preempted", "Requeued")
+"""The conditions a waiting launch logs, in this order."""
+
+
+def _conditions(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c.get("type", ""): c for c in (workload.get("status") or {}).get("conditions") or []}
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where a Workload stands: `admitted`, `refused` (it will not be admitted: a Rejected admission check,
+    deactivated, finished), or neither (waiting); `state` says it in one line."""
+
+    admitted: bool
+    refused: bool
+    state: str
+
+
+def admission(workload: dict[str, Any]) -> Admission:
+    """The Workload's conditions and admission checks in one line, and whether it is admitted or refused."""
+    found = _conditions(workload)
+    parts = []
+    for kind in SHOWN:
+        if kind in found:
+            condition = found[kind]
+            why = ": ".join(filter(None, (condition.get("reason"), condition.get("message"))))
+            parts.append(f"{kind}={condition.get('status', '?')}" + (f" ({why})" if why else ""))
+    checks = (workload.get("status") or {}).get("admissionChecks") or []
+    for check in checks:
+        message = check.get("message")
+        parts.append(
+            f"check {check.get('name')}: {check.get('state', '?')}" + (f" ({message})" if message else "")
+        )
+    rejected = [c.get("name") for c in checks if c.get("state") == "Rejected"]
+    deactivated = (workload.get("spec") or {}).get("active") is False
+    finished = found.get("Finished", {}).get("status") == "True"
+    if deactivated:
+        parts.append("deactivated (spec.active: false)")
+    if finished:
+        parts.append("Finished")
+    return Admission(
+        admitted=found.get("Admitted", {}).get("status") == "True",
+        refused=bool(rejected) or deactivated or finished,
+        state="; ".join(parts) or "no condition yet (Kueue has not looked at it)",
+    )
+
+
+class Workloads:
+    """The Workloads of one namespace through the Kubernetes API."""
+
+    def __init__(self, api_client: Any, *, namespace: str) -> None:
+        from kubernetes import client
+
+        self.objects = client.CustomObjectsApi(api_client)
+        self.namespace = namespace
+
+    def of_job(self, uid: str) -> dict[str, Any] | None:
+        """The Workload Kueue made for the job whose uid is `uid` (None: none yet)."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            found = self.objects.list_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, "workloads", label_selector=f"{JOB_UID_LABEL}={uid}",
+                _request_timeout=30,
+            )  # fmt: skip
+        except ApiException as error:
+            if error.status == 404:
+                raise BatchpilotError(
+                    "cluster.kueue_queue",
+                    f"the cluster serves no {GROUP}/{VERSION} Workloads (HTTP 404): Kueue is not installed, or "
+                    "is older than v0.15",
+                    "install Kueue v0.15 or later, or remove cluster.kueue_queue",
+                ) from None
+            if error.status == 403:
+                raise BatchpilotError(
+                    "cluster.kueue_queue",
+                    f"the task's service account may not list workloads.{GROUP} in namespace {self.namespace} "
+                    "(HTTP 403)",
+                    "grant get and list on them to the KFP run's account (the chart's RBAC does)",
+                ) from None
+            raise
+        items: list[dict[str, Any]] = found.get("items") or []
+        return items[0] if items else None
+
+
+def wait_admitted(
+    workloads: Workloads,
+    *,
+    jobset: str,
+    uid: str,
+    queue: str,
+    timeout_s: float,
+    poll_s: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Waits until Kueue admits the Workload of JobSet `jobset` (uid `uid`), logging its state each time it
+    changes; raises in one line when Kueue refuses it (at once) or has not admitted it within `timeout_s`."""
+    deadline = clock() + timeout_s
+    said = ""
+    while True:
+        workload = workloads.of_job(uid)
+        if workload is None:
+            state = (
+                f"no Workload for it yet (Kueue makes one for a JobSet labelled {QUEUE_LABEL}: is its JobSet "
+                "integration enabled?)"
+            )
+            found = Admission(admitted=False, refused=False, state=state)
+        else:
+            found = admission(workload)
+        if found.state != said:
+            logger.info("Kueue, JobSet %s in LocalQueue %s: %s", jobset, queue, found.state)
+            said = found.state
+        if found.admitted:
+            return
+        if found.refused:
+            raise BatchpilotError(
+                "cluster.kueue_queue",
+                f"Kueue will not admit JobSet {jobset} in LocalQueue {queue}: {found.state}",
+                "see the Workload's events (`kubectl describe workloads -n NAMESPACE`) and the ClusterQueue's "
+                "admission checks",
+            )
+        if clock() >= deadline:
+            raise BatchpilotError(
+                "cluster.capacity_timeout_s",
+                f"Kueue did not admit JobSet {jobset} in LocalQueue {queue} within {timeout_s:g} s: {found.state}",
+                "raise cluster.capacity_timeout_s (the queue's quota is held by other workloads), or ask for "
+                "quota in the ClusterQueue behind the LocalQueue",
+            )
+        time.sleep(poll_s)
+
+
+# --- can the queue ever hold a launch ----------------------------------------------------------------
+
+
+def launch_needs(cluster: ClusterConfig, *, nodes: int) -> dict[str, float]:
+    """What a launch of `nodes` nodes asks of a queue's quota: the accelerators, and the CPUs and memory where
+    the config sizes the pods (`cpu_per_node`, `memory_per_node_bytes`; otherwise they come from the nodes)."""
+    from batchpilot.cluster.readiness import GPU_RESOURCE
+    from batchpilot.planning.tpu import TPU_RESOURCE_NAME, is_tpu
+
+    needs: dict[str, float] = {}
+    if cluster.accelerator_type is not None:
+        resource = TPU_RESOURCE_NAME if is_tpu(cluster.accelerator_type) else GPU_RESOURCE
+        needs[resource] = float(cluster.devices_per_node * nodes)
+    if cluster.cpu_per_node is not None:
+        needs["cpu"] = float(cluster.cpu_per_node * nodes)
+    if cluster.memory_per_node_bytes is not None:
+        needs["memory"] = float(cluster.memory_per_node_bytes * nodes)
+    return needs
+
+
+def quota_shortfall(
+    cluster_queue: dict[str, Any],
+    flavors: dict[str, dict[str, str]],
+    *,
+    needs: dict[str, float],
+    accelerator_type: str | None,
+) -> str | None:
+    """Why no flavor of `cluster_queue` can ever hold `needs` (None: one can). A flavor can when it covers every
+    needed resource with its nominal quota plus what it may borrow (`borrowingLimit`; a ClusterQueue in a
+    cohort with no limit may borrow without bound), and its node labels, where they name a GPU, name
+    `accelerator_type`. `flavors`: each ResourceFlavor's `spec.nodeLabels` (apis/kueue/v1beta2
+    clusterqueue_types.go and resourceflavor_types.go)."""
+    from kubernetes.utils import parse_quantity
+
+    spec = cluster_queue.get("spec") or {}
+    cohort = spec.get("cohortName")
+    name = cluster_queue["metadata"]["name"]
+    reasons = []
+    for group in spec.get("resourceGroups") or []:
+        covered = set(group.get("coveredResources") or [])
+        if not set(needs) <= covered:
+            continue
+        for flavor in group.get("flavors") or []:
+            labels = flavors.get(flavor["name"], {})
+            gpu = labels.get(GKE_ACCELERATOR_LABEL)
+            if gpu is not None and accelerator_type is not None and gpu != accelerator_type:
+                reasons.append(f"flavor {flavor['name']} is for {gpu} nodes")
+                continue
+            short = []
+            for quota in flavor.get("resources") or []:
+                if quota["name"] not in needs:
+                    continue
+                limit = quota.get("borrowingLimit")
+                if cohort and limit is None:
+                    continue  # may borrow from its cohort without a bound
+                most = float(parse_quantity(quota.get("nominalQuota", "0")))
+                most += float(parse_quantity(limit)) if cohort and limit is not None else 0.0
+                if needs[quota["name"]] > most:
+                    short.append(f"{quota['name']} {_amount(needs[quota['name']])} > {_amount(most)}")
+            if not short:
+                return None
+            reasons.append(f"flavor {flavor['name']}: {', '.join(short)}")
+    missing = sorted(
+        set(needs) - {r for g in spec.get("resourceGroups") or [] for r in g.get("coveredResources") or []}
+    )
+    if missing:
+        reasons.insert(0, f"no resource group covers {', '.join(missing)}")
+    return f"ClusterQueue {name} can never hold it: " + ("; ".join(reasons) or "it has no flavor")
+
+
+def _amount(value: float) -> str:
+    return f"{value:.0f}" if value >= 1e6 or value == int(value) else f"{value:g}"
+
+
+def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> BatchpilotError | None:
+    """The LocalQueue `cluster.kueue_queue`, its ClusterQueue and flavors as the cluster has them: an error
+    naming what is missing or short for a launch of `nodes` nodes, or None."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    assert cluster.kueue_queue is not None
+    objects = client.CustomObjectsApi(api_client)
+    queue, namespace = cluster.kueue_queue, cluster.namespace
+    try:
+        local = objects.get_namespaced_custom_object(
+            GROUP, VERSION, namespace, "localqueues", queue, _request_timeout=30
+        )
+    except ApiException as error:
+        if error.status == 404:
+            return BatchpilotError(
+                "cluster.kueue_queue",
+                f"no LocalQueue {queue} in namespace {namespace} (or Kueue v0.15 or later is not installed)",
+                f"use one of `kubectl get localqueues -n {namespace}`, or ask the cluster's admin for one",
+            )
+        raise
+    cq_name = (local.get("spec") or {}).get("clusterQueue", "")
+    try:
+        cluster_queue = objects.get_cluster_custom_object(
+            GROUP, VERSION, "clusterqueues", cq_name, _request_timeout=30
+        )
+    except ApiException as error:
+        if error.status == 404:
+            return BatchpilotError(
+                "cluster.kueue_queue",
+                f"LocalQueue {queue} points to ClusterQueue {cq_name!r}, which does not exist",
+                "ask the cluster's admin to create it or to point the LocalQueue at one",
+            )
+        raise
+    names = {
+        f["name"]
+        for g in (cluster_queue.get("spec") or {}).get("resourceGroups") or []
+        for f in g.get("flavors") or []
+    }
+    flavors = {}
+    for flavor in sorted(names):
+        try:
+            found = objects.get_cluster_custom_object(
+                GROUP, VERSION, "resourceflavors", flavor, _request_timeout=30
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            continue  # Kueue keeps such a ClusterQueue inactive; its Workloads say so while they wait
+        flavors[flavor] = dict((found.get("spec") or {}).get("nodeLabels") or {})
+    needs = launch_needs(cluster, nodes=nodes)
+    short = quota_shortfall(cluster_queue, flavors, needs=needs, accelerator_type=cluster.accelerator_type)
+    if short is None:
+        return None
+    asked = ", ".join(f"{r} {_amount(v)}" for r, v in sorted(needs.items()))
+    return BatchpilotError(
+        "cluster.kueue_queue",
+        f"a launch on {nodes} node(s) asks LocalQueue {queue} for {asked}; {short}",
+        "ask the cluster's admin for that quota, or plan fewer nodes (cluster.max_nodes)",
+    )

@@ -1,0 +1,313 @@
+"""Kueue in the simulated cluster: LocalQueues, ClusterQueues with quota per ResourceFlavor, and a Workload
+per queued JobSet, admitted as Kueue v0.19.2 admits it (kubernetes-sigs/kueue at tag v0.19.2; the files named
+per rule; docs/research/kueue_trainer.md has more).
+
+Rules:
+- the JobSet webhook (pkg/controller/jobs/jobset/jobset_webhook.go, jobframework/defaults.go
+  `ApplyDefaultForSuspend`): on create, a JobSet labelled `kueue.x-k8s.io/queue-name` is suspended
+  (`spec.suspend: true`) whatever it asked; the label's value must be a DNS-1123 subdomain
+  (jobframework/validation.go `ValidateQueueName`);
+- the Workload (jobframework/reconciler.go `ConstructWorkload`, utils.go `NewWorkload`, workload_names.go):
+  `kueue.x-k8s.io/v1beta2`, named `jobset-<name>-<first 5 hex of SHA-1 of "JobSet\\njobset.x-k8s.io\\n<name>\\n
+  <uid>">`, labelled `kueue.x-k8s.io/job-uid: <uid>`, owned by the JobSet, `spec.queueName` from the label,
+  one pod set per replicated job with count replicas x min(parallelism, completions) (pkg/controller/jobs/
+  jobset/jobset_controller.go `PodSets`); its priority is the value of the WorkloadPriorityClass the label
+  `kueue.x-k8s.io/priority-class` names, else 0 (pkg/util/priority/priority.go);
+- admission (pkg/scheduler/scheduler.go, flavorassigner/flavorassigner.go `fitsResourceQuota`): the pending
+  Workloads in priority order, then by creation (BestEffortFIFO: one that does not fit does not block the
+  next); a Workload's requests (pod requests x count, per resource) must fit one flavor of the ClusterQueue
+  behind its LocalQueue: usage + request <= nominalQuota for every resource the flavor covers. Otherwise it
+  stays QuotaReserved=False, reason Pending, with the flavor assigner's message: "couldn't assign flavors to
+  pod set <name>: insufficient unused quota for <resource> in flavor <flavor>, <n> more needed", or
+  "insufficient quota for <resource> in flavor <flavor>, previously considered podsets requests (0) + current
+  podset request (<n>) > maximum capacity (<quota>)" when it could never fit (reason ExceedsMaxQuota with
+  the observability gate; Pending by default); a missing LocalQueue: QuotaReserved=False, reason Inadmissible,
+  "LocalQueue <name> is terminating or missing" (pkg/controller/core/workload_controller.go);
+- admitted (pkg/workload/workload.go `SetQuotaReservation`, admissionchecks.go `SyncAdmittedCondition`):
+  `status.admission` {clusterQueue, podSetAssignments}, QuotaReserved=True "Quota reserved in ClusterQueue
+  <cq>", Admitted=True "The workload is admitted" (no admission checks here); the JobSet's pod templates get
+  the flavor's nodeLabels as node selectors and the JobSet is unsuspended (jobframework/reconciler.go
+  `startJob`, podset.Merge);
+- finished (reconciler.go): a JobSet Completed or Failed finishes its Workload (Finished=True, reason
+  Succeeded or Failed) and frees its quota; a deleted JobSet's Workload goes with it (owner reference).
+Not modelled: admission checks (ProvisioningRequest), preemption, cohorts and borrowing, several resource
+groups, partial admission, waitForPodsReady, the v1beta1 API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from k8s_rules import pod_requests, quantity
+from workload_controllers import now
+
+if TYPE_CHECKING:
+    from cluster_sim import ClusterSim
+
+GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+_PATH = re.compile(
+    rf"^/apis/{re.escape(GROUP)}/{VERSION}(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
+)
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+KINDS = {
+    "localqueues": "LocalQueue", "clusterqueues": "ClusterQueue", "resourceflavors": "ResourceFlavor",
+    "workloads": "Workload", "workloadpriorityclasses": "WorkloadPriorityClass",
+}  # fmt: skip
+NAMESPACED = {"localqueues", "workloads"}
+
+
+def workload_name(jobset: str, uid: str) -> str:
+    """workload_names.go: `<lower(kind)>-<owner name>-<5 hex of SHA-1(kind, group, name, uid)>`."""
+    digest = hashlib.sha1("\n".join(["JobSet", "jobset.x-k8s.io", jobset, uid]).encode()).hexdigest()[:5]
+    return f"jobset-{jobset}"[:247] + "-" + digest
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}  # fmt: skip
+
+
+def _set(workload: dict[str, Any], kind: str, status: str, reason: str, message: str) -> None:
+    conditions = workload["status"].setdefault("conditions", [])
+    found = next((c for c in conditions if c["type"] == kind), None)
+    if found is None:
+        conditions.append(found := {"type": kind})
+    if (found.get("status"), found.get("reason"), found.get("message")) != (status, reason, message):
+        found.update(status=status, reason=reason, message=message, lastTransitionTime=now())
+
+
+class KueueController:
+    """Kueue's objects (`objects[plural][(namespace or "", name)]`) and its controllers, driven by the sim."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {plural: {} for plural in KINDS}
+        self.order = itertools.count()
+        self.admitted: list[str] = []  # workload names in the order they were admitted (for tests)
+
+    # -- what an administrator creates -------------------------------------------------------------
+    def add_flavor(self, name: str, *, node_labels: dict[str, str] | None = None) -> None:
+        self._store(
+            "resourceflavors", "", {"metadata": {"name": name}, "spec": {"nodeLabels": node_labels or {}}}
+        )
+
+    def add_cluster_queue(self, name: str, *, quota: dict[str, dict[str, str]]) -> None:
+        """`quota`: flavor -> {resource: nominal quota}, one resource group covering every named resource."""
+        covered = sorted({resource for resources in quota.values() for resource in resources})
+        group = {
+            "coveredResources": covered,
+            "flavors": [
+                {"name": flavor, "resources": [{"name": r, "nominalQuota": q} for r, q in resources.items()]}
+                for flavor, resources in quota.items()
+            ],
+        }
+        self._store("clusterqueues", "", {"metadata": {"name": name}, "spec": {"resourceGroups": [group]}})
+
+    def add_local_queue(self, namespace: str, name: str, *, cluster_queue: str) -> None:
+        self._store("localqueues", namespace, {"metadata": {"name": name, "namespace": namespace},
+                                               "spec": {"clusterQueue": cluster_queue}})  # fmt: skip
+
+    def add_priority_class(self, name: str, value: int) -> None:
+        self._store("workloadpriorityclasses", "", {"metadata": {"name": name}, "value": value})
+
+    def _store(self, plural: str, namespace: str, obj: dict[str, Any]) -> None:
+        obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KINDS[plural], "status": {}, **obj}
+        self.objects[plural][(namespace, obj["metadata"]["name"])] = obj
+
+    # -- the API ---------------------------------------------------------------------------------
+    @staticmethod
+    def serves(path: str) -> bool:
+        return bool(_PATH.match(path))
+
+    def route(self, method: str, path: str, query: dict[str, list[str]]) -> tuple[int, Any]:
+        from k8s_rules import selector_matches
+
+        match = _PATH.match(path)
+        assert match is not None
+        plural, ns, name = match["plural"], match["ns"] or "", match["name"]
+        if (
+            plural not in KINDS
+            or (ns and plural not in NAMESPACED)
+            or (name and plural in NAMESPACED and not ns)
+        ):
+            return 404, _status(404, "NotFound", "the server could not find the requested resource")
+        if method != "GET":
+            return 405, _status(405, "MethodNotAllowed", f"{method} on {plural} is not simulated")
+        objects = self.objects[plural]
+        if name is None:
+            selector = query.get("labelSelector", [""])[0]
+            items = [o for (n, _), o in objects.items() if (not match["ns"] or n == ns)
+                     and selector_matches(o["metadata"].get("labels", {}), selector)]  # fmt: skip
+            return 200, {"apiVersion": f"{GROUP}/{VERSION}", "kind": f"{KINDS[plural]}List",
+                         "metadata": {"resourceVersion": "1"}, "items": items}  # fmt: skip
+        if (ns, name) not in objects:
+            return 404, _status(404, "NotFound", f'{plural}.{GROUP} "{name}" not found')
+        return 200, objects[(ns, name)]
+
+    # -- the JobSet webhook -------------------------------------------------------------------------
+    def admit_jobset(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Mutating (suspend a queued JobSet) and validating (the queue name); a refusal's Status, or None."""
+        queue = (body.get("metadata", {}).get("labels") or {}).get(QUEUE_LABEL)
+        if queue is None:
+            return None
+        if len(queue) > 253 or not _SUBDOMAIN.match(queue):
+            return _status(422, "Invalid", f'admission webhook "vjobset.kb.io" denied the request: '
+                           f'metadata.labels[{QUEUE_LABEL}]: Invalid value: "{queue}": a lowercase RFC 1123 '
+                           "subdomain must consist of lower case alphanumeric characters, '-' or '.'")  # fmt: skip
+        body.setdefault("spec", {})["suspend"] = True
+        return None
+
+    # -- the controllers ------------------------------------------------------------------------------
+    def reconcile(self, sim: ClusterSim) -> None:
+        workloads = self.objects["workloads"]
+        jobs = {js["metadata"]["uid"]: (key, js) for key, js in sim.jobsets.items()}
+        for key, workload in list(workloads.items()):
+            uid = workload["metadata"]["labels"][JOB_UID_LABEL]
+            if uid not in jobs:  # the owner is gone: garbage-collected
+                del workloads[key]
+                continue
+            terminal = jobs[uid][1]["status"].get("terminalState")
+            if terminal and not self._finished(workload):
+                _set(workload, "Finished", "True", "Succeeded" if terminal == "Completed" else "Failed",
+                     f"JobSet {terminal.lower()}")  # fmt: skip
+        known = {w["metadata"]["labels"][JOB_UID_LABEL] for w in workloads.values()}
+        for uid, ((ns, name), jobset) in jobs.items():
+            if uid not in known and QUEUE_LABEL in (jobset["metadata"].get("labels") or {}):
+                self._create_workload(ns, name, jobset)
+        pending = [w for w in workloads.values() if not self._admitted(w) and not self._finished(w)]
+        pending.sort(key=lambda w: (-w["spec"]["priority"], w["metadata"]["creationOrder"]))
+        for workload in pending:
+            self._try_admit(sim, workload, jobs)
+
+    def _create_workload(self, namespace: str, name: str, jobset: dict[str, Any]) -> None:
+        uid = jobset["metadata"]["uid"]
+        labels = jobset["metadata"]["labels"]
+        priority_class = labels.get(PRIORITY_LABEL)
+        wpc = self.objects["workloadpriorityclasses"].get(("", priority_class or ""))
+        if priority_class and wpc is None:
+            return  # "workloadpriorityclass not found": the creation fails and is retried (reconciler.go)
+        pod_sets = []
+        for rj in jobset["spec"]["replicatedJobs"]:
+            job = rj["template"]["spec"]
+            count = rj.get("replicas", 1) * min(job.get("parallelism", 1), job.get("completions", 1))
+            pod_sets.append(
+                {"name": rj["name"].lower(), "count": count, "template": rj["template"]["spec"]["template"]}
+            )
+        wl_name = workload_name(name, uid)
+        self.objects["workloads"][(namespace, wl_name)] = {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "Workload",
+            "metadata": {
+                "name": wl_name, "namespace": namespace, "labels": {JOB_UID_LABEL: uid},
+                "finalizers": ["kueue.x-k8s.io/resource-in-use"], "creationOrder": next(self.order),
+                "ownerReferences": [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": name,
+                                     "uid": uid, "controller": True, "blockOwnerDeletion": True}],
+            },
+            "spec": {
+                "queueName": labels[QUEUE_LABEL], "podSets": pod_sets,
+                "priority": wpc["value"] if wpc else 0,
+                **({"priorityClassRef": {"group": GROUP, "kind": "WorkloadPriorityClass", "name": priority_class}}
+                   if wpc else {}),
+            },
+            "status": {},
+        }  # fmt: skip
+
+    @staticmethod
+    def _admitted(workload: dict[str, Any]) -> bool:
+        return any(
+            c["type"] == "Admitted" and c["status"] == "True"
+            for c in workload["status"].get("conditions", [])
+        )
+
+    @staticmethod
+    def _finished(workload: dict[str, Any]) -> bool:
+        return any(
+            c["type"] == "Finished" and c["status"] == "True"
+            for c in workload["status"].get("conditions", [])
+        )
+
+    @staticmethod
+    def _requests(workload: dict[str, Any]) -> dict[str, Fraction]:
+        total: dict[str, Fraction] = {}
+        for pod_set in workload["spec"]["podSets"]:
+            for resource, amount in pod_requests(pod_set["template"]["spec"]).items():
+                total[resource] = total.get(resource, Fraction(0)) + amount * pod_set["count"]
+        return total
+
+    def _usage(self, cluster_queue: str) -> dict[tuple[str, str], Fraction]:
+        """(flavor, resource) -> what the admitted, unfinished Workloads of `cluster_queue` hold."""
+        used: dict[tuple[str, str], Fraction] = {}
+        for workload in self.objects["workloads"].values():
+            admission = workload["status"].get("admission")
+            if admission is None or admission["clusterQueue"] != cluster_queue or self._finished(workload):
+                continue
+            flavors = admission["podSetAssignments"][0]["flavors"]
+            for resource, amount in self._requests(workload).items():
+                if resource in flavors:
+                    key = (flavors[resource], resource)
+                    used[key] = used.get(key, Fraction(0)) + amount
+        return used
+
+    def _try_admit(self, sim: ClusterSim, workload: dict[str, Any], jobs: dict[str, Any]) -> None:
+        ns = workload["metadata"]["namespace"]
+        local = self.objects["localqueues"].get((ns, workload["spec"]["queueName"]))
+        cq = self.objects["clusterqueues"].get(("", local["spec"]["clusterQueue"])) if local else None
+        if local is None or cq is None:
+            _set(workload, "QuotaReserved", "False", "Inadmissible",
+                 f"LocalQueue {workload['spec']['queueName']} is terminating or missing")  # fmt: skip
+            return
+        cq_name = local["spec"]["clusterQueue"]
+        need = self._requests(workload)
+        used = self._usage(cq_name)
+        group = cq["spec"]["resourceGroups"][0]
+        pod_set = workload["spec"]["podSets"][0]["name"]
+        reasons = []
+        for flavor in group["flavors"]:
+            quota = {r["name"]: quantity(r["nominalQuota"]) for r in flavor["resources"]}
+            why = []
+            for resource, amount in sorted(need.items()):
+                if resource not in group["coveredResources"] or amount == 0:
+                    continue
+                have = quota.get(resource, Fraction(0))
+                if amount > have:
+                    why.append(f"insufficient quota for {resource} in flavor {flavor['name']}, previously "
+                               f"considered podsets requests (0) + current podset request ({_show(amount)}) > "
+                               f"maximum capacity ({_show(have)})")  # fmt: skip
+                elif used.get((flavor["name"], resource), Fraction(0)) + amount > have:
+                    more = used.get((flavor["name"], resource), Fraction(0)) + amount - have
+                    why.append(f"insufficient unused quota for {resource} in flavor {flavor['name']}, "
+                               f"{_show(more)} more needed")  # fmt: skip
+            if not why:
+                self._admit(sim, workload, jobs, cq_name=cq_name, flavor=flavor["name"], need=need)
+                return
+            reasons += why
+        _set(workload, "QuotaReserved", "False", "Pending",
+             f"couldn't assign flavors to pod set {pod_set}: {', '.join(reasons)}")  # fmt: skip
+
+    def _admit(self, sim: ClusterSim, workload: dict[str, Any], jobs: dict[str, Any], *, cq_name: str, flavor: str,
+               need: dict[str, Fraction]) -> None:  # fmt: skip
+        workload["status"]["admission"] = {
+            "clusterQueue": cq_name,
+            "podSetAssignments": [
+                {"name": ps["name"], "flavors": dict.fromkeys(need, flavor), "count": ps["count"]}
+                for ps in workload["spec"]["podSets"]
+            ],
+        }
+        _set(workload, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}")
+        _set(workload, "Admitted", "True", "Admitted", "The workload is admitted")
+        self.admitted.append(workload["metadata"]["name"])
+        _, jobset = jobs[workload["metadata"]["labels"][JOB_UID_LABEL]]
+        node_labels = self.objects["resourceflavors"][("", flavor)]["spec"].get("nodeLabels") or {}
+        for rj in jobset["spec"]["replicatedJobs"]:
+            pod = rj["template"]["spec"]["template"]["spec"]
+            pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **node_labels}
+        jobset["spec"]["suspend"] = False
+
+
+def _show(amount: Fraction) -> str:
+    return str(int(amount)) if amount.denominator == 1 else f"{float(amount):g}"
