@@ -20,6 +20,9 @@ without it they stay Running until `gke.sim.finish_pod(namespace, name, exit_cod
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +104,14 @@ def simulated_gke(
         finally:
             if kubelet:
                 kubelet.stop_all()
+
+
+def start_launch(gke: SimulatedGke, plan: str, folder: Path, *, stage: str = "0") -> subprocess.Popen[str]:
+    """`batchpilot launch --plan PLAN --stage STAGE` as a process against the simulated cluster (its kubeconfig
+    written to `folder`), its output piped."""
+    env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(folder / "kubeconfig"))}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchpilot", "launch", "--plan", plan, "--stage", stage],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip

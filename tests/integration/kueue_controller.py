@@ -29,9 +29,16 @@ Rules:
   the flavor's nodeLabels as node selectors and the JobSet is unsuspended (jobframework/reconciler.go
   `startJob`, podset.Merge);
 - finished (reconciler.go): a JobSet Completed or Failed finishes its Workload (Finished=True, reason
-  Succeeded or Failed) and frees its quota; a deleted JobSet's Workload goes with it (owner reference).
-Not modelled: admission checks (ProvisioningRequest), preemption, cohorts and borrowing, several resource
-groups, partial admission, waitForPodsReady, the v1beta1 API.
+  Succeeded or Failed) and frees its quota; a deleted JobSet's Workload goes with it (owner reference);
+- preemption within the ClusterQueue (`spec.preemption.withinClusterQueue: LowerPriority`; pkg/scheduler/
+  preemption/preemption.go): a pending Workload that does not fit evicts admitted Workloads of lower priority,
+  the lowest first, until it fits: Evicted=True and Preempted=True (reasons Preempted and InClusterQueue,
+  "Preempted to accommodate a workload (UID: <uid>, JobUID: <job uid>) due to prioritization in the
+  ClusterQueue; preemptor path: /<cq>; preemptee path: /<cq>"), Admitted=False, and its JobSet suspended
+  (jobframework/reconciler.go `stopJob`); its quota is freed once its pods are gone, and it waits again
+  (QuotaReserved=False, Requeued=True reason Preempted: pkg/workload/evict/evict.go, reconciler.go).
+Not modelled: admission checks (ProvisioningRequest), cohorts and borrowing, several resource groups, partial
+admission, waitForPodsReady, the v1beta1 API.
 """
 
 from __future__ import annotations
@@ -97,8 +104,11 @@ class KueueController:
             "resourceflavors", "", {"metadata": {"name": name}, "spec": {"nodeLabels": node_labels or {}}}
         )
 
-    def add_cluster_queue(self, name: str, *, quota: dict[str, dict[str, str]]) -> None:
-        """`quota`: flavor -> {resource: nominal quota}, one resource group covering every named resource."""
+    def add_cluster_queue(
+        self, name: str, *, quota: dict[str, dict[str, str]], preemption: str = "Never"
+    ) -> None:
+        """`quota`: flavor -> {resource: nominal quota}, one resource group covering every named resource;
+        `preemption`: withinClusterQueue (Never, Kueue's default, or LowerPriority)."""
         covered = sorted({resource for resources in quota.values() for resource in resources})
         group = {
             "coveredResources": covered,
@@ -107,7 +117,8 @@ class KueueController:
                 for flavor, resources in quota.items()
             ],
         }
-        self._store("clusterqueues", "", {"metadata": {"name": name}, "spec": {"resourceGroups": [group]}})
+        self._store("clusterqueues", "", {"metadata": {"name": name}, "spec": {
+            "resourceGroups": [group], "preemption": {"withinClusterQueue": preemption}}})  # fmt: skip
 
     def add_local_queue(self, namespace: str, name: str, *, cluster_queue: str) -> None:
         self._store("localqueues", namespace, {"metadata": {"name": name, "namespace": namespace},
@@ -176,11 +187,22 @@ class KueueController:
             if terminal and not self._finished(workload):
                 _set(workload, "Finished", "True", "Succeeded" if terminal == "Completed" else "Failed",
                      f"JobSet {terminal.lower()}")  # fmt: skip
+        for workload in workloads.values():  # an evicted Workload's quota is freed once its pods are gone
+            if self._evicted(workload) and workload["status"].get("admission"):
+                uid = workload["metadata"]["labels"][JOB_UID_LABEL]
+                name = jobs[uid][0][1]
+                if not any(p["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name
+                           for p in sim.pods.values()):  # fmt: skip
+                    del workload["status"]["admission"]
+                    message = _condition_of(workload, "Evicted")["message"]
+                    _set(workload, "QuotaReserved", "False", "Preempted", message)
+                    _set(workload, "Requeued", "True", "Preempted", message)
         known = {w["metadata"]["labels"][JOB_UID_LABEL] for w in workloads.values()}
         for uid, ((ns, name), jobset) in jobs.items():
             if uid not in known and QUEUE_LABEL in (jobset["metadata"].get("labels") or {}):
                 self._create_workload(ns, name, jobset)
-        pending = [w for w in workloads.values() if not self._admitted(w) and not self._finished(w)]
+        pending = [w for w in workloads.values()
+                   if not self._admitted(w) and not self._finished(w) and not w["status"].get("admission")]  # fmt: skip
         pending.sort(key=lambda w: (-w["spec"]["priority"], w["metadata"]["creationOrder"]))
         for workload in pending:
             self._try_admit(sim, workload, jobs)
@@ -219,17 +241,15 @@ class KueueController:
 
     @staticmethod
     def _admitted(workload: dict[str, Any]) -> bool:
-        return any(
-            c["type"] == "Admitted" and c["status"] == "True"
-            for c in workload["status"].get("conditions", [])
-        )
+        return _is(workload, "Admitted")
+
+    @staticmethod
+    def _evicted(workload: dict[str, Any]) -> bool:
+        return _is(workload, "Evicted")
 
     @staticmethod
     def _finished(workload: dict[str, Any]) -> bool:
-        return any(
-            c["type"] == "Finished" and c["status"] == "True"
-            for c in workload["status"].get("conditions", [])
-        )
+        return _is(workload, "Finished")
 
     @staticmethod
     def _requests(workload: dict[str, Any]) -> dict[str, Fraction]:
@@ -285,9 +305,62 @@ class KueueController:
             if not why:
                 self._admit(sim, workload, jobs, cq_name=cq_name, flavor=flavor["name"], need=need)
                 return
+            if cq["spec"]["preemption"]["withinClusterQueue"] == "LowerPriority" and self._preempt(
+                sim, workload, jobs, cq_name=cq_name, flavor=flavor["name"], quota=quota, need=need, used=used
+            ):  # admitted in a later pass, once the preempted Workloads' pods are gone
+                _set(workload, "QuotaReserved", "False", "Pending",
+                     f"couldn't assign flavors to pod set {pod_set}: {', '.join(why)}")  # fmt: skip
+                return
             reasons += why
         _set(workload, "QuotaReserved", "False", "Pending",
              f"couldn't assign flavors to pod set {pod_set}: {', '.join(reasons)}")  # fmt: skip
+
+    def _preempt(
+        self,
+        sim: ClusterSim,
+        workload: dict[str, Any],
+        jobs: dict[str, Any],
+        *,
+        cq_name: str,
+        flavor: str,
+        quota: dict[str, Fraction],
+        need: dict[str, Fraction],
+        used: dict[tuple[str, str], Fraction],
+    ) -> bool:
+        """Evicts admitted Workloads of `cq_name` in `flavor` of lower priority, the lowest (then the newest)
+        first, until `workload` fits; False (nothing evicted) when even all of them would not make room."""
+        candidates = sorted(
+            (w for w in self.objects["workloads"].values()
+             if self._admitted(w) and not self._finished(w) and w["status"]["admission"]["clusterQueue"] == cq_name
+             and w["spec"]["priority"] < workload["spec"]["priority"]
+             and flavor in w["status"]["admission"]["podSetAssignments"][0]["flavors"].values()),
+            key=lambda w: (w["spec"]["priority"], -w["metadata"]["creationOrder"]),
+        )  # fmt: skip
+        free = dict(used)
+        victims = []
+        for victim in candidates:
+            if all(
+                free.get((flavor, r), Fraction(0)) + a <= quota.get(r, Fraction(0))
+                for r, a in need.items()
+                if a
+            ):
+                break
+            victims.append(victim)
+            for resource, amount in self._requests(victim).items():
+                free[(flavor, resource)] = free.get((flavor, resource), Fraction(0)) - amount
+        if not victims or not all(free.get((flavor, r), Fraction(0)) + a <= quota.get(r, Fraction(0))
+                                  for r, a in need.items() if a):  # fmt: skip
+            return False
+        preemptor_uid = workload["metadata"]["labels"][JOB_UID_LABEL]
+        message = (f"Preempted to accommodate a workload (UID: {preemptor_uid}, JobUID: {preemptor_uid}) due to "
+                   f"prioritization in the ClusterQueue; preemptor path: /{cq_name}; preemptee path: /{cq_name}")  # fmt: skip
+        for victim in victims:
+            _set(victim, "Evicted", "True", "Preempted", message)
+            _set(victim, "Preempted", "True", "InClusterQueue", message)
+            _set(victim, "Admitted", "False", "NoReservation", "The workload has no reservation")
+            _set(victim, "Requeued", "False", "Preempted", message)
+            jobs[victim["metadata"]["labels"][JOB_UID_LABEL]][1]["spec"]["suspend"] = True
+        return True
 
     def _admit(self, sim: ClusterSim, workload: dict[str, Any], jobs: dict[str, Any], *, cq_name: str, flavor: str,
                need: dict[str, Fraction]) -> None:  # fmt: skip
@@ -298,6 +371,14 @@ class KueueController:
                 for ps in workload["spec"]["podSets"]
             ],
         }
+        if self._evicted(workload):
+            _set(
+                workload,
+                "Evicted",
+                "False",
+                "QuotaReserved",
+                "Previously: " + _condition_of(workload, "Evicted")["reason"],
+            )
         _set(workload, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}")
         _set(workload, "Admitted", "True", "Admitted", "The workload is admitted")
         self.admitted.append(workload["metadata"]["name"])
@@ -307,6 +388,14 @@ class KueueController:
             pod = rj["template"]["spec"]["template"]["spec"]
             pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **node_labels}
         jobset["spec"]["suspend"] = False
+
+
+def _is(workload: dict[str, Any], kind: str) -> bool:
+    return any(c["type"] == kind and c["status"] == "True" for c in workload["status"].get("conditions", []))
+
+
+def _condition_of(workload: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in workload["status"]["conditions"] if c["type"] == kind)
 
 
 def _show(amount: Fraction) -> str:

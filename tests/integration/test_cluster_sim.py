@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from gke_sim import SimulatedGke, simulated_gke
+from gke_sim import SimulatedGke, simulated_gke, start_launch
 from k8s_rules import container_resource_name_errors, quantity
 
 from batchpilot.cluster.gke import GkeNodePool, PoolRef
@@ -381,21 +381,13 @@ def test_every_short_resource_is_named_and_each_node_counts_once_for_preemption(
 def test_a_launch_follows_every_pod_of_its_jobset_across_a_restart(tmp_path):
     """A JobSet restart (here after a trainer's exit 75) replaces every pod; the launch relays the new pods'
     lines too, so the task's log and its preemption check see the whole stage, not only the first attempt."""
-    import os
-    import subprocess
-    import sys
 
     from test_train_task_sigterm import plan_file
 
     plan = plan_file(tmp_path)  # the tiny model on pool gpu (a3-highgpu-8g), namespace batchpilot
     with simulated_gke() as gke:
         gke.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=1)
-        env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig"))}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        launch = subprocess.Popen(
-            [sys.executable, "-m", "batchpilot", "launch", "--plan", plan, "--stage", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )  # fmt: skip
+        launch = start_launch(gke, plan, tmp_path)
 
         def running_trainer(attempt: str) -> tuple[str, str]:
             def found() -> tuple[str, str] | None:

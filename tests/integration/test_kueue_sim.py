@@ -8,16 +8,14 @@ The pods run no process here: the test ends them as a trainer would.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gke_sim import SimulatedGke, simulated_gke
+from gke_sim import SimulatedGke, simulated_gke, start_launch
 from kueue_controller import JOB_UID_LABEL, PRIORITY_LABEL, QUEUE_LABEL, KueueController, workload_name
 
 from batchpilot.cluster.kueue import admission
@@ -33,7 +31,9 @@ def gke() -> Iterator[SimulatedGke]:
     kueue = KueueController()
     kueue.add_flavor("h100", node_labels=H100)
     kueue.add_cluster_queue(
-        "team", quota={"h100": {"cpu": "1000", "memory": "10000Gi", "nvidia.com/gpu": "8"}}
+        "team",
+        quota={"h100": {"cpu": "1000", "memory": "10000Gi", "nvidia.com/gpu": "8"}},
+        preemption="LowerPriority",
     )
     kueue.add_local_queue(NS, QUEUE, cluster_queue="team")
     kueue.add_priority_class("high", 1000)
@@ -54,7 +54,7 @@ def wait_for(
     return value
 
 
-def blocker(gke: SimulatedGke, name: str = "other-team") -> str:
+def blocker(gke: SimulatedGke, name: str = "other-team", *, priority_class: str | None = None) -> str:
     """Another team's JobSet in the same queue, holding its 8 GPUs of quota once admitted."""
     from kubernetes import client
 
@@ -64,14 +64,14 @@ def blocker(gke: SimulatedGke, name: str = "other-team") -> str:
            "restartPolicy": "Never"}  # fmt: skip
     body = {
         "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": {"name": name, "labels": {QUEUE_LABEL: QUEUE}},
+        "metadata": {"name": name, "labels": {QUEUE_LABEL: QUEUE, **({PRIORITY_LABEL: priority_class} if priority_class else {})}},
         "spec": {"replicatedJobs": [{"name": "main", "replicas": 1, "template": {"spec": {
             "parallelism": 1, "completions": 1, "backoffLimit": 0, "template": {"spec": pod}}}}]},
     }  # fmt: skip
     client.CustomObjectsApi(gke.kube.api_client()).create_namespaced_custom_object(
         "jobset.x-k8s.io", "v1alpha2", NS, "jobsets", body
     )
-    wait_for(lambda: gke.sim.kueue.admitted)
+    wait_for(lambda: any(w.startswith(f"jobset-{name}-") for w in gke.sim.kueue.admitted))
     return name
 
 
@@ -83,13 +83,9 @@ def pods_of(gke: SimulatedGke, jobset: str, phase: str = "Running") -> list[tupl
 
 
 def launch(gke: SimulatedGke, folder: Path, **cluster: object) -> tuple[subprocess.Popen[str], str]:
-    plan = write_plan(folder, gke_a3_config(namespace=NS, kueue_queue=QUEUE, **cluster))
-    env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(folder / "kubeconfig"))}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchpilot", "launch", "--plan", plan, "--stage", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+    proc = start_launch(
+        gke, write_plan(folder, gke_a3_config(namespace=NS, kueue_queue=QUEUE, **cluster)), folder
+    )
     ours = wait_for(lambda: [k[1] for k in gke.sim.jobsets if k[1] != "other-team"], proc=proc)
     return proc, ours[0]
 
@@ -103,7 +99,7 @@ def workload_of(gke: SimulatedGke, jobset: str) -> dict[str, Any]:
 def test_a_launch_waits_in_its_queue_while_another_holds_the_quota_then_trains_when_it_finishes(
     gke, tmp_path
 ):
-    other = blocker(gke)
+    other = blocker(gke, priority_class="high")  # as high as ours: Kueue preempts only lower priorities
     proc, ours = launch(gke, tmp_path, capacity_timeout_s=120, priority_class="high")
     jobset = gke.sim.jobsets[(NS, ours)]
     assert jobset["spec"]["suspend"] is True  # created suspended; the Workload waits for quota
@@ -136,6 +132,44 @@ def test_a_launch_waits_in_its_queue_while_another_holds_the_quota_then_trains_w
     )
     assert f"Kueue, JobSet {ours} in LocalQueue {QUEUE}: QuotaReserved=True (QuotaReserved: Quota reserved in " \
            "ClusterQueue team); Admitted=True (Admitted: The workload is admitted)" in output  # fmt: skip
+
+
+def test_a_launch_preempted_by_a_higher_priority_workload_is_requeued_and_resumes_when_admitted_again(
+    gke, tmp_path
+):
+    """Kueue preempts a running launch for a higher-priority workload by suspending its JobSet (its pods get
+    SIGTERM: the trainers checkpoint); the launch keeps following it, says so, and trains on once Kueue admits it
+    again (the JobSet resumes and new pods start, which resume from the checkpoint)."""
+    proc, ours = launch(gke, tmp_path, capacity_timeout_s=120)  # Kueue's default priority: 0
+    first = wait_for(lambda: pods_of(gke, ours), proc=proc)
+    time.sleep(2.0)  # the launch follows its pod
+    other = blocker(gke, "urgent", priority_class="high")  # admitted once our pods are gone
+    assert gke.sim.jobsets[(NS, ours)]["spec"]["suspend"] is True and not pods_of(gke, ours)
+    assert first[0] not in gke.sim.pods  # deleted by the suspension (a kubelet would SIGTERM it)
+    time.sleep(7.0)  # the launch reads its Workload every 5 s
+    for key in pods_of(gke, other):
+        gke.sim.finish_pod(*key, exit_code=0)
+    again = wait_for(lambda: pods_of(gke, ours), proc=proc)  # admitted again: the JobSet resumed
+    assert again != first
+    assert gke.sim.jobsets[(NS, ours)]["spec"]["suspend"] is False
+    time.sleep(2.0)
+    for key in again:
+        gke.sim.finish_pod(*key, exit_code=0)
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, output
+    uid = gke.sim.jobsets[(NS, ours)]["metadata"]["uid"]
+    assert gke.sim.kueue.admitted == [workload_name(ours, uid),
+                                      workload_name(other, gke.sim.jobsets[(NS, other)]["metadata"]["uid"]),
+                                      workload_name(ours, uid)]  # fmt: skip
+    lines = [line for line in output.splitlines() if f"Kueue, JobSet {ours} in LocalQueue {QUEUE}: " in line]
+    preempted = [
+        i
+        for i, line in enumerate(lines)
+        if "Evicted=True (Preempted: Preempted to accommodate a workload" in line
+    ]
+    assert preempted and "Preempted=True (InClusterQueue: " in lines[preempted[0]], output
+    readmitted = [i for i, line in enumerate(lines) if "Admitted=True" in line and i > preempted[0]]
+    assert readmitted, lines  # logged while the launch followed its JobSet
 
 
 def test_a_launch_kueue_does_not_admit_in_time_ends_with_the_reason_and_leaves_nothing_queued(gke, tmp_path):

@@ -7,12 +7,19 @@
   Job restarts the whole JobSet (all Jobs deleted and recreated with restart-attempt + 1) while
   `status.restarts < failurePolicy.maxRestarts`, else the JobSet fails (reason ReachedMaxRestarts, or
   FailedJobs without a failure policy); all Jobs complete -> Completed, "jobset completed
-  successfully"; a Job the API server refuses -> a JobCreationFailed Warning event with the error.
+  successfully"; a Job the API server refuses -> a JobCreationFailed Warning event with the error;
+  suspending a running JobSet suspends its Jobs (condition Suspended True, SuspendedJobs, "jobset is
+  suspended"), resuming it merges each replicated job's pod-template labels, annotations, node selector and
+  tolerations into its Jobs and resumes them (Suspended False, ResumeJobs, "jobset is resumed"): v0.12.0
+  `suspendJobs`, `resumeJob`, pkg/constants (how Kueue preempts a JobSet and admits it again).
 - Job controller, Indexed mode (kubernetes pkg/controller/job/indexed_job_utils.go and the Job docs):
   pods `<job>-<index>-<5 random>`, label/annotation `batch.kubernetes.io/job-completion-index`,
   env `JOB_COMPLETION_INDEX`, hostname `<job>-<index>`; a failed pod counts against `backoffLimit`
   (a pod deleted before it finished counts as failed); `failed > backoffLimit` -> condition Failed,
-  BackoffLimitExceeded, and the Job's remaining pods are deleted.
+  BackoffLimitExceeded, and the Job's remaining pods are deleted; a suspended Job deletes its active pods
+  (SIGTERM and their grace period) and creates none until resumed (kubernetes.io docs, Jobs, "Suspending a
+  Job"), condition Suspended; the pods it deletes for a suspension do not count against backoffLimit
+  (inferred: Kueue preempts by suspending, which would otherwise fail a Job after backoffLimit preemptions).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class WorkloadControllers:
     jobsets: dict[Key, dict[str, Any]]
     lock: threading.RLock
     uids: itertools.count[int]
+    failures_counted: set[str]
 
     if TYPE_CHECKING:  # provided by ClusterSim
 
@@ -81,6 +89,18 @@ class WorkloadControllers:
             for p in self.pods.values()
             if p["metadata"]["labels"].get("batch.kubernetes.io/controller-uid") == uid
         ]
+        if spec.get("suspend"):
+            for pod in pods:
+                if pod["status"]["phase"] in ("Pending", "Running") and not pod["metadata"].get(
+                    "deletionTimestamp"
+                ):
+                    self.failures_counted.add(pod["metadata"]["uid"])  # a suspension is no failure
+                    self.delete_pod(key[0], pod["metadata"]["name"])
+            status.update(active=0, ready=0)
+            _set_condition(status, "Suspended", "True", "JobSuspended", "Job suspended")
+            return
+        if _condition(job, "Suspended"):
+            _set_condition(status, "Suspended", "False", "JobResumed", "Job resumed")
         done = {p["metadata"]["labels"][INDEX] for p in pods if p["status"]["phase"] == "Succeeded"}
         for pod in pods:
             if pod["status"]["phase"] == "Failed":
@@ -206,9 +226,40 @@ class WorkloadControllers:
             if not any(p["metadata"]["labels"].get(JS + "jobset-name") == key[1] for p in self.pods.values()):
                 del self.jobsets[key]  # foreground: the last dependent is gone
             return
-        if status.get("terminalState") or spec.get("suspend"):
+        if status.get("terminalState"):
             return
         children = [j for j in self.jobs.values() if j["metadata"]["labels"][JS + "jobset-name"] == key[1]]
+        if spec.get("suspend"):
+            for job in children:
+                job["spec"]["suspend"] = True
+            if children:
+                _set_condition(status, "Suspended", "True", "SuspendedJobs", "jobset is suspended")
+            return
+        suspended = [j for j in children if j["spec"].get("suspend")]
+        for job in suspended:  # resumeJob: what Kueue may have changed while it was suspended, merged
+            template = next(
+                rj
+                for rj in spec["replicatedJobs"]
+                if rj["name"] == job["metadata"]["labels"][JS + "replicatedjob-name"]
+            )["template"]
+            source, target = template["spec"]["template"], job["spec"]["template"]
+            for field in ("labels", "annotations"):
+                target.setdefault("metadata", {})[field] = {
+                    **(target["metadata"].get(field) or {}),
+                    **((source.get("metadata") or {}).get(field) or {}),
+                }
+            target["spec"]["nodeSelector"] = {
+                **(target["spec"].get("nodeSelector") or {}),
+                **(source["spec"].get("nodeSelector") or {}),
+            }
+            target["spec"]["tolerations"] = (target["spec"].get("tolerations") or []) + [
+                t
+                for t in source["spec"].get("tolerations") or []
+                if t not in (target["spec"].get("tolerations") or [])
+            ]
+            job["spec"]["suspend"] = False
+        if suspended:
+            _set_condition(status, "Suspended", "False", "ResumeJobs", "jobset is resumed")
         if failed := [j for j in children if _condition(j, "Failed")]:
             self._jobset_failed(key, jobset, failed[0])
             return
@@ -310,6 +361,14 @@ class WorkloadControllers:
 
 def _condition(obj: dict[str, Any], kind: str) -> bool:
     return any(c["type"] == kind and c["status"] == "True" for c in obj["status"].get("conditions", []))
+
+
+def _set_condition(status: dict[str, Any], kind: str, value: str, reason: str, message: str) -> None:
+    conditions = status.setdefault("conditions", [])
+    found = next((c for c in conditions if c["type"] == kind), None)
+    if found is None:
+        conditions.append(found := {"type": kind})
+    found.update(status=value, reason=reason, message=message)
 
 
 def _finish(status: dict[str, Any], state: str, reason: str, message: str) -> None:

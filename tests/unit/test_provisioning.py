@@ -156,3 +156,20 @@ def test_a_local_backend_with_flex_start_is_refused():
     assert str(problem).startswith(
         "cluster.provisioning: flex-start asks GKE for nodes, but cluster.backend is local"
     )
+
+
+def test_flex_start_beside_a_kueue_queue_is_refused_as_not_implemented():
+    """Issue #37: Kueue brings flex-start capacity through its own ProvisioningRequest admission check; a
+    request of batchpilot's beside it would ask for the nodes twice, so the pair is refused in one line."""
+    from batchpilot.planning.provisioning import provisioning_problems
+
+    (problem,) = provisioning_problems(
+        provisioning="flex-start", backend="gke", launcher="jobset", accelerator_type="nvidia-h100-80gb",
+        pool_mode="resize", fewer_nodes="fail", kueue_queue="team-a",
+    )  # fmt: skip
+    assert str(problem).startswith("cluster.provisioning: flex-start together with cluster.kueue_queue is not "
+                                   "implemented yet")  # fmt: skip
+    assert provisioning_problems(
+        provisioning="flex-start", backend="gke", launcher="jobset", accelerator_type="nvidia-h100-80gb",
+        pool_mode="resize", fewer_nodes="fail", kueue_queue=None,
+    ) == []  # fmt: skip

@@ -18,6 +18,7 @@ Facts read from Kueue v0.19.2 (kubernetes-sigs/kueue; docs/research/kueue_traine
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,9 +129,10 @@ def wait_admitted(
     timeout_s: float,
     poll_s: float = 5.0,
     clock: Callable[[], float] = time.monotonic,
-) -> None:
+) -> str:
     """Waits until Kueue admits the Workload of JobSet `jobset` (uid `uid`), logging its state each time it
-    changes; raises in one line when Kueue refuses it (at once) or has not admitted it within `timeout_s`."""
+    changes, and returns the last state logged; raises in one line when Kueue refuses it (at once) or has not
+    admitted it within `timeout_s`."""
     deadline = clock() + timeout_s
     said = ""
     while True:
@@ -147,7 +149,7 @@ def wait_admitted(
             logger.info("Kueue, JobSet %s in LocalQueue %s: %s", jobset, queue, found.state)
             said = found.state
         if found.admitted:
-            return
+            return said
         if found.refused:
             raise BatchpilotError(
                 "cluster.kueue_queue",
@@ -163,6 +165,39 @@ def wait_admitted(
                 "quota in the ClusterQueue behind the LocalQueue",
             )
         time.sleep(poll_s)
+
+
+def watch_admission(
+    workloads: Workloads,
+    *,
+    jobset: str,
+    uid: str,
+    queue: str,
+    stop: threading.Event,
+    said: str,
+    poll_s: float = 5.0,
+) -> None:
+    """While the launch trains (until `stop`), logs each change of its Workload's state after `said` (the last
+    one `wait_admitted` logged): a higher-priority workload's preemption (Evicted, Preempted: Kueue suspends the
+    JobSet, whose trainers checkpoint on SIGTERM), the requeue, the admission again (the JobSet resumes and the
+    trainers continue from their checkpoint). A failed read is logged once per kind of error, not raised: the
+    launch is followed through its JobSet either way."""
+    errors: set[str] = set()
+    while not stop.wait(poll_s):
+        try:
+            workload = workloads.of_job(uid)
+        except Exception as error:  # an API hiccup must not end a launch that trains
+            kind = type(error).__name__
+            if kind not in errors:
+                errors.add(kind)
+                logger.warning("Kueue, JobSet %s: reading its Workload failed (%s: %s)", jobset, kind, error)
+            continue
+        if workload is None:
+            continue
+        state = admission(workload).state
+        if state != said:
+            logger.info("Kueue, JobSet %s in LocalQueue %s: %s", jobset, queue, state)
+            said = state
 
 
 # --- can the queue ever hold a launch ----------------------------------------------------------------

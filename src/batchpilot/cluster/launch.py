@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -532,13 +532,15 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
             with _capacity(runner, appdef, spec=spec, cluster=cluster, capacity_of=capacity_of) as capacity:
                 request = capacity_of.name if capacity_of is not None else None
                 handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster, request=request)
+                queued: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
                 if cluster.launcher == "jobset" and cluster.kueue_queue:
-                    _admitted(handle, spec=spec, cluster=cluster)
-                code = follow(
-                    runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
-                    via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
-                    stuck=pending_watch(handle, cluster=cluster), restarts=cluster.launcher == "jobset",
-                )  # fmt: skip
+                    queued = _admitted(handle, spec=spec, cluster=cluster)
+                with queued:
+                    code = follow(
+                        runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
+                        via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
+                        stuck=pending_watch(handle, cluster=cluster), restarts=cluster.launcher == "jobset",
+                    )  # fmt: skip
                 if code == 0 and capacity is not None and capacity_of is not None:
                     capacity.hand_over(capacity_of.name)
                 return code
@@ -557,10 +559,13 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
             raise
 
 
-def _admitted(handle: str, *, spec: LaunchSpec, cluster: ClusterConfig) -> None:
+def _admitted(
+    handle: str, *, spec: LaunchSpec, cluster: ClusterConfig
+) -> contextlib.AbstractContextManager[None]:
     """Waits until Kueue admits the launch's JobSet (`cluster/kueue.py`), within `cluster.capacity_timeout_s`
     (else `ready_timeout_s`); a JobSet Kueue refuses or has not admitted by then is deleted, so that nothing of
-    the launch stays queued, before the error is raised."""
+    the launch stays queued, before the error is raised. Returns the context in which the launch is followed:
+    its Workload's later changes (a preemption, the requeue, the admission again) are logged meanwhile."""
     from kubernetes import client
     from torchx.specs.api import parse_app_handle
 
@@ -574,10 +579,15 @@ def _admitted(handle: str, *, spec: LaunchSpec, cluster: ClusterConfig) -> None:
     jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
         GROUP, VERSION, namespace, "jobsets", name, _request_timeout=30
     )
+    workloads, uid, queue = (
+        kueue.Workloads(api, namespace=namespace),
+        jobset["metadata"]["uid"],
+        cluster.kueue_queue,
+    )
     try:
-        kueue.wait_admitted(
-            kueue.Workloads(api, namespace=namespace), jobset=name, uid=jobset["metadata"]["uid"],
-            queue=cluster.kueue_queue, timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s,
+        said = kueue.wait_admitted(
+            workloads, jobset=name, uid=uid, queue=queue,
+            timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s,
         )  # fmt: skip
     except BatchpilotError:
         if spec.labels:
@@ -585,6 +595,22 @@ def _admitted(handle: str, *, spec: LaunchSpec, cluster: ClusterConfig) -> None:
                 cluster, labels=stage_selector(spec.labels), wait_s=0.0, why="not admitted by Kueue"
             )
         raise
+
+    @contextlib.contextmanager
+    def watching() -> Iterator[None]:
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=kueue.watch_admission, daemon=True,
+            kwargs={"workloads": workloads, "jobset": name, "uid": uid, "queue": queue, "stop": stop, "said": said},
+        )  # fmt: skip
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join(timeout=30)
+
+    return watching()
 
 
 def _capacity(
