@@ -262,8 +262,8 @@ def synthetic_explore_json(tmp_path: Path) -> str:
 
 def kill_9_then_resume(plan: str, root: Path, *, steps: int, fault_rng, kill_after: tuple[int, int]) -> str:
     """`launch --stage final` of `plan` (checkpoints in `root`/ckpt, output in `root`/out), kill -9 of a
-    random trainer rank after a random step in `kill_after` (inclusive), the job's failure with no complete
-    checkpoint (or none yet: a loaded machine may kill before the first), then the same launch again;
+    random trainer rank after a random step in `kill_after` (inclusive) and a committed checkpoint, the job's
+    failure before the run's end, then the same launch again;
     returns the resumed launch's output."""
     import os
     import signal
@@ -273,13 +273,16 @@ def kill_9_then_resume(plan: str, root: Path, *, steps: int, fault_rng, kill_aft
     out = root / "out"
     proc = launch(plan, out)
     wait_for_steps(out / "metrics.jsonl", fault_rng.randint(*kill_after), proc)
+    # the resume must have a checkpoint to start from: saves are asynchronous, and on a loaded machine the
+    # first committed only after the step the kill was drawn for (a clean-clone CI run, hsdp, 2026-11-29)
+    wait_for_checkpoint(f"file://{root}/ckpt", proc)
     ranks = trainer_ranks(str(out))
     os.kill(ranks[fault_rng.choice(sorted(ranks))], signal.SIGKILL)
     # the job ends once torchrun has stopped the other ranks (blocked in a collective with the killed one);
     # a clean-clone CI run on 2 loaded cores once took over 120 s for that under fsdp x tp (4 ranks)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, output
-    assert (Checkpointer(uri=f"file://{root}/ckpt").latest_step() or 0) < steps
+    assert Checkpointer(uri=f"file://{root}/ckpt").latest_step() < steps
     result = run_batchpilot("launch", "--plan", plan, "--stage", "final", "--output-dir", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     return result.stdout
