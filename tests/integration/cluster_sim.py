@@ -78,6 +78,7 @@ class ClusterSim(WorkloadControllers):
     daemon_pods: dict[Key, dict[str, Any]] = field(default_factory=dict)  # system DaemonSets' pods, per node
     provisioning: Any = None  # a provisioning_controller.ProvisioningController: GKE's queued provisioning
     kueue: Any = None  # a kueue_controller.KueueController: Kueue's queues and Workloads
+    trainer: Any = None  # a trainer_controller.TrainerController: Kubeflow Trainer's TrainJobs
 
     # -- node pools ---------------------------------------------------------------------------
     def add_pool(self, name: str, *, zones: list[str], machine_type: str, spot: bool = False) -> None:
@@ -298,6 +299,8 @@ class ClusterSim(WorkloadControllers):
         with self.lock:
             if self.kueue is not None:
                 self.kueue.reconcile(self)
+            if self.trainer is not None:
+                self.trainer.reconcile(self)
             for key in list(self.jobsets):
                 self._reconcile_jobset(key)
             for key in list(self.jobs):

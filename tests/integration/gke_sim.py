@@ -80,6 +80,7 @@ def simulated_gke(
     scale_down_unneeded_s: float = 600.0,
     run_pods_in: Path | None = None,
     kueue: Any = None,
+    trainer: Any = None,
 ) -> Iterator[SimulatedGke]:
     """The simulated cluster; with `run_pods_in` (a folder) bound pods run there as local processes."""
     kubelet = LocalKubelet(workdir=run_pods_in) if run_pods_in else None
@@ -91,6 +92,7 @@ def simulated_gke(
         kubelet=kubelet,
         provisioning=ProvisioningController(),
         kueue=kueue,
+        trainer=trainer,
     )
     with (
         container_server_running(sim=sim) as container,

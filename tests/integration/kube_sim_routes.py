@@ -9,7 +9,8 @@ Shapes follow the Kubernetes API conventions (kubernetes.io docs "API Concepts")
 Routes: nodes (list, get); pods (list in a namespace or all, create, get, delete, log); events (list);
 batch/v1 Jobs (list, get); JobSets jobset.x-k8s.io/v1alpha2 (create, list, get, delete); with GKE's queued
 provisioning (`sim.provisioning`), PodTemplates and ProvisioningRequests (provisioning_controller.py); with Kueue
-(`sim.kueue`), its objects (kueue_controller.py). A JobSet create passes Kueue's webhook (a queued JobSet is
+(`sim.kueue`), its objects (kueue_controller.py); with Kubeflow Trainer (`sim.trainer`), ClusterTrainingRuntimes
+and TrainJobs (trainer_controller.py). A JobSet create passes Kueue's webhook (a queued JobSet is
 suspended), the API server's name check and the JobSet webhook's name rules first (`jobset_webhook.py`).
 """
 
@@ -63,6 +64,10 @@ def route(
         with sim.lock:
             sim.reconcile()
             return sim.kueue.route(method, path, query)  # type: ignore[no-any-return]
+    if sim.trainer is not None and sim.trainer.serves(path):  # Kubeflow Trainer's runtimes and TrainJobs
+        with sim.lock:
+            sim.reconcile()
+            return sim.trainer.route(sim, method, path, query, body)  # type: ignore[no-any-return]
     for name, pattern in ROUTES:
         if match := pattern.match(path):
             with sim.lock:

@@ -402,30 +402,45 @@ def label_selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
-def list_jobsets(client: Any, *, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-    """The JobSets in `namespace` carrying every one of `labels`."""
+JOBSET_KIND = (GROUP, VERSION, PLURAL)
+"""(group, version, plural) of the objects the `jobset` launcher creates; `list_jobsets` and `delete_jobsets`
+take another's (a TrainJob's, `trainjob.TRAINJOB_KIND`) for the launcher that creates those."""
+
+
+def list_jobsets(
+    client: Any, *, namespace: str, labels: Mapping[str, str], kind: tuple[str, str, str] = JOBSET_KIND
+) -> list[dict[str, Any]]:
+    """The JobSets (or objects of `kind`) in `namespace` carrying every one of `labels`."""
     from kubernetes import client as kube
 
+    group, version, plural = kind
     found = kube.CustomObjectsApi(client).list_namespaced_custom_object(
-        group=GROUP,
-        version=VERSION,
+        group=group,
+        version=version,
         namespace=namespace,
-        plural=PLURAL,
+        plural=plural,
         label_selector=label_selector(labels),
     )
     return list(found.get("items", []))
 
 
 def delete_jobsets(
-    client: Any, *, namespace: str, names: Iterable[str], wait_s: float, poll_s: float = 2.0
+    client: Any,
+    *,
+    namespace: str,
+    names: Iterable[str],
+    wait_s: float,
+    poll_s: float = 2.0,
+    kind: tuple[str, str, str] = JOBSET_KIND,
 ) -> list[str]:
-    """Deletes the named JobSets (DELETE_PROPAGATION) and waits up to `wait_s` until they are gone;
-    returns the names still there (an already deleted one counts as gone)."""
+    """Deletes the named JobSets (or objects of `kind`; DELETE_PROPAGATION) and waits up to `wait_s` until
+    they are gone; returns the names still there (an already deleted one counts as gone)."""
     from kubernetes import client as kube
     from kubernetes.client.rest import ApiException
 
     objects = kube.CustomObjectsApi(client)
-    args = {"group": GROUP, "version": VERSION, "namespace": namespace, "plural": PLURAL}
+    group, version, plural = kind
+    args = {"group": group, "version": version, "namespace": namespace, "plural": plural}
     pending = list(names)
     for name in pending:
         try:

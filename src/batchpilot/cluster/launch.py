@@ -30,7 +30,7 @@ from batchpilot.cluster.launch_spec import (
     exit_75_when_preempted,
     write_inputs_command,
 )
-from batchpilot.cluster.lifecycle import adoptable_or_cleared, delete_labelled, stage_selector
+from batchpilot.cluster.lifecycle import adoptable_or_cleared, builds_jobset, delete_labelled, stage_selector
 from batchpilot.cluster.machines import TrainerResources
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
@@ -187,7 +187,7 @@ def _watch_stuck(
 def pending_watch(handle: str, *, cluster: ClusterConfig) -> Callable[[], str | None] | None:
     """`follow`'s `stuck` check of a JobSet launch: its pods Pending longer than `cluster.pending_timeout_s`
     (plus `ready_timeout_s` in autoscale mode, where the nodes come only once the pods are pending)."""
-    if cluster.launcher != "jobset":
+    if not builds_jobset(cluster):
         return None
     from torchx.specs.api import parse_app_handle
 
@@ -403,6 +403,10 @@ def cluster_appdef(spec: LaunchSpec, *, cluster: ClusterConfig, read_nodes: bool
     )  # fmt: skip
     role = appdef.roles[0]
     assert role.args[0] == "-c", role.args  # torchrun's component runs one bash command line
+    if cluster.launcher == "trainjob":
+        from batchpilot.cluster.trainjob import NODE
+
+        role.name = NODE  # Trainer's torch runtime runs the trainer in replicated job and container `node`
     setup = ""
     if direct is not None:
         logger.info(
@@ -421,28 +425,36 @@ def cluster_runner():
     from torchx.runner import Runner
     from torchx.schedulers import get_scheduler_factories
 
-    from batchpilot.cluster import jobset
+    from batchpilot.cluster import jobset, trainjob
 
-    factories = {"jobset": jobset.create_scheduler, **get_scheduler_factories()}
+    factories = {
+        "jobset": jobset.create_scheduler, "trainjob": trainjob.create_scheduler, **get_scheduler_factories()
+    }  # fmt: skip
     return Runner("batchpilot", factories)
 
 
 def cluster_scheduler(
     cluster: ClusterConfig, *, labels: dict[str, str] | None = None
 ) -> tuple[str, dict[str, object]]:
-    """(torchx scheduler name, its run config) for `cluster.launcher`; `labels` go on a JobSet."""
-    if cluster.launcher == "jobset":
+    """(torchx scheduler name, its run config) for `cluster.launcher`; `labels` go on a JobSet (TrainJob)."""
+    if cluster.launcher in ("jobset", "trainjob"):
         cfg: dict[str, object] = {"namespace": cluster.namespace, "service_account": cluster.service_account}
+        if cluster.launcher == "trainjob":
+            from batchpilot.cluster.trainjob import DEFAULT_RUNTIME
+
+            cfg["runtime"] = cluster.training_runtime or DEFAULT_RUNTIME
         if cluster.kueue_queue:
             cfg["queue"] = cluster.kueue_queue
         if cluster.priority_class:
             cfg["workload_priority_class"] = cluster.priority_class
         if labels:
             cfg["labels"] = dict(labels)
-        return "jobset", cfg
+        return cluster.launcher, cfg
     if cluster.kueue_queue:
         raise BatchpilotError(
-            "cluster.kueue_queue", "applies to the jobset launcher only", "remove it, or use launcher jobset"
+            "cluster.kueue_queue",
+            "applies to the jobset and trainjob launchers only",
+            "remove it, or use launcher jobset",
         )
     # validate_spec would ask the API server for a dry-run create; submission validates anyway.
     return "kubernetes", {
@@ -496,9 +508,13 @@ def render_cluster_job(
 
 
 def cluster_job_yaml(info) -> str:
-    """The rendered JobSet or Volcano Job as YAML."""
+    """The rendered JobSet or Volcano Job as YAML; a TrainJob after the ClusterTrainingRuntime it needs."""
     import yaml
 
+    from batchpilot.cluster.trainjob import TrainJobRequest
+
+    if isinstance(info.request, TrainJobRequest):
+        return str(info.request)
     return yaml.safe_dump(info.request.resource, sort_keys=False)
 
 
@@ -524,7 +540,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
     # does not (a dry run never asks the API).
     appdef = cluster_appdef(spec, cluster=cluster, read_nodes=True)
     with (
-        sigterm_interrupts(classify=sigterm_cause if cluster.launcher == "jobset" else None),
+        sigterm_interrupts(classify=sigterm_cause if builds_jobset(cluster) else None),
         _run_lease(spec, cluster=cluster),
         own_pod_budget(),  # a drain or an upgrade must not evict the task that follows the launch
     ):
@@ -533,13 +549,13 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
                 request = capacity_of.name if capacity_of is not None else None
                 handle, via = _adopt_or_submit(runner, appdef, spec=spec, cluster=cluster, request=request)
                 queued: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-                if cluster.launcher == "jobset" and cluster.kueue_queue:
+                if builds_jobset(cluster) and cluster.kueue_queue:
                     queued = _admitted(handle, spec=spec, cluster=cluster)
                 with queued:
                     code = follow(
                         runner, handle, spec=spec, role=appdef.roles[0].name, wait_interval_s=10,
                         via=via, where=f"see the job {handle} in namespace {cluster.namespace}",
-                        stuck=pending_watch(handle, cluster=cluster), restarts=cluster.launcher == "jobset",
+                        stuck=pending_watch(handle, cluster=cluster), restarts=builds_jobset(cluster),
                     )  # fmt: skip
                 if code == 0 and capacity is not None and capacity_of is not None:
                     capacity.hand_over(capacity_of.name)
@@ -554,7 +570,7 @@ def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: Launch
             if isinstance(interrupt, Cancelled):
                 logger.warning("%s: SIGTERM is a cancel (%s): deleting its JobSet", spec.name, interrupt.why)
             # follow() cancels the job it follows; this also covers an interrupt during the create.
-            if cluster.launcher == "jobset" and spec.labels:
+            if builds_jobset(cluster) and spec.labels:
                 delete_labelled(cluster, labels=stage_selector(spec.labels), wait_s=0.0, why="interrupted")
             raise
 
@@ -570,18 +586,21 @@ def _admitted(
     from torchx.specs.api import parse_app_handle
 
     from batchpilot.cluster import kueue
-    from batchpilot.cluster.jobset import GROUP, VERSION
+    from batchpilot.cluster.jobset import JOBSET_KIND
     from batchpilot.cluster.readiness import kube_api_client
+    from batchpilot.cluster.trainjob import TRAINJOB_KIND
 
     assert cluster.kueue_queue is not None
     api = kube_api_client()
     namespace, name = parse_app_handle(handle).app_id.split(":")
-    jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
-        GROUP, VERSION, namespace, "jobsets", name, _request_timeout=30
+    # Kueue queues the object batchpilot creates: the JobSet, or the TrainJob (whose JobSet it leaves alone).
+    group, version, plural = TRAINJOB_KIND if cluster.launcher == "trainjob" else JOBSET_KIND
+    queued = client.CustomObjectsApi(api).get_namespaced_custom_object(
+        group, version, namespace, plural, name, _request_timeout=30
     )
     workloads, uid, queue = (
         kueue.Workloads(api, namespace=namespace),
-        jobset["metadata"]["uid"],
+        queued["metadata"]["uid"],
         cluster.kueue_queue,
     )
     try:
@@ -679,13 +698,13 @@ def _adopt_or_submit(
     the launch's others are deleted (`lifecycle.adoptable_or_cleared`) and the JobSet CRD is checked."""
     from torchx.specs.builders import make_app_handle
 
-    if cluster.launcher == "jobset" and spec.labels:
+    if builds_jobset(cluster) and spec.labels:
         adopted = adoptable_or_cleared(labels=spec.labels, cluster=cluster, name=spec.name)
         if adopted is not None:
             return make_app_handle(
-                "jobset", "batchpilot", f"{cluster.namespace}:{adopted}"
-            ), "jobset (adopted)"
-    if cluster.launcher == "jobset":
+                cluster.launcher, "batchpilot", f"{cluster.namespace}:{adopted}"
+            ), f"{cluster.launcher} (adopted)"
+    if builds_jobset(cluster):
         from batchpilot.cluster.crds import check_jobset_crd
         from batchpilot.cluster.readiness import kube_api_client
 

@@ -18,6 +18,20 @@ from batchpilot.errors import BatchpilotError
 logger = logging.getLogger(__name__)
 
 
+def builds_jobset(cluster: ClusterConfig) -> bool:
+    """Whether the launcher's job is a JobSet: batchpilot's own (`jobset`) or the one Kubeflow Trainer builds
+    for a TrainJob (`trainjob`), named as the TrainJob."""
+    return cluster.launcher in ("jobset", "trainjob")
+
+
+def _kind(cluster: ClusterConfig) -> tuple[str, str, str]:
+    """(group, version, plural) of the objects the launcher creates, finds and deletes: JobSets, or TrainJobs
+    (deleting a TrainJob's JobSet would only make Trainer build it again)."""
+    from batchpilot.cluster import jobset, trainjob
+
+    return trainjob.TRAINJOB_KIND if cluster.launcher == "trainjob" else jobset.JOBSET_KIND
+
+
 def stage_selector(labels: dict[str, str]) -> dict[str, str]:
     """The labels that find a launch's JobSets, whatever their plan."""
     return {key: labels[key] for key in (RUN_LABEL, STAGE_LABEL)}
@@ -35,7 +49,9 @@ def adoptable_or_cleared(*, labels: dict[str, str], cluster: ClusterConfig, name
     from batchpilot.cluster.readiness import kube_api_client
 
     client = kube_api_client()
-    of_run = jobset.list_jobsets(client, namespace=cluster.namespace, labels={RUN_LABEL: labels[RUN_LABEL]})
+    of_run = jobset.list_jobsets(
+        client, namespace=cluster.namespace, labels={RUN_LABEL: labels[RUN_LABEL]}, kind=_kind(cluster)
+    )
     existing = [item for item in of_run if _labels(item).get(STAGE_LABEL) == labels[STAGE_LABEL]]
     live = [item for item in existing if _adoptable(item, plan=labels[PLAN_LABEL])]
     # The run's launches follow one another: another launch's JobSet still pending or running is a
@@ -58,7 +74,9 @@ def running_jobset(*, labels: dict[str, str], cluster: ClusterConfig) -> str | N
     from batchpilot.cluster import jobset
     from batchpilot.cluster.readiness import kube_api_client
 
-    found = jobset.list_jobsets(kube_api_client(), namespace=cluster.namespace, labels=stage_selector(labels))
+    found = jobset.list_jobsets(
+        kube_api_client(), namespace=cluster.namespace, labels=stage_selector(labels), kind=_kind(cluster)
+    )
     live = [item for item in found if _adoptable(item, plan=labels[PLAN_LABEL])]
     return str(live[0]["metadata"]["name"]) if live else None
 
@@ -68,15 +86,17 @@ def _labels(item: dict[str, Any]) -> dict[str, str]:
 
 
 def _running(item: dict[str, Any]) -> bool:
-    """Whether a JobSet is pending or running and not being deleted."""
+    """Whether a JobSet (or TrainJob) is pending or running and not being deleted."""
     from torchx.specs import AppState
 
     from batchpilot.cluster.jobset import jobset_state
+    from batchpilot.cluster.trainjob import trainjob_state
 
-    return not item["metadata"].get("deletionTimestamp") and jobset_state(item.get("status")) in (
-        AppState.PENDING,
-        AppState.RUNNING,
-    )
+    if item["metadata"].get("deletionTimestamp"):
+        return False
+    if item.get("kind") == "TrainJob":
+        return trainjob_state(item) is None
+    return jobset_state(item.get("status")) in (AppState.PENDING, AppState.RUNNING)
 
 
 def _adoptable(item: dict[str, Any], *, plan: str) -> bool:
@@ -94,41 +114,47 @@ def _delete_named(client: Any, cluster: ClusterConfig, *, names: list[str], why:
     """Deletes the JobSets and waits until they are gone; raises when one outlives the wait."""
     from batchpilot.cluster import jobset
 
-    logger.info("deleting JobSet(s) %s (%s)", ", ".join(names), why)
+    what = "TrainJob(s)" if cluster.launcher == "trainjob" else "JobSet(s)"
+    logger.info("deleting %s %s (%s)", what, ", ".join(names), why)
     remaining = jobset.delete_jobsets(
-        client, namespace=cluster.namespace, names=names, wait_s=_delete_wait_s()
+        client, namespace=cluster.namespace, names=names, wait_s=_delete_wait_s(), kind=_kind(cluster)
     )
     if remaining:
+        noun = "TrainJob" if cluster.launcher == "trainjob" else "JobSet"
         raise BatchpilotError(
-            f"JobSet {remaining[0]}",
+            f"{noun} {remaining[0]}",
             f"is still being deleted after {_delete_wait_s():.0f}s",
-            f"see `kubectl -n {cluster.namespace} describe jobset {remaining[0]}`, then launch again",
+            f"see `kubectl -n {cluster.namespace} describe {noun.lower()} {remaining[0]}`, then launch again",
         )
 
 
 def delete_labelled(cluster: ClusterConfig, *, labels: dict[str, str], wait_s: float, why: str) -> list[str]:
-    """Deletes every JobSet carrying `labels`, waits up to `wait_s` for them; returns their names."""
+    """Deletes every JobSet (TrainJob with the trainjob launcher) carrying `labels`, waits up to `wait_s` for
+    them; returns their names."""
     from batchpilot.cluster import jobset
     from batchpilot.cluster.readiness import kube_api_client
 
-    client = kube_api_client()
+    client, kind = kube_api_client(), _kind(cluster)
     names = [
         item["metadata"]["name"]
-        for item in jobset.list_jobsets(client, namespace=cluster.namespace, labels=labels)
+        for item in jobset.list_jobsets(client, namespace=cluster.namespace, labels=labels, kind=kind)
     ]
     if not names:
         return []
-    logger.info("deleting JobSet(s) %s (%s)", ", ".join(names), why)
-    remaining = jobset.delete_jobsets(client, namespace=cluster.namespace, names=names, wait_s=wait_s)
+    what = "TrainJob(s)" if cluster.launcher == "trainjob" else "JobSet(s)"
+    logger.info("deleting %s %s (%s)", what, ", ".join(names), why)
+    remaining = jobset.delete_jobsets(
+        client, namespace=cluster.namespace, names=names, wait_s=wait_s, kind=kind
+    )
     if remaining and wait_s:
-        logger.warning("JobSet(s) %s still terminating after %.0fs", ", ".join(remaining), wait_s)
+        logger.warning("%s %s still terminating after %.0fs", what, ", ".join(remaining), wait_s)
     return names
 
 
 def delete_run_jobs(*, cluster: ClusterConfig, run: str) -> list[str]:
     """Deletes every JobSet of the run (label RUN_LABEL=`run`) and waits for their pods to stop; returns
     their names. The exit handler calls it before the pool shrinks, so no trainer is cut off mid-checkpoint."""
-    if cluster.launcher != "jobset":
+    if not builds_jobset(cluster):
         return []
     names = delete_labelled(
         cluster, labels={RUN_LABEL: run}, wait_s=_delete_wait_s(), why=f"the end of run {run}"

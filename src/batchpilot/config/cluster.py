@@ -18,7 +18,7 @@ from batchpilot.config.fields import ByteSize, PositiveInt, _Section
 MAX_NODES = 65_000
 """The most nodes a stage may plan for: GKE's largest cluster ("Plan for large GKE clusters": up to 65,000
 nodes). It also keeps every node walk of the planner bounded."""
-OMITTED_WHEN_UNSET = ("priority_class",)
+OMITTED_WHEN_UNSET = ("priority_class", "training_runtime")
 """Settings added after the compiled pipelines' format settled: left out of a dump while unset, so that a
 pipeline compiled from a config without them stays byte-identical (a config read back gets the default)."""
 MAX_DEVICES_PER_NODE = 64
@@ -91,9 +91,18 @@ class ClusterConfig(_Section):
     service_account: str = Field(
         "batchpilot", description="gke: Kubernetes service account of the trainer pods (Workload Identity)"
     )
-    launcher: Literal["jobset", "volcano"] = Field(
+    launcher: Literal["jobset", "trainjob", "volcano"] = Field(
         "jobset",
-        description="gke: JobSet (GKE standard, Kueue-friendly) or a Volcano Job (torchx kubernetes)",
+        description="gke: JobSet (GKE standard, Kueue-friendly), a Kubeflow Trainer v2 TrainJob on "
+        "training_runtime (Trainer builds the same JobSet; Kueue queues the TrainJob) or a Volcano Job "
+        "(torchx kubernetes)",
+    )
+    training_runtime: str | None = Field(
+        None,
+        description="gke with launcher trainjob: the ClusterTrainingRuntime the TrainJobs run on (none: "
+        "batchpilot, the one the chart installs with trainingRuntime.create); it must hold what `launch "
+        "--dry-run` renders for the config (failure policy, sidecars, volumes), which is checked before each "
+        "TrainJob is created",
     )
     kueue_queue: str | None = Field(
         None, description="gke: Kueue LocalQueue the JobSet is submitted to (none: no Kueue label)"

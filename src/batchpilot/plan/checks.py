@@ -30,7 +30,7 @@ from batchpilot.planning.batch import raise_problems, split_problems
 from batchpilot.planning.capacity import capacity_problems
 from batchpilot.planning.devices import accelerator_problem
 from batchpilot.planning.gpudirect import gpudirect_problems
-from batchpilot.planning.names import cluster_problems
+from batchpilot.planning.names import cluster_problems, launcher_problems
 from batchpilot.planning.nodes import check_loading_factor, data_parallel_size, nearest_valid_batch_sizes
 from batchpilot.planning.provisioning import provisioning_problems
 from batchpilot.planning.rampup import format_schedule, parse_schedule
@@ -124,6 +124,10 @@ def cluster_config_problems(config: Config) -> list[BatchpilotError]:
         machine_type=cluster.machine_type, devices_per_node=cluster.devices_per_node,
         min_nodes=cluster.min_nodes, max_nodes=cluster.max_nodes, data_uri=config.data.uri,
         checkpoint_uri=config.train.checkpoint_uri, priority_class=cluster.priority_class,
+    )  # fmt: skip
+    problems += launcher_problems(
+        backend=cluster.backend, launcher=cluster.launcher, training_runtime=cluster.training_runtime,
+        accelerator_type=cluster.accelerator_type,
     )  # fmt: skip
     problems += provisioning_problems(
         provisioning=cluster.provisioning, backend=cluster.backend, launcher=cluster.launcher,

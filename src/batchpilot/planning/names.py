@@ -266,6 +266,43 @@ def name_problems(
     return problems
 
 
+def launcher_problems(
+    *, backend: str, launcher: str, training_runtime: str | None, accelerator_type: str | None
+) -> list[BatchpilotError]:
+    """`cluster.launcher: trainjob` and `cluster.training_runtime` (Kubeflow Trainer v2, `cluster/trainjob.py`):
+    the runtime's name (a ClusterTrainingRuntime is named by a DNS-1123 subdomain), a runtime without the
+    launcher, and TPU slices, whose multi-host JobSets batchpilot builds itself ([] off gke)."""
+    if backend != "gke":
+        return []
+    problems: list[BatchpilotError] = []
+    if training_runtime is not None and launcher != "trainjob":
+        problems.append(
+            BatchpilotError(
+                "cluster.training_runtime",
+                f"names a Kubeflow Trainer runtime, but cluster.launcher is {launcher}",
+                "set cluster.launcher: trainjob, or remove cluster.training_runtime",
+            )
+        )
+    elif training_runtime is not None and (refused := dns1123_subdomain_problems(training_runtime)):
+        problems.append(
+            BatchpilotError(
+                "cluster.training_runtime",
+                f"{training_runtime!r} cannot name a ClusterTrainingRuntime: {refused[0]}",
+                "use the name of one (`kubectl get clustertrainingruntimes`), e.g. batchpilot",
+            )
+        )
+    if launcher == "trainjob" and is_tpu(accelerator_type):
+        problems.append(
+            BatchpilotError(
+                "cluster.launcher",
+                f"trainjob is not implemented for TPU slices ({accelerator_type}): batchpilot builds their "
+                "multi-host JobSets itself",
+                "set cluster.launcher: jobset",
+            )
+        )
+    return problems
+
+
 def node_pool_problems(
     *,
     node_pool: str | None,
