@@ -618,3 +618,28 @@ def test_a_kueue_queue_that_cannot_hold_the_largest_launch_is_named(gke, tmp_pat
     code, lines = doctor(tmp_path, capsys, config)
     found = [line for line in failed(lines) if line.startswith("kueue: ")]
     assert code == 1 and found and found[0].startswith(expected), lines
+
+
+def test_a_trainjob_config_checks_its_training_runtime(gke, tmp_path, capsys):
+    """`cluster.launcher: trainjob`: doctor names a missing ClusterTrainingRuntime, passes the one the config's
+    launches need, and reviews the TrainJob permissions."""
+    from trainer_controller import TrainerController
+
+    from batchpilot.cluster.launch import trainjob_runtime
+    from batchpilot.config import ClusterConfig
+
+    gke.sim.trainer = TrainerController()
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", launcher="trainjob")
+    _, lines = doctor(tmp_path, capsys, config)
+    found = [line for line in failed(lines) if line.startswith("training runtime: ")]
+    assert found and found[0].startswith(
+        "training runtime: FAILED: cluster.training_runtime: ClusterTrainingRuntime 'batchpilot' does not exist"
+    ), lines
+    gke.sim.trainer.add_runtime(trainjob_runtime(ClusterConfig.model_validate(config["cluster"])))
+    _, lines = doctor(tmp_path, capsys, config)
+    assert "training runtime: passed: ClusterTrainingRuntime batchpilot holds what the launches need" in lines
+    assert status_of(lines)["rbac"] == "passed"
+    reviews = [b["spec"]["resourceAttributes"] for _, path, _, b in gke.kube.state.requests
+               if path.endswith("selfsubjectaccessreviews")]  # fmt: skip
+    assert {"verb": "create", "group": "trainer.kubeflow.org", "resource": "trainjobs",
+            "namespace": "batchpilot"} in reviews  # fmt: skip

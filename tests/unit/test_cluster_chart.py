@@ -124,6 +124,12 @@ def test_rbac_reads_nodes_pods_and_the_jobset_crd_cluster_wide_and_runs_jobsets_
             "resources": ["clusterqueues", "resourceflavors"],
             "verbs": ["get", "list"],
         },
+        # cluster.launcher trainjob: the ClusterTrainingRuntime a launch checks, read-only
+        {
+            "apiGroups": ["trainer.kubeflow.org"],
+            "resources": ["clustertrainingruntimes"],
+            "verbs": ["get", "list"],
+        },
     ]
     rules = {
         (r["apiGroups"][0], res): set(r["verbs"])
@@ -131,6 +137,7 @@ def test_rbac_reads_nodes_pods_and_the_jobset_crd_cluster_wide_and_runs_jobsets_
         for res in r["resources"]
     }
     assert rules[("jobset.x-k8s.io", "jobsets")] >= {"create", "get", "delete", "watch"}
+    assert rules[("trainer.kubeflow.org", "trainjobs")] == {"create", "get", "list", "watch", "delete"}
     assert rules[("", "pods/log")] == {"get"} and ("", "events") in rules
     assert not any(group == "batch.volcano.sh" for group, _ in rules)
     volcano = named(render({"rbac": {"volcano": True}}), "Role", "-launcher")["rules"]
@@ -401,3 +408,28 @@ def test_the_chart_grants_every_permission_a_run_calls(provisioning, kueue):
         resource = f"{access.resource}/{access.subresource}" if access.subresource else access.resource
         where = cluster_role if access.cluster_wide else task_pod if access.task_namespace else role
         assert (access.group, resource, access.verb) in where, access
+
+
+def test_the_optional_training_runtime_is_the_one_a_trainjob_launch_of_the_charts_config_needs():
+    """`trainingRuntime.create` installs a ClusterTrainingRuntime that Trainer's published CRD accepts and that
+    batchpilot's launch check finds nothing to object to for the chart's own config (launcher trainjob)."""
+    from batchpilot.cluster.jobset import JobSetOpts, app_to_jobset
+    from batchpilot.cluster.launch import cluster_appdef
+    from batchpilot.cluster.launch_spec import LaunchSpec
+    from batchpilot.cluster.trainjob import runtime_object, runtime_problems
+    from batchpilot.config import ClusterConfig
+    from helpers import validate_crd
+
+    assert "ClusterTrainingRuntime" not in by_kind(render())
+    objects = render({"trainingRuntime": {"create": True, "name": "team-runtime"}})
+    runtime = by_kind(objects)["ClusterTrainingRuntime"]
+    validate_crd(runtime, "trainer.kubeflow.org_clustertrainingruntimes.yaml")
+    assert runtime["metadata"]["name"] == "team-runtime"
+    cluster = ClusterConfig.model_validate(
+        {**config_of(objects)["cluster"], "launcher": "trainjob", "cpu_per_node": 200,
+         "memory_per_node_bytes": "1000GiB"}
+    )  # fmt: skip
+    spec = LaunchSpec(name="demo-stage-0-abcdef12", num_nodes=2, processes_per_node=8, trainer_args=("--stage", "0"),
+                      env={})  # fmt: skip
+    jobset = app_to_jobset(cluster_appdef(spec, cluster=cluster), JobSetOpts(namespace="batchpilot"))
+    assert runtime_problems(runtime, runtime_object(jobset, name="team-runtime")) == []

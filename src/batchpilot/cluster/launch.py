@@ -526,6 +526,22 @@ def render_cluster_yaml(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
     )
 
 
+def trainjob_runtime(cluster: ClusterConfig) -> dict[str, Any]:
+    """The ClusterTrainingRuntime every launch of `cluster` (launcher trainjob) needs, as `launch --dry-run`
+    prints it; the pods' size does not enter it (each TrainJob brings its own), so none is read."""
+    from batchpilot.cluster.trainjob import DEFAULT_RUNTIME
+
+    sized = cluster.model_copy(update={"cpu_per_node": 1, "memory_per_node_bytes": 2**30})
+    spec = LaunchSpec(name="runtime-check", num_nodes=1, processes_per_node=cluster.devices_per_node,
+                      trainer_args=(), env={})  # fmt: skip
+    resource = render_cluster_job(
+        cluster_runner(), cluster_appdef(spec, cluster=sized), cluster=sized
+    ).request
+    runtime: dict[str, Any] = resource.runtime
+    runtime["metadata"]["name"] = cluster.training_runtime or DEFAULT_RUNTIME
+    return runtime
+
+
 def run_cluster(spec: LaunchSpec, *, cluster: ClusterConfig, capacity_of: LaunchSpec | None = None) -> int:
     """Submits the launch to GKE (or adopts its running JobSet), streams every node's log, returns 0, 75
     (preempted, or this task's pod evicted: the JobSet is left for the retry to adopt) or 1. Ctrl-C, or a

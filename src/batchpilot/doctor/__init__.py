@@ -28,6 +28,7 @@ from batchpilot.doctor.kube import (
     check_kubernetes,
     check_kueue,
     check_rbac,
+    check_training_runtime,
 )
 from batchpilot.doctor.plan import check_cpus, check_plan, skip_cloud
 from batchpilot.doctor.storage import check_checkpoint, check_data
@@ -66,6 +67,7 @@ def steps(config: Config) -> list[Step]:
         ("rbac", check_rbac),
         ("jobset crd", check_jobset_crd),
         *([("kueue", check_kueue)] if config.cluster.kueue_queue else []),
+        *([("training runtime", check_training_runtime)] if config.cluster.launcher == "trainjob" else []),
         ("gpu driver", check_gpu_driver),
         ("gpu nodes", check_gpu_nodes),
         *storage,

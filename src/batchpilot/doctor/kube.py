@@ -101,8 +101,19 @@ def run_access(launcher: str, provisioning: str = "resize", *, kueue: bool = Fal
             "get", "customresourcedefinitions", "apiextensions.k8s.io", cluster_wide=True, name=JOBSET_CRD
         ),
     ]
+    trainjobs = [
+        # trainjob.py: the scheduler creates, gets and deletes TrainJobs, lifecycle.py lists them; check_runtime
+        # reads the ClusterTrainingRuntime
+        *(Access(verb, "trainjobs", "trainer.kubeflow.org") for verb in ("create", "get", "list", "delete")),
+        Access("get", "clustertrainingruntimes", "trainer.kubeflow.org", cluster_wide=True),
+        # the JobSet Trainer builds: followed (get), its CRD checked
+        Access("get", "jobsets", "jobset.x-k8s.io"),
+        Access(
+            "get", "customresourcedefinitions", "apiextensions.k8s.io", cluster_wide=True, name=JOBSET_CRD
+        ),
+    ]
     return [
-        *(jobsets if launcher == "jobset" else []),
+        *(jobsets if launcher == "jobset" else trainjobs if launcher == "trainjob" else []),
         Access("list", "pods"),  # jobset.py _find_pod, pending.py PendingWatch
         Access("get", "pods", subresource="log"),  # jobset.py log_iter (and following it)
         Access("list", "events"),  # pending.py: a Pending pod's FailedScheduling reason
@@ -185,13 +196,31 @@ def check_jobset_crd(context: Context) -> Check:
     api = kube_api(context, "jobset crd")
     if isinstance(api, Check):
         return api
-    if context.config.cluster.launcher != "jobset":
+    if context.config.cluster.launcher not in ("jobset", "trainjob"):  # Trainer builds JobSets too
         return skip("jobset crd", f"cluster.launcher is {context.config.cluster.launcher}")
     crds.check_jobset_crd(api)  # raises one line naming the problem and the upgrade
     return ok(
         "jobset crd",
         f"{crds.JOBSET_CRD} serves {crds.JOBSET_VERSION} with failurePolicy.rules ({crds.MIN_JOBSET_RELEASE} or later)",
     )
+
+
+def check_training_runtime(context: Context) -> Check:
+    """With `cluster.launcher: trainjob`: the ClusterTrainingRuntime exists and holds what the config's launches
+    need where a TrainJob cannot set it (`cluster/trainjob.py` `check_runtime`)."""
+    from batchpilot.cluster.launch import trainjob_runtime
+    from batchpilot.cluster.trainjob import check_runtime
+
+    cluster = context.config.cluster
+    if cluster.launcher != "trainjob":
+        return skip("training runtime", f"cluster.launcher is {cluster.launcher}")
+    api = kube_api(context, "training runtime")
+    if isinstance(api, Check):
+        return api
+    expected = trainjob_runtime(cluster)
+    name = expected["metadata"]["name"]
+    check_runtime(api, name=name, expected=expected, namespace=cluster.namespace)  # raises one line
+    return ok("training runtime", f"ClusterTrainingRuntime {name} holds what the launches need")
 
 
 def check_kueue(context: Context) -> Check:
