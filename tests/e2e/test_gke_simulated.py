@@ -464,11 +464,22 @@ def test_the_next_launchs_nodes_are_asked_for_while_the_current_launch_trains(
     readiness poll). stage-0 trains on 1 node, paced to 20 s; the pool task beside its train task asks for
     stages-1-final's second node at once (the lead measured at the canary's resize is longer than what is
     left), the node is Ready before stage-0's last step, and stages-1-final's own resize finds both nodes:
-    no wait between the launches for nodes."""
+    no wait between the launches for nodes.
+
+    #37: the pipeline runs through Kubeflow Trainer (`cluster.launcher: trainjob`, the stand-in in
+    tests/integration/trainer_controller.py): the canary and each launch are TrainJobs on the runtime the config
+    needs, whose JobSets Trainer builds; the exit handler deletes them."""
+    from trainer_controller import TrainerController
+
+    from batchpilot.cluster.launch import trainjob_runtime
+    from batchpilot.config import ClusterConfig
+
     gke = simulated_cluster
     gke.sim.ready_delay_s = 3.0
     config = gke_config(bucket)
-    config["cluster"]["capacity_ahead"] = "auto"
+    config["cluster"].update(capacity_ahead="auto", launcher="trainjob")
+    gke.sim.trainer = TrainerController()
+    gke.sim.trainer.add_runtime(trainjob_runtime(ClusterConfig.model_validate(config["cluster"])))
     config["batch"]["schedule"] = "0:16 320:32 384:64"  # stage-0: 20 steps; stage-1 and final: 2 each
     config["train"].update(total_samples=512, min_step_s=1.0)
     config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
@@ -489,3 +500,9 @@ def test_the_next_launchs_nodes_are_asked_for_while_the_current_launch_trains(
     assert "stage-0: the pool grew 1 -> 2 node(s) for stages-1-final" in run.log
     assert [size for pool, size in gke.sim.pool_history if pool == "cpu"] == [0, 2, 1, 2, 2, 0]
     assert not gke.sim.jobsets and not gke.sim.pods and gke.sim.pool_size("cpu") == 0
+    assert not gke.sim.trainer.trainjobs  # deleted by the exit handler, their JobSets with them
+    canary, *launches = gke.sim.trainer.built  # every launch was a TrainJob whose JobSet Trainer built
+    assert "canary" in canary and [n.rsplit("-", 1)[0] for n in launches] == [
+        "tiny-stage-0",
+        "tiny-stages-1-final",
+    ]

@@ -8,7 +8,8 @@ What it does, and the rule behind each part:
   `python` / `python3` as the first word runs `sys.executable` (this virtualenv), and any other first
   word is looked up on PATH; `image_commands` maps an image to another argv prefix when needed;
 - env: the container's `env` values (`valueFrom.fieldRef` for metadata.name / metadata.namespace /
-  spec.nodeName / status.podIP, the downward API), `HOSTNAME` = the pod's hostname, over a minimal
+  spec.nodeName / status.podIP and `metadata.labels['KEY']` / `metadata.annotations['KEY']`, the downward
+  API: kubernetes.io docs "Expose Pod Information to Containers Through Environment Variables"), `HOSTNAME` = the pod's hostname, over a minimal
   inherited environment (PATH, HOME, PYTHONPATH, LANG) - nothing else of the test's environment leaks;
 - names: pod DNS names `<hostname>.<subdomain>[.<namespace>.svc[.cluster.local]]` (the headless-service
   records of kubernetes.io docs "DNS for Services and Pods") in env values and arguments are rewritten
@@ -116,6 +117,10 @@ class LocalKubelet:
                 env[item["name"]] = self._localhost(_expand(str(item["value"]), env))
             elif (ref := (item.get("valueFrom") or {}).get("fieldRef")) and ref["fieldPath"] in fields:
                 env[item["name"]] = fields[ref["fieldPath"]]
+            elif ref and (
+                found := re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", ref["fieldPath"])
+            ):
+                env[item["name"]] = (pod["metadata"].get(found[1]) or {}).get(found[2], "")
         return env
 
     def _localize(self, argv: list[str], image: str) -> list[str]:
