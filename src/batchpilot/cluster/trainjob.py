@@ -52,6 +52,7 @@ PATCH_MANAGER = "batchpilot/launch"
 """The manager of batchpilot's runtime patch: a domain-prefixed path, as Trainer's webhook requires
 (jobset.go `Validate`: `IsDomainPrefixedPath`)."""
 DEFAULT_RUNTIME = "batchpilot"
+KUEUE_PREFIX = "kueue.x-k8s.io/"
 RESERVED_ENV_PREFIX = "PET_"
 """Trainer injects torchrun's PET_* variables and refuses a TrainJob that sets one (torch.go `Validate`)."""
 
@@ -117,6 +118,11 @@ def trainjob_object(jobset: Mapping[str, Any], *, runtime: str) -> dict[str, Any
         trainer["args"] = list(container["args"])
     pod_patch = {key: copy.deepcopy(pod["spec"][key]) for key in _PATCHED_POD_FIELDS if key in pod["spec"]}
     metadata = jobset["metadata"]
+    # The JobSet's labels but Kueue's: Kueue queues the TrainJob and leaves the JobSet Trainer builds for it
+    # alone (its ancestor is queued).
+    jobset_labels = {
+        k: v for k, v in (metadata.get("labels") or {}).items() if not k.startswith(KUEUE_PREFIX)
+    }
     spec: dict[str, Any] = {
         "runtimeRef": {"name": runtime, "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
         "trainer": trainer,
@@ -125,7 +131,7 @@ def trainjob_object(jobset: Mapping[str, Any], *, runtime: str) -> dict[str, Any
                 "manager": PATCH_MANAGER,
                 "trainingRuntimeSpec": {
                     "template": {
-                        "metadata": {"labels": dict(metadata.get("labels") or {})},
+                        "metadata": {"labels": jobset_labels},
                         "spec": {
                             "replicatedJobs": [
                                 {
