@@ -162,6 +162,9 @@ def test_flex_start_beside_a_kueue_queue_is_accepted_and_keeps_flex_starts_refus
     """Issue #37: Kueue's ProvisioningRequest admission check asks GKE for the nodes (no request of batchpilot's
     beside it), so the pair passes the config check; what flex-start cannot work with is still refused."""
     assert problems(kueue_queue="team-a") == []
+    from batchpilot.cluster.kueue import FLEX_START_CLASS
+
+    assert FLEX_START_CLASS == PROVISIONING_CLASS  # the class the queue's check must have is the one we write
     (found,) = problems(kueue_queue="team-a", fewer_nodes="allow")
     assert found.startswith("cluster.fewer_nodes: allow has no effect with flex-start") and "Kueue" in found
 

@@ -49,6 +49,8 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
 PROVISIONING_CONFIG_KIND = "ProvisioningRequestConfig"
+FLEX_START_CLASS = "queued-provisioning.gke.io"
+"""GKE's flex-start class, as cluster/provisioning.py writes it (not imported: provisioning -> jobset -> kueue)."""
 SHOWN = ("QuotaReserved", "Admitted", "Evicted", "Preempted", "Requeued")
 """The conditions a waiting launch logs, in this order."""
 
@@ -376,14 +378,12 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
     ProvisioningRequestConfig of class `queued-provisioning.gke.io`. `objects`: a CustomObjectsApi."""
     from kubernetes.client.rest import ApiException
 
-    from batchpilot.cluster.provisioning import PROVISIONING_CLASS
-
     name = cluster_queue["metadata"]["name"]
     strategy = (cluster_queue.get("spec") or {}).get("admissionChecksStrategy") or {}
     checks = [c.get("name", "") for c in strategy.get("admissionChecks") or []]
     wanted = (
         f"an admission check whose AdmissionCheck has controllerName {PROVISIONING_CONTROLLER} and a "
-        f"{PROVISIONING_CONFIG_KIND} of class {PROVISIONING_CLASS}"
+        f"{PROVISIONING_CONFIG_KIND} of class {FLEX_START_CLASS}"
     )
     if not checks:
         return (
@@ -419,7 +419,7 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
             reasons.append(f"{PROVISIONING_CONFIG_KIND} {config} (of AdmissionCheck {check}) does not exist")
             continue
         provisioning_class = (prc.get("spec") or {}).get("provisioningClassName")
-        if provisioning_class != PROVISIONING_CLASS:
+        if provisioning_class != FLEX_START_CLASS:
             reasons.append(
                 f"{PROVISIONING_CONFIG_KIND} {config} (of AdmissionCheck {check}) has class {provisioning_class!r}"
             )
