@@ -37,15 +37,55 @@ Rules:
   ClusterQueue; preemptor path: /<cq>; preemptee path: /<cq>"), Admitted=False, and its JobSet suspended
   (jobframework/reconciler.go `stopJob`); its quota is freed once its pods are gone, and it waits again
   (QuotaReserved=False, Requeued=True reason Preempted: pkg/workload/evict/evict.go, reconciler.go).
-Not modelled: admission checks (ProvisioningRequest), cohorts and borrowing, several resource groups, partial
-admission, waitForPodsReady, the v1beta1 API.
+
+ProvisioningRequest admission checks (GKE flex-start through Kueue; pkg/controller/admissionchecks/provisioning/
+controller.go and provisioning.go unless another file is named):
+- objects (apis/kueue/v1beta2/admissioncheck_types.go, provisioningrequestconfig_types.go, clusterqueue_types.go):
+  an AdmissionCheck {controllerName, parameters {apiGroup, kind, name}}, a ProvisioningRequestConfig
+  {provisioningClassName, parameters, retryStrategy {backoffLimitCount 3, backoffBaseSeconds 60,
+  backoffMaxSeconds 1800 by default}}, and the ClusterQueue's `spec.admissionChecksStrategy.admissionChecks[].name`;
+- the Workload's `status.admissionChecks` follows its ClusterQueue's checks, each starting Pending
+  (workload_controller.go `reconcileSyncAdmissionChecks`); with checks, quota reserved is not admitted:
+  Admitted=False, reason UnsatisfiedChecks, "The workload has not all checks ready", until every check is
+  Ready (pkg/workload/admissionchecks.go `SyncAdmittedCondition`); the JobSet stays suspended meanwhile;
+- the Workload carries its job's `provreq.kueue.x-k8s.io/` annotations (jobframework/utils.go `NewWorkload`);
+- the request is created only once quota is reserved (`Reconcile`), named `<workload>-<check>-<attempt>`
+  (attempt = the check's retryCount + 1; `ProvisioningRequestName`), labelled `kueue.x-k8s.io/managed: "true"`,
+  owned by the Workload, its class and parameters the config's, each `provreq.kueue.x-k8s.io/<P>` annotation
+  of the Workload overriding parameter P (`passProvReqParams`), one pod set per Workload pod set with the
+  assigned count; its PodTemplate `ppt-<request>-<podset>` (`getProvisioningRequestPodTemplateName`) labelled
+  `kueue.x-k8s.io/managed: "true"`, the pod set's template with the flavor's node labels merged in
+  (`createPodTemplate`), owned by the Workload, then by the request (`syncProvisionRequestsPodTemplates`);
+- the check's state from the request's conditions (`syncCheckStates`): Failed -> Retry ("Retrying after
+  failure: <message>", requeueAfterSeconds base x 2^retryCount capped at max: pkg/workload/admissionchecks.go
+  `UpdateAdmissionCheckRequeueState`) while the attempt <= backoffLimitCount, else Rejected with the Failed
+  message; CapacityRevoked -> Rejected with its message; Provisioned -> Ready with its message and podSetUpdates
+  (annotations `autoscaling.x-k8s.io/consume-provisioning-request: <request>` and
+  `autoscaling.x-k8s.io/provisioning-class-name: <class>`: `podSetUpdates`); Accepted with a Provisioned
+  condition -> Pending with that condition's message; no condition -> Pending, no message;
+- a Retry check evicts the Workload (workload_controller.go `reconcileCheckBasedEviction`): Evicted=True, reason
+  AdmissionCheck, "Evicted due to AdmissionCheck in Retry state: "<check>" (<message>)"; its checks go back to
+  Pending, "Reset to Pending after eviction. Previously: <state>", a Retry one's retryCount + 1
+  (pkg/workload/evict/evict.go); its quota is freed and it waits requeueAfterSeconds before it is tried again;
+  a Rejected check deactivates it: spec.active false, Evicted=True, reason DeactivatedDueToAdmissionCheck,
+  "The workload is deactivated due to AdmissionCheck in Rejected state: ..." (workload_controller.go), never
+  admitted again;
+- at admission the checks' podSetUpdates are merged into the JobSet's pod templates with the flavor's node
+  labels (jobframework/reconciler.go `startJob`, pkg/podset/podset.go `Merge`);
+- a finished or evicted Workload's requests are deleted (`Reconcile`, CleanupProvisioningRequestsOnEviction on by
+  default since 0.19), and a deleted Workload's go with it (owner references), their PodTemplates with them.
+Not modelled: other admission check controllers, onFlavors, managedResources, BookingExpired before admission,
+pod set merging, cohorts and borrowing, several resource groups, partial admission, waitForPodsReady, the
+v1beta1 API.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import re
+import time
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +106,13 @@ _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 KINDS = {
     "localqueues": "LocalQueue", "clusterqueues": "ClusterQueue", "resourceflavors": "ResourceFlavor",
     "workloads": "Workload", "workloadpriorityclasses": "WorkloadPriorityClass",
+    "admissionchecks": "AdmissionCheck", "provisioningrequestconfigs": "ProvisioningRequestConfig",
 }  # fmt: skip
+PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+MANAGED_LABEL = "kueue.x-k8s.io/managed"
+PROVREQ_PREFIX = "provreq.kueue.x-k8s.io/"
+CONSUME = "autoscaling.x-k8s.io/consume-provisioning-request"
+CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 NAMESPACED = {"localqueues", "workloads"}
 
 
@@ -97,6 +143,10 @@ class KueueController:
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {plural: {} for plural in KINDS}
         self.order = itertools.count()
         self.admitted: list[str] = []  # workload names in the order they were admitted (for tests)
+        self.requeue_at: dict[str, float] = {}  # workload -> when an admission check's backoff ends
+        self.requests_created: list[
+            dict[str, Any]
+        ] = []  # every ProvisioningRequest Kueue created (for tests)
 
     # -- what an administrator creates -------------------------------------------------------------
     def add_flavor(self, name: str, *, node_labels: dict[str, str] | None = None) -> None:
@@ -104,11 +154,29 @@ class KueueController:
             "resourceflavors", "", {"metadata": {"name": name}, "spec": {"nodeLabels": node_labels or {}}}
         )
 
+    def add_provisioning_check(
+        self, name: str, *, config: str, provisioning_class: str = "queued-provisioning.gke.io",
+        controller: str = PROVISIONING_CONTROLLER, backoff_limit_count: int = 3, backoff_base_s: int = 60,
+        backoff_max_s: int = 1800, make_config: bool = True,
+    ) -> None:  # fmt: skip
+        """An AdmissionCheck `name` of `controller` naming ProvisioningRequestConfig `config` (created unless
+        `make_config` is False) of `provisioning_class` and that retry strategy."""
+        self._store("admissionchecks", "", {"metadata": {"name": name}, "spec": {
+            "controllerName": controller,
+            "parameters": {"apiGroup": GROUP, "kind": "ProvisioningRequestConfig", "name": config}}})  # fmt: skip
+        if make_config:
+            self._store("provisioningrequestconfigs", "", {"metadata": {"name": config}, "spec": {
+                "provisioningClassName": provisioning_class,
+                "retryStrategy": {"backoffLimitCount": backoff_limit_count, "backoffBaseSeconds": backoff_base_s,
+                                  "backoffMaxSeconds": backoff_max_s}}})  # fmt: skip
+
     def add_cluster_queue(
-        self, name: str, *, quota: dict[str, dict[str, str]], preemption: str = "Never"
-    ) -> None:
+        self, name: str, *, quota: dict[str, dict[str, str]], preemption: str = "Never",
+        admission_checks: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         """`quota`: flavor -> {resource: nominal quota}, one resource group covering every named resource;
-        `preemption`: withinClusterQueue (Never, Kueue's default, or LowerPriority)."""
+        `preemption`: withinClusterQueue (Never, Kueue's default, or LowerPriority); `admission_checks`: the
+        AdmissionChecks every Workload must pass (`spec.admissionChecksStrategy`)."""
         covered = sorted({resource for resources in quota.values() for resource in resources})
         group = {
             "coveredResources": covered,
@@ -117,8 +185,10 @@ class KueueController:
                 for flavor, resources in quota.items()
             ],
         }
+        strategy = {"admissionChecksStrategy": {"admissionChecks": [{"name": c} for c in admission_checks]}}
         self._store("clusterqueues", "", {"metadata": {"name": name}, "spec": {
-            "resourceGroups": [group], "preemption": {"withinClusterQueue": preemption}}})  # fmt: skip
+            "resourceGroups": [group], "preemption": {"withinClusterQueue": preemption},
+            **(strategy if admission_checks else {})}})  # fmt: skip
 
     def add_local_queue(self, namespace: str, name: str, *, cluster_queue: str) -> None:
         self._store("localqueues", namespace, {"metadata": {"name": name, "namespace": namespace},
@@ -194,17 +264,29 @@ class KueueController:
                 if not any(p["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name
                            for p in sim.pods.values()):  # fmt: skip
                     del workload["status"]["admission"]
-                    message = _condition_of(workload, "Evicted")["message"]
-                    _set(workload, "QuotaReserved", "False", "Preempted", message)
-                    _set(workload, "Requeued", "True", "Preempted", message)
+                    evicted = _condition_of(workload, "Evicted")
+                    if evicted["reason"] == "Preempted":
+                        _set(workload, "QuotaReserved", "False", "Preempted", evicted["message"])
+                        _set(workload, "Requeued", "True", "Preempted", evicted["message"])
+                    else:  # an admission check's Retry (after its backoff) or a deactivation (never)
+                        _set(workload, "QuotaReserved", "False", "Pending", evicted["message"])
+                        _set(workload, "Requeued", "False", evicted["reason"], evicted["message"])
         known = {w["metadata"]["labels"][JOB_UID_LABEL] for w in workloads.values()}
         for uid, ((ns, name), jobset) in jobs.items():
             if uid not in known and QUEUE_LABEL in (jobset["metadata"].get("labels") or {}):
                 self._create_workload(ns, name, jobset)
+        if sim.provisioning is not None:
+            self._provisioning_checks(sim, jobs)
+        clock = time.monotonic()
         pending = [w for w in workloads.values()
-                   if not self._admitted(w) and not self._finished(w) and not w["status"].get("admission")]  # fmt: skip
+                   if not self._admitted(w) and not self._finished(w) and not w["status"].get("admission")
+                   and w["spec"].get("active", True)
+                   and self.requeue_at.get(w["metadata"]["name"], 0.0) <= clock]  # fmt: skip
         pending.sort(key=lambda w: (-w["spec"]["priority"], w["metadata"]["creationOrder"]))
         for workload in pending:
+            if self.requeue_at.pop(workload["metadata"]["name"], None) is not None:
+                _set(workload, "Requeued", "True", "BackoffFinished",
+                     "The workload backoff was finished")  # fmt: skip
             self._try_admit(sim, workload, jobs)
 
     def _create_workload(self, namespace: str, name: str, jobset: dict[str, Any]) -> None:
@@ -222,10 +304,15 @@ class KueueController:
                 {"name": rj["name"].lower(), "count": count, "template": rj["template"]["spec"]["template"]}
             )
         wl_name = workload_name(name, uid)
+        provreq = {
+            k: v
+            for k, v in (jobset["metadata"].get("annotations") or {}).items()
+            if k.startswith(PROVREQ_PREFIX)
+        }
         self.objects["workloads"][(namespace, wl_name)] = {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "Workload",
             "metadata": {
-                "name": wl_name, "namespace": namespace, "labels": {JOB_UID_LABEL: uid},
+                "name": wl_name, "namespace": namespace, "labels": {JOB_UID_LABEL: uid}, "annotations": provreq,
                 "finalizers": ["kueue.x-k8s.io/resource-in-use"], "creationOrder": next(self.order),
                 "ownerReferences": [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": name,
                                      "uid": uid, "controller": True, "blockOwnerDeletion": True}],
@@ -380,14 +467,206 @@ class KueueController:
                 "Previously: " + _condition_of(workload, "Evicted")["reason"],
             )
         _set(workload, "QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}")
+        strategy = self.objects["clusterqueues"][("", cq_name)]["spec"].get("admissionChecksStrategy") or {}
+        names = [c["name"] for c in strategy.get("admissionChecks") or []]
+        if names:  # the checks follow the ClusterQueue's; new ones start Pending
+            states = {c["name"]: c for c in workload["status"].get("admissionChecks") or []}
+            workload["status"]["admissionChecks"] = [
+                states.get(n) or {"name": n, "state": "Pending", "message": "", "lastTransitionTime": now()}
+                for n in names
+            ]
+            _set(workload, "Admitted", "False", "UnsatisfiedChecks", "The workload has not all checks ready")
+            return
+        self._start(workload, jobs)
+
+    def _start(self, workload: dict[str, Any], jobs: dict[str, Any]) -> None:
+        """Admitted: the flavor's node labels and the checks' podSetUpdates into the JobSet's pod templates, and
+        the JobSet unsuspended."""
         _set(workload, "Admitted", "True", "Admitted", "The workload is admitted")
         self.admitted.append(workload["metadata"]["name"])
         _, jobset = jobs[workload["metadata"]["labels"][JOB_UID_LABEL]]
+        (flavor,) = set(workload["status"]["admission"]["podSetAssignments"][0]["flavors"].values())
         node_labels = self.objects["resourceflavors"][("", flavor)]["spec"].get("nodeLabels") or {}
+        updates = {
+            u["name"]: u
+            for c in workload["status"].get("admissionChecks") or []
+            for u in c.get("podSetUpdates") or []
+        }
         for rj in jobset["spec"]["replicatedJobs"]:
-            pod = rj["template"]["spec"]["template"]["spec"]
-            pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **node_labels}
+            template = rj["template"]["spec"]["template"]
+            pod = template["spec"]
+            update = updates.get(rj["name"].lower(), {})
+            pod["nodeSelector"] = {
+                **(pod.get("nodeSelector") or {}),
+                **node_labels,
+                **update.get("nodeSelector", {}),
+            }
+            metadata = template.setdefault("metadata", {})
+            for field in ("annotations", "labels"):
+                if update.get(field):
+                    metadata[field] = {**(metadata.get(field) or {}), **update[field]}
         jobset["spec"]["suspend"] = False
+
+    # -- the ProvisioningRequest admission check ---------------------------------------------------------
+    def _provisioning_checks(self, sim: ClusterSim, jobs: dict[str, Any]) -> None:
+        provisioning = sim.provisioning
+        workloads = self.objects["workloads"]
+        for key, request in list(
+            provisioning.requests.items()
+        ):  # owner references: the Workload's go with it
+            owners = request["metadata"].get("ownerReferences") or []
+            if owners and owners[0]["kind"] == "Workload" and (key[0], owners[0]["name"]) not in workloads:
+                self._delete_request(provisioning, key)
+        for (ns, name), workload in workloads.items():
+            checks = workload["status"].get("admissionChecks") or []
+            if not checks:
+                continue
+            if self._finished(workload) or self._evicted(workload):
+                for key, request in list(provisioning.requests.items()):
+                    if key[0] == ns and _owner(request) == name:
+                        self._delete_request(provisioning, key)
+                continue
+            if not workload["status"].get("admission"):
+                continue  # nothing happens before quota is reserved
+            for state in checks:
+                self._sync_check(provisioning, workload, state)
+            rejected = [c for c in checks if c["state"] == "Rejected"]
+            retry = [c for c in checks if c["state"] == "Retry"]
+            if rejected:
+                message = f"The workload is deactivated due to {_checks_message(rejected, 'Rejected')}"
+                workload["spec"]["active"] = False
+                self._evict(workload, "DeactivatedDueToAdmissionCheck", message)
+            elif retry:
+                self._evict(workload, "AdmissionCheck", f"Evicted due to {_checks_message(retry, 'Retry')}")
+                wait_s = max(c.get("requeueAfterSeconds", 0) for c in checks)
+                self.requeue_at[name] = time.monotonic() + wait_s
+            elif all(c["state"] == "Ready" for c in checks) and not self._admitted(workload):
+                self._start(workload, jobs)
+
+    def _evict(self, workload: dict[str, Any], reason: str, message: str) -> None:
+        """Evicted with `reason`; every check not Pending back to Pending, a Retry one's retryCount + 1."""
+        _set(workload, "Evicted", "True", reason, message)
+        _set(workload, "Admitted", "False", "NoReservation", "The workload has no reservation")
+        checks = workload["status"]["admissionChecks"]
+        for i, check in enumerate(checks):
+            if check["state"] == "Pending":
+                continue
+            reset = {"name": check["name"], "state": "Pending", "lastTransitionTime": now(),
+                     "message": f"Reset to Pending after eviction. Previously: {check['state']}"}  # fmt: skip
+            if "requeueAfterSeconds" in check:
+                reset["requeueAfterSeconds"] = check["requeueAfterSeconds"]
+            if check["state"] == "Retry":
+                reset["retryCount"] = check.get("retryCount", 0) + 1
+            checks[i] = reset
+
+    def _sync_check(self, provisioning: Any, workload: dict[str, Any], state: dict[str, Any]) -> None:
+        """Creates the check's request for the current attempt, or maps its conditions to the check's state."""
+        check = self.objects["admissionchecks"].get(("", state["name"]))
+        if check is None or check["spec"]["controllerName"] != PROVISIONING_CONTROLLER:
+            return  # other controllers are not modelled
+        config = self.objects["provisioningrequestconfigs"].get(("", check["spec"]["parameters"]["name"]))
+        if config is None:
+            _check(state, "Pending", "the check is not active")
+            return
+        if state["state"] == "Ready":
+            return
+        ns, wl_name = workload["metadata"]["namespace"], workload["metadata"]["name"]
+        attempt = state.get("retryCount", 0) + 1
+        name = f"{wl_name}-{state['name']}-{attempt}"
+        request = provisioning.requests.get((ns, name))
+        if request is None:
+            if state["state"] == "Pending":
+                self._create_request(provisioning, workload, name=name, config=config)
+            return
+        found = {c["type"]: c for c in request["status"].get("conditions") or []}
+
+        def true(kind: str) -> bool:
+            return found.get(kind, {}).get("status") == "True"
+
+        retry = config["spec"]["retryStrategy"]
+        if true("Failed"):
+            if attempt <= retry["backoffLimitCount"]:
+                _check(state, "Retry", f"Retrying after failure: {found['Failed']['message']}")
+                state["requeueAfterSeconds"] = min(
+                    retry["backoffBaseSeconds"] * 2 ** state.get("retryCount", 0), retry["backoffMaxSeconds"]
+                )
+            else:
+                _check(state, "Rejected", found["Failed"]["message"])
+        elif true("CapacityRevoked"):
+            _check(state, "Rejected", found["CapacityRevoked"]["message"])
+        elif true("Provisioned"):
+            _check(state, "Ready", found["Provisioned"]["message"])
+            state["podSetUpdates"] = [
+                {"name": ps["name"], "annotations": {CONSUME: name, CLASS_ANNOTATION: request["spec"]["provisioningClassName"]}}
+                for ps in workload["spec"]["podSets"]
+            ]  # fmt: skip
+        elif true("Accepted") and "Provisioned" in found:
+            _check(state, "Pending", found["Provisioned"]["message"])
+
+    def _create_request(
+        self, provisioning: Any, workload: dict[str, Any], *, name: str, config: dict[str, Any]
+    ) -> None:
+        ns = workload["metadata"]["namespace"]
+        owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Workload", "name": workload["metadata"]["name"],
+                 "uid": workload["metadata"].get("uid", workload["metadata"]["name"]), "controller": True,
+                 "blockOwnerDeletion": True}  # fmt: skip
+        assignments = {a["name"]: a for a in workload["status"]["admission"]["podSetAssignments"]}
+        pod_sets = []
+        for pod_set in workload["spec"]["podSets"]:
+            assignment = assignments[pod_set["name"]]
+            (flavor,) = set(assignment["flavors"].values())
+            node_labels = self.objects["resourceflavors"][("", flavor)]["spec"].get("nodeLabels") or {}
+            template = copy.deepcopy(pod_set["template"])
+            spec = template.setdefault("spec", {})
+            spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **node_labels}
+            template_name = f"ppt-{name}-{pod_set['name']}"
+            code, body = provisioning._create(provisioning.templates, "PodTemplate", "podtemplates", ns, {
+                "apiVersion": "v1", "kind": "PodTemplate", "template": template, "metadata": {
+                    "name": template_name, "labels": {MANAGED_LABEL: "true"}, "ownerReferences": [owner]}})  # fmt: skip
+            assert code == 201, body
+            pod_sets.append({"podTemplateRef": {"name": template_name}, "count": assignment["count"]})
+        parameters = {**(config["spec"].get("parameters") or {}), **{
+            k.removeprefix(PROVREQ_PREFIX): v for k, v in (workload["metadata"].get("annotations") or {}).items()
+            if k.startswith(PROVREQ_PREFIX)}}  # fmt: skip
+        code, body = provisioning._create(provisioning.requests, "ProvisioningRequest", "provisioningrequests", ns, {
+            "apiVersion": "autoscaling.x-k8s.io/v1", "kind": "ProvisioningRequest",
+            "metadata": {"name": name, "labels": {MANAGED_LABEL: "true"}, "ownerReferences": [owner]},
+            "spec": {"provisioningClassName": config["spec"]["provisioningClassName"], "parameters": parameters,
+                     "podSets": pod_sets},
+        })  # fmt: skip
+        assert code == 201, body
+        self.requests_created.append(body)
+        for pod_set in pod_sets:  # the templates' owner is now the request
+            provisioning.templates[(ns, pod_set["podTemplateRef"]["name"])]["metadata"]["ownerReferences"] = [
+                {"apiVersion": "autoscaling.x-k8s.io/v1", "kind": "ProvisioningRequest", "name": name,
+                 "uid": body["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]  # fmt: skip
+
+    @staticmethod
+    def _delete_request(provisioning: Any, key: tuple[str, str]) -> None:
+        request = provisioning.requests.pop(key)
+        provisioning.deleted.append(key)
+        for pod_set in request["spec"]["podSets"]:
+            provisioning.templates.pop((key[0], pod_set["podTemplateRef"]["name"]), None)
+
+
+def _owner(obj: dict[str, Any]) -> str | None:
+    owners = obj["metadata"].get("ownerReferences") or []
+    return owners[0]["name"] if owners else None
+
+
+def _check(state: dict[str, Any], value: str, message: str) -> None:
+    if state["state"] != value:
+        state["lastTransitionTime"] = now()
+    state.update(state=value, message=message)
+
+
+def _checks_message(checks: list[dict[str, Any]], state: str) -> str:
+    """workload_controller.go `buildAdmissionChecksMessage`."""
+    parts = [f'"{c["name"]}" ({c["message"]})' if c.get("message") else f'"{c["name"]}"'
+             for c in sorted(checks, key=lambda c: c["name"])]  # fmt: skip
+    return (
+        f"{'AdmissionChecks' if len(checks) > 1 else 'AdmissionCheck'} in {state} state: {'; '.join(parts)}"
+    )
 
 
 def _is(workload: dict[str, Any], kind: str) -> bool:

@@ -30,7 +30,12 @@ Rules, and where each comes from:
   "true"` on the pool's nodes (GKE's queued-provisioning node pools carry them; pods that run there tolerate
   the taint, and GKE's Standard example selects the label);
 - a PodTemplate without the label `cloud.google.com/apply-warden-policies: "true"` (GKE's guide: "necessary
-  for GKE to calculate node resource requirements") brings no node: its request stays NotProvisioned;
+  for GKE to calculate node resource requirements") brings no node: its request stays NotProvisioned; except a
+  PodTemplate Kueue's ProvisioningRequest admission check made (labelled `kueue.x-k8s.io/managed: "true"`):
+  GKE's guide has the user write no PodTemplate and no warden label when Kueue asks for the nodes, and Kueue
+  v0.19.2 (pkg/controller/admissionchecks/provisioning/controller.go `createPodTemplate`) labels its templates
+  only `kueue.x-k8s.io/managed`, so such a request provisions without it (docs/research/kueue_trainer.md
+  section 15; that GKE tells them apart is inferred there, not documented);
 - deleting a request cancels it (proposal, "Canceling the requests"): its nodes are no longer kept and
   go by the normal scale-down, once empty for the autoscaler's unneeded time (`scale_down_unneeded_s`).
 - the booking expires (cluster-autoscaler `provisioningrequest/processors/provreq`, `refresh`): a request
@@ -62,6 +67,7 @@ CONSUME = "autoscaling.x-k8s.io/consume-provisioning-request"
 CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 QUEUED_TAINT = {"key": "cloud.google.com/gke-queued", "value": "true", "effect": "NoSchedule"}
 WARDEN = "cloud.google.com/apply-warden-policies"
+KUEUE_MANAGED = "kueue.x-k8s.io/managed"
 FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
 POOL_LABEL = "cloud.google.com/gke-nodepool"
 _NS = r"/namespaces/(?P<ns>[^/]+)"
@@ -197,7 +203,10 @@ class ProvisioningController:
         pool = ((template or {}).get("template", {}).get("spec", {}).get("nodeSelector") or {}).get(
             POOL_LABEL
         )
-        unlabelled = template is not None and (template["metadata"].get("labels") or {}).get(WARDEN) != "true"
+        labels = (template or {}).get("metadata", {}).get("labels") or {}
+        unlabelled = (
+            template is not None and labels.get(WARDEN) != "true" and labels.get(KUEUE_MANAGED) != "true"
+        )
         unfit = (
             f'PodTemplate {pod_set["podTemplateRef"]["name"]} lacks the label {WARDEN}: "true", which GKE needs '
             "to calculate the node resources its pods require"

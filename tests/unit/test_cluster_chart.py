@@ -118,10 +118,16 @@ def test_rbac_reads_nodes_pods_and_the_jobset_crd_cluster_wide_and_runs_jobsets_
             "resourceNames": ["jobsets.jobset.x-k8s.io"],
             "verbs": ["get"],
         },
-        # cluster.kueue_queue: the ClusterQueue behind the LocalQueue and its flavors, read-only
+        # cluster.kueue_queue: the ClusterQueue behind the LocalQueue and its flavors (with flex-start its
+        # admission checks and their ProvisioningRequestConfigs), read-only
         {
             "apiGroups": ["kueue.x-k8s.io"],
-            "resources": ["clusterqueues", "resourceflavors"],
+            "resources": [
+                "clusterqueues",
+                "resourceflavors",
+                "admissionchecks",
+                "provisioningrequestconfigs",
+            ],
             "verbs": ["get", "list"],
         },
         # cluster.launcher trainjob: the ClusterTrainingRuntime a launch checks, read-only

@@ -158,18 +158,48 @@ def test_a_local_backend_with_flex_start_is_refused():
     )
 
 
-def test_flex_start_beside_a_kueue_queue_is_refused_as_not_implemented():
-    """Issue #37: Kueue brings flex-start capacity through its own ProvisioningRequest admission check; a
-    request of batchpilot's beside it would ask for the nodes twice, so the pair is refused in one line."""
-    from batchpilot.planning.provisioning import provisioning_problems
+def test_flex_start_beside_a_kueue_queue_is_accepted_and_keeps_flex_starts_refusals():
+    """Issue #37: Kueue's ProvisioningRequest admission check asks GKE for the nodes (no request of batchpilot's
+    beside it), so the pair passes the config check; what flex-start cannot work with is still refused."""
+    assert problems(kueue_queue="team-a") == []
+    from batchpilot.cluster.kueue import FLEX_START_CLASS
 
-    (problem,) = provisioning_problems(
-        provisioning="flex-start", backend="gke", launcher="jobset", accelerator_type="nvidia-h100-80gb",
-        pool_mode="resize", fewer_nodes="fail", kueue_queue="team-a",
-    )  # fmt: skip
-    assert str(problem).startswith("cluster.provisioning: flex-start together with cluster.kueue_queue is not "
-                                   "implemented yet")  # fmt: skip
-    assert provisioning_problems(
-        provisioning="flex-start", backend="gke", launcher="jobset", accelerator_type="nvidia-h100-80gb",
-        pool_mode="resize", fewer_nodes="fail", kueue_queue=None,
-    ) == []  # fmt: skip
+    assert FLEX_START_CLASS == PROVISIONING_CLASS  # the class the queue's check must have is the one we write
+    (found,) = problems(kueue_queue="team-a", fewer_nodes="allow")
+    assert found.startswith("cluster.fewer_nodes: allow has no effect with flex-start") and "Kueue" in found
+
+
+@pytest.fixture(scope="module")
+def kueue_flex_jobset(tmp_path_factory) -> dict:
+    return dryrun(
+        tmp_path_factory.mktemp("kueue-flex"), "final", provisioning="flex-start", kueue_queue="team-a"
+    )
+
+
+def test_through_kueue_the_pods_consume_nothing_of_their_own_and_the_jobset_carries_the_run_duration(
+    kueue_flex_jobset,
+):
+    """Kueue writes the consume annotations (its own request's name) at admission; the JobSet's
+    `provreq.kueue.x-k8s.io/maxRunDurationSeconds` becomes its request's parameter: the stage timeout (30 days
+    by default) at most GKE's 7 days."""
+    validate_crd(kueue_flex_jobset, "jobset.x-k8s.io_jobsets.yaml")
+    assert kueue_flex_jobset["metadata"]["annotations"] == {
+        "provreq.kueue.x-k8s.io/maxRunDurationSeconds": "604800"
+    }
+    assert kueue_flex_jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    (replicated,) = kueue_flex_jobset["spec"]["replicatedJobs"]
+    pod = replicated["template"]["spec"]["template"]
+    assert CONSUME_ANNOTATION not in (pod["metadata"].get("annotations") or {})
+    assert CLASS_ANNOTATION not in (pod["metadata"].get("annotations") or {})
+    assert QUEUED_TOLERATION in pod["spec"]["tolerations"]
+
+
+def test_through_kueue_the_next_launchs_request_is_not_queued_ahead_and_says_why():
+    from batchpilot.workflow.ahead import ahead_unavailable
+
+    config = parse_config(gke_config(provisioning="flex-start", kueue_queue="team-a"))
+    why = ahead_unavailable(config)
+    assert why is not None and why.startswith(
+        "with cluster.kueue_queue, Kueue's ProvisioningRequest admission check"
+    )
+    assert ahead_unavailable(parse_config(gke_config(provisioning="flex-start"))) is None

@@ -13,6 +13,18 @@ Facts read from Kueue v0.19.2 (kubernetes-sigs/kueue; docs/research/kueue_traine
   and every admission check is Ready), Evicted and Preempted (a higher-priority workload took the quota),
   Requeued, Finished; `status.admissionChecks[]` with `name`, `state` (Pending, Ready, Retry, Rejected) and
   `message`; a Workload whose `spec.active` is false is deactivated and will not be admitted again.
+
+Flex-start through Kueue (`cluster.provisioning: flex-start` with `cluster.kueue_queue`; Kueue v0.19.2
+pkg/controller/admissionchecks/provisioning/controller.go, apis/kueue/v1beta2 admissioncheck_types.go,
+provisioningrequestconfig_types.go, clusterqueue_types.go): the ClusterQueue lists admission checks in
+`spec.admissionChecksStrategy.admissionChecks[].name`; an AdmissionCheck whose `spec.controllerName` is
+`kueue.x-k8s.io/provisioning-request` names a ProvisioningRequestConfig in `spec.parameters` (apiGroup
+kueue.x-k8s.io, kind ProvisioningRequestConfig), whose `spec.provisioningClassName` is GKE's
+`queued-provisioning.gke.io`. Once it has reserved quota Kueue creates the ProvisioningRequest, keeps the check
+Pending until GKE provisions it (Ready: the Workload is admitted and the pods get the consume annotations),
+retries a Failed one up to the config's `retryStrategy.backoffLimitCount` (the check Retry) and then rejects it
+(Rejected, the Workload deactivated). batchpilot writes no request of its own then: the admission wait below
+follows the check.
 """
 
 from __future__ import annotations
@@ -35,6 +47,10 @@ VERSION = "v1beta2"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+PROVISIONING_CONFIG_KIND = "ProvisioningRequestConfig"
+FLEX_START_CLASS = "queued-provisioning.gke.io"
+"""GKE's flex-start class, as cluster/provisioning.py writes it (not imported: provisioning -> jobset -> kueue)."""
 SHOWN = ("QuotaReserved", "Admitted", "Evicted", "Preempted", "Requeued")
 """The conditions a waiting launch logs, in this order."""
 
@@ -51,6 +67,8 @@ class Admission:
     admitted: bool
     refused: bool
     state: str
+    checks_waiting: bool = False
+    """Quota is reserved, but an admission check (a ProvisioningRequest's, say) is not Ready yet."""
 
 
 def admission(workload: dict[str, Any]) -> Admission:
@@ -75,10 +93,12 @@ def admission(workload: dict[str, Any]) -> Admission:
         parts.append("deactivated (spec.active: false)")
     if finished:
         parts.append("Finished")
+    reserved = found.get("QuotaReserved", {}).get("status") == "True"
     return Admission(
         admitted=found.get("Admitted", {}).get("status") == "True",
         refused=bool(rejected) or deactivated or finished,
         state="; ".join(parts) or "no condition yet (Kueue has not looked at it)",
+        checks_waiting=reserved and any(c.get("state") != "Ready" for c in checks),
     )
 
 
@@ -158,11 +178,18 @@ def wait_admitted(
                 "admission checks",
             )
         if clock() >= deadline:
+            fix = (
+                "raise cluster.capacity_timeout_s (its quota is reserved; an admission check waits: for flex-start, "
+                "GKE queues the check's ProvisioningRequest until every node is free), or plan fewer nodes "
+                "(cluster.max_nodes)"
+                if found.checks_waiting
+                else "raise cluster.capacity_timeout_s (the queue's quota is held by other workloads), or ask for "
+                "quota in the ClusterQueue behind the LocalQueue"
+            )
             raise BatchpilotError(
                 "cluster.capacity_timeout_s",
                 f"Kueue did not admit JobSet {jobset} in LocalQueue {queue} within {timeout_s:g} s: {found.state}",
-                "raise cluster.capacity_timeout_s (the queue's quota is held by other workloads), or ask for "
-                "quota in the ClusterQueue behind the LocalQueue",
+                fix,
             )
         time.sleep(poll_s)
 
@@ -308,6 +335,15 @@ def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> Bat
                 "ask the cluster's admin to create it or to point the LocalQueue at one",
             )
         raise
+    if cluster.provisioning == "flex-start":
+        missing = provisioning_check_problem(objects, cluster_queue)
+        if missing is not None:
+            return BatchpilotError(
+                "cluster.provisioning",
+                f"flex-start through LocalQueue {queue} needs Kueue to ask GKE for the nodes: {missing}",
+                "ask the cluster's admin to set up the ProvisioningRequestConfig, AdmissionCheck and ClusterQueue "
+                "(docs/cluster.md, Shared clusters: Kueue queues), or set cluster.provisioning: resize",
+            )
     names = {
         f["name"]
         for g in (cluster_queue.get("spec") or {}).get("resourceGroups") or []
@@ -334,3 +370,59 @@ def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> Bat
         f"a launch on {nodes} node(s) asks LocalQueue {queue} for {asked}; {short}",
         "ask the cluster's admin for that quota, or plan fewer nodes (cluster.max_nodes)",
     )
+
+
+def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> str | None:
+    """What keeps `cluster_queue` from asking GKE for flex-start nodes (None: nothing): it must list an
+    admission check whose AdmissionCheck has controllerName `kueue.x-k8s.io/provisioning-request` and names a
+    ProvisioningRequestConfig of class `queued-provisioning.gke.io`. `objects`: a CustomObjectsApi."""
+    from kubernetes.client.rest import ApiException
+
+    name = cluster_queue["metadata"]["name"]
+    strategy = (cluster_queue.get("spec") or {}).get("admissionChecksStrategy") or {}
+    checks = [c.get("name", "") for c in strategy.get("admissionChecks") or []]
+    wanted = (
+        f"an admission check whose AdmissionCheck has controllerName {PROVISIONING_CONTROLLER} and a "
+        f"{PROVISIONING_CONFIG_KIND} of class {FLEX_START_CLASS}"
+    )
+    if not checks:
+        return (
+            f"ClusterQueue {name} lists no admission check (spec.admissionChecksStrategy); it needs {wanted}"
+        )
+    reasons = []
+    for check in checks:
+        try:
+            found = objects.get_cluster_custom_object(
+                GROUP, VERSION, "admissionchecks", check, _request_timeout=30
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            reasons.append(f"AdmissionCheck {check} does not exist")
+            continue
+        spec = found.get("spec") or {}
+        if spec.get("controllerName") != PROVISIONING_CONTROLLER:
+            reasons.append(f"AdmissionCheck {check} has controllerName {spec.get('controllerName')!r}")
+            continue
+        parameters = spec.get("parameters") or {}
+        if parameters.get("apiGroup") != GROUP or parameters.get("kind") != PROVISIONING_CONFIG_KIND:
+            reasons.append(f"AdmissionCheck {check} names no {PROVISIONING_CONFIG_KIND} in spec.parameters")
+            continue
+        config = parameters.get("name", "")
+        try:
+            prc = objects.get_cluster_custom_object(
+                GROUP, VERSION, "provisioningrequestconfigs", config, _request_timeout=30
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            reasons.append(f"{PROVISIONING_CONFIG_KIND} {config} (of AdmissionCheck {check}) does not exist")
+            continue
+        provisioning_class = (prc.get("spec") or {}).get("provisioningClassName")
+        if provisioning_class != FLEX_START_CLASS:
+            reasons.append(
+                f"{PROVISIONING_CONFIG_KIND} {config} (of AdmissionCheck {check}) has class {provisioning_class!r}"
+            )
+            continue
+        return None
+    return f"ClusterQueue {name} has no {wanted}: " + "; ".join(reasons)

@@ -488,7 +488,17 @@ def render_cluster_job(
         from batchpilot.cluster.tpu_jobset import finish_tpu_jobset
 
         finish_tpu_jobset(resource)
-    if scheduler == "jobset" and cluster.provisioning == "flex-start":
+    if scheduler == "jobset" and cluster.provisioning == "flex-start" and cluster.kueue_queue:
+        from batchpilot.cluster.provisioning import kueue_request_annotations, tolerate_queued_nodes
+
+        # Kueue's ProvisioningRequest admission check asks GKE for the nodes and writes the consume annotations
+        # into the pod templates at admission (cluster/kueue.py); the JobSet carries the request's parameters.
+        resource["metadata"].setdefault("annotations", {}).update(
+            kueue_request_annotations(cluster.stage_timeout_s)
+        )
+        for replicated in resource["spec"]["replicatedJobs"]:
+            tolerate_queued_nodes(replicated["template"]["spec"]["template"])
+    elif scheduler == "jobset" and cluster.provisioning == "flex-start":
         from batchpilot.cluster.provisioning import consume_request
 
         # The pods consume the launch's ProvisioningRequest, named as its JobSet (cluster/provisioning.py).
@@ -655,8 +665,18 @@ def _capacity(
     node count, provisioned before the JobSet is created and deleted when the launch ends
     (`batchpilot.cluster.provisioning`); otherwise the pool was sized by the resize step. `capacity_of`:
     the request is that launch's (its name, labels, pods and node count), which the caller may hand over to
-    it (`provisioning.Handover`); the context yields the handover, or None without flex-start."""
+    it (`provisioning.Handover`); the context yields the handover, or None without flex-start. With
+    `cluster.kueue_queue` too, Kueue's ProvisioningRequest admission check asks GKE for the nodes once it has
+    reserved the launch's quota, and the admission wait (`_admitted`) follows it: nothing here."""
     if cluster.provisioning != "flex-start":
+        return contextlib.nullcontext()
+    if cluster.kueue_queue:
+        if capacity_of is not None:
+            logger.info(
+                "%s: Kueue's ProvisioningRequest admission check asks GKE for this job's nodes (cluster.kueue_queue); "
+                "they go when it ends, not to %s, whose JobSet Kueue asks for again",
+                spec.name, capacity_of.name,
+            )  # fmt: skip
         return contextlib.nullcontext()
     from batchpilot.cluster.lifecycle import running_jobset
     from batchpilot.cluster.provisioning import flex_start_capacity
@@ -683,6 +703,14 @@ def ask_capacity_ahead(spec: LaunchSpec, *, cluster: ClusterConfig) -> str:
     from batchpilot.cluster.provisioning import ask_ahead
     from batchpilot.cluster.readiness import kube_api_client
 
+    if (
+        cluster.kueue_queue
+    ):  # workflow/ahead.py never asks: Kueue's admission check asks when it reserves quota
+        raise BatchpilotError(
+            "cluster.capacity_ahead",
+            "cannot queue a request ahead through cluster.kueue_queue",
+            "set it to off",
+        )
     runner = cluster_runner()
     appdef = cluster_appdef(spec, cluster=cluster, read_nodes=True)
     resource = render_cluster_job(runner, appdef, cluster=cluster, labels=spec.labels).request.resource

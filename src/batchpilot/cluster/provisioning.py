@@ -57,6 +57,7 @@ WARDEN_LABEL = "cloud.google.com/apply-warden-policies"
 """On the PodTemplate: GKE's guide has it there, "necessary for GKE to calculate node resource requirements"."""
 MAX_RUN_DURATION_PARAMETER = "maxRunDurationSeconds"
 MAX_RUN_DURATION_S = 7 * 24 * 3600  # GKE's limit and default for flex-start nodes
+KUEUE_PARAMETER_PREFIX = "provreq.kueue.x-k8s.io/"
 # Conditions that end a request's use: no node is (or will be) there for the launch. BookingExpired ends only
 # the booking of nodes no pod took yet: the cluster autoscaler sets it 10 minutes after Provisioned
 # (cluster-autoscaler provisioningrequest/processors/provreq, defaultReservationTime), while the launch's
@@ -79,6 +80,13 @@ def consume_request(pod: dict[str, Any], *, name: str) -> None:
     annotations = pod.setdefault("metadata", {}).setdefault("annotations", {})
     annotations[CONSUME_ANNOTATION] = name
     annotations[CLASS_ANNOTATION] = PROVISIONING_CLASS
+    tolerate_queued_nodes(pod)
+
+
+def tolerate_queued_nodes(pod: dict[str, Any]) -> None:
+    """The toleration of the taint GKE puts on queued-provisioning nodes, on a rendered pod template (in
+    place). Through Kueue (`cluster.kueue_queue`) the pods get only this: Kueue writes the consume
+    annotations itself at admission, naming its own request."""
     tolerations = pod.setdefault("spec", {}).setdefault("tolerations", [])
     if not any(t.get("key") == QUEUED_TAINT_KEY for t in tolerations):
         tolerations.append(
@@ -114,6 +122,14 @@ def provisioning_request_manifest(
             "podSets": [{"count": count, "podTemplateRef": {"name": name}}],
         },
     }
+
+
+def kueue_request_annotations(stage_timeout_s: float) -> dict[str, str]:
+    """The JobSet's annotations that Kueue's ProvisioningRequest admission check passes on as its request's
+    parameters (Kueue v0.19.2: jobframework/utils.go copies a job's `provreq.kueue.x-k8s.io/` annotations to
+    its Workload; provisioning.go `passProvReqParams` makes each a parameter of the request, overriding the
+    ProvisioningRequestConfig's): the nodes' `maxRunDurationSeconds`, as GKE's guide sets it per job."""
+    return {KUEUE_PARAMETER_PREFIX + MAX_RUN_DURATION_PARAMETER: str(max_run_duration_s(stage_timeout_s))}
 
 
 def max_run_duration_s(stage_timeout_s: float) -> int:

@@ -151,6 +151,15 @@ def run_access(launcher: str, provisioning: str = "resize", *, kueue: bool = Fal
             if kueue
             else []
         ),
+        # kueue.py provisioning_check_problem: the ClusterQueue's admission checks and their configs
+        *(
+            [
+                Access("get", "admissionchecks", "kueue.x-k8s.io", cluster_wide=True),
+                Access("get", "provisioningrequestconfigs", "kueue.x-k8s.io", cluster_wide=True),
+            ]
+            if kueue and provisioning == "flex-start"
+            else []
+        ),
     ]
 
 
@@ -225,7 +234,8 @@ def check_training_runtime(context: Context) -> Check:
 
 def check_kueue(context: Context) -> Check:
     """With `cluster.kueue_queue`: the LocalQueue exists, its ClusterQueue too, and one of its flavors can
-    ever hold the plan's largest launch (`cluster/kueue.py` `queue_problem`)."""
+    ever hold the plan's largest launch; with flex-start the ClusterQueue also has a ProvisioningRequest
+    admission check of GKE's class (`cluster/kueue.py` `queue_problem`)."""
     from batchpilot.cluster.kueue import queue_problem
 
     cluster = context.config.cluster
@@ -242,7 +252,12 @@ def check_kueue(context: Context) -> Check:
         raise problem
     return ok(
         "kueue",
-        f"LocalQueue {cluster.kueue_queue} in {cluster.namespace} can hold the largest launch ({largest.num_nodes} node(s))",
+        f"LocalQueue {cluster.kueue_queue} in {cluster.namespace} can hold the largest launch ({largest.num_nodes} node(s))"
+        + (
+            "; its ClusterQueue asks GKE for flex-start nodes through a ProvisioningRequest admission check"
+            if cluster.provisioning == "flex-start"
+            else ""
+        ),
     )
 
 

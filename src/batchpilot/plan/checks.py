@@ -132,7 +132,6 @@ def cluster_config_problems(config: Config) -> list[BatchpilotError]:
     problems += provisioning_problems(
         provisioning=cluster.provisioning, backend=cluster.backend, launcher=cluster.launcher,
         accelerator_type=cluster.accelerator_type, pool_mode=cluster.pool_mode, fewer_nodes=cluster.fewer_nodes,
-        kueue_queue=cluster.kueue_queue,
     )  # fmt: skip
     problems += capacity_problems(
         backend=cluster.backend, pool_mode=cluster.pool_mode, accelerator_type=cluster.accelerator_type,

@@ -21,7 +21,6 @@ def provisioning_problems(
     accelerator_type: str | None,
     pool_mode: str,
     fewer_nodes: str,
-    kueue_queue: str | None = None,
 ) -> list[BatchpilotError]:
     """Every setting flex-start cannot work with, one error each naming the field and the fix ([] unless
     `provisioning` is flex-start). The arguments are the `cluster.` fields of the same names."""
@@ -75,22 +74,12 @@ def provisioning_problems(
         problems.append(
             BatchpilotError(
                 "cluster.fewer_nodes",
-                "allow has no effect with flex-start: GKE grants a ProvisioningRequest's nodes all at once or "
-                "none, so a launch never gets some of its nodes",
+                "allow has no effect with flex-start: GKE grants a ProvisioningRequest's nodes (batchpilot's, or "
+                "those of Kueue's admission check with cluster.kueue_queue) all at once or none, so a launch never "
+                "gets some of its nodes",
                 "set cluster.fewer_nodes: fail, or cluster.provisioning: resize",
             )
         )
-    if kueue_queue is not None:
-        # Kueue asks for flex-start capacity itself, through its ClusterQueue's ProvisioningRequest admission
-        # check: batchpilot's own request beside it would ask GKE for the nodes twice.
-        problems.append(
-            BatchpilotError(
-                "cluster.provisioning",
-                "flex-start together with cluster.kueue_queue is not implemented yet: batchpilot does not yet "
-                "leave the ProvisioningRequest to Kueue's admission check, and two requests would ask GKE for the "
-                "launch's nodes twice",
-                "set cluster.provisioning: resize (with cluster.pool_mode: autoscale where Kueue's queue brings "
-                "the nodes), or remove cluster.kueue_queue",
-            )
-        )
+    # With kueue_queue, Kueue's ProvisioningRequest admission check asks GKE for the nodes instead of
+    # batchpilot (cluster/kueue.py); every rule above holds for its requests too.
     return problems

@@ -60,6 +60,11 @@ def ahead_unavailable(config: Config) -> str | None:
                     "current one only with create-first (the TPU quota must hold both)"
                 )
             return None
+        if cluster.provisioning == "flex-start" and cluster.kueue_queue:
+            return (
+                "with cluster.kueue_queue, Kueue's ProvisioningRequest admission check asks GKE for a launch's "
+                "nodes once it reserves that launch's quota; a request of batchpilot's ahead would ask twice"
+            )
         if cluster.pool_mode == "autoscale":
             return "an autoscaled pool grows when the next launch's pods ask for nodes"
         if cluster.pool_mode == "static":

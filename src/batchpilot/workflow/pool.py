@@ -55,7 +55,8 @@ def prepare_pool(
         from batchpilot.cluster.kueue import queue_problem
         from batchpilot.cluster.readiness import kube_api_client
 
-        # Before any node is asked for: a queue whose quota can never hold the launch would keep it waiting.
+        # Before any node is asked for: a queue whose quota can never hold the launch would keep it waiting; with
+        # flex-start, a ClusterQueue without a ProvisioningRequest admission check would never bring the nodes.
         problem = queue_problem(kube_api_client(), cluster, nodes=num_nodes)
         if problem is not None:
             raise problem
@@ -76,7 +77,13 @@ def prepare_pool(
     change = PoolChange(before, num_nodes, time.monotonic() - started, pool.describe())
     record_pool_event(config, before=before, after=num_nodes, requested_s=requested_s, early=early)
     if deferred:
-        how = "its ProvisioningRequest" if cluster.provisioning == "flex-start" else "the cluster autoscaler"
+        how = (
+            "the ProvisioningRequest of Kueue's admission check"
+            if cluster.provisioning == "flex-start" and cluster.kueue_queue
+            else "its ProvisioningRequest"
+            if cluster.provisioning == "flex-start"
+            else "the cluster autoscaler"
+        )
         logger.info("%d node(s) come with the launch's job (%s); %s", num_nodes, how, change.description)
     else:
         logger.info("ready: %d node(s) after %.1fs; %s", num_nodes, change.elapsed_s, change.description)
