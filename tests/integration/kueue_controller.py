@@ -74,6 +74,13 @@ controller.go and provisioning.go unless another file is named):
   labels (jobframework/reconciler.go `startJob`, pkg/podset/podset.go `Merge`);
 - a finished or evicted Workload's requests are deleted (`Reconcile`, CleanupProvisioningRequestsOnEviction on by
   default since 0.19), and a deleted Workload's go with it (owner references), their PodTemplates with them.
+Kubeflow Trainer's TrainJobs (pkg/controller/jobs/trainjob/trainjob_controller.go and trainjob_webhook.go): a
+TrainJob labelled with a queue is suspended on create and gets Kueue's own runtime patch (manager
+`kueue.x-k8s.io/manager`); its Workload `trainjob-<name>-<hash>` (group trainer.kubeflow.org) is owned by it, its
+pod sets those of the JobSet Trainer builds from its runtime (`getChildJobSet`, `PodSets`); at admission the
+flavor's node labels and the checks' podSetUpdates go into that patch, one replicated job per pod set, and the
+TrainJob is unsuspended in the same update (`RunWithPodSetsInfo`); a preemption suspends the TrainJob (`Stop`),
+whose JobSet Trainer then suspends; it is finished by its Complete or Failed condition (`Finished`).
 Not modelled: other admission check controllers, onFlavors, managedResources, BookingExpired before admission,
 pod set merging, cohorts and borrowing, several resource groups, partial admission, waitForPodsReady, the
 v1beta1 API.
@@ -109,6 +116,7 @@ KINDS = {
     "admissionchecks": "AdmissionCheck", "provisioningrequestconfigs": "ProvisioningRequestConfig",
 }  # fmt: skip
 PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+KUEUE_MANAGER = "kueue.x-k8s.io/manager"
 MANAGED_LABEL = "kueue.x-k8s.io/managed"
 PROVREQ_PREFIX = "provreq.kueue.x-k8s.io/"
 CONSUME = "autoscaling.x-k8s.io/consume-provisioning-request"
@@ -116,10 +124,25 @@ CLASS_ANNOTATION = "autoscaling.x-k8s.io/provisioning-class-name"
 NAMESPACED = {"localqueues", "workloads"}
 
 
-def workload_name(jobset: str, uid: str) -> str:
+def workload_name(jobset: str, uid: str, *, kind: str = "JobSet", group: str = "jobset.x-k8s.io") -> str:
     """workload_names.go: `<lower(kind)>-<owner name>-<5 hex of SHA-1(kind, group, name, uid)>`."""
-    digest = hashlib.sha1("\n".join(["JobSet", "jobset.x-k8s.io", jobset, uid]).encode()).hexdigest()[:5]
-    return f"jobset-{jobset}"[:247] + "-" + digest
+    digest = hashlib.sha1("\n".join([kind, group, jobset, uid]).encode()).hexdigest()[:5]
+    return f"{kind.lower()}-{jobset}"[:247] + "-" + digest
+
+
+def _is_trainjob(job: dict[str, Any]) -> bool:
+    return job.get("kind") == "TrainJob"
+
+
+def _finished_as(job: dict[str, Any]) -> str | None:
+    """ "Completed" or "Failed" once the job has ended: a JobSet's terminalState, a TrainJob's Complete or
+    Failed condition (trainjob_controller.go `Finished`), else None."""
+    if not _is_trainjob(job):
+        return job["status"].get("terminalState")  # type: ignore[no-any-return]
+    for condition in job["status"].get("conditions") or []:
+        if condition["status"] == "True" and condition["type"] in ("Complete", "Failed"):
+            return "Completed" if condition["type"] == "Complete" else "Failed"
+    return None
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -244,19 +267,38 @@ class KueueController:
         body.setdefault("spec", {})["suspend"] = True
         return None
 
+    # -- the TrainJob webhook (pkg/controller/jobs/trainjob/trainjob_webhook.go) ----------------------------
+    def admit_trainjob(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Mutating: a queued TrainJob is suspended and gets Kueue's own runtime patch (manager
+        `kueue.x-k8s.io/manager`, empty until admission); validating: the queue name. A refusal, or None."""
+        queue = (body.get("metadata", {}).get("labels") or {}).get(QUEUE_LABEL)
+        if queue is None:
+            return None
+        if len(queue) > 253 or not _SUBDOMAIN.match(queue):
+            return _status(422, "Invalid", f'admission webhook "vtrainjob.kb.io" denied the request: '
+                           f'metadata.labels[{QUEUE_LABEL}]: Invalid value: "{queue}"')  # fmt: skip
+        spec = body.setdefault("spec", {})
+        spec["suspend"] = True
+        patches = spec.setdefault("runtimePatches", [])
+        if not any(p["manager"] == KUEUE_MANAGER for p in patches):
+            patches.append({"manager": KUEUE_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {}}}})
+        return None
+
     # -- the controllers ------------------------------------------------------------------------------
     def reconcile(self, sim: ClusterSim) -> None:
         workloads = self.objects["workloads"]
         jobs = {js["metadata"]["uid"]: (key, js) for key, js in sim.jobsets.items()}
+        if sim.trainer is not None:  # Kueue's TrainJob integration: the TrainJob is queued, not its JobSet
+            jobs.update({tj["metadata"]["uid"]: (key, tj) for key, tj in sim.trainer.trainjobs.items()})
         for key, workload in list(workloads.items()):
             uid = workload["metadata"]["labels"][JOB_UID_LABEL]
             if uid not in jobs:  # the owner is gone: garbage-collected
                 del workloads[key]
                 continue
-            terminal = jobs[uid][1]["status"].get("terminalState")
+            terminal = _finished_as(jobs[uid][1])
             if terminal and not self._finished(workload):
                 _set(workload, "Finished", "True", "Succeeded" if terminal == "Completed" else "Failed",
-                     f"JobSet {terminal.lower()}")  # fmt: skip
+                     f"{jobs[uid][1]['kind']} {terminal.lower()}")  # fmt: skip
         for workload in workloads.values():  # an evicted Workload's quota is freed once its pods are gone
             if self._evicted(workload) and workload["status"].get("admission"):
                 uid = workload["metadata"]["labels"][JOB_UID_LABEL]
@@ -274,7 +316,7 @@ class KueueController:
         known = {w["metadata"]["labels"][JOB_UID_LABEL] for w in workloads.values()}
         for uid, ((ns, name), jobset) in jobs.items():
             if uid not in known and QUEUE_LABEL in (jobset["metadata"].get("labels") or {}):
-                self._create_workload(ns, name, jobset)
+                self._create_workload(sim, ns, name, jobset)
         if sim.provisioning is not None:
             self._provisioning_checks(sim, jobs)
         clock = time.monotonic()
@@ -289,9 +331,17 @@ class KueueController:
                      "The workload backoff was finished")  # fmt: skip
             self._try_admit(sim, workload, jobs)
 
-    def _create_workload(self, namespace: str, name: str, jobset: dict[str, Any]) -> None:
-        uid = jobset["metadata"]["uid"]
-        labels = jobset["metadata"]["labels"]
+    def _create_workload(self, sim: ClusterSim, namespace: str, name: str, jobset: dict[str, Any]) -> None:
+        """`jobset` may be a TrainJob: its pod sets are those of the JobSet Trainer builds for it, computed
+        from its runtime (trainjob_controller.go `getChildJobSet`, `PodSets`)."""
+        owner = jobset
+        if _is_trainjob(jobset):
+            from trainer_controller import build_jobset
+
+            jobset = build_jobset(sim.trainer.runtimes[owner["spec"]["runtimeRef"]["name"]], owner)
+            jobset["metadata"]["annotations"] = owner["metadata"].get("annotations") or {}
+        uid = owner["metadata"]["uid"]
+        labels = owner["metadata"]["labels"]
         priority_class = labels.get(PRIORITY_LABEL)
         wpc = self.objects["workloadpriorityclasses"].get(("", priority_class or ""))
         if priority_class and wpc is None:
@@ -303,7 +353,8 @@ class KueueController:
             pod_sets.append(
                 {"name": rj["name"].lower(), "count": count, "template": rj["template"]["spec"]["template"]}
             )
-        wl_name = workload_name(name, uid)
+        kind, api_version = owner["kind"], owner["apiVersion"]
+        wl_name = workload_name(name, uid, kind=kind, group=api_version.split("/")[0])
         provreq = {
             k: v
             for k, v in (jobset["metadata"].get("annotations") or {}).items()
@@ -314,7 +365,7 @@ class KueueController:
             "metadata": {
                 "name": wl_name, "namespace": namespace, "labels": {JOB_UID_LABEL: uid}, "annotations": provreq,
                 "finalizers": ["kueue.x-k8s.io/resource-in-use"], "creationOrder": next(self.order),
-                "ownerReferences": [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "name": name,
+                "ownerReferences": [{"apiVersion": api_version, "kind": kind, "name": name,
                                      "uid": uid, "controller": True, "blockOwnerDeletion": True}],
             },
             "spec": {
@@ -492,6 +543,17 @@ class KueueController:
             for c in workload["status"].get("admissionChecks") or []
             for u in c.get("podSetUpdates") or []
         }
+        if _is_trainjob(jobset):  # RunWithPodSetsInfo: into Kueue's runtime patch, then unsuspended
+            (patch,) = [p for p in jobset["spec"]["runtimePatches"] if p["manager"] == KUEUE_MANAGER]
+            patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"] = [
+                {"name": ps["name"], "template": {"spec": {"template": {
+                    "metadata": {k: updates.get(ps["name"], {}).get(k, {}) for k in ("labels", "annotations")},
+                    "spec": {"nodeSelector": {**node_labels, **updates.get(ps["name"], {}).get("nodeSelector", {})}},
+                }}}}
+                for ps in workload["spec"]["podSets"]
+            ]  # fmt: skip
+            jobset["spec"]["suspend"] = False
+            return
         for rj in jobset["spec"]["replicatedJobs"]:
             template = rj["template"]["spec"]["template"]
             pod = template["spec"]

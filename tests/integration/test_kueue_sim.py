@@ -24,12 +24,15 @@ from helpers import gke_a3_config, write_plan
 NS = "batchpilot"
 QUEUE = "team-a"
 H100 = {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+TEAM_FLAVOR = {**H100, "example.com/team-flavor": "h100-a"}
+"""The flavor's node labels here: the second is the flavor's own (the pool carries it), which batchpilot's own
+node selector does not have, so finding it on the pods shows Kueue's admission put it there."""
 
 
 @pytest.fixture
 def gke() -> Iterator[SimulatedGke]:
     kueue = KueueController()
-    kueue.add_flavor("h100", node_labels=H100)
+    kueue.add_flavor("h100", node_labels=TEAM_FLAVOR)
     kueue.add_cluster_queue(
         "team",
         quota={"h100": {"cpu": "1000", "memory": "10000Gi", "nvidia.com/gpu": "8"}},
@@ -39,6 +42,7 @@ def gke() -> Iterator[SimulatedGke]:
     kueue.add_priority_class("high", 1000)
     with simulated_gke(kueue=kueue) as cluster:
         cluster.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=2)
+        cluster.sim.pool_labels["gpu"] = {"example.com/team-flavor": "h100-a"}
         yield cluster
 
 
@@ -119,7 +123,7 @@ def test_a_launch_waits_in_its_queue_while_another_holds_the_quota_then_trains_w
     template = gke.sim.jobsets[(NS, ours)]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
         "spec"
     ]
-    assert template["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h100-80gb"  # the flavor's
+    assert template["nodeSelector"]["example.com/team-flavor"] == "h100-a"  # the flavor's
     time.sleep(2.0)  # the launch follows the pod
     for key in running:
         gke.sim.finish_pod(*key, exit_code=0)

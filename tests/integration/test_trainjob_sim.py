@@ -180,3 +180,73 @@ def test_a_missing_or_different_runtime_is_refused_before_any_trainjob(gke, rend
     assert "cannot run this launch (1 difference(s); first: spec.template.spec.replicatedJobs[node].template." \
            "spec.backoffLimit: 6 instead of 0)" in output  # fmt: skip
     assert not gke.sim.trainer.trainjobs and not gke.sim.jobsets
+
+
+def test_a_queued_trainjob_waits_for_quota_then_trains_on_the_flavors_nodes(rendered, tmp_path):
+    """With `cluster.kueue_queue`, Kueue queues the TrainJob (not the JobSet Trainer builds): it is created
+    suspended, waits while another team's JobSet holds the quota, and once admitted Kueue's runtime patch
+    carries the flavor's node labels to the pods (Kueue's TrainJob integration in kueue_controller.py)."""
+    from kubernetes import client
+    from kueue_controller import QUEUE_LABEL, KueueController, workload_name
+
+    kueue = KueueController()
+    # The flavor's own node label (the pool carries it) shows that Kueue's patch reached the pods.
+    flavor = {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb", "example.com/team-flavor": "h100-a"}
+    kueue.add_flavor("h100", node_labels=flavor)
+    kueue.add_cluster_queue(
+        "team", quota={"h100": {"cpu": "1000", "memory": "10000Gi", "nvidia.com/gpu": "8"}}
+    )
+    kueue.add_local_queue(NS, "team-a", cluster_queue="team")
+    with simulated_gke(kueue=kueue, trainer=TrainerController()) as gke:
+        gke.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=2)
+        gke.sim.pool_labels["gpu"] = {"example.com/team-flavor": "h100-a"}
+        gke.sim.trainer.add_runtime(rendered[1][0])
+        pod = {"containers": [{"name": "main", "image": "x", "resources": {
+                   "limits": {"nvidia.com/gpu": "8"}, "requests": {"cpu": "1", "memory": "1Gi"}}}],
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+               "restartPolicy": "Never"}  # fmt: skip
+        other = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                 "metadata": {"name": "other-team", "labels": {QUEUE_LABEL: "team-a"}},
+                 "spec": {"replicatedJobs": [{"name": "main", "replicas": 1, "template": {"spec": {
+                     "parallelism": 1, "completions": 1, "backoffLimit": 0, "template": {"spec": pod}}}}]}}  # fmt: skip
+        client.CustomObjectsApi(gke.kube.api_client()).create_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", NS, "jobsets", other
+        )
+        wait_for(lambda: pods_of(gke, "other-team"))
+        plan = write_plan(tmp_path, gke_a3_config(namespace=NS, launcher="trainjob", kueue_queue="team-a",
+                                                  capacity_timeout_s=120))  # fmt: skip
+        proc = start_launch(gke, plan, tmp_path)
+        name = wait_for(lambda: gke.sim.trainer.built, proc=proc)[0]
+        trainjob = gke.sim.trainer.trainjobs[(NS, name)]
+        assert trainjob["spec"]["suspend"] is True and gke.sim.jobsets[(NS, name)]["spec"]["suspend"] is True
+        assert (
+            QUEUE_LABEL not in gke.sim.jobsets[(NS, name)]["metadata"]["labels"]
+        )  # Kueue queues the TrainJob
+        workloads = kueue.objects["workloads"]
+        key = (
+            NS,
+            workload_name(name, trainjob["metadata"]["uid"], kind="TrainJob", group="trainer.kubeflow.org"),
+        )
+        wait_for(lambda: key in workloads, proc=proc)
+        assert workloads[key]["metadata"]["ownerReferences"][0]["kind"] == "TrainJob"
+        assert workloads[key]["spec"]["podSets"][0]["name"] == "node"
+        time.sleep(2.0)  # still waiting: no pod of ours while the other team's JobSet holds the GPUs
+        assert not pods_of(gke, name, "Pending") and not pods_of(gke, name)
+        for other_pod in pods_of(gke, "other-team"):
+            gke.sim.finish_pod(*other_pod, exit_code=0)
+        running = wait_for(lambda: pods_of(gke, name), proc=proc)
+        assert trainjob["spec"]["suspend"] is False
+        selector = gke.sim.pods[running[0]]["spec"]["nodeSelector"]
+        assert selector["example.com/team-flavor"] == "h100-a"  # from Kueue's patch
+        assert selector["cloud.google.com/gke-nodepool"] == "gpu"  # from batchpilot's
+        time.sleep(1.0)
+        for key_ in running:
+            gke.sim.finish_pod(*key_, exit_code=0)
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, output
+        assert (
+            f"Kueue, TrainJob {name} in LocalQueue team-a: QuotaReserved=False (Pending: couldn't assign"
+            in output
+        )
+        assert "insufficient unused quota for nvidia.com/gpu in flavor h100, 8 more needed" in output
+        assert f"Kueue, TrainJob {name} in LocalQueue team-a: QuotaReserved=True" in output

@@ -32,7 +32,7 @@ Rules:
   `jobsStatus` from the JobSet's replicatedJobsStatus; deleting a TrainJob deletes its JobSet (owner reference;
   Foreground keeps the TrainJob until the JobSet is gone).
 Not modelled: namespaced TrainingRuntimes, initializers, MPI/JAX/Flux policies, podGroupPolicy, the runtime
-snapshot ConfigMap, activeDeadlineSeconds, Kueue's TrainJob integration.
+snapshot ConfigMap, activeDeadlineSeconds. Kueue's TrainJob integration is kueue_controller.py's.
 """
 
 from __future__ import annotations
@@ -281,6 +281,8 @@ class TrainerController:
     def _create(self, sim: ClusterSim, ns: str, body: dict[str, Any]) -> tuple[int, Any]:
         body = copy.deepcopy(body)
         name = body.get("metadata", {}).get("name", "")
+        if sim.kueue is not None and (denied := sim.kueue.admit_trainjob(body)):  # Kueue's mutating webhook
+            return 422, denied
         if problem := check_schema("trainjobs", body):
             return 422, _status(
                 422, "Invalid", f'TrainJob.trainer.kubeflow.org "{name}" is invalid: {problem}'

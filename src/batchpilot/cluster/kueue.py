@@ -147,10 +147,12 @@ def wait_admitted(
     uid: str,
     queue: str,
     timeout_s: float,
+    kind: str = "JobSet",
     poll_s: float = 5.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> str:
-    """Waits until Kueue admits the Workload of JobSet `jobset` (uid `uid`), logging its state each time it
+    """Waits until Kueue admits the Workload of JobSet `jobset` (uid `uid`; a TrainJob with `kind`), logging its
+    state each time it
     changes, and returns the last state logged; raises in one line when Kueue refuses it (at once) or has not
     admitted it within `timeout_s`."""
     deadline = clock() + timeout_s
@@ -159,21 +161,21 @@ def wait_admitted(
         workload = workloads.of_job(uid)
         if workload is None:
             state = (
-                f"no Workload for it yet (Kueue makes one for a JobSet labelled {QUEUE_LABEL}: is its JobSet "
+                f"no Workload for it yet (Kueue makes one for a {kind} labelled {QUEUE_LABEL}: is its {kind} "
                 "integration enabled?)"
             )
             found = Admission(admitted=False, refused=False, state=state)
         else:
             found = admission(workload)
         if found.state != said:
-            logger.info("Kueue, JobSet %s in LocalQueue %s: %s", jobset, queue, found.state)
+            logger.info("Kueue, %s %s in LocalQueue %s: %s", kind, jobset, queue, found.state)
             said = found.state
         if found.admitted:
             return said
         if found.refused:
             raise BatchpilotError(
                 "cluster.kueue_queue",
-                f"Kueue will not admit JobSet {jobset} in LocalQueue {queue}: {found.state}",
+                f"Kueue will not admit {kind} {jobset} in LocalQueue {queue}: {found.state}",
                 "see the Workload's events (`kubectl describe workloads -n NAMESPACE`) and the ClusterQueue's "
                 "admission checks",
             )
@@ -188,7 +190,7 @@ def wait_admitted(
             )
             raise BatchpilotError(
                 "cluster.capacity_timeout_s",
-                f"Kueue did not admit JobSet {jobset} in LocalQueue {queue} within {timeout_s:g} s: {found.state}",
+                f"Kueue did not admit {kind} {jobset} in LocalQueue {queue} within {timeout_s:g} s: {found.state}",
                 fix,
             )
         time.sleep(poll_s)
@@ -203,6 +205,7 @@ def watch_admission(
     stop: threading.Event,
     said: str,
     poll_s: float = 5.0,
+    kind: str = "JobSet",
 ) -> None:
     """While the launch trains (until `stop`), logs each change of its Workload's state after `said` (the last
     one `wait_admitted` logged): a higher-priority workload's preemption (Evicted, Preempted: Kueue suspends the
@@ -214,16 +217,18 @@ def watch_admission(
         try:
             workload = workloads.of_job(uid)
         except Exception as error:  # an API hiccup must not end a launch that trains
-            kind = type(error).__name__
-            if kind not in errors:
-                errors.add(kind)
-                logger.warning("Kueue, JobSet %s: reading its Workload failed (%s: %s)", jobset, kind, error)
+            failed = type(error).__name__
+            if failed not in errors:
+                errors.add(failed)
+                logger.warning(
+                    "Kueue, %s %s: reading its Workload failed (%s: %s)", kind, jobset, failed, error
+                )
             continue
         if workload is None:
             continue
         state = admission(workload).state
         if state != said:
-            logger.info("Kueue, JobSet %s in LocalQueue %s: %s", jobset, queue, state)
+            logger.info("Kueue, %s %s in LocalQueue %s: %s", kind, jobset, queue, state)
             said = state
 
 

@@ -631,7 +631,7 @@ def _admitted(
     )
     try:
         said = kueue.wait_admitted(
-            workloads, jobset=name, uid=uid, queue=queue,
+            workloads, jobset=name, uid=uid, queue=queue, kind=queued["kind"],
             timeout_s=cluster.capacity_timeout_s or cluster.ready_timeout_s,
         )  # fmt: skip
     except BatchpilotError:
@@ -646,7 +646,8 @@ def _admitted(
         stop = threading.Event()
         watcher = threading.Thread(
             target=kueue.watch_admission, daemon=True,
-            kwargs={"workloads": workloads, "jobset": name, "uid": uid, "queue": queue, "stop": stop, "said": said},
+            kwargs={"workloads": workloads, "jobset": name, "uid": uid, "queue": queue, "stop": stop, "said": said,
+                    "kind": queued["kind"]},
         )  # fmt: skip
         watcher.start()
         try:
