@@ -506,3 +506,66 @@ def test_the_next_launchs_nodes_are_asked_for_while_the_current_launch_trains(
         "tiny-stage-0",
         "tiny-stages-1-final",
     ]
+
+
+def test_a_pipeline_in_a_kueue_queue_waits_for_the_quota_another_team_holds_then_trains_every_stage(
+    simulated_cluster, start_pipeline, bucket
+):
+    """#37 (cluster.kueue_queue): the run's JobSets go through a Kueue LocalQueue whose ClusterQueue has 8 CPUs
+    (the stand-in in tests/integration/kueue_controller.py). While stage-0 trains on 1 node, another team's
+    JobSet takes the rest of the quota; the 2-node launch stages-1-final then waits in the queue, saying how
+    much quota it lacks, and is admitted as soon as the other team's job ends; every stage trains."""
+    from k8s_rules import pod_requests
+    from kubernetes import client
+    from kueue_controller import QUEUE_LABEL, KueueController
+
+    gke = simulated_cluster
+    kueue = KueueController()
+    kueue.add_flavor("cpu")
+    kueue.add_cluster_queue("team", quota={"cpu": {"cpu": "8", "memory": "1000Gi"}})
+    kueue.add_local_queue("batchpilot", "team-a", cluster_queue="team")
+    gke.sim.kueue = kueue
+    config = gke_config(bucket)
+    config["batch"]["schedule"] = "0:16 320:32 384:64"  # stage-0: 20 steps; stage-1 and final: 2 each
+    config["train"].update(total_samples=512, min_step_s=0.5)
+    config["explore"] = {"study": False}  # a fixed micro batch and no study: no explore task
+    config["cluster"].update(kueue_queue="team-a", capacity_timeout_s=300)
+    run = start_pipeline(config)
+    run.wait_for("stage-0 training", lambda: stage_pods_training(gke, "stage-0"), timeout_s=240)
+    with gke.sim.lock:
+        (trainer,) = [p for p in gke.sim.pods.values() if p["metadata"]["name"].startswith("tiny-stage-0-")]
+        cpus = pod_requests(trainer["spec"])["cpu"]
+    # Another team's job holds what stage-0 leaves of the 8 CPUs (its pod waits for a pool of its own).
+    pod = {"containers": [{"name": "main", "image": "x", "resources": {"requests": {"cpu": str(float(8 - cpus))}}}],
+           "nodeSelector": {"cloud.google.com/gke-nodepool": "other-team-pool"}, "restartPolicy": "Never"}  # fmt: skip
+    other = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+             "metadata": {"name": "other-team", "labels": {QUEUE_LABEL: "team-a"}},
+             "spec": {"replicatedJobs": [{"name": "main", "replicas": 1, "template": {"spec": {
+                 "parallelism": 1, "completions": 1, "backoffLimit": 0, "template": {"spec": pod}}}}]}}  # fmt: skip
+    objects = client.CustomObjectsApi(gke.kube.api_client())
+    objects.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "batchpilot", "jobsets", other)
+    run.wait_for(
+        "stages-1-final waiting for quota",
+        lambda: any(
+            w["metadata"]["name"].startswith("jobset-tiny-stages-1-final-")
+            and "more needed" in str(w["status"].get("conditions"))
+            for w in kueue.objects["workloads"].values()
+        ),
+        timeout_s=240,
+    )
+    time.sleep(2.0)
+    assert not any(
+        p["metadata"]["name"].startswith("tiny-stages-1-final-") for p in list(gke.sim.pods.values())
+    )
+    objects.delete_namespaced_custom_object(
+        "jobset.x-k8s.io", "v1alpha2", "batchpilot", "jobsets", "other-team"
+    )
+    assert run.finish(timeout_s=420) == 0, run.log[-6000:]
+    log = run.log
+    assert "in LocalQueue team-a: QuotaReserved=False (Pending: couldn't assign flavors to pod set batchpilot: " \
+           "insufficient unused quota for cpu in flavor cpu" in log  # fmt: skip
+    assert [w.split("-")[1:3] for w in kueue.admitted] == [
+        ["tiny", "canary"], ["tiny", "stage"], ["other", "team"], ["tiny", "stages"],
+    ]  # fmt: skip
+    consumed = [r["consumed_samples"] for r in load_metrics(run.checkpoint_uri)]
+    assert consumed == [*range(16, 321, 16), 352, 384, 448, 512]  # every step once, in order
