@@ -643,3 +643,42 @@ def test_a_trainjob_config_checks_its_training_runtime(gke, tmp_path, capsys):
                if path.endswith("selfsubjectaccessreviews")]  # fmt: skip
     assert {"verb": "create", "group": "trainer.kubeflow.org", "resource": "trainjobs",
             "namespace": "batchpilot"} in reviews  # fmt: skip
+
+
+def kueue_configmap(frameworks: list[str]) -> dict[str, Any]:
+    """Kueue's configuration ConfigMap as its release manifests install it (see doctor/kube.py KUEUE_CONFIGMAP)."""
+    config = {"apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+              "integrations": {"frameworks": frameworks}}  # fmt: skip
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "kueue-manager-config", "namespace": "kueue-system"},
+            "data": {"controller_manager_config.yaml": yaml.safe_dump(config)}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("right", "kueue explore: passed: the explore task's pod goes through LocalQueue team-a in kubeflow"),
+        ("no queue in kfp's namespace", "kueue explore: FAILED: the explore task's pod runs in KFP's namespace "
+                                        "kubeflow, which has no LocalQueue team-a"),
+        ("no pod integration", "kueue explore: FAILED: Kueue's pod integration is off (kueue-system/kueue-manager-"
+                               "config lists batch/job, jobset.x-k8s.io/jobset)"),
+        ("configmap denied", "kueue explore: skipped: LocalQueue team-a in kubeflow is there, but Kueue's "
+                             "configuration ConfigMap kueue-system/kueue-manager-config could not be read (HTTP 403)"),
+    ],
+)  # fmt: skip
+def test_the_explore_task_goes_through_the_queue_only_where_kueue_can_hold_its_pod(
+    gke, tmp_path, capsys, setup, expected
+):
+    """#37: explore is a KFP task pod in KFP's namespace; Kueue holds it in the queue only when its pod
+    integration is on and that namespace has the LocalQueue as well."""
+    with_kueue(gke)
+    if setup != "no queue in kfp's namespace":
+        gke.sim.kueue.add_local_queue("kubeflow", "team-a", cluster_queue="team")
+    frameworks = ["batch/job", "jobset.x-k8s.io/jobset"] + (["pod"] if setup != "no pod integration" else [])
+    gke.kube.state.configmaps[("kueue-system", "kueue-manager-config")] = kueue_configmap(frameworks)
+    if setup == "configmap denied":
+        gke.kube.state.denied.add(("get", "configmaps"))
+    config = gke_config(endpoint=gke.container.endpoint, bucket="doctor", kueue_queue="team-a")
+    _, lines = doctor(tmp_path, capsys, config)
+    found = [line for line in lines if line.startswith("kueue explore: ")]
+    assert found and found[0].startswith(expected), lines

@@ -386,3 +386,23 @@ def test_with_capacity_ahead_off_a_launch_group_is_resize_then_train_as_before(t
         assert set(tasks) == {"resize-pool", "train-stage"}
         assert tasks["train-stage"]["dependentTasks"] == ["resize-pool"]
     assert "comp-bring-next-nodes" not in spec["components"]
+
+
+def test_with_a_kueue_queue_the_explore_task_pod_carries_the_queue_and_priority_labels(tmp_path):
+    """#37: explore's task pod goes through the run's Kueue queue (Kueue's pod integration gates a pod with the
+    queue-name label until admitted); the other task pods take no GPU and carry no queue label."""
+    config = yaml.safe_load((REPO / "configs" / "nemo_gpt3_5b.yaml").read_text())
+    config["cluster"].update(kueue_queue="team-a", priority_class="research")
+    path = tmp_path / "queued.yaml"
+    path.write_text(yaml.safe_dump(config))
+    compile_config(path, tmp_path / "queued-pipeline.yaml")
+    documents = list(yaml.safe_load_all((tmp_path / "queued-pipeline.yaml").read_text()))
+    platform = documents[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert platform["exec-explore"]["podMetadata"]["labels"] == {
+        "kueue.x-k8s.io/queue-name": "team-a",
+        "kueue.x-k8s.io/priority-class": "research",
+    }
+    others = [name for name, executor in platform.items() if executor.get("podMetadata", {}).get("labels")]
+    assert others == ["exec-explore"]
+    _, unqueued = nemo_documents()
+    assert not unqueued["exec-explore"]["podMetadata"].get("labels")

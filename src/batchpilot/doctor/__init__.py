@@ -27,6 +27,7 @@ from batchpilot.doctor.kube import (
     check_jobset_crd,
     check_kubernetes,
     check_kueue,
+    check_kueue_explore,
     check_rbac,
     check_training_runtime,
 )
@@ -66,7 +67,11 @@ def steps(config: Config) -> list[Step]:
         ("quota", check_quota),
         ("rbac", check_rbac),
         ("jobset crd", check_jobset_crd),
-        *([("kueue", check_kueue)] if config.cluster.kueue_queue else []),
+        *(
+            [("kueue", check_kueue), ("kueue explore", check_kueue_explore)]
+            if config.cluster.kueue_queue
+            else []
+        ),
         *([("training runtime", check_training_runtime)] if config.cluster.launcher == "trainjob" else []),
         ("gpu driver", check_gpu_driver),
         ("gpu nodes", check_gpu_nodes),

@@ -261,6 +261,71 @@ def check_kueue(context: Context) -> Check:
     )
 
 
+KUEUE_CONFIGMAP = ("kueue-system", "kueue-manager-config")
+"""Kueue's configuration as its release manifests install it (kueue v0.19.2 config/default/kustomization.yaml:
+namespace kueue-system, prefix kueue-; config/components/manager: ConfigMap manager-config, key
+controller_manager_config.yaml)."""
+
+
+def check_kueue_explore(context: Context) -> Check:
+    """With `cluster.kueue_queue` and an explore task: its pod (a KFP task pod, in KFP's namespace) goes through
+    the queue only when Kueue's pod integration is on and that namespace has the LocalQueue too."""
+    import yaml
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from batchpilot.cluster.kueue import GROUP, VERSION
+    from batchpilot.config import explores
+
+    cluster = context.config.cluster
+    if cluster.kueue_queue is None or not explores(context.config):
+        return skip("kueue explore", "no explore task, or no cluster.kueue_queue")
+    api = kube_api(context, "kueue explore")
+    if isinstance(api, Check):
+        return api
+    namespace, queue = context.kfp_namespace, cluster.kueue_queue
+    try:
+        client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, "localqueues", queue, _request_timeout=CALL_TIMEOUT_S
+        )
+    except ApiException as error:
+        if error.status != 404:
+            raise
+        return fail(
+            "kueue explore",
+            f"the explore task's pod runs in KFP's namespace {namespace}, which has no LocalQueue {queue}: Kueue "
+            "would hold it until the task's timeout",
+            f"create LocalQueue {queue} in {namespace} for the same ClusterQueue, or set an integer "
+            "batch.micro_batch_size and explore.study: false (no explore task)",
+        )
+    where, name = KUEUE_CONFIGMAP
+    try:
+        configmap = client.CoreV1Api(api).read_namespaced_config_map(
+            name, where, _request_timeout=CALL_TIMEOUT_S
+        )
+    except ApiException as error:
+        return skip(
+            "kueue explore",
+            f"LocalQueue {queue} in {namespace} is there, but Kueue's configuration ConfigMap {where}/{name} could "
+            f'not be read (HTTP {error.status}): make sure its pod integration ("pod" in integrations.frameworks) '
+            "is on, or the explore task's pod runs outside the queue",
+        )
+    settings = yaml.safe_load((configmap.data or {}).get("controller_manager_config.yaml") or "") or {}
+    frameworks = (settings.get("integrations") or {}).get("frameworks") or []
+    if "pod" not in frameworks:
+        return fail(
+            "kueue explore",
+            f"Kueue's pod integration is off ({where}/{name} lists {', '.join(frameworks) or 'no framework'}): "
+            "the explore task's pod would take its GPU outside the queue",
+            'add "pod" to integrations.frameworks of Kueue\'s configuration, or set an integer '
+            "batch.micro_batch_size and explore.study: false (no explore task)",
+        )
+    return ok(
+        "kueue explore",
+        f"the explore task's pod goes through LocalQueue {queue} in {namespace} (Kueue's pod integration is on)",
+    )
+
+
 def check_gpu_driver(context: Context) -> Check:
     """GKE installs the NVIDIA driver when the pool asks it to (DEFAULT, LATEST); otherwise the driver
     DaemonSet must run in kube-system (GKE's GPUDriverInstallationConfig: unset installs no driver,

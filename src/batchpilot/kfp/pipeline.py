@@ -75,6 +75,16 @@ def _on_accelerator(task: Any, config: Config) -> None:
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for toleration in gpu_tolerations(config):
         kubernetes.add_toleration(task, **toleration)
+    if config.cluster.kueue_queue:
+        # Through the queue like the trainers' JobSets: Kueue's pod integration gates a pod with these labels
+        # until its Workload is admitted (docs/cluster.md, "Shared clusters: Kueue queues"; doctor checks it).
+        from batchpilot.cluster.kueue import PRIORITY_LABEL, QUEUE_LABEL
+
+        kubernetes.add_pod_label(task, label_key=QUEUE_LABEL, label_value=config.cluster.kueue_queue)
+        if config.cluster.priority_class:
+            kubernetes.add_pod_label(
+                task, label_key=PRIORITY_LABEL, label_value=config.cluster.priority_class
+            )
 
 
 SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchpilot.config import Config, explores
+from batchpilot.config import Config
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.checks import plan_problems
 from batchpilot.plan.inputs import explore_problems
@@ -81,14 +81,6 @@ def make_run_document(
         notes.append(
             "explore.json records no fingerprint (written before explore recorded one), so it was not compared "
             "with this config's model, data.seq_len, devices and parallelism"
-        )
-    if config.cluster.backend == "gke" and config.cluster.kueue_queue and explores(config):
-        # Never a silent bypass: the explore task is a KFP task pod of its own, not a queued JobSet (issue #37).
-        notes.append(
-            f"cluster.kueue_queue: the explore task's pod takes one GPU of cluster.node_pool outside LocalQueue "
-            f"{config.cluster.kueue_queue} (explore through the queue is not implemented); the canary, the trials "
-            "and every launch go through it. To keep all GPUs in the queue, set an integer "
-            "batch.micro_batch_size and explore.study: false"
         )
     auto = config.batch.global_batch_size == "auto"
     from_trials = auto and config.batch.auto_from == "trials"
