@@ -389,9 +389,13 @@ def test_the_orphan_reaper_is_an_optional_hardened_cronjob_scaling_down_orphaned
 
 
 @pytest.mark.parametrize(
-    ("provisioning", "kueue"), [("resize", False), ("flex-start", False), ("resize", True)]
-)
-def test_the_chart_grants_every_permission_a_run_calls(provisioning, kueue):
+    ("launcher", "provisioning", "kueue"),
+    [
+        ("jobset", "resize", False), ("jobset", "flex-start", False), ("jobset", "resize", True),
+        ("jobset", "flex-start", True), ("trainjob", "resize", False), ("trainjob", "resize", True),
+    ],
+)  # fmt: skip
+def test_the_chart_grants_every_permission_a_run_calls(launcher, provisioning, kueue):
     """The chart's Role (namespace) and ClusterRole grant each call `batchpilot doctor` checks, which lists
     what cluster/ calls, call site by call site (doctor/kube.py run_access)."""
     from batchpilot.doctor.kube import run_access
@@ -410,7 +414,7 @@ def test_the_chart_grants_every_permission_a_run_calls(provisioning, kueue):
         }
 
     role, cluster_role, task_pod = granted("-launcher"), granted("ClusterRole"), granted("-task-pod")
-    for access in run_access("jobset", provisioning, kueue=kueue):
+    for access in run_access(launcher, provisioning, kueue=kueue):
         resource = f"{access.resource}/{access.subresource}" if access.subresource else access.resource
         where = cluster_role if access.cluster_wide else task_pod if access.task_namespace else role
         assert (access.group, resource, access.verb) in where, access

@@ -127,7 +127,8 @@ def run_access(launcher: str, provisioning: str = "resize", *, kueue: bool = Fal
         Access("list", "pods", cluster_wide=True),  # readiness.py: DaemonSet pods on a node, every namespace
         # ownership.py renew_lease, run_alive, delete_lease
         *(Access(verb, "leases", "coordination.k8s.io") for verb in ("get", "create", "update", "delete")),
-        # provisioning.py: a launch's request and the PodTemplate it names; lifecycle.py deletes leftovers
+        # provisioning.py: a launch's request and the PodTemplate it names; lifecycle.py deletes leftovers. With
+        # a Kueue queue Kueue writes the requests: the exit handler only looks for leftovers of the run's own.
         *(
             [
                 *(
@@ -136,6 +137,8 @@ def run_access(launcher: str, provisioning: str = "resize", *, kueue: bool = Fal
                 ),
                 *(Access(verb, "podtemplates") for verb in ("create", "delete")),
             ]
+            if provisioning == "flex-start" and not kueue
+            else [Access("list", "provisioningrequests", "autoscaling.x-k8s.io")]
             if provisioning == "flex-start"
             else []
         ),
