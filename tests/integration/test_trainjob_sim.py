@@ -13,30 +13,19 @@ import copy
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 from gke_sim import SimulatedGke, simulated_gke, start_launch
+from test_kueue_sim import pods_of, wait_for
 from trainer_controller import TrainerController, build_jobset, check_schema
 
 from batchpilot.cluster.trainjob import runtime_object, runtime_problems, trainjob_object
 from helpers import gke_a3_config, write_plan
 
 NS = "batchpilot"
-
-
-def wait_for(
-    condition: Callable[[], Any], timeout_s: float = 60.0, proc: subprocess.Popen[str] | None = None
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if proc is not None:
-            assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-    return value
 
 
 def dry_run(plan: str) -> list[dict[str, Any]]:
@@ -130,13 +119,6 @@ def gke(rendered) -> Iterator[SimulatedGke]:
     with simulated_gke(trainer=trainer) as cluster:
         cluster.add_pool("gpu", machine_type="a3-highgpu-8g", per_zone=2)
         yield cluster
-
-
-def pods_of(gke: SimulatedGke, jobset: str, phase: str = "Running") -> list[tuple[str, str]]:
-    with gke.sim.lock:
-        return [key for key, p in gke.sim.pods.items()
-                if p["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == jobset
-                and p["status"]["phase"] == phase]  # fmt: skip
 
 
 def test_a_launch_runs_as_a_trainjob_whose_jobset_trainer_builds(gke, rendered, tmp_path):
@@ -250,3 +232,26 @@ def test_a_queued_trainjob_waits_for_quota_then_trains_on_the_flavors_nodes(rend
         )
         assert "insufficient unused quota for nvidia.com/gpu in flavor h100, 8 more needed" in output
         assert f"Kueue, TrainJob {name} in LocalQueue team-a: QuotaReserved=True" in output
+
+
+def test_an_interrupted_launch_deletes_its_trainjob_not_only_the_jobset(gke, rendered, tmp_path):
+    """Ctrl-C (or a cancel) deletes the TrainJob: deleting only its JobSet would make Trainer build it again."""
+    import os
+    import signal
+
+    plan, (runtime, _) = rendered
+    gke.sim.trainer.add_runtime(runtime)
+    env = {**os.environ, "KUBECONFIG": str(gke.write_kubeconfig(tmp_path / "kubeconfig"))}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchpilot", "launch", "--plan", plan, "--stage", "0"], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    name = wait_for(lambda: gke.sim.trainer.built, proc=proc)[0]
+    wait_for(lambda: pods_of(gke, name), proc=proc)
+    time.sleep(1.0)  # the launch follows the pods
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, output
+    wait_for(lambda: not gke.sim.trainer.trainjobs and not gke.sim.jobsets and not gke.sim.pods)
+    assert gke.sim.trainer.built == [name]  # never built again

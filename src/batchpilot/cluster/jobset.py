@@ -339,11 +339,16 @@ class JobSetScheduler(Scheduler[JobSetOpts]):
             for item in found.get("items", [])
         ]
 
+    owned_kind: tuple[str, str, str] = (GROUP, VERSION, PLURAL)
+    """(group, version, plural) of what the scheduler creates and a cancel deletes (a TrainJob's scheduler:
+    the TrainJob, whose JobSet Trainer would build again)."""
+
     def _cancel_existing(self, app_id: str) -> None:
         namespace, name = app_id.split(":")
+        group, version, plural = self.owned_kind
         # The Jobs and pods go too; pods get their grace period (SIGTERM: the trainers checkpoint).
         self._objects().delete_namespaced_custom_object(
-            group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL, name=name,
+            group=group, version=version, namespace=namespace, plural=plural, name=name,
             propagation_policy=DELETE_PROPAGATION,
         )  # fmt: skip
 

@@ -328,18 +328,13 @@ def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> Bat
             )
         raise
     cq_name = (local.get("spec") or {}).get("clusterQueue", "")
-    try:
-        cluster_queue = objects.get_cluster_custom_object(
-            GROUP, VERSION, "clusterqueues", cq_name, _request_timeout=30
+    cluster_queue = _cluster_object(objects, "clusterqueues", cq_name)
+    if cluster_queue is None:
+        return BatchpilotError(
+            "cluster.kueue_queue",
+            f"LocalQueue {queue} points to ClusterQueue {cq_name!r}, which does not exist",
+            "ask the cluster's admin to create it or to point the LocalQueue at one",
         )
-    except ApiException as error:
-        if error.status == 404:
-            return BatchpilotError(
-                "cluster.kueue_queue",
-                f"LocalQueue {queue} points to ClusterQueue {cq_name!r}, which does not exist",
-                "ask the cluster's admin to create it or to point the LocalQueue at one",
-            )
-        raise
     if cluster.provisioning == "flex-start":
         missing = provisioning_check_problem(objects, cluster_queue)
         if missing is not None:
@@ -356,13 +351,8 @@ def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> Bat
     }
     flavors = {}
     for flavor in sorted(names):
-        try:
-            found = objects.get_cluster_custom_object(
-                GROUP, VERSION, "resourceflavors", flavor, _request_timeout=30
-            )
-        except ApiException as error:
-            if error.status != 404:
-                raise
+        found = _cluster_object(objects, "resourceflavors", flavor)
+        if found is None:
             continue  # Kueue keeps such a ClusterQueue inactive; its Workloads say so while they wait
         flavors[flavor] = dict((found.get("spec") or {}).get("nodeLabels") or {})
     needs = launch_needs(cluster, nodes=nodes)
@@ -381,7 +371,6 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
     """What keeps `cluster_queue` from asking GKE for flex-start nodes (None: nothing): it must list an
     admission check whose AdmissionCheck has controllerName `kueue.x-k8s.io/provisioning-request` and names a
     ProvisioningRequestConfig of class `queued-provisioning.gke.io`. `objects`: a CustomObjectsApi."""
-    from kubernetes.client.rest import ApiException
 
     name = cluster_queue["metadata"]["name"]
     strategy = (cluster_queue.get("spec") or {}).get("admissionChecksStrategy") or {}
@@ -396,13 +385,8 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
         )
     reasons = []
     for check in checks:
-        try:
-            found = objects.get_cluster_custom_object(
-                GROUP, VERSION, "admissionchecks", check, _request_timeout=30
-            )
-        except ApiException as error:
-            if error.status != 404:
-                raise
+        found = _cluster_object(objects, "admissionchecks", check)
+        if found is None:
             reasons.append(f"AdmissionCheck {check} does not exist")
             continue
         spec = found.get("spec") or {}
@@ -414,13 +398,8 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
             reasons.append(f"AdmissionCheck {check} names no {PROVISIONING_CONFIG_KIND} in spec.parameters")
             continue
         config = parameters.get("name", "")
-        try:
-            prc = objects.get_cluster_custom_object(
-                GROUP, VERSION, "provisioningrequestconfigs", config, _request_timeout=30
-            )
-        except ApiException as error:
-            if error.status != 404:
-                raise
+        prc = _cluster_object(objects, "provisioningrequestconfigs", config)
+        if prc is None:
             reasons.append(f"{PROVISIONING_CONFIG_KIND} {config} (of AdmissionCheck {check}) does not exist")
             continue
         provisioning_class = (prc.get("spec") or {}).get("provisioningClassName")
@@ -431,3 +410,18 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
             continue
         return None
     return f"ClusterQueue {name} has no {wanted}: " + "; ".join(reasons)
+
+
+def _cluster_object(objects: Any, plural: str, name: str) -> dict[str, Any] | None:
+    """Kueue's cluster-scoped object `plural`/`name`, or None when there is none (404)."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        found: dict[str, Any] = objects.get_cluster_custom_object(
+            GROUP, VERSION, plural, name, _request_timeout=30
+        )
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return found

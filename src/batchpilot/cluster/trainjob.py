@@ -35,7 +35,7 @@ import yaml
 from torchx.schedulers.api import DescribeAppResponse
 from torchx.specs.api import AppDef, AppDryRunInfo, AppState, runopts
 
-from batchpilot.cluster.jobset import DELETE_PROPAGATION, JobSetOpts, JobSetScheduler, app_to_jobset
+from batchpilot.cluster.jobset import JobSetOpts, JobSetScheduler, app_to_jobset
 from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)
@@ -348,6 +348,8 @@ class TrainJobScheduler(JobSetScheduler):
     """torchx scheduler `trainjob`: creates and deletes TrainJobs; describes, lists and streams the logs of
     the JobSets Trainer builds for them (named as the TrainJob, so the handle's name is both)."""
 
+    owned_kind = TRAINJOB_KIND  # a cancel deletes the TrainJob; its JobSet, Jobs and pods go with it
+
     def __init__(self, session_name: str, client: Any = None, pod_wait_s: float = 600.0) -> None:
         super().__init__(session_name, client=client, pod_wait_s=pod_wait_s)
         self.backend = "trainjob"
@@ -401,14 +403,6 @@ class TrainJobScheduler(JobSetScheduler):
                 app_id=app_id, state=AppState.PENDING, msg="its JobSet is not built yet"
             )
         return found
-
-    def _cancel_existing(self, app_id: str) -> None:
-        namespace, name = app_id.split(":")
-        # The TrainJob, not its JobSet (Trainer would build that again); its JobSet, Jobs and pods go with it.
-        self._objects().delete_namespaced_custom_object(
-            group=GROUP, version=VERSION, namespace=namespace, plural=TRAINJOBS, name=name,
-            propagation_policy=DELETE_PROPAGATION,
-        )  # fmt: skip
 
 
 def create_scheduler(session_name: str, client: Any = None, **kwargs: Any) -> TrainJobScheduler:
