@@ -23,12 +23,21 @@ from helpers import REPO, run_batchpilot, trainer_ranks, wait_for_steps, write_p
 pytestmark = pytest.mark.slow
 
 
+TOTAL_SAMPLES = 9216
+"""The adaptive demo's run here ends at 9,216 samples instead of its 16,384: its ramp ends at 8,192 at the
+latest (the decisions came by sample 3,500 when measured), and the final stage at the target trains 359
+steps instead of 807, which the tests below do not need. The learning rate decays over the shorter run, so
+the trace and the decisions are not those of the demo's own run (the tests check properties of them)."""
+
+
 @pytest.fixture(scope="module")
 def adaptive_run_folder(demo_data_uri, tmp_path_factory):
     config = yaml.safe_load((REPO / "configs" / "demo_adaptive.yaml").read_text())
     folder = tmp_path_factory.mktemp("adaptive")
     config["data"]["uri"] = demo_data_uri
     config["train"]["checkpoint_uri"] = f"file://{folder / 'ckpt'}"
+    assert config["batch"]["rampup"]["adaptive"]["samples"] < TOTAL_SAMPLES  # the ramp is bounded within
+    config["train"]["total_samples"] = TOTAL_SAMPLES
     output = folder / "run"
     result = run_pipeline(config, output)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
