@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot.cluster.objects import cluster_object, conditions
 from batchpilot.cluster.placement import GKE_ACCELERATOR_LABEL
 from batchpilot.config import ClusterConfig
 from batchpilot.errors import BatchpilotError
@@ -55,10 +56,6 @@ SHOWN = ("QuotaReserved", "Admitted", "Evicted", "Preempted", "Requeued")
 """The conditions a waiting launch logs, in this order."""
 
 
-def _conditions(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c.get("type", ""): c for c in (workload.get("status") or {}).get("conditions") or []}
-
-
 @dataclass(frozen=True)
 class Admission:
     """Where a Workload stands: `admitted`, `refused` (it will not be admitted: a Rejected admission check,
@@ -73,7 +70,7 @@ class Admission:
 
 def admission(workload: dict[str, Any]) -> Admission:
     """The Workload's conditions and admission checks in one line, and whether it is admitted or refused."""
-    found = _conditions(workload)
+    found = conditions(workload)
     parts = []
     for kind in SHOWN:
         if kind in found:
@@ -328,7 +325,7 @@ def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> Bat
             )
         raise
     cq_name = (local.get("spec") or {}).get("clusterQueue", "")
-    cluster_queue = _cluster_object(objects, "clusterqueues", cq_name)
+    cluster_queue = cluster_object(objects, GROUP, VERSION, "clusterqueues", cq_name)
     if cluster_queue is None:
         return BatchpilotError(
             "cluster.kueue_queue",
@@ -351,7 +348,7 @@ def queue_problem(api_client: Any, cluster: ClusterConfig, *, nodes: int) -> Bat
     }
     flavors = {}
     for flavor in sorted(names):
-        found = _cluster_object(objects, "resourceflavors", flavor)
+        found = cluster_object(objects, GROUP, VERSION, "resourceflavors", flavor)
         if found is None:
             continue  # Kueue keeps such a ClusterQueue inactive; its Workloads say so while they wait
         flavors[flavor] = dict((found.get("spec") or {}).get("nodeLabels") or {})
@@ -385,7 +382,7 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
         )
     reasons = []
     for check in checks:
-        found = _cluster_object(objects, "admissionchecks", check)
+        found = cluster_object(objects, GROUP, VERSION, "admissionchecks", check)
         if found is None:
             reasons.append(f"AdmissionCheck {check} does not exist")
             continue
@@ -398,7 +395,7 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
             reasons.append(f"AdmissionCheck {check} names no {PROVISIONING_CONFIG_KIND} in spec.parameters")
             continue
         config = parameters.get("name", "")
-        prc = _cluster_object(objects, "provisioningrequestconfigs", config)
+        prc = cluster_object(objects, GROUP, VERSION, "provisioningrequestconfigs", config)
         if prc is None:
             reasons.append(f"{PROVISIONING_CONFIG_KIND} {config} (of AdmissionCheck {check}) does not exist")
             continue
@@ -410,18 +407,3 @@ def provisioning_check_problem(objects: Any, cluster_queue: dict[str, Any]) -> s
             continue
         return None
     return f"ClusterQueue {name} has no {wanted}: " + "; ".join(reasons)
-
-
-def _cluster_object(objects: Any, plural: str, name: str) -> dict[str, Any] | None:
-    """Kueue's cluster-scoped object `plural`/`name`, or None when there is none (404)."""
-    from kubernetes.client.rest import ApiException
-
-    try:
-        found: dict[str, Any] = objects.get_cluster_custom_object(
-            GROUP, VERSION, plural, name, _request_timeout=30
-        )
-    except ApiException as error:
-        if error.status == 404:
-            return None
-        raise
-    return found

@@ -42,6 +42,7 @@ from typing import Any
 
 from batchpilot.cluster.eviction import Evicted
 from batchpilot.cluster.labels import PLAN_LABEL, RUN_LABEL, STAGE_LABEL
+from batchpilot.cluster.objects import conditions, is_true
 from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)
@@ -136,15 +137,6 @@ def max_run_duration_s(stage_timeout_s: float) -> int:
     """The nodes need not outlive the train task that follows them (`cluster.stage_timeout_s`), and GKE
     keeps flex-start nodes seven days at most."""
     return min(int(stage_timeout_s), MAX_RUN_DURATION_S)
-
-
-def conditions(request: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The request's conditions by type."""
-    return {c["type"]: c for c in (request.get("status") or {}).get("conditions") or []}
-
-
-def is_true(request: dict[str, Any], kind: str) -> bool:
-    return conditions(request).get(kind, {}).get("status") == "True"
 
 
 def ended(request: dict[str, Any], *, consumed: bool = False) -> bool:

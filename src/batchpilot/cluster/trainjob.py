@@ -36,6 +36,7 @@ from torchx.schedulers.api import DescribeAppResponse
 from torchx.specs.api import AppDef, AppDryRunInfo, AppState, runopts
 
 from batchpilot.cluster.jobset import JobSetOpts, JobSetScheduler, app_to_jobset
+from batchpilot.cluster.objects import cluster_object
 from batchpilot.errors import BatchpilotError
 
 logger = logging.getLogger(__name__)
@@ -235,17 +236,8 @@ def failed_reason(trainjob: Mapping[str, Any] | None) -> str | None:
 def read_runtime(api_client: Any, name: str) -> dict[str, Any] | None:
     """ClusterTrainingRuntime `name`, or None when there is none (404)."""
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
 
-    try:
-        found: dict[str, Any] = client.CustomObjectsApi(api_client).get_cluster_custom_object(
-            GROUP, VERSION, CLUSTER_RUNTIMES, name, _request_timeout=30
-        )
-    except ApiException as error:
-        if error.status == 404:
-            return None
-        raise
-    return found
+    return cluster_object(client.CustomObjectsApi(api_client), GROUP, VERSION, CLUSTER_RUNTIMES, name)
 
 
 def check_runtime(api_client: Any, *, name: str, expected: Mapping[str, Any], namespace: str) -> None:

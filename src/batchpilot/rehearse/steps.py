@@ -211,7 +211,7 @@ class Rehearsal:
         return ClusterView(self.config.cluster, kfp_namespace=self.options.kfp_namespace)
 
     def _note_requests(self, view: ClusterView) -> None:
-        from batchpilot.cluster.provisioning import is_true
+        from batchpilot.cluster.objects import is_true
 
         assert self.config is not None
         if self.config.cluster.provisioning == "flex-start":
