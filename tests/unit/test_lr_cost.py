@@ -77,3 +77,35 @@ def test_cost_estimate_against_a_pool_held_at_max_nodes():
     assert cost.saving_ratio == pytest.approx(80 / 592)
     with pytest.raises(ValueError):
         estimate_cost(plan, samples_per_s_per_device=0)
+
+
+def test_wsd_holds_the_peak_then_decays_over_the_spans_last_part():
+    """Warmup-stable-decay (issue #38): warmup 100, then the peak until 1100 - 0.2 x 1000 = 900, then 1-sqrt to
+    the floor at 1100 (by default), or the shape and share asked for."""
+    lr = schedule(decay="wsd")
+    assert lr.factor(99) == pytest.approx(1.0)
+    assert lr.factor(100) == lr.factor(500) == lr.factor(899) == 1.0
+    assert lr.factor(950) == pytest.approx(0.1 + 0.9 * (1 - 0.25**0.5))  # a quarter of the decay, 1-sqrt
+    assert lr.factor(1100) == pytest.approx(0.1) and lr.factor(10**6) == pytest.approx(0.1)
+    linear = schedule(decay="wsd", wsd_fraction=0.5, wsd_shape="linear")  # decays from 600
+    assert linear.factor(599) == 1.0 and linear.factor(850) == pytest.approx(0.1 + 0.9 * 0.5)
+    cosine = schedule(decay="wsd", wsd_fraction=1.0, wsd_shape="cosine")  # the whole span: plain cosine
+    for consumed in (100, 350, 600, 1000, 1100):
+        assert cosine.factor(consumed) == pytest.approx(schedule(decay="cosine").factor(consumed))
+
+
+def test_wsd_settings_are_refused_without_wsd_and_left_out_of_other_configs():
+    from batchpilot.config import Config
+    from batchpilot.config.identity import run_identity
+    from helpers import tiny_config
+
+    base = tiny_config(data_uri="file:///tmp/d", checkpoint_uri="file:///tmp/c")
+    with pytest.raises(ValueError, match="wsd_decay_fraction applies to lr_decay wsd only"):
+        Config.model_validate({**base, "train": {**base["train"], "wsd_decay_fraction": 0.3}})
+    plain = Config.model_validate(base)
+    assert "wsd_decay_fraction" not in plain.train.model_dump()  # compiled pipelines stay as they were
+    assert not any(key.startswith("train.wsd") for key in run_identity(plain))  # and checkpoints' identities
+    wsd = Config.model_validate(
+        {**base, "train": {**base["train"], "lr_decay": "wsd", "wsd_decay_fraction": 0.3}}
+    )
+    assert run_identity(wsd)["train.wsd_decay_fraction"] == 0.3

@@ -59,6 +59,15 @@ def run_identity(config: Config) -> dict[str, Any]:
         "train.lr_decay": train.lr_decay,
         "train.lr_decay_samples": train.lr_decay_samples,
         "train.min_lr_ratio": train.min_lr_ratio,
+        # wsd's settings only with wsd, so that every other run's identity (and its checkpoints) stays as it was
+        **(
+            {
+                "train.wsd_decay_fraction": train.wsd_decay_fraction,
+                "train.wsd_decay_shape": train.wsd_decay_shape,
+            }
+            if train.lr_decay == "wsd"
+            else {}
+        ),
         "train.weight_decay": train.weight_decay,
         "train.grad_clip": train.grad_clip,
         "train.init_from": train.init_from,

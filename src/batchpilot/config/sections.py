@@ -7,7 +7,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -80,8 +82,21 @@ class TrainConfig(_Section):
         None, description="batch at which lr applies (default: target)"
     )
     warmup_samples: Count = Field(0, description="linear LR warmup, in samples")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field(
-        "cosine", description="decay shape after warmup"
+    lr_decay: Literal["constant", "linear", "cosine", "wsd"] = Field(
+        "cosine",
+        description="decay shape after warmup; wsd = warmup-stable-decay: the peak LR held until the last "
+        "wsd_decay_fraction of the span from the warmup's end to lr_decay_samples, then decayed to "
+        "min_lr_ratio with wsd_decay_shape",
+    )
+    wsd_decay_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="lr_decay wsd: the share of the span from the warmup's end to lr_decay_samples spent "
+        "decaying, at its end (none: 0.2)",
+    )
+    wsd_decay_shape: Literal["linear", "cosine", "1-sqrt"] | None = Field(
+        None, description="lr_decay wsd: the decay's shape (none: 1-sqrt)"
     )
     lr_decay_samples: PositiveCount | None = Field(None, description="decay ends here (default: total)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor as a fraction of the peak")
@@ -164,6 +179,24 @@ class TrainConfig(_Section):
         "0); ignored once the run has its own checkpoint. Its config.json must match model.args (needs the "
         "`hf` extra)",
     )
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Added after compiled pipelines settled: left out of a dump while unset, so those stay byte-identical.
+        data: dict[str, object] = handler(self)
+        for name in ("wsd_decay_fraction", "wsd_decay_shape"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+    @model_validator(mode="after")
+    def _wsd_settings(self) -> TrainConfig:
+        for name in ("wsd_decay_fraction", "wsd_decay_shape"):
+            if getattr(self, name) is not None and self.lr_decay != "wsd":
+                raise ValueError(
+                    f"{name} applies to lr_decay wsd only (lr_decay is {self.lr_decay}); remove it"
+                )
+        return self
 
     @model_validator(mode="after")
     def _one_total(self) -> TrainConfig:

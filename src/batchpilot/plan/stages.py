@@ -76,6 +76,8 @@ def lr_schedule(config: Config) -> LRSchedule:
         decay=train.lr_decay,
         decay_end_samples=train.lr_decay_samples or total,
         min_lr_ratio=train.min_lr_ratio,
+        wsd_fraction=train.wsd_decay_fraction,
+        wsd_shape=train.wsd_decay_shape,
     )
 
 

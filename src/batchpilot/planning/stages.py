@@ -130,7 +130,8 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "devices_per_node": self.devices_per_node,
             "max_nodes": self.max_nodes,
-            "lr_schedule": asdict(self.lr_schedule),
+            # wsd's settings only where set: a plan without them reads as before
+            "lr_schedule": {k: v for k, v in asdict(self.lr_schedule).items() if v is not None},
             "parallelism": self.parallelism,
             **({"hsdp_shard_nodes": self.hsdp_shard_nodes} if self.hsdp_shard_nodes > 1 else {}),
             **({"tensor_parallel_size": self.tensor_parallel_size} if self.tensor_parallel_size > 1 else {}),
