@@ -22,6 +22,7 @@ from batchpilot.config.batch import (
     BatchConfig,
     MaxTextRampup,
     MegatronRampup,
+    SeesawRampup,
 )
 from batchpilot.config.cluster import ClusterConfig
 from batchpilot.config.fields import _Section
@@ -42,6 +43,7 @@ __all__ = [
     "MaxTextRampup",
     "MegatronRampup",
     "ModelConfig",
+    "SeesawRampup",
     "TrainConfig",
     "TrialsConfig",
     "config_from_text",

@@ -75,6 +75,27 @@ class AdaptiveSettings(_Section):
     )
 
 
+class SeesawSettings(_Section):
+    """Seesaw (Meterez et al., arXiv 2510.14717): at each point where a step-decay schedule would divide the
+    LR by `factor`, the batch grows by `factor` and the LR falls by its square root; the node schedule follows
+    the batch like any ramp-up's."""
+
+    start: PositiveInt = Field(description="the first stage's global batch (the LR applies unscaled there)")
+    factor: int = Field(2, ge=2, description="the step decay's factor: the batch grows by it at each cut")
+    cuts: list[PositiveCount] = Field(
+        min_length=1,
+        description="consumed samples where the step-decay schedule would cut the LR, in increasing order; "
+        "start x factor^len(cuts) is the target global_batch_size",
+    )
+
+
+class SeesawRampup(_Section):
+    """`rampup: {seesaw: {...}}`: the batch grows where a step decay would cut the LR (needs train.lr_decay:
+    constant and train.lr_scaling: none; the trainer's LR is lr / sqrt(batch / start))."""
+
+    seesaw: SeesawSettings
+
+
 class AdaptiveRampup(_Section):
     """`rampup: {adaptive: {...}}`: stages decided at run time by the measured critical batch."""
 
@@ -84,6 +105,8 @@ class AdaptiveRampup(_Section):
 def _rampup_form(value: Any) -> str:
     if isinstance(value, AdaptiveRampup) or (isinstance(value, dict) and "adaptive" in value):
         return "adaptive"
+    if isinstance(value, SeesawRampup) or (isinstance(value, dict) and "seesaw" in value):
+        return "seesaw"
     if isinstance(value, MaxTextRampup):
         return "maxtext"
     if isinstance(value, dict) and any(str(key).startswith("per_device") for key in value):
@@ -102,7 +125,8 @@ def _rampup_list(value: Any) -> Any:
 Rampup = Annotated[
     Annotated[MegatronRampup, Tag("megatron")]
     | Annotated[MaxTextRampup, Tag("maxtext")]
-    | Annotated[AdaptiveRampup, Tag("adaptive")],
+    | Annotated[AdaptiveRampup, Tag("adaptive")]
+    | Annotated[SeesawRampup, Tag("seesaw")],
     Discriminator(_rampup_form),
     BeforeValidator(_rampup_list),
 ]
@@ -129,8 +153,9 @@ class BatchConfig(_Section):
     )
     rampup: Rampup | None = Field(
         None,
-        description="NeMo/Megatron `[start, increment, samples]`, MaxText per-device, or `{adaptive: {...}}`: "
-        "stages decided at run time by the measured critical batch",
+        description="NeMo/Megatron `[start, increment, samples]`, MaxText per-device, `{adaptive: {...}}`: "
+        "stages decided at run time by the measured critical batch, or `{seesaw: {start, factor, cuts}}`: the "
+        "batch grows where a step decay would cut the LR, the LR falls by the factor's square root",
     )
     schedule: str | None = Field(None, description='explicit ramp-up, e.g. "0:16 2K:32 4K:64" (`t` = tokens)')
     pipeline_parallel_size: PositiveInt = Field(1, description="pipeline stages per model replica")

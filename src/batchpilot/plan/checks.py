@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from batchpilot.config import Config, MaxTextRampup, MegatronRampup, explores, resolved_runtime
+from batchpilot.config import Config, MaxTextRampup, MegatronRampup, SeesawRampup, explores, resolved_runtime
 from batchpilot.errors import BatchpilotError
 from batchpilot.plan.init_from import init_from_problems
 from batchpilot.plan.schedule import (
@@ -58,6 +58,7 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
     problems = parallelism_problems(config)
     problems += init_from_problems(config)
     problems += length_problems(config)
+    problems += seesaw_problems(config)
     problems += cluster_config_problems(config)
     tpu_problems = check_tpu(config)
     if tpu_problems:
@@ -70,6 +71,35 @@ def plan_problems(config: Config) -> list[BatchpilotError]:
     except BatchpilotError as error:
         return [*problems, error]  # no node count to judge the stages on
     return problems + ramp_problems(config)
+
+
+def seesaw_problems(config: Config) -> list[BatchpilotError]:
+    """`batch.rampup: {seesaw: ...}` sets the LR itself (lr / sqrt(batch / start), no decay beyond the cuts):
+    a decay, an LR scaling or reference of the config's own, or an `auto` target would fight it."""
+    if not isinstance(config.batch.rampup, SeesawRampup):
+        return []
+    train, problems = config.train, []
+    if train.lr_decay != "constant":
+        problems.append(BatchpilotError(
+            "train.lr_decay",
+            f"is {train.lr_decay}, but batch.rampup.seesaw replaces the step decay (the batch grows where it would "
+            "cut the LR)",
+            "set train.lr_decay: constant (a warmup stays), or use another ramp-up",
+        ))  # fmt: skip
+    if train.lr_scaling != "none" or train.lr_reference_batch is not None:
+        problems.append(BatchpilotError(
+            "train.lr_scaling",
+            "batch.rampup.seesaw sets the LR per stage itself (lr at the start batch, divided by sqrt(factor) at "
+            "each cut)",
+            "remove train.lr_scaling and train.lr_reference_batch",
+        ))  # fmt: skip
+    if config.batch.global_batch_size == "auto":
+        problems.append(BatchpilotError(
+            "batch.global_batch_size",
+            "is auto, but batch.rampup.seesaw fixes the target (start x factor^cuts)",
+            "set global_batch_size to the seesaw's last batch",
+        ))  # fmt: skip
+    return problems
 
 
 TOKEN_LIKE_BATCH_TOKENS = 2**27

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup
+from batchpilot.config import AdaptiveRampup, Config, MaxTextRampup, MegatronRampup, SeesawRampup
 from batchpilot.errors import BatchpilotError
 from batchpilot.planning import (
     BatchSchedule,
@@ -20,6 +20,7 @@ from batchpilot.planning import (
     explicit_schedule,
     maxtext_rampup,
     megatron_rampup,
+    seesaw_rampup,
 )
 from batchpilot.planning.adaptive import StageDecision, adaptive_schedule
 from batchpilot.planning.nodes import Placement, whole_loading_factor
@@ -49,6 +50,9 @@ def batch_schedule(config: Config, decisions: Sequence[StageDecision] = ()) -> B
             ramp_samples=batch.rampup.samples,
             target=target,
         )
+    if isinstance(batch.rampup, SeesawRampup):
+        seesaw = batch.rampup.seesaw
+        return seesaw_rampup(start=seesaw.start, factor=seesaw.factor, cuts=seesaw.cuts, target=target)
     if isinstance(batch.rampup, MaxTextRampup):
         return maxtext_rampup(
             per_device_start=Fraction(str(batch.rampup.per_device_start)),

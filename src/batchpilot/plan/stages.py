@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from fractions import Fraction
 
-from batchpilot.config import AdaptiveRampup, Config, resolved_runtime
+from batchpilot.config import AdaptiveRampup, Config, SeesawRampup, resolved_runtime
 from batchpilot.plan.checks import SHOWN_STAGES, check_plan_config
 from batchpilot.plan.schedule import batch_schedule, placement, tpu_plan_slices
 from batchpilot.planning import LRSchedule, Plan, plan_stages
@@ -68,6 +68,12 @@ def assemble_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[
 def lr_schedule(config: Config) -> LRSchedule:
     train = config.train
     total = config.total_samples
+    if isinstance(config.batch.rampup, SeesawRampup):  # the LR falls by sqrt(factor) where the batch grows
+        return LRSchedule(
+            lr=train.lr, scaling="seesaw", reference_batch=config.batch.rampup.seesaw.start,
+            warmup_samples=train.warmup_samples, decay=train.lr_decay, decay_end_samples=total,
+            min_lr_ratio=train.min_lr_ratio,
+        )  # fmt: skip
     return LRSchedule(
         lr=train.lr,
         scaling=train.lr_scaling,

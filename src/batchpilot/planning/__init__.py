@@ -25,6 +25,7 @@ from batchpilot.planning.rampup import (
     maxtext_rampup,
     megatron_rampup,
     nearest_ramp,
+    seesaw_rampup,
 )
 from batchpilot.planning.stages import MAX_STAGES, Plan, Stage, plan_stages
 
@@ -50,5 +51,6 @@ __all__ = [
     "num_loading_hosts",
     "plan_stages",
     "schedule_nodes",
+    "seesaw_rampup",
     "unschedulable_stages",
 ]

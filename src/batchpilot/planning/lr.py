@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-LRScaling = Literal["none", "linear", "sqrt"]
+LRScaling = Literal["none", "linear", "sqrt", "seesaw"]
 LRDecay = Literal["constant", "linear", "cosine", "wsd"]
 WSDShape = Literal["linear", "cosine", "1-sqrt"]
 WSD_DEFAULT_FRACTION = 0.2
@@ -22,7 +22,8 @@ class LRSchedule:
 
     Attributes:
         lr: peak learning rate at `reference_batch`.
-        scaling: how the peak LR follows the global batch: none, linear (b/ref) or sqrt (sqrt(b/ref)).
+        scaling: how the peak LR follows the global batch: none, linear (b/ref), sqrt (sqrt(b/ref)) or seesaw
+            (sqrt(ref/b): the batch grew where a step decay would have cut the LR; `ref` is the start batch).
         reference_batch: global batch size at which `lr` applies unscaled.
         warmup_samples: linear warmup from 0 over this many consumed samples.
         decay: shape after warmup until `decay_end_samples`; wsd (warmup-stable-decay) holds the peak until the
@@ -50,6 +51,8 @@ class LRSchedule:
             return self.lr * ratio
         if self.scaling == "sqrt":
             return self.lr * math.sqrt(ratio)
+        if self.scaling == "seesaw":
+            return self.lr / math.sqrt(ratio)
         return self.lr
 
     def factor(self, consumed_samples: int) -> float:

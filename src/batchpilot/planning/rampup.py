@@ -8,6 +8,7 @@ threshold, the batch changes at the first step that starts at or after it (Megat
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -113,6 +114,32 @@ def megatron_rampup(*, start: int, increment: int, ramp_samples: int, target: in
         levels[-(-k * ramp_samples // num_increments)] = start + k * increment
     ordered = sorted(levels.items())
     return BatchSchedule(tuple(t for t, _ in ordered), tuple(b for _, b in ordered))
+
+
+def seesaw_rampup(*, start: int, factor: int, cuts: Sequence[int], target: int) -> BatchSchedule:
+    """Seesaw (Meterez et al., arXiv 2510.14717): where a step-decay schedule would divide the LR by `factor`,
+    the batch is multiplied by `factor` instead and the LR divided by its square root (`LRSchedule` scaling
+    `seesaw`): `start x factor^k` from the k-th cut (consumed samples) on, the last being the target.
+
+    Raises:
+        BatchpilotError: cuts not increasing from above 0, or a last batch that is not the target (one line each).
+    """
+    field = "batch.rampup.seesaw"
+    if not cuts or cuts[0] <= 0 or any(a >= b for a, b in itertools.pairwise(cuts)):
+        raise BatchpilotError(
+            f"{field}.cuts",
+            f"must be consumed-sample points in increasing order above 0, not {list(cuts)}",
+            "list where a step-decay schedule would cut the LR, e.g. [10M, 20M, 30M]",
+        )
+    last = start * factor ** len(cuts)
+    if last != target:
+        raise BatchpilotError(
+            f"{field}",
+            f"grows the batch from {start} by {factor} at each of {len(cuts)} cut(s) to {last}, but the target "
+            f"global_batch_size is {target}",
+            f"set batch.global_batch_size: {last}, or a start or cuts that end at {target}",
+        )
+    return BatchSchedule((0, *cuts), tuple(start * factor**k for k in range(len(cuts) + 1)))
 
 
 def _per_device_to_global(value: Fraction, num_devices: int, *, field: str) -> int:
