@@ -1,5 +1,5 @@
 """Ramp-up arms raced on the demo model: constant start batch, constant target batch, the NeMo fixed ramp,
-a doubling warm-up and the adaptive ramp-up, several seeds each, at equal samples.
+a doubling warm-up, the adaptive ramp-up and Seesaw, several seeds each, at equal samples.
 
     .venv/bin/python bench/rampup_compare.py [--data file://runs/demo/data] [--seeds 0 1 2]
         [--out runs/bench-rampup] [--plot bench/results/rampup_compare.png] [--base bench/rampup_gpu.yaml]
@@ -12,7 +12,10 @@ samples, micro batch 2 and sqrt LR rule, differing only in `batch.rampup` (and `
 - nemo: NeMo's fixed ramp `[target/4, target/4, samples/4]` (4 -> 8 -> 12 -> 16 over the first quarter);
 - doubling: a batch-size warm-up that doubles the batch each time the measured critical batch passes the
   next size (`adaptive.doubling: true`: candidate sizes start x 2^k; the same evidence rule);
-- adaptive: configs/demo_adaptive.yaml as it is.
+- adaptive: configs/demo_adaptive.yaml as it is;
+- seesaw: Seesaw (`rampup: {seesaw: ...}`) in place of a step decay with cuts at 1/4, 1/2 and 3/4 of the samples
+  and factor 2: the batch doubles at the first two (4 -> 8 -> 16, the LR divided by sqrt 2 each time), the third
+  halves the LR; its LR at the start batch is the other arms' (the sqrt rule's at 4), with no cosine decay.
 
 Every run evaluates the same 256 validation samples every 1,024 samples and at each stage's end. Per arm
 (mean and spread over seeds): the validation loss at equal samples (the loss-vs-samples plot), and the
@@ -40,7 +43,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_EVERY = 1024
-ARMS = ("start", "target", "nemo", "doubling", "adaptive")
+ARMS = ("start", "target", "nemo", "doubling", "adaptive", "seesaw")
 
 
 def arms(base: dict) -> dict[str, dict]:
@@ -49,7 +52,19 @@ def arms(base: dict) -> dict[str, dict]:
     adaptive = base["batch"]["rampup"]["adaptive"]
     constant = {key: value for key, value in base["batch"].items() if key != "rampup"}
     doubling = {"adaptive": {**adaptive, "doubling": True, "max_growth": 2.0}}
+    train = base["train"]
+    start_lr = train["lr"] * (adaptive["start"] / train.get("lr_reference_batch", target)) ** 0.5  # sqrt rule
+    seesaw_train = {
+        k: v for k, v in train.items() if k not in ("lr_scaling", "lr_reference_batch", "lr_decay")
+    }
+    seesaw = {
+        **base,
+        "batch": {**constant, "rampup": {"seesaw": {"start": adaptive["start"], "factor": 2,
+                                                     "cuts": [samples // 4, samples // 2, 3 * samples // 4]}}},
+        "train": {**seesaw_train, "lr": start_lr, "lr_decay": "constant"},
+    }  # fmt: skip
     return {
+        "seesaw": seesaw,
         "start": {**base, "batch": {**constant, "global_batch_size": adaptive["start"]}},
         "target": {**base, "batch": constant},
         "nemo": {**base, "batch": {**base["batch"], "rampup": [target // 4, target // 4, samples // 4]}},

@@ -25,8 +25,11 @@ def seesaw_config(data_uri: str = "file:///tmp/data", **train: object) -> dict:
 def test_the_batch_grows_by_the_factor_at_each_cut_to_the_target():
     schedule = seesaw_rampup(start=16, factor=2, cuts=[320, 960], target=64)
     assert (schedule.thresholds, schedule.batch_sizes) == ((0, 320, 960), (16, 32, 64))
-    with pytest.raises(BatchpilotError, match=r"grows the batch from 16 by 2 at each of 2 cut\(s\) to 64, but the "
-                       r"target global_batch_size is 128 \(fix: set batch.global_batch_size: 64"):  # fmt: skip
+    # once the batch is the target, the later cuts are the LR's (a step decay's)
+    assert seesaw_rampup(start=16, factor=2, cuts=[320, 960, 1500], target=64).batch_sizes == (16, 32, 64)
+    with pytest.raises(BatchpilotError, match=r"grows the batch from 16 by 2 at each cut \(16, 32, 64 with 2 "
+                       r"cut\(s\)\), which never reaches the target global_batch_size 128 \(fix: set "
+                       r"batch.global_batch_size to one of 32, 64"):  # fmt: skip
         seesaw_rampup(start=16, factor=2, cuts=[320, 960], target=128)
     with pytest.raises(
         BatchpilotError, match=r"batch.rampup.seesaw.cuts: must be consumed-sample points in "
@@ -52,6 +55,19 @@ def test_a_seesaw_plan_lowers_the_lr_by_the_factors_square_root_where_the_batch_
     assert schedule.at(consumed_samples=2000, global_batch_size=64) == pytest.approx(5e-4)
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["lr_schedule"]["scaling"] == "seesaw" and saved["lr_schedule"]["reference_batch"] == 16
+
+
+def test_the_cuts_after_the_target_divide_the_lr_by_the_factor(tmp_path, demo_data_uri):
+    from batchpilot.plan.rundoc import read_run_document
+
+    config = seesaw_config(demo_data_uri)
+    config["batch"]["rampup"]["seesaw"]["cuts"] = [320, 960, 1536]  # the third: batch 64 is the target
+    document = read_run_document(write_plan(tmp_path, config))
+    assert [s.global_batch_size for s in document.plan.stages] == [16, 32, 64]
+    schedule = document.plan.lr_schedule
+    assert schedule.at(consumed_samples=1535, global_batch_size=64) == pytest.approx(5e-4)
+    assert schedule.at(consumed_samples=1536, global_batch_size=64) == pytest.approx(2.5e-4)
+    assert schedule.lr_cuts == (1536,)  # read back from plan.json
 
 
 @pytest.mark.parametrize(

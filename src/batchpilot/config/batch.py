@@ -84,8 +84,9 @@ class SeesawSettings(_Section):
     factor: int = Field(2, ge=2, description="the step decay's factor: the batch grows by it at each cut")
     cuts: list[PositiveCount] = Field(
         min_length=1,
-        description="consumed samples where the step-decay schedule would cut the LR, in increasing order; "
-        "start x factor^len(cuts) is the target global_batch_size",
+        description="consumed samples where the step-decay schedule would cut the LR, in increasing order: the "
+        "batch grows by the factor at each until it is the target global_batch_size (start x factor^k), and the "
+        "cuts after that divide the LR by the factor",
     )
 
 

@@ -15,6 +15,7 @@ from batchpilot.plan.schedule import batch_schedule, placement, tpu_plan_slices
 from batchpilot.planning import LRSchedule, Plan, plan_stages
 from batchpilot.planning.adaptive import StageDecision
 from batchpilot.planning.noise import NoiseMeasurement, noise_measurement, why_unmeasured
+from batchpilot.planning.rampup import seesaw_growth_cuts
 from batchpilot.planning.stages import sample_ranges
 
 
@@ -69,10 +70,15 @@ def lr_schedule(config: Config) -> LRSchedule:
     train = config.train
     total = config.total_samples
     if isinstance(config.batch.rampup, SeesawRampup):  # the LR falls by sqrt(factor) where the batch grows
+        seesaw = config.batch.rampup.seesaw
+        grows = seesaw_growth_cuts(
+            start=seesaw.start, factor=seesaw.factor, cuts=seesaw.cuts, target=config.batch.target_bound
+        )
+        later = tuple(seesaw.cuts[grows:])  # the batch is the target: these cut the LR by the factor
         return LRSchedule(
-            lr=train.lr, scaling="seesaw", reference_batch=config.batch.rampup.seesaw.start,
+            lr=train.lr, scaling="seesaw", reference_batch=seesaw.start,
             warmup_samples=train.warmup_samples, decay=train.lr_decay, decay_end_samples=total,
-            min_lr_ratio=train.min_lr_ratio,
+            min_lr_ratio=train.min_lr_ratio, lr_cuts=later or None, lr_cut_factor=seesaw.factor if later else None,
         )  # fmt: skip
     return LRSchedule(
         lr=train.lr,

@@ -32,6 +32,8 @@ class LRSchedule:
         decay_end_samples: consumed samples at which the decay reaches `min_lr_ratio x peak`.
         min_lr_ratio: floor of the decay, as a fraction of the (scaled) peak.
         wsd_fraction, wsd_shape: wsd's decay share and shape (None: the defaults above; unused otherwise).
+        lr_cuts, lr_cut_factor: a step decay (Seesaw's cuts after its batch is at the target): the factor is
+            divided by `lr_cut_factor` at each of these consumed samples (None: no cut).
     """
 
     lr: float
@@ -43,6 +45,8 @@ class LRSchedule:
     min_lr_ratio: float
     wsd_fraction: float | None = None
     wsd_shape: WSDShape | None = None
+    lr_cuts: tuple[int, ...] | None = None
+    lr_cut_factor: float | None = None
 
     def peak(self, global_batch_size: int) -> float:
         """The peak LR for a stage at `global_batch_size` (the per-stage scaling rule)."""
@@ -59,6 +63,9 @@ class LRSchedule:
         """Warmup/decay multiplier in [0, 1] at `consumed_samples`."""
         if consumed_samples < self.warmup_samples:
             return (consumed_samples + 1) / self.warmup_samples
+        if self.lr_cuts:  # a step decay (Seesaw's, config check keeps lr_decay constant beside it)
+            assert self.lr_cut_factor is not None
+            return float(self.lr_cut_factor ** -sum(1 for cut in self.lr_cuts if consumed_samples >= cut))
         if self.decay == "constant" or self.decay_end_samples <= self.warmup_samples:
             return 1.0
         start, kind = float(self.warmup_samples), str(self.decay)

@@ -116,13 +116,12 @@ def megatron_rampup(*, start: int, increment: int, ramp_samples: int, target: in
     return BatchSchedule(tuple(t for t, _ in ordered), tuple(b for _, b in ordered))
 
 
-def seesaw_rampup(*, start: int, factor: int, cuts: Sequence[int], target: int) -> BatchSchedule:
-    """Seesaw (Meterez et al., arXiv 2510.14717): where a step-decay schedule would divide the LR by `factor`,
-    the batch is multiplied by `factor` instead and the LR divided by its square root (`LRSchedule` scaling
-    `seesaw`): `start x factor^k` from the k-th cut (consumed samples) on, the last being the target.
+def seesaw_growth_cuts(*, start: int, factor: int, cuts: Sequence[int], target: int) -> int:
+    """How many of Seesaw's cuts grow the batch: k with `start x factor^k == target` (the later cuts divide the
+    LR by `factor`, a step decay's cuts once the batch is at its largest).
 
     Raises:
-        BatchpilotError: cuts not increasing from above 0, or a last batch that is not the target (one line each).
+        BatchpilotError: cuts not increasing from above 0, or no k <= len(cuts) that ends at the target.
     """
     field = "batch.rampup.seesaw"
     if not cuts or cuts[0] <= 0 or any(a >= b for a, b in itertools.pairwise(cuts)):
@@ -131,15 +130,37 @@ def seesaw_rampup(*, start: int, factor: int, cuts: Sequence[int], target: int) 
             f"must be consumed-sample points in increasing order above 0, not {list(cuts)}",
             "list where a step-decay schedule would cut the LR, e.g. [10M, 20M, 30M]",
         )
-    last = start * factor ** len(cuts)
-    if last != target:
+    batch = start
+    for k in range(len(cuts) + 1):
+        if batch == target:
+            return k
+        batch *= factor
+    reachable = [start * factor**k for k in range(len(cuts) + 1)]
+    raise BatchpilotError(
+        field,
+        f"grows the batch from {start} by {factor} at each cut ({', '.join(map(str, reachable))} with "
+        f"{len(cuts)} cut(s)), which never reaches the target global_batch_size {target}",
+        f"set batch.global_batch_size to one of {', '.join(map(str, reachable[1:]))}, or a start that reaches "
+        f"{target}",
+    )
+
+
+def seesaw_rampup(*, start: int, factor: int, cuts: Sequence[int], target: int) -> BatchSchedule:
+    """Seesaw (Meterez et al., arXiv 2510.14717): where a step-decay schedule would divide the LR by `factor`,
+    the batch is multiplied by `factor` instead and the LR divided by its square root (`LRSchedule` scaling
+    `seesaw`), until the batch is the target: `start x factor^k` from the k-th cut on; the cuts after that
+    divide the LR by `factor` (`LRSchedule.lr_cuts`).
+
+    Raises:
+        BatchpilotError: see `seesaw_growth_cuts`.
+    """
+    grows = seesaw_growth_cuts(start=start, factor=factor, cuts=cuts, target=target)
+    if grows == 0:
         raise BatchpilotError(
-            f"{field}",
-            f"grows the batch from {start} by {factor} at each of {len(cuts)} cut(s) to {last}, but the target "
-            f"global_batch_size is {target}",
-            f"set batch.global_batch_size: {last}, or a start or cuts that end at {target}",
-        )
-    return BatchSchedule((0, *cuts), tuple(start * factor**k for k in range(len(cuts) + 1)))
+            "batch.rampup.seesaw.start", f"is the target global_batch_size ({target}): nothing to grow",
+            "start below the target, or remove the ramp-up",
+        )  # fmt: skip
+    return BatchSchedule((0, *cuts[:grows]), tuple(start * factor**k for k in range(grows + 1)))
 
 
 def _per_device_to_global(value: Fraction, num_devices: int, *, field: str) -> int:

@@ -148,7 +148,7 @@ class Plan:
             micro_batch_size=data["micro_batch_size"],
             devices_per_node=data["devices_per_node"],
             max_nodes=data["max_nodes"],
-            lr_schedule=LRSchedule(**data["lr_schedule"]),
+            lr_schedule=_lr_schedule(data["lr_schedule"]),
             notes=tuple(data.get("notes", ())),
             parallelism=data["parallelism"],
             hsdp_shard_nodes=data.get("hsdp_shard_nodes", 1),
@@ -360,3 +360,9 @@ def faster_micro_batches(
             )
         )
     return tuple(chosen)
+
+
+def _lr_schedule(data: dict[str, Any]) -> LRSchedule:
+    """plan.json's `lr_schedule` (JSON lists back to tuples: the schedule is frozen, hence hashable)."""
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return LRSchedule(**values)
