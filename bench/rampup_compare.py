@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from batchpilot.runstate import parse_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 EVAL_EVERY = 1024
 ARMS = ("start", "target", "nemo", "doubling", "adaptive", "seesaw")
@@ -92,7 +94,8 @@ def run(name: str, seed: int, config: dict, folder: Path) -> dict[str, Any]:
     )  # fmt: skip
     if result.returncode != 0:
         raise SystemExit(f"{tag}: the pipeline failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    records = [json.loads(line) for line in (folder / tag / "metrics.jsonl").read_text().splitlines()]
+    # step records only: the report step appends a record per launch (`{"record": "launch", ...}`)
+    records = parse_metrics((folder / tag / "metrics.jsonl").read_text())
     plan = json.loads((folder / tag / "plan.json").read_text())
     return {"records": records, "plan": plan, "wall_s": time.monotonic() - started}
 
