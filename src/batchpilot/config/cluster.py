@@ -7,9 +7,7 @@ from typing import Literal
 
 from pydantic import (
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -27,6 +25,7 @@ is that many processes on one machine."""
 
 
 class ClusterConfig(_Section):
+    omitted_when_unset = OMITTED_WHEN_UNSET
     backend: Literal["local", "gke"] = Field("local", description="local processes, or a GKE node pool")
     devices_per_node: PositiveInt = Field(
         1, le=MAX_DEVICES_PER_NODE, description="accelerators per node (local: processes per node)"
@@ -234,14 +233,6 @@ class ClusterConfig(_Section):
                 "https://container.googleapis.com or http://127.0.0.1:8080 (an emulator)"
             )
         return value.rstrip("/") if value else value  # the client appends /v1/...
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        data: dict[str, object] = handler(self)
-        for name in OMITTED_WHEN_UNSET:
-            if data.get(name) is None:
-                data.pop(name, None)
-        return data
 
     @model_validator(mode="after")
     def _min_le_max(self) -> ClusterConfig:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
     model_validator,
 )
 
@@ -48,6 +50,18 @@ class _Section(BaseModel):
     """Base of every section: frozen, and unknown keys are reported with the valid ones."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    omitted_when_unset: ClassVar[tuple[str, ...]] = ()
+    """Settings added after the compiled pipelines' format settled: left out of a dump while unset (None), so
+    that a pipeline compiled from a config without them stays byte-identical (a config read back gets the
+    default)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
+        for name in self.omitted_when_unset:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -7,9 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -72,6 +70,7 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
+    omitted_when_unset = ("wsd_decay_fraction", "wsd_decay_shape")
     total_samples: PositiveCount | None = Field(None, description="samples to train on (or total_tokens)")
     total_tokens: PositiveCount | None = Field(None, description="tokens to train on (or total_samples)")
     lr: float = Field(gt=0, description="peak learning rate at lr_reference_batch")
@@ -179,15 +178,6 @@ class TrainConfig(_Section):
         "0); ignored once the run has its own checkpoint. Its config.json must match model.args (needs the "
         "`hf` extra)",
     )
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        # Added after compiled pipelines settled: left out of a dump while unset, so those stay byte-identical.
-        data: dict[str, object] = handler(self)
-        for name in ("wsd_decay_fraction", "wsd_decay_shape"):
-            if data.get(name) is None:
-                data.pop(name, None)
-        return data
 
     @model_validator(mode="after")
     def _wsd_settings(self) -> TrainConfig:
