@@ -2,8 +2,9 @@
 
 - hsdp on 2 nodes x 2 ranks at accumulation 4 all-reduces across nodes once per optimizer step (each
   FSDP unit once), not once per micro-batch, and still gives the global batch's mean gradient;
-- its noise-scale terms are those of the node's first pass (the gradient before any cross-node
-  reduction), computed here again in one process;
+- its noise scale's small-batch term is each rank's own gradient of every pass (read from FSDP2's
+  reduce-scatter input before any reduction), averaged over the passes, computed here again in one process;
+  its coherence compares the node's first two passes;
 - the token embedding and [final norm, output head] are FSDP units of their own (sharded while the
   blocks run), tied weights stay one parameter, and the gradients are those of one process.
 """
@@ -66,6 +67,16 @@ def mean_loss_gradient(model: torch.nn.Module, samples: torch.Tensor) -> list[to
     logits = model(samples[:, :-1])
     F.cross_entropy(logits.reshape(-1, logits.shape[-1]), samples[:, 1:].reshape(-1)).backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+def local_sq_norm(model: torch.nn.Module, rank: int, world_size: int) -> float:
+    """The mean over rank `rank`'s passes of its own micro-batch gradient's squared norm, in one process: the
+    noise scale's small-batch term where the ranks' gradients are read before their reduction
+    (planning/noise.py)."""
+    passes = rank_micro_batches(rank, world_size)
+    return sum(
+        sum(float(g.double().pow(2).sum()) for g in mean_loss_gradient(model, batch)) for batch in passes
+    ) / len(passes)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -185,7 +196,7 @@ def hsdp_group_ranks(tmp_path_factory) -> list[dict]:
 def test_hsdp_shard_groups_span_nodes_and_give_the_global_mean(hsdp_group_ranks):
     """Each parameter is split over a group of 2 one-rank nodes (half its rows per rank, as within a node of
     2), the groups replicate each other, and the gradient is the global batch's mean; the noise scale's
-    small batch is the group's first pass."""
+    small batch is each rank's own micro batch."""
     reference = dict(
         zip(
             [n for n, _ in build("gpt").named_parameters()],
@@ -195,20 +206,19 @@ def test_hsdp_shard_groups_span_nodes_and_give_the_global_mean(hsdp_group_ranks)
     )
     for rank in hsdp_group_ranks:
         assert rank["shard_degree"] == 2 and rank["local_rows"] == GPT_ARGS["vocab_size"] // 2
-        assert rank["small_batch"] == MICRO * 2
+        assert rank["small_batch"] == MICRO
         for name, expected in reference.items():
             assert torch.allclose(rank["grads"][name], expected, rtol=1e-4, atol=1e-6), name
     model = build("gpt")
-    for group in ((0, 1), (2, 3)):
-        first = torch.cat([rank_micro_batches(r, 4)[0] for r in group])
-        sq_norm = sum(float(g.double().pow(2).sum()) for g in mean_loss_gradient(model, first))
-        for rank in group:
-            assert hsdp_group_ranks[rank]["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
+    for rank in range(4):
+        expected = local_sq_norm(model, rank, 4)
+        assert hsdp_group_ranks[rank]["small_sq_norm"] == pytest.approx(expected, rel=1e-5), rank
 
 
-def test_hsdp_noise_terms_are_the_nodes_first_pass(hsdp_ranks):
-    """The small batch is the first pass over a node's 2 ranks (micro 2 x 2 = 4 samples), read before the
-    cross-node all-reduce; coherence compares it with the node's second pass."""
+def test_hsdp_noise_terms_are_each_ranks_own_passes(hsdp_ranks):
+    """The small batch is each rank's own micro batch (2 samples) in every pass, read from the reduce-scatter's
+    input; coherence compares the node's first pass (micro 2 x 2 = 4 samples, before the cross-node
+    all-reduce) with its second."""
     model = build("gpt")
     for node in (0, 1):
         ranks = (2 * node, 2 * node + 1)
@@ -220,8 +230,8 @@ def test_hsdp_noise_terms_are_the_nodes_first_pass(hsdp_ranks):
         cosine = inner / (sq_norm * sum(float(g.double().pow(2).sum()) for g in g2)) ** 0.5
         for rank in ranks:
             result = hsdp_ranks[rank]
-            assert result["small_batch"] == 4
-            assert result["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
+            assert result["small_batch"] == MICRO
+            assert result["small_sq_norm"] == pytest.approx(local_sq_norm(model, rank, 4), rel=1e-5), rank
             assert result["coherence"] == pytest.approx(cosine, rel=1e-5), rank
 
 

@@ -3,8 +3,10 @@ nodes x 2 ranks with each node's 2 ranks one tensor-parallel group (train/tensor
 
 - under fsdp (over the 2 groups) and hsdp (replicated across them), one step's accumulated gradient is the
   global batch's mean gradient computed in one process, and the clipped norm is its norm;
-- the noise-scale terms are those of the first pass over the data-parallel ranks of a shard group, a norm's
-  scale (whole on both ranks of a group) counted once; coherence compares the first two passes;
+- the noise scale's small-batch term: under fsdp each data-parallel rank's own gradient of every pass (read
+  from the reduce-scatter inputs of its tensor-parallel group, a norm's scale, whole on both ranks of a
+  group, counted once); under hsdp, whose shard group is one data-parallel rank here, the first pass of a
+  shard group; coherence compares the first two passes;
 - each rank holds 1/2 of every matrix of a block and whole norms, and its heads are the whole model's heads
   of its part (the GPT: its fused QKV and position embedding whole, as many parameters per rank as the memory
   model counts);
@@ -25,6 +27,7 @@ from test_sharding_units import (
     already_real,
     build,
     full,
+    local_sq_norm,
     mean_loss_gradient,
     rank_micro_batches,
     spawn,
@@ -117,9 +120,12 @@ def test_the_accumulated_gradient_is_the_global_batch_mean(tp_ranks):
         assert result["norm"] == pytest.approx(whole_norm, rel=1e-5)
 
 
-def test_noise_terms_are_the_shard_groups_first_pass_with_norms_counted_once(tp_ranks):
-    """fsdp: the small batch is the first pass over both data-parallel ranks (2 x 2 = 4 samples); hsdp: over
-    the shard group's one data-parallel rank (2 samples), before the cross-node all-reduce."""
+def test_noise_terms_count_a_norm_once_per_tensor_parallel_group(tp_ranks):
+    """fsdp: the small batch is each data-parallel rank's micro batch (2 samples) in every pass, its squared
+    norm the mean over its tensor-parallel group's processes (each holds its part times the group's size, so
+    that the step's mean over every process is the data-parallel ranks' mean); hsdp: the first pass of the
+    shard group's one data-parallel rank (2 samples), before the cross-node all-reduce. Coherence compares
+    the first two passes of the shard group."""
     param, ranks = tp_ranks
     strategy, model_name = model_of(param)
     model = build(model_name)
@@ -132,10 +138,16 @@ def test_noise_terms_are_the_shard_groups_first_pass_with_norms_counted_once(tp_
         inner = sum(float((a.double() * b.double()).sum()) for a, b in zip(g1, g2, strict=True))
         cosine = inner / (sq_norm * sum(float(g.double().pow(2).sum()) for g in g2)) ** 0.5
         for dp_rank in group:
-            for rank in (TP * dp_rank, TP * dp_rank + 1):
+            tp_group = (TP * dp_rank, TP * dp_rank + 1)
+            if strategy == "fsdp":
+                expected = local_sq_norm(model, dp_rank, 2)
+                read = sum(ranks[rank]["small_sq_norm"] for rank in tp_group) / TP
+                assert read == pytest.approx(expected, rel=1e-5), dp_rank
+            for rank in tp_group:
                 result = ranks[rank]
-                assert result["small_batch"] == MICRO * len(group)
-                assert result["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
+                assert result["small_batch"] == MICRO * (1 if strategy == "fsdp" else len(group))
+                if strategy == "hsdp":
+                    assert result["small_sq_norm"] == pytest.approx(sq_norm, rel=1e-5), rank
                 assert result["coherence"] == pytest.approx(cosine, rel=1e-5), rank
 
 

@@ -84,7 +84,7 @@ def test_fsdp_trains_as_ddp_does(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), a["step"]
         assert b["lr"] == a["lr"]
-    # FSDP measures the noise scale from the first pass over all ranks (see train/step.py): an estimate on
+    # FSDP measures the noise scale from each rank's own passes (see train/step.py): an estimate on
     # most steps (the moving average is undefined while its noise term is not positive), and coherence.
     assert sum(r["noise_scale"] is not None for r in fsdp) > STEPS // 2
     assert all(-1 <= r["gradient_coherence"] <= 1 for r in fsdp)

@@ -78,7 +78,7 @@ def test_hsdp_on_two_ranks_per_node_trains_as_ddp_does(runs):
         assert a["consumed_samples"] == b["consumed_samples"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), a["step"]
-    # The noise scale from each node's first pass, coherence from its first two.
+    # The noise scale from each rank's own passes, coherence from the node's first two.
     assert sum(r["noise_scale"] is not None for r in hsdp) > STEPS // 2
     assert all(-1 <= r["gradient_coherence"] <= 1 for r in hsdp)
     checkpoint = Checkpointer(uri=f"file://{runs['hsdp']}/ckpt").load()

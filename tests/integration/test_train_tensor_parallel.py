@@ -124,7 +124,7 @@ def assert_tp_trains_as_dp(runs: dict[int, tuple[Path, str]], *, steps: int) -> 
 def test_tp2_x_dp2_trains_as_dp4_does(runs):
     tp, log = assert_tp_trains_as_dp(runs, steps=STEPS)
     assert "batch 32 = 4 x 2 x 4" in log  # micro x data-parallel ranks x accumulation
-    # The noise scale from the first pass over the 2 data-parallel ranks (8 samples), coherence from two.
+    # The noise scale from each data-parallel rank's own passes (4 samples each), coherence from two.
     assert sum(r["noise_scale"] is not None for r in tp) > STEPS // 2
     assert all(-1 <= r["gradient_coherence"] <= 1 for r in tp)
     checkpoint = Checkpointer(uri=f"file://{runs[2][0]}/ckpt").load()

@@ -6,12 +6,15 @@
   bias-corrected: after n steps it is the mean of the steps with weights decay^age over their sum;
 - `state_dict` / `load_state_dict` carry every part of the average (decay included): a resumed average
   continues exactly as the uninterrupted one;
-- which steps measure (`noise_measurement`): accumulation 2 or more measures every step; ddp on several
-  ranks every step; otherwise a step at accumulation 1 is split in halves only when its micro batch is even
+- which steps measure (`noise_measurement`): ddp, fsdp and hsdp with several ranks per shard group, on
+  several data-parallel ranks, every step from the ranks' own gradients; accumulation 2 or more every step;
+  otherwise a step at accumulation 1 is split in halves only when its micro batch is even
   (an odd micro batch cannot be halved: no measurement), every `measure_noise_every_steps`-th step.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -75,7 +78,7 @@ def test_a_resumed_average_continues_as_the_uninterrupted_one():
 
 def measurement(**changes: object) -> NoiseMeasurement:
     layout: dict = dict(
-        strategy="fsdp", world_size=8, micro_batch_size=4, accumulation=1, split_every_steps=5
+        strategy="xla", world_size=8, micro_batch_size=4, accumulation=1, split_every_steps=5, shard_degree=1
     )
     return noise_measurement(**{**layout, **changes})
 
@@ -85,8 +88,23 @@ def test_accumulation_two_measures_every_step_from_its_first_pass():
 
 
 def test_ddp_on_several_ranks_measures_every_step_and_on_one_it_does_not():
-    assert measurement(strategy="ddp", split_every_steps=0) is NoiseMeasurement.EVERY_STEP
+    assert measurement(strategy="ddp", split_every_steps=0) is NoiseMeasurement.LOCAL_GRADIENTS
     assert measurement(strategy="ddp", world_size=1, split_every_steps=0) is NoiseMeasurement.NONE
+
+
+def test_sharded_ranks_measure_from_their_own_gradients_where_a_reduce_scatter_reads_them():
+    """fsdp and hsdp on several data-parallel ranks read each rank's gradient from the reduce-scatter, at any
+    micro batch; hsdp whose shard groups are one rank, one data-parallel rank, and XLA do not."""
+    for strategy in ("fsdp", "hsdp"):
+        for micro in (1, 3):
+            assert (
+                measurement(strategy=strategy, shard_degree=2, micro_batch_size=micro, split_every_steps=0)
+                is NoiseMeasurement.LOCAL_GRADIENTS
+            )
+    assert measurement(strategy="hsdp", shard_degree=1, micro_batch_size=1) is NoiseMeasurement.NONE
+    assert measurement(strategy="hsdp", shard_degree=1) is NoiseMeasurement.SPLIT_STEPS
+    assert measurement(strategy="fsdp", world_size=1, shard_degree=1) is NoiseMeasurement.SPLIT_STEPS
+    assert measurement(strategy="xla", shard_degree=8, micro_batch_size=1) is NoiseMeasurement.NONE
 
 
 def test_an_odd_micro_batch_at_accumulation_one_is_not_split_and_says_why():
@@ -112,3 +130,33 @@ def test_every_nth_step_is_split_counting_the_first_step_as_one():
     assert not any(
         splits_step(NoiseMeasurement.EVERY_STEP, step=s, split_every_steps=5) for s in range(1, 13)
     )
+
+
+def test_the_plan_says_which_stages_cannot_measure_and_fsdp_ranks_at_micro_batch_1_can():
+    """At micro batch 1 and accumulation 1 on 2 one-process nodes: ddp's and fsdp's ranks read their own
+    gradients (no note); hsdp's one-rank shard groups cannot, nor can one rank split a micro batch of 1: the
+    plan names the stage and why."""
+    import yaml
+
+    from batchpilot.config import parse_config
+    from batchpilot.plan.planner import make_run_document
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo_adaptive.yaml"
+
+    def notes(parallelism: str, max_nodes: int = 2, shard_nodes: int = 1) -> list[str]:
+        data = yaml.safe_load(demo.read_text())
+        data["batch"] = {"global_batch_size": max_nodes, "micro_batch_size": 1}
+        data["cluster"].update(max_nodes=max_nodes, min_nodes=max_nodes)
+        data["train"]["parallelism"] = parallelism
+        if parallelism == "hsdp":
+            data["train"]["hsdp_shard_nodes"] = shard_nodes
+        plan = make_run_document(parse_config(data)).plan
+        assert plan.parallelism == parallelism
+        assert {(s.micro_batch_size, s.gradient_accumulation_steps) for s in plan.stages} == {(1, 1)}
+        return [note for note in plan.notes if note.startswith("noise scale not measured")]
+
+    assert notes("ddp") == notes("fsdp") == notes("hsdp", shard_nodes=2) == []
+    assert notes("hsdp") == [
+        "noise scale not measured in final: accumulation 1 under hsdp and its micro batch 1 cannot be split in "
+        "two equal halves (fix: an even micro batch >= 2)"
+    ]

@@ -20,7 +20,7 @@ from batchpilot.plan.checks import plan_problems
 from batchpilot.plan.inputs import explore_problems
 from batchpilot.plan.memory import memory_plan, stage_estimate
 from batchpilot.plan.rundoc import MicroBatchSource, RunDocument
-from batchpilot.plan.stages import build_plan
+from batchpilot.plan.stages import build_plan, with_noise_note
 from batchpilot.plan.targets import at_trials_bound, resolve_auto_target, resolve_trials_target, trials_for
 from batchpilot.planning import estimate_cost
 from batchpilot.planning.batch import raise_problems
@@ -126,6 +126,7 @@ def make_run_document(
         else requested,
         hsdp_shard_nodes=memory.shard_nodes if memory else config.train.hsdp_shard_nodes or 1,
     )
+    plan = with_noise_note(config, plan)
     throughput = samples_per_s_per_device
     if throughput is None and explore is not None:
         throughput = explored_throughput(explore, micro_batch_size=micro)

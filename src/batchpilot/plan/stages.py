@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from fractions import Fraction
+from typing import cast
 
 from batchpilot.config import AdaptiveRampup, Config, SeesawRampup, resolved_runtime
 from batchpilot.plan.checks import SHOWN_STAGES, check_plan_config
 from batchpilot.plan.schedule import batch_schedule, placement, tpu_plan_slices
 from batchpilot.planning import LRSchedule, Plan, plan_stages
 from batchpilot.planning.adaptive import StageDecision
+from batchpilot.planning.memory import Strategy, shard_degree
 from batchpilot.planning.noise import NoiseMeasurement, noise_measurement, why_unmeasured
 from batchpilot.planning.rampup import seesaw_growth_cuts
 from batchpilot.planning.stages import sample_ranges
@@ -45,9 +47,6 @@ def assemble_plan(config: Config, *, micro_batch_size: int, decisions: Sequence[
         tpu=tpu_plan_slices(config),
         each_stage_alone=isinstance(config.batch.rampup, AdaptiveRampup),
     )
-    unmeasured = noise_note(config, plan)
-    if unmeasured is not None:
-        plan = replace(plan, notes=(*plan.notes, unmeasured))
     if not isinstance(config.batch.rampup, AdaptiveRampup):
         return plan
     settings = config.batch.rampup.adaptive
@@ -93,6 +92,23 @@ def lr_schedule(config: Config) -> LRSchedule:
     )
 
 
+def data_parallel_shard_degree(plan: Plan, data_parallel_size: int) -> int:
+    """The data-parallel ranks one parameter is sharded over in a stage of `data_parallel_size` such ranks
+    (a tensor-parallel group counts once)."""
+    tp = plan.tensor_parallel_size
+    return shard_degree(
+        cast(Strategy, plan.parallelism), world_size=data_parallel_size, devices_per_node=plan.devices_per_node // tp,
+        shard_nodes=plan.hsdp_shard_nodes,
+    )  # fmt: skip
+
+
+def with_noise_note(config: Config, plan: Plan) -> Plan:
+    """The plan with `noise_note`'s line last among its notes (when a stage cannot measure): called once the
+    plan's parallelism is resolved (the rule depends on it)."""
+    unmeasured = noise_note(config, plan)
+    return plan if unmeasured is None else replace(plan, notes=(*plan.notes, unmeasured))
+
+
 def noise_note(config: Config, plan: Plan) -> str | None:
     """One line naming the stages whose steps cannot measure the noise scale (planning/noise.py), and why;
     under an adaptive ramp-up such a stage cannot end on the rule. None when every stage measures."""
@@ -104,8 +120,9 @@ def noise_note(config: Config, plan: Plan) -> str | None:
         stage
         for stage in plan.stages
         if noise_measurement(
-            strategy=strategy, world_size=stage.world_size, micro_batch_size=stage.micro_batch_size,
+            strategy=strategy, world_size=stage.data_parallel_size, micro_batch_size=stage.micro_batch_size,
             accumulation=stage.gradient_accumulation_steps, split_every_steps=every,
+            shard_degree=data_parallel_shard_degree(plan, stage.data_parallel_size),
         )
         is NoiseMeasurement.NONE
     ]  # fmt: skip

@@ -94,6 +94,11 @@ class EagerRuntime(Runtime):
         assert self.parallel is not None, "parallelize first"
         return self.parallel.strategy
 
+    @property
+    def noise_shard_degree(self) -> int:
+        assert self.parallel is not None, "parallelize first"
+        return self.parallel.shard_degree
+
     def parallelize(
         self,
         model: nn.Module,

@@ -261,6 +261,7 @@ class TrainingLoop:
             micro_batch_size=micro,
             accumulation=accumulation,
             split_every_steps=train.measure_noise_every_steps,
+            shard_degree=self.runtime.noise_shard_degree,
         )
         return splits_step(measurement, step=self.step + 1, split_every_steps=train.measure_noise_every_steps)
 

@@ -30,6 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import (
+    ReduceScatter,
+)  # FSDP2's comm interface (not exported)
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
@@ -79,6 +82,92 @@ def _allreduce_with_local_norm(state, bucket):
     return future.then(lambda done: done.value()[0])
 
 
+class LocalGradientNorms:
+    """fsdp/hsdp: the squared norm of this rank's own gradient of each pass, read from FSDP2's reduce-scatter
+    input (`ReadingReduceScatter`) while `active`: each unit's flat gradient, before any reduction. The
+    noise scale's small-batch gradient (planning/noise.py) with no extra pass and no collective of its own.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self._norms: list[torch.Tensor] = []
+
+    def start(self, *, active: bool) -> None:
+        """Forgets what was read; reads the next backwards' inputs when `active`."""
+        self.active, self._norms = active, []
+
+    def read(self, flat: torch.Tensor, counted: list[tuple[int, int]] | None, world_size: int) -> None:
+        """Records the norm of one reduce-scatter input (`counted`: the column ranges of its
+        `[world_size, shard]` view this rank counts; None: all of it)."""
+        # in fp32 (a no-op view of fp32 gradients; a float64 norm would copy the whole flat gradient first)
+        if counted is None:
+            self._norms.append(torch.linalg.vector_norm(flat.float()).double())
+            return
+        rows = flat.float().view(world_size, -1)
+        self._norms.extend(torch.linalg.vector_norm(rows[:, a:b]).double() for a, b in counted)
+
+    def sq_norm(self) -> torch.Tensor | None:
+        """The sum of the squared norms read since `start` (None: none was read)."""
+        if not self._norms:
+            return None
+        return torch.stack(self._norms).pow(2).sum()
+
+
+class ReadingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter (`dist.reduce_scatter_single`, as its default), reading the input's norm first
+    (`FSDPModule.set_custom_reduce_scatter`).
+
+    FSDP2 hands the comm its flat input after dividing it by a "predivide factor", which it uses only for
+    reduce dtypes other than fp32 and bf16 or with a gradient divide factor set
+    (`_get_gradient_divide_factors` in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): neither is
+    used here, so the input is the rank's gradient as backward made it; another dtype is refused.
+    """
+
+    def __init__(self, norms: LocalGradientNorms, counted: list[tuple[int, int]] | None) -> None:
+        self._norms, self._counted = norms, counted
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if self._norms.active:
+            assert input_tensor.dtype in (torch.float32, torch.bfloat16), (
+                f"fsdp reduces {input_tensor.dtype} gradients: FSDP2 would pre-divide them"
+            )
+            self._norms.read(input_tensor, self._counted, dist.get_world_size(group))
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
+
+
+def read_local_gradients(model: nn.Module) -> LocalGradientNorms:
+    """Installs `ReadingReduceScatter` on every FSDP unit of `model` (one comm per unit's parameter group);
+    under tensor parallelism a parameter replicated over the tensor-parallel group is counted on the group's
+    first rank only (as `gradients` counts it)."""
+    norms = LocalGradientNorms()
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if id(state) in seen or not state._fsdp_param_groups:  # a grouped unit's modules share a state
+            continue
+        seen.add(id(state))
+        (group,) = state._fsdp_param_groups
+        counted: list[tuple[int, int]] | None = None
+        if any(_on_tp_mesh(p.sharded_param) for p in group.fsdp_params):
+            counted, offset = [], 0
+            for (
+                fsdp_param
+            ) in group.fsdp_params:  # one padded shard after another, as foreach_reduce lays them
+                numel = fsdp_param.padded_sharded_param_size.numel()
+                if _counted_here(fsdp_param.sharded_param):
+                    counted.append((offset, offset + numel))
+                offset += numel
+        module.set_custom_reduce_scatter(ReadingReduceScatter(norms, counted))
+    return norms
+
+
 @dataclass
 class Parallel:
     """The model as the loop runs it.
@@ -95,6 +184,8 @@ class Parallel:
             gradient's.
         replicate_group: hsdp only: this rank and its peers on the other nodes (the cross-node all-reduce).
         tensor_parallel_size: ranks of a node that split each block (1: none).
+        local_norms: fsdp/hsdp whose shard groups hold several data-parallel ranks: each rank's own gradient
+            norms, read from the reduce-scatters (None otherwise).
     """
 
     strategy: Strategy
@@ -106,6 +197,7 @@ class Parallel:
     shard_group: dist.ProcessGroup | None = None
     replicate_group: dist.ProcessGroup | None = None
     tensor_parallel_size: int = 1
+    local_norms: LocalGradientNorms | None = None
 
     def describe(self) -> str:
         if self.sharded:
@@ -200,9 +292,11 @@ def wrap_model(
         )
     fully_shard(model, mesh=data_mesh, mp_policy=policy)
     materialize(model)
+    degree = mesh["dp_shard"].size()
     return Parallel(
-        strategy, model, None, sharded=True, shard_degree=mesh["dp_shard"].size(), mixed_precision=bf16,
+        strategy, model, None, sharded=True, shard_degree=degree, mixed_precision=bf16,
         shard_group=group, replicate_group=replicate_group, tensor_parallel_size=tp,
+        local_norms=read_local_gradients(model) if degree > 1 else None,
     )  # fmt: skip
 
 

@@ -174,6 +174,11 @@ class Runtime(ABC):
     def noise_strategy(self) -> str:
         """The layout `planning.noise` decides by: the parallelism (eager) or `xla`."""
 
+    @property
+    def noise_shard_degree(self) -> int:
+        """The data-parallel ranks one parameter is sharded over (`planning.noise.reads_local_gradients`)."""
+        return 1
+
     def audit_ranks(self) -> Iterable[int]:
         """The data-parallel ranks whose trained positions this process records (`--audit`)."""
         return [self.place.rank]

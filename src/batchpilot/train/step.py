@@ -22,12 +22,14 @@ the loop reads them once per optimizer step, with the ranks' stop and checkpoint
   ends the job, whose retry resumes from the last checkpoint with it (loop.py).
 
 Gradient noise scale (McCandlish et al. 2018, appendix A) needs the squared norm of a small-batch and a
-big-batch gradient. DDP: each rank's own accumulated gradient (batch micro x accumulation) before the
-all-reduce vs the global one. FSDP: there is no rank-local gradient (every backward reduces), so the
-small batch is the first accumulation pass over all ranks (micro x world), read from the shards after
-the first backward; it needs accumulation >= 2. HSDP: the first pass over the shard group's ranks (micro x
-its ranks: a node's, or train.hsdp_shard_nodes nodes'), read from FSDP2's partial-reduce buffers, before any
-cross-group reduction.
+big-batch gradient (planning/noise.py decides which). DDP: each rank's own accumulated gradient (batch micro
+x accumulation) before the all-reduce vs the global one. FSDP and HSDP whose shard groups hold several ranks:
+each rank's own gradient of every pass (batch micro), read from FSDP2's reduce-scatter input
+(`parallel.ReadingReduceScatter`) and averaged over the passes, at any accumulation. Otherwise (one
+data-parallel rank, hsdp with one-rank shard groups): the first accumulation pass, over all ranks (fsdp:
+micro x world, read from the shards after the first backward) or over the shard group's ranks (hsdp, read from
+FSDP2's partial-reduce buffers before any cross-group reduction); it needs accumulation >= 2, or a step
+split in two halves.
 """
 
 from __future__ import annotations
@@ -219,6 +221,9 @@ def accumulate_sharded(
     total_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
     outcome = StepOutcome(completed=False)
     first: list[torch.Tensor] | None = None
+    local = parallel.local_norms if measure_noise else None
+    if parallel.local_norms is not None:
+        parallel.local_norms.start(active=local is not None)
     for index, batch in enumerate(micro_batches):
         last = index == accumulation - 1
         set_cross_node_reduction(parallel, enabled=last)
@@ -233,7 +238,7 @@ def accumulate_sharded(
         if not (measure_noise or measure_coherence) or index > 1 or accumulation == 1 or (hsdp and last):
             continue
         grads = node_gradient_shards(model) if hsdp else gradients(model)
-        if index == 0 and measure_noise:
+        if index == 0 and measure_noise and local is None:
             outcome.small_sq_norm = squared_norm_tensor(grads, group=group, scale=accumulation)
             outcome.small_batch = micro * parallel.shard_degree  # the shard group's (fsdp: every rank's)
         if index == 0 and measure_coherence:
@@ -244,4 +249,13 @@ def accumulate_sharded(
             )
     outcome.completed = True
     outcome.loss = total_loss / accumulation
+    if local is not None:
+        # Each pass's input is this rank's gradient of loss / accumulation on its micro batch: scaled back and
+        # averaged over the passes; times the tensor-parallel size, as the step's mean over every process
+        # (`read_step`) then is the mean over the data-parallel ranks of their whole gradients' norms.
+        read = local.sq_norm()
+        assert read is not None, "fsdp read no reduce-scatter input: was the custom comm replaced?"
+        outcome.small_sq_norm = read * accumulation * parallel.tensor_parallel_size
+        outcome.small_batch = micro
+        local.start(active=False)
     return outcome

@@ -12,7 +12,7 @@ from fractions import Fraction
 from batchpilot import runstate
 from batchpilot.plan.adaptive import is_adaptive
 from batchpilot.plan.rundoc import RunDocument
-from batchpilot.plan.stages import assemble_plan
+from batchpilot.plan.stages import assemble_plan, with_noise_note
 from batchpilot.planning.capacity import LaunchCapacity, apply_capacity
 
 
@@ -28,6 +28,7 @@ def current_document(document: RunDocument, *, capacity: bool = True) -> RunDocu
         plan = replace(
             plan, parallelism=document.plan.parallelism, hsdp_shard_nodes=document.plan.hsdp_shard_nodes
         )
+        plan = with_noise_note(config, plan)
         # The plan step's memory estimate and cost were for the stages planned then, not these.
         document = replace(document, plan=plan, decisions=tuple(decisions), memory=None, cost=None)
     if not capacity or config.cluster.fewer_nodes != "allow":  # only `allow` writes capacity records
