@@ -1,5 +1,5 @@
 """#38: the noise scale from the data-parallel ranks' own gradients is unbiased, checked against exact
-per-example gradients.
+per-example gradients; and measuring changes no weight.
 
 A population of 48 sequences; the tiny GPT's gradient of each, in one process, gives the true gradient G (their
 mean) and the trace of the per-example covariance tr(Sigma) (the mean of |g_i - G|^2). Then 2 gloo processes
@@ -90,3 +90,35 @@ def test_local_gradient_noise_terms_average_to_the_exact_ones(tmp_path):
         assert abs(statistics.fmean(values) - exact) < 4 * error, (k, statistics.fmean(values), exact, error)
     # The test can tell an estimator 2x off apart: S's spread is a small part of S.
     assert 4 * statistics.stdev(t[1] for t in terms) / len(terms) ** 0.5 < 0.5 * exact_s
+
+
+def _same_weights_worker(rank: int, world_size: int, per_node: int, port: int, out: str) -> None:
+    """Two copies of the model under fsdp, trained 3 steps on the same batches, one measuring: their shards
+    must be bitwise equal."""
+    ctx = _join(rank, world_size, per_node, port)
+    trained = []
+    for measure in (True, False):
+        model = build("gpt")
+        parallel = wrap_model(model, ctx, strategy="fsdp", bf16=False, materialize=already_real)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        samples = population()
+        for step in range(3):
+            chosen = samples[draws(step)]
+            per_pass = MICRO * world_size
+            passes = [chosen[a * per_pass + rank * MICRO :][:MICRO] for a in range(ACCUMULATION)]
+            outcome = accumulate_gradients(
+                model=model, parallel=parallel, micro_batches=passes, ctx=ctx, autocast=contextlib.nullcontext,
+                measure_noise=measure, measure_coherence=False,
+            )  # fmt: skip
+            assert (outcome.small_sq_norm is not None) == measure
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        trained.append([p.detach().to_local().clone() for p in model.parameters()])
+    torch.save(all(torch.equal(a, b) for a, b in zip(*trained, strict=True)), f"{out}.rank{rank}")
+    dist.destroy_process_group()
+
+
+def test_measuring_changes_no_weight(tmp_path):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)
+    assert spawn(_same_weights_worker, WORLD, WORLD, tmp_path / "result") == [True] * WORLD
