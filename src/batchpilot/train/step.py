@@ -235,7 +235,8 @@ def accumulate_sharded(
         total_loss += loss.detach().double()
         # After the first and second of several passes: the gradient so far, over all ranks (fsdp), or over
         # the node's ranks before any cross-node all-reduce (hsdp: so its coherence needs accumulation >= 3).
-        if not (measure_noise or measure_coherence) or index > 1 or accumulation == 1 or (hsdp and last):
+        from_passes = (measure_noise and local is None) or measure_coherence
+        if not from_passes or index > 1 or accumulation == 1 or (hsdp and last):
             continue
         grads = node_gradient_shards(model) if hsdp else gradients(model)
         if index == 0 and measure_noise and local is None:
