@@ -2,7 +2,7 @@
 
 The adaptive rule's standard error (`planning.adaptive.jackknife_stderr`) treats the single-step estimates
 of |G|^2 and S in its window as independent. This reads a recorded trace (a run's metrics.jsonl, or a trace
-kept under bench/results/) and prints, for each batch size with enough steps: the pooled noise scale, the
+kept under tests/fixtures/) and prints, for each batch size with enough steps: the pooled noise scale, the
 autocorrelation at lags 1-3 of the window's linearised residual `s - R g2` (R: the pooled ratio), detrended
 by a centred moving average of 101 steps (the noise scale drifts as training goes), the integrated
 autocorrelation time `tau = 1 + 2 sum rho_k` (lags summed up to the first non-positive one: Geyer's
@@ -10,7 +10,7 @@ initial positive sequence), and the mean over windows of the rule's length of th
 standard error beside a block jackknife's (blocks of `ceil(tau)` steps, at least 2): how much the
 independence assumption understates the error.
 
-Run: .venv/bin/python bench/noise_traces.py [TRACE ...]   (default: bench/results/noise_trace_*.json)
+Run: .venv/bin/python bench/noise_traces.py [TRACE ...]   (default: tests/fixtures/noise_trace_*.json)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from batchpilot.planning.adaptive import NoisePoint, jackknife_stderr, window
 
-RESULTS = Path(__file__).resolve().parent / "results"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 SMOOTHING = 0.95  # the trainer's and the demo's
 DETREND = 101
 MIN_STEPS = 3 * DETREND
@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="*", type=Path)
     args = parser.parse_args()
-    traces = args.traces or sorted(RESULTS.glob("noise_trace_*.json"))
+    traces = args.traces or sorted(TRACES.glob("noise_trace_*.json"))
     length = window(SMOOTHING)
     print(f"windows of {length} steps (smoothing {SMOOTHING}); residuals detrended over {DETREND} steps")
     print(

@@ -1,0 +1,88 @@
+"""#38 item 2: the adaptive rule's evidence term on real noise, not simulated.
+
+The adaptive demo's recorded trace (tests/fixtures/noise_trace_demo_adaptive.json: the single-step |G|^2 and S
+of every step, bench/noise_traces.py) holds real measurement noise: its distribution, its heavy tails, the
+correlation of a step's two terms and between steps. Its true noise scale is unknown and drifts, so the
+traces here keep the noise and set the truth: each term divided by its centred 101-step moving average (the
+drift) is a real relative fluctuation; |G|^2 = that fluctuation, S = B_true x its own, so the local truth is
+B_true everywhere. A run is an 800-step resample of one stage's fluctuations in blocks of 20 consecutive
+steps (keeping their short-range dependence), 20 runs per case, decided with test_adaptive_evidence's rule
+(batch 256, threshold T = 384, smoothing 0.95, a patience of 8 steps, confidence 2).
+
+Measured on these traces (documented in docs/planning.md): no run of either stage (batch 4 at accumulation 1;
+batch 16, 4 passes) fires early at B_true = T/4 or T/2; at 2T every batch-4 run and 19 of 20 batch-16 runs
+fire before the ramp's end. On the estimate alone (confidence 0) the batch-16 noise fires early in 9 of 20
+runs at T/4 and 19 at T/2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_adaptive_evidence import RULE, RUNS, THRESHOLD, first_firing
+
+from batchpilot.planning.adaptive import AdaptiveRule, NoisePoint
+
+TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "noise_trace_demo_adaptive.json"
+DRIFT, BLOCK, STEPS = 101, 20, 800
+BATCH = RULE.start
+
+
+def fluctuations(stage_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stage's relative fluctuations of |G|^2 and S around their drift (module docstring)."""
+    doc = json.loads(TRACE.read_text())
+    rows = [dict(zip(doc["columns"], row, strict=True)) for row in doc["rows"]]
+    part = [row for row in rows if row["global_batch_size"] == stage_batch]
+    g2 = np.array([row["noise_g2"] for row in part])
+    s = np.array([row["noise_s"] for row in part])
+    kernel = np.ones(DRIFT) / DRIFT
+    inner = slice(DRIFT, -DRIFT)  # where the moving average sees a whole window
+    return (g2 / np.convolve(g2, kernel, mode="same"))[inner], (s / np.convolve(s, kernel, mode="same"))[
+        inner
+    ]
+
+
+def semi_real_trace(stage_batch: int, *, critical: float, seed: int) -> list[NoisePoint]:
+    relative_g2, relative_s = fluctuations(stage_batch)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(relative_g2) - BLOCK, size=STEPS // BLOCK)
+    picked = np.concatenate([np.arange(start, start + BLOCK) for start in starts])
+    return [
+        NoisePoint((k + 1) * BATCH, float(relative_g2[j]), float(critical * relative_s[j]))
+        for k, j in enumerate(picked)
+    ]
+
+
+def fired(stage_batch: int, *, fraction: float, rule: AdaptiveRule = RULE) -> int:
+    """Runs out of RUNS whose noise scale ended the stage before the ramp's end."""
+    return sum(
+        first_firing(semi_real_trace(stage_batch, critical=fraction * THRESHOLD, seed=seed), rule).reason
+        == "noise_scale"
+        for seed in range(RUNS)
+    )
+
+
+def test_the_kept_trace_is_real_and_long_enough():
+    for stage_batch, steps in ((4, 546), (16, 807)):
+        relative_g2, _ = fluctuations(stage_batch)
+        assert len(relative_g2) == steps - 2 * DRIFT
+        assert relative_g2.std() > 0.1  # noise, not a constant
+
+
+@pytest.mark.parametrize("stage_batch", [4, 16])
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_real_noise_below_the_threshold_does_not_end_the_stage(stage_batch, fraction):
+    assert fired(stage_batch, fraction=fraction) <= 1  # documented: 0 of 20
+
+
+@pytest.mark.parametrize("stage_batch", [4, 16])
+def test_real_noise_at_twice_the_threshold_ends_the_stage(stage_batch):
+    assert fired(stage_batch, fraction=2.0) >= 18  # documented: 20 and 19 of 20
+
+
+def test_on_the_estimate_alone_real_noise_ends_stages_early():
+    on_estimate = AdaptiveRule(**{**RULE.to_dict(), "confidence": 0.0})
+    assert fired(16, fraction=0.25, rule=on_estimate) >= 5  # documented: 9 of 20
