@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import socket
 import statistics
 import tempfile
 import time
@@ -33,9 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchpilot.models.gpt import build
-from batchpilot.train.distributed import DistContext
 from batchpilot.train.parallel import LocalGradientNorms, wrap_model
 from batchpilot.train.step import accumulate_gradients
+from local_ranks import free_port, join
 
 MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 128, "vocab_size": 257}
 SEQ_LEN, WORLD, WARMUP = 128, 2, 3
@@ -79,12 +77,7 @@ def _timed_reads(norms: LocalGradientNorms) -> list[float]:
 
 
 def _worker(rank: int, port: int, out: str, pairs: int) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    ctx = DistContext.from_env()
+    ctx = join(rank, WORLD, port)
     torch.manual_seed(0)
     model = build(**MODEL)
     parallel = wrap_model(model, ctx, strategy="fsdp", bf16=False, materialize=lambda m: None)
@@ -123,9 +116,7 @@ def main() -> None:
         help="pairs of neighbouring steps, one measured and one not, per row",
     )
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
         mp.spawn(_worker, args=(port, out, args.pairs), nprocs=WORLD, join=True)

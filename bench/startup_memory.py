@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import tempfile
 from pathlib import Path
@@ -33,8 +32,8 @@ import torch.multiprocessing as mp
 
 from batchpilot.models.deferred import build_deferred, to_empty
 from batchpilot.models.factory import build_model
-from batchpilot.train.distributed import DistContext
 from batchpilot.train.parallel import wrap_model
+from local_ranks import free_port, join
 
 FACTORY = "batchpilot.models.llama:build"
 MODEL = {
@@ -52,12 +51,7 @@ def resident_bytes() -> int:
 
 
 def _worker(rank: int, port: int, way: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    ctx = DistContext.from_env()
+    ctx = join(rank, WORLD, port)
     dist.barrier()
     before = resident_bytes()
     if way == "whole":
@@ -79,12 +73,6 @@ def _worker(rank: int, port: int, way: str, out: str) -> None:
     torch.save({"added_bytes": peak - before, "sums": sums}, f"{out}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure(way: str, folder: Path) -> tuple[int, list[list[float]]]:
