@@ -69,12 +69,13 @@ def test_xla_trains_as_the_eager_trainer_does(runs):
         assert x["lr"] == e["lr"]
         assert x["loss"] == pytest.approx(e["loss"], rel=1e-5)
         assert x["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4)
-        # Both measure the small batch as the first pass over all 4 devices/ranks (micro x world).
+        # Coherence: both compare the first two passes over all 4 devices/ranks. The noise scale's small batch
+        # differs since #38: XLA's is the first pass over all devices (micro x world), the eager fsdp
+        # trainer's each rank's own micro batch (read from the reduce-scatter), so their values differ.
         assert x["gradient_coherence"] == pytest.approx(e["gradient_coherence"], abs=1e-3)
-        assert (x["noise_scale"] is None) == (e["noise_scale"] is None)
-        if x["noise_scale"] is not None:
-            assert x["noise_scale"] == pytest.approx(e["noise_scale"], rel=1e-2)
         assert x["mfu"] is not None and x["tokens_per_s"] > 0
+    assert sum(r["noise_scale"] is not None for r in xla) > len(xla) // 2
+    assert sum(r["noise_scale"] is not None for r in eager) > len(eager) // 2
     assert xla[-1]["val_loss"] == pytest.approx(eager[-1]["val_loss"], rel=1e-5)
     assert xla[-1]["loss"] < xla[0]["loss"]
 

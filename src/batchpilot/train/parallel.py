@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ class LocalGradientNorms:
 
 
 class ReadingReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter (`dist.reduce_scatter_single`, as its default), reading the input's norm first
+    """FSDP2's reduce-scatter (as its default comm), reading the input's norm first
     (`FSDPModule.set_custom_reduce_scatter`).
 
     FSDP2 hands the comm its flat input after dividing it by a "predivide factor", which it uses only for
@@ -135,9 +135,19 @@ class ReadingReduceScatter(ReduceScatter):
                 f"fsdp reduces {input_tensor.dtype} gradients: FSDP2 would pre-divide them"
             )
             self._norms.read(input_tensor, self._counted, dist.get_world_size(group))
-        return dist.reduce_scatter_single(
-            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
-        )
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )  # what FSDP2's default comm calls (torch 2.9: this; 2.13: reduce_scatter_single, the same collective)
+
+
+def param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: `_fsdp_param_groups` (newer torch, 2.13 here: several per unit possible), or
+    the one `_fsdp_param_group` of earlier versions (the XLA environment's torch 2.9); internal names, read
+    from each installed torch's sources."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def read_local_gradients(model: nn.Module) -> LocalGradientNorms:
@@ -150,10 +160,11 @@ def read_local_gradients(model: nn.Module) -> LocalGradientNorms:
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
-        if id(state) in seen or not state._fsdp_param_groups:  # a grouped unit's modules share a state
+        groups = param_groups(state)
+        if id(state) in seen or not groups:  # a grouped unit's modules share a state
             continue
         seen.add(id(state))
-        (group,) = state._fsdp_param_groups
+        (group,) = groups
         counted: list[tuple[int, int]] | None = None
         if any(_on_tp_mesh(p.sharded_param) for p in group.fsdp_params):
             counted, offset = [], 0
@@ -423,7 +434,7 @@ def node_gradient_shards(model: nn.Module) -> list[torch.Tensor]:
         if id(state) in seen:  # the modules of one grouped unit share a state
             continue
         seen.add(id(state))
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             partial = group._partial_reduce_output
             if partial is None:
                 continue
