@@ -30,9 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import (
-    ReduceScatter,
-)  # FSDP2's comm interface (not exported)
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # FSDP2's comm interface
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
@@ -140,42 +138,53 @@ class ReadingReduceScatter(ReduceScatter):
         )  # what FSDP2's default comm calls (torch 2.9: this; 2.13: reduce_scatter_single, the same collective)
 
 
-def param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups: `_fsdp_param_groups` (newer torch, 2.13 here: several per unit possible), or
-    the one `_fsdp_param_group` of earlier versions (the XLA environment's torch 2.9); internal names, read
-    from each installed torch's sources."""
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: `_fsdp_param_groups` (newer torch, 2.13 here: several per unit
+    possible), or the one `_fsdp_param_group` of earlier versions (the XLA environment's torch 2.9); internal
+    names, read from each installed torch's sources."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
-def read_local_gradients(model: nn.Module) -> LocalGradientNorms:
-    """Installs `ReadingReduceScatter` on every FSDP unit of `model` (one comm per unit's parameter group);
-    under tensor parallelism a parameter replicated over the tensor-parallel group is counted on the group's
-    first rank only (as `gradients` counts it)."""
-    norms = LocalGradientNorms()
+def fsdp_units(model: nn.Module) -> list[tuple[FSDPModule, list[Any]]]:
+    """Each FSDP unit of `model` once (the modules of one grouped unit share a state), with its parameter
+    groups."""
+    units: list[tuple[FSDPModule, list[Any]]] = []
     seen: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        groups = param_groups(state)
-        if id(state) in seen or not groups:  # a grouped unit's modules share a state
-            continue
-        seen.add(id(state))
-        (group,) = groups
-        counted: list[tuple[int, int]] | None = None
-        if any(_on_tp_mesh(p.sharded_param) for p in group.fsdp_params):
-            counted, offset = [], 0
-            for (
-                fsdp_param
-            ) in group.fsdp_params:  # one padded shard after another, as foreach_reduce lays them
-                numel = fsdp_param.padded_sharded_param_size.numel()
-                if _counted_here(fsdp_param.sharded_param):
-                    counted.append((offset, offset + numel))
-                offset += numel
-        module.set_custom_reduce_scatter(ReadingReduceScatter(norms, counted))
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if id(state) not in seen:
+                seen.add(id(state))
+                units.append((module, _param_groups(state)))
+    return units
+
+
+def counted_ranges(group: Any) -> list[tuple[int, int]] | None:
+    """Under tensor parallelism, the ranges of a parameter group's flat shard (one padded shard after another,
+    as `foreach_reduce` lays them out) that this rank counts: a parameter replicated over the tensor-parallel
+    group on the group's first rank only (as `gradients` counts it). None without tensor parallelism: all."""
+    if not any(_on_tp_mesh(p.sharded_param) for p in group.fsdp_params):
+        return None
+    ranges, offset = [], 0
+    for fsdp_param in group.fsdp_params:
+        numel = fsdp_param.padded_sharded_param_size.numel()
+        if _counted_here(fsdp_param.sharded_param):
+            ranges.append((offset, offset + numel))
+        offset += numel
+    return ranges
+
+
+def read_local_gradients(model: nn.Module) -> LocalGradientNorms:
+    """Installs `ReadingReduceScatter` on every FSDP unit of `model` (one comm per unit's parameter group),
+    counting what `counted_ranges` counts."""
+    norms = LocalGradientNorms()
+    for module, groups in fsdp_units(model):
+        if groups:
+            (group,) = groups
+            module.set_custom_reduce_scatter(ReadingReduceScatter(norms, counted_ranges(group)))
     return norms
 
 
@@ -426,29 +435,13 @@ def node_gradient_shards(model: nn.Module) -> list[torch.Tensor]:
     it fails here (tests/integration/test_train_hsdp.py checks the values against a one-process reference).
     """
     buffers: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        if id(state) in seen:  # the modules of one grouped unit share a state
-            continue
-        seen.add(id(state))
-        for group in param_groups(state):
+    for _, groups in fsdp_units(model):
+        for group in groups:
             partial = group._partial_reduce_output
             if partial is None:
                 continue
-            if not any(_on_tp_mesh(p.sharded_param) for p in group.fsdp_params):
-                buffers.append(partial)
-                continue
-            # Under tensor parallelism: each parameter's part of the flat buffer (laid out one padded shard after
-            # another, as `foreach_reduce` views it), a tensor-parallel replica on the group's first rank only.
-            offset = 0
-            for fsdp_param in group.fsdp_params:
-                numel = fsdp_param.padded_sharded_param_size.numel()
-                if _counted_here(fsdp_param.sharded_param):
-                    buffers.append(partial[offset : offset + numel])
-                offset += numel
+            ranges = counted_ranges(group)
+            buffers.extend([partial] if ranges is None else [partial[a:b] for a, b in ranges])
     assert buffers, (
         "no partial-reduce buffers: call between hsdp passes run with set_requires_all_reduce(False)"
     )
