@@ -79,9 +79,13 @@ def test_explore_writes_the_contract_files_and_prints_interim_recommendations(tm
     interim = [
         line for line in result.stdout.splitlines() if line.startswith(f"{PREFIX}current recommendation: ")
     ]
-    assert len(interim) == 5 and "estimated" in interim[0] and "/100" in interim[0]
+    assert "estimated" in interim[0] and "/100" in interim[0]
     document = json.loads((tmp_path / "out" / "explore.json").read_text())
-    assert len(document["probes"]) == 5
+    # The search adapts to measured speeds: on a loaded machine it can converge before the fifth probe (CI saw
+    # 4). Whatever the count, every probe prints the recommendation as it stands, and a short search says why.
+    probes = len(document["probes"])
+    assert len(interim) == probes and 3 <= probes <= 5
+    assert document["stopped_because"] == ("max_probes" if probes == 5 else "converged")
     assert all(set(probe) >= CONTRACT_PROBE_KEYS for probe in document["probes"])
     assert [p["micro_batch_size"] for p in document["probes"][:3]] == [1, 2, 4]
     # Every probe after the base (micro batch 1) timed the base's passes beside its own.
@@ -101,7 +105,7 @@ def test_explore_writes_the_contract_files_and_prints_interim_recommendations(tm
     assert {"critical_batch_size", "recommended_global_batch_size", "lr_scaling", "reasoning"} <= set(noise)
     metrics = json.loads((tmp_path / "out" / "explore_metrics.json").read_text())
     assert metrics["recommended_micro_batch_size"] == recommendation["micro_batch_size"]
-    assert metrics["num_probes"] == 5 and all(isinstance(v, float) for v in metrics.values())
+    assert metrics["num_probes"] == probes and all(isinstance(v, float) for v in metrics.values())
     page = (tmp_path / "out" / "explore.html").read_text()
     assert page.count("src='data:image/png;base64,") == 2 and "http" not in page.split("<body>")[1]
     assert "critical batch size" in result.stdout and "LR scaling" in result.stdout
