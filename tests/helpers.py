@@ -303,9 +303,9 @@ def assert_same_run(reference: Path, root: Path) -> None:
     assert [[r[f] for f in fields] for r in metrics] == [[r[f] for f in fields] for r in expected_metrics]
 
 
-def start_async_save(checkpointer, step: int, weights, *, side: bool = True) -> str:
+def start_async_save(checkpointer, step: int, weights, *, side: bool = True, last: bool = False) -> str:
     """An asynchronous save of a one-tensor model `{"w": weights}` at `step` (16 samples a step), with rank 0's
-    `metrics.jsonl` side object when `side`; returns the step folder's URI."""
+    `metrics.jsonl` side object when `side`, the launch's last when `last`; returns the step folder's URI."""
     from batchpilot.train.checkpoint import capture_rng_state
 
     return checkpointer.start_save_sharded(
@@ -314,4 +314,5 @@ def start_async_save(checkpointer, step: int, weights, *, side: bool = True) -> 
         state={"model": {"w": weights}, "optimizer": {"state": {}, "param_groups": []}},
         rng=capture_rng_state(),
         side_objects={"metrics.jsonl": f"step {step}\n".encode()} if side else None,
+        last=last,
     )

@@ -17,6 +17,7 @@ import torch
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.train.checkpoint import Checkpointer
+from batchpilot.train.checkpoint_writer import WriterProcess
 from helpers import start_async_save
 
 
@@ -49,6 +50,37 @@ def test_an_asynchronous_save_is_written_by_another_process_the_same_for_every_s
     while alive(first_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(first_pid), "close() left the writer process running"
+
+
+def test_a_launchs_last_save_starts_no_writer_process_and_a_running_one_still_writes_it(
+    tmp_path, monkeypatch
+):
+    """The launch's last save, with no writer process yet, is written by the background thread (no process is
+    started for a write no step competes with); once a process runs, it writes every save, the last too."""
+    by_process: list[str] = []
+    write = WriterProcess.write
+
+    def counted(self, **kwargs):
+        by_process.append(kwargs["folder"])
+        return write(self, **kwargs)
+
+    monkeypatch.setattr(WriterProcess, "write", counted)
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=3)
+    weights = torch.arange(6.0)
+    start_async_save(checkpointer, 1, weights, last=True)
+    checkpointer.wait()
+    assert checkpointer._writer is not None and checkpointer._writer.pid is None and by_process == []
+    start_async_save(checkpointer, 2, weights * 2)
+    checkpointer.wait()
+    first_pid = checkpointer._writer.pid
+    assert first_pid is not None and alive(first_pid) and by_process == ["000000002"]
+    start_async_save(checkpointer, 3, weights * 3, last=True)
+    checkpointer.wait()
+    assert checkpointer._writer.pid == first_pid and by_process == ["000000002", "000000003"]
+    for step in (1, 2, 3):  # each committed, whoever wrote it
+        loaded = Checkpointer(uri=f"file://{tmp_path}").load(step=step)
+        assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * step)
+    checkpointer.close()
 
 
 def test_a_write_that_fails_in_the_writer_process_fails_the_next_wait_and_latest_stays(tmp_path):

@@ -185,6 +185,9 @@ def test_the_last_checkpoint_is_committed_before_the_job_ends(demo_data_uri, tmp
     assert Checkpointer(uri=f"file://{tmp_path}/ckpt").latest_step() == 16
     committed = [line for line in result.stdout.splitlines() if "committed (" in line]
     assert [line.split("checkpoint step ")[1].split()[0] for line in committed] == ["4", "8", "12", "16"]
+    # only the launch's last save (step 16) is one no step competes with: the others keep the writer process
+    lasts = [line for line in result.stdout.splitlines() if "(the launch's last: " in line]
+    assert len(lasts) == 1 and "checkpoint step 16 " in lasts[0]
 
 
 def test_sigterm_while_a_checkpoint_is_in_flight_commits_it_then_the_stop_step(

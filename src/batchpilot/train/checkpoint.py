@@ -303,12 +303,17 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         side_objects: dict[str, bytes] | None = None,
         planner: SavePlanner | None = None,
+        last: bool = False,
     ) -> str:
         """`save_sharded` in the background. Every rank calls it at the same step. Blocks while it waits for
         the previous save (raising its failure) and while `state` is copied to shared CPU memory (buffers reused
         from save to save); returns the step folder's URI the save will commit. The files are written by this
         rank's writer process (train/checkpoint_writer.py), the plan and the commit by a background thread.
-        `side_objects` (rank 0): objects written before `latest` moves. `planner`: as `save_sharded`'s."""
+        `side_objects` (rank 0): objects written before `latest` moves. `planner`: as `save_sharded`'s.
+        `last`: no step trains while this save is written (the launch's last): unless the writer process already
+        runs, the background thread writes the files itself. The process keeps the writing off the steps' CPU
+        time; with no step to keep it off, starting one (a spawned Python importing torch: about 4 CPU-s and
+        2-3 s before its first byte) would only delay the save."""
         self.wait()
         group = self._checkpoint_group()
         if self._stager is None:
@@ -326,13 +331,14 @@ class Checkpointer:
         assert isinstance(copy, dict)  # synchronous staging returns the copy itself
         where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
         in_flight = _InFlight(step=step, where=where, started_s=time.monotonic())
+        writer = None if self._writer is None or (last and self._writer.pid is None) else self._writer
 
         def run() -> None:
             try:
                 time.sleep(float(os.environ.get(DELAY_ENV, "0")))  # tests: a slow upload
                 self._write_and_commit(
                     step=step, consumed_samples=consumed_samples, state=copy, rng=rng, extra=extra,
-                    planner=planner, side_objects=side_objects, group=group, writer=self._writer,
+                    planner=planner, side_objects=side_objects, group=group, writer=writer,
                 )  # fmt: skip
             except BaseException as error:  # surfaced by the next wait(), never dropped
                 in_flight.error = error

@@ -10,8 +10,10 @@ returns DCP's write results and the files' checksums. The thread only waits mean
 A Python thread that wrote the files itself held the GIL for much of the serialization and hashing, and the
 steps ran about 2x slower while a save was written (bench/checkpoint_blocking.py); a process runs beside them.
 The process runs at a lower priority (`NICE`), so the trainer's own threads (the data prefetch, the launch of
-device work) come first where cores are short; it is started with the first asynchronous save (spawned: no
-copy of the trainer's threads or devices), serves every later one, and ends with the trainer: at `close()`,
+device work) come first where cores are short; it is started with the first asynchronous save that steps
+train beside (spawned: no copy of the trainer's threads or devices; a launch's last save, which no step
+competes with, is written by the trainer's background thread unless the process already runs), serves every
+later one, and ends with the trainer: at `close()`,
 or by itself within a second when the trainer dies (kill -9 included), so it never writes into a step folder
 that a resumed run writes again.
 """

@@ -196,6 +196,7 @@ class EagerRuntime(Runtime):
             rng=capture_rng_state(),
             extra=save.extra,
             side_objects=save.side,
+            last=save.last,
         )
         return where, True
 

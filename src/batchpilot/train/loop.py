@@ -476,11 +476,15 @@ class TrainingLoop:
             **self.runtime.checkpoint_extra(),
         }
         started = time.perf_counter()
-        save = Save(self.model, self.optimizer, self.step, self.consumed, extra, side)
+        # the launch's last step, or a save the launch ends with (a preemption's, an adaptive decision's)
+        last = wait or self.consumed == self.stages[-1].end_sample
+        save = Save(self.model, self.optimizer, self.step, self.consumed, extra, side, last=last)
         where, background = self.runtime.write_checkpoint(self.checkpointer, save)
         blocked_s = time.perf_counter() - started
         self.checkpoint_blocked_s += blocked_s
         how = "writing in the background" if background else "committed"
+        if background and last:
+            how += " (the launch's last: by the writer process only if one already runs)"
         self.log(
             f"checkpoint step {self.step} ({self.consumed:,} samples) -> {where}{why}: training blocked "
             f"{blocked_s:.2f} s, {how}"

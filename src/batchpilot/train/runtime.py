@@ -140,7 +140,8 @@ class Passes:
 @dataclass(frozen=True)
 class Save:
     """A checkpoint to write: the model and optimizer at `step` / `consumed_samples`, meta.json's extra
-    entries, and `side` objects the main process writes before `latest` moves."""
+    entries, and `side` objects the main process writes before `latest` moves. `last`: no step trains while
+    it is written (the launch's last step, a preemption's or an adaptive decision's save)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -148,6 +149,7 @@ class Save:
     consumed_samples: int
     extra: dict[str, Any]
     side: dict[str, bytes] | None
+    last: bool = False
 
 
 @dataclass(frozen=True)

@@ -286,6 +286,7 @@ class XlaRuntime(Runtime):
             rng=capture_rng_state(),
             extra=save.extra,
             side_objects=save.side,
+            last=save.last,
         )
         return where, True
 

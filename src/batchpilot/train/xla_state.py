@@ -87,6 +87,7 @@ def start_xla_checkpoint(
     rng: dict[str, Any],
     extra: dict[str, Any],
     side_objects: dict[str, bytes] | None = None,
+    last: bool = False,
 ) -> str:
     """Every host calls this: each takes its devices' shards to host memory (torch_xla's
     `_sharded_cpu_state_dict`, as its own asynchronous checkpoint manager does: each shard with its place in
@@ -109,6 +110,7 @@ def start_xla_checkpoint(
         extra=extra,
         planner=_save_planner(xc.SPMDSavePlanner, mappings),
         side_objects=side_objects,
+        last=last,
     )
 
 
