@@ -27,7 +27,13 @@ TOTAL_SAMPLES = 9216
 """The adaptive demo's run here ends at 9,216 samples instead of its 16,384: its ramp ends at 8,192 at the
 latest (the decisions came by sample 3,500 when measured), and the final stage at the target trains 359
 steps instead of 807, which the tests below do not need. The learning rate decays over the shorter run, so
-the trace and the decisions are not those of the demo's own run (the tests check properties of them)."""
+the trace and the decisions are not those of the demo's own run (the tests check properties of them).
+
+The run decides on the estimate alone (`confidence: 0`, smoothing 0.95, the demo's rule before it shipped the
+default confidence): these tests need several decisions on two node counts, and at the shipped rule the tiny
+model's noisy evidence ends one stage only before the ramp's end (tests/unit/test_adaptive_real_traces.py
+replays the shipped rule on the demo's own recorded run)."""
+MECHANICS_RULE = {"confidence": 0, "smoothing": 0.95}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +44,7 @@ def adaptive_run_folder(demo_data_uri, tmp_path_factory):
     config["train"]["checkpoint_uri"] = f"file://{folder / 'ckpt'}"
     assert config["batch"]["rampup"]["adaptive"]["samples"] < TOTAL_SAMPLES  # the ramp is bounded within
     config["train"]["total_samples"] = TOTAL_SAMPLES
+    config["batch"]["rampup"]["adaptive"].update(MECHANICS_RULE)
     output = folder / "run"
     result = run_pipeline(config, output)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]

@@ -13,6 +13,13 @@ Measured on these traces (documented in docs/planning.md): no run of either stag
 batch 16, 4 passes) fires early at B_true = T/4 or T/2; at 2T every batch-4 run and 19 of 20 batch-16 runs
 fire before the ramp's end. On the estimate alone (confidence 0) the batch-16 noise fires early in 9 of 20
 runs at T/4 and 19 at T/2.
+
+The demo ships the default confidence (2) with smoothing 0.99 (configs/demo_adaptive.yaml): at that rule (a
+patience of 64 steps, the demo's 256 samples at batch 4) no run fires early at T/4 or T/2 on either stage's
+noise, and all 20 of each fire at 2T. Its own run at that rule was recorded
+(tests/fixtures/noise_trace_demo_adaptive_k2.json); replaying the rule on it gives the run's decisions:
+stage 0 ends on the evidence at 3,048 samples (at the demo's earlier smoothing 0.95 it would not have by then),
+stage 1 (batch 6) only at the ramp's end.
 """
 
 from __future__ import annotations
@@ -24,9 +31,13 @@ import numpy as np
 import pytest
 from test_adaptive_evidence import RULE, RUNS, THRESHOLD, first_firing
 
-from batchpilot.planning.adaptive import AdaptiveRule, NoisePoint
+from batchpilot.config import load_config
+from batchpilot.plan.adaptive import accepted_batch_sizes, adaptive_rule
+from batchpilot.planning.adaptive import AdaptiveRule, Decision, NoisePoint, decide
 
 TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "noise_trace_demo_adaptive.json"
+DEMO_TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "noise_trace_demo_adaptive_k2.json"
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_adaptive.yaml"
 DRIFT, BLOCK, STEPS = 101, 20, 800
 BATCH = RULE.start
 
@@ -86,3 +97,69 @@ def test_real_noise_at_twice_the_threshold_ends_the_stage(stage_batch):
 def test_on_the_estimate_alone_real_noise_ends_stages_early():
     on_estimate = AdaptiveRule(**{**RULE.to_dict(), "confidence": 0.0})
     assert fired(16, fraction=0.25, rule=on_estimate) >= 5  # documented: 9 of 20
+
+
+def demo_rule() -> tuple[AdaptiveRule, list[int]]:
+    """The shipped demo's rule and the batch sizes its node schedule accepts."""
+    config = load_config(DEMO_CONFIG)
+    accepted, _ = accepted_batch_sizes(config, micro_batch_size=config.batch.micro_batch_size)  # type: ignore[arg-type]
+    return adaptive_rule(config), accepted
+
+
+def recorded_points() -> list[dict]:
+    doc = json.loads(DEMO_TRACE.read_text())
+    return [dict(zip(doc["columns"], row, strict=True)) for row in doc["rows"]]
+
+
+def replay(rule: AdaptiveRule, accepted: list[int], *, batch: int) -> Decision:
+    """The decision at the first step of the recorded stage at `batch` where the rule fires (else at its last
+    step), on the whole trace up to there (the EMAs run over the run so far)."""
+    rows = recorded_points()
+    points = [NoisePoint(row["consumed_samples"], row["noise_g2"], row["noise_s"]) for row in rows]
+    stage = [index for index, row in enumerate(rows) if row["global_batch_size"] == batch]
+    start = rows[stage[0] - 1]["consumed_samples"] if stage[0] else 0
+    for index in stage:
+        decision = decide(points[: index + 1], rule=rule, current=batch, stage_start=start, accepted=accepted)
+        if decision.fired:
+            return decision
+    return decision
+
+
+def test_the_demo_ships_the_default_confidence_and_its_recorded_stage_0_ends_on_the_evidence():
+    rule, accepted = demo_rule()
+    assert rule.confidence == AdaptiveRule.confidence == 2.0
+    assert accepted == [4, 6, 8, 10, 12, 14, 16]
+    decision = replay(rule, accepted, batch=4)
+    assert (decision.reason, decision.consumed_samples, decision.next_batch) == ("noise_scale", 3048, 6)
+    assert decision.lower_bound is not None and decision.lower_bound >= decision.threshold == 6
+    # the same steps at the demo's earlier smoothing (a 39-step window): no firing by then
+    earlier = AdaptiveRule(**{**rule.to_dict(), "smoothing": 0.95})
+    assert replay(earlier, accepted, batch=4).reason == "continue"
+
+
+def test_the_recorded_stage_1_trains_to_the_ramps_end():
+    rule, accepted = demo_rule()
+    decision = replay(rule, accepted, batch=6)
+    assert decision.reason == "ramp_end" and decision.next_batch == 16
+    assert decision.lower_bound is not None and decision.lower_bound < decision.threshold == 8
+
+
+def at_the_demos_rule() -> AdaptiveRule:
+    """test_adaptive_evidence's rule with the demo's smoothing, confidence and patience in steps."""
+    demo, _ = demo_rule()
+    return AdaptiveRule(
+        **{
+            **RULE.to_dict(),
+            "smoothing": demo.smoothing,
+            "confidence": demo.confidence,
+            "patience_samples": demo.patience_samples // demo.start * BATCH,
+        }
+    )
+
+
+@pytest.mark.parametrize("stage_batch", [4, 16])
+def test_at_the_demos_rule_real_noise_below_the_threshold_does_not_end_the_stage(stage_batch):
+    rule = at_the_demos_rule()
+    assert fired(stage_batch, fraction=0.25, rule=rule) <= 1  # documented: 0 of 20
+    assert fired(stage_batch, fraction=0.5, rule=rule) <= 1  # documented: 0 of 20
+    assert fired(stage_batch, fraction=2.0, rule=rule) >= 18  # documented: 20 of 20
