@@ -14,13 +14,10 @@ or one device's micro batch (2) they are not.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import textwrap
 
-from xla_helpers import errors, xla_env
+from xla_helpers import run_script
 
 from batchpilot.train.noise import noise_terms
 
@@ -77,16 +74,7 @@ SCRIPT = textwrap.dedent(
 
 
 def run_steps() -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=xla_env(DEVICES),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, errors(result.stderr)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_script(SCRIPT, num_devices=DEVICES)
 
 
 def within(norms: list, exact: dict, *, b_small: int) -> list[bool]:

@@ -5,12 +5,9 @@ torch_xla builds for a real model on 4 virtual CPU devices."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
-from xla_helpers import errors, xla_env
+from xla_helpers import run_script
 
 N_LAYER = 2
 
@@ -55,16 +52,7 @@ PROBE = textwrap.dedent(
 
 
 def probe() -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        env=xla_env(4),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, errors(result.stderr)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_script(PROBE, num_devices=4)
 
 
 def test_every_parameter_is_sharded_on_its_largest_dimension_and_blocks_follow_fsdpv2():

@@ -106,3 +106,18 @@ def errors(stderr: str) -> str:
     """stderr without torch_xla's warnings (a few per checkpoint), which would hide the error."""
     noise = ("Warning", "warnings.warn", "sharding_propagation", "storage().size()", "unpadded_indices")
     return "\n".join(line for line in stderr.splitlines() if not any(n in line for n in noise))[-4000:]
+
+
+def run_script(script: str, *, num_devices: int) -> dict:
+    """Runs `script` (Python source) on `num_devices` virtual XLA CPU devices; returns the JSON object its last
+    output line prints (fails with its errors on a non-zero exit)."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=xla_env(num_devices),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, errors(result.stderr)
+    return json.loads(result.stdout.strip().splitlines()[-1])
