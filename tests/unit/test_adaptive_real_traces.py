@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_adaptive_evidence import RULE, RUNS, THRESHOLD, first_firing
+from test_adaptive_rule import first_firing as first_firing_in_stage
 
 from batchpilot.config import load_config
 from batchpilot.plan.adaptive import accepted_batch_sizes, adaptive_rule
-from batchpilot.planning.adaptive import AdaptiveRule, Decision, NoisePoint, decide
+from batchpilot.planning.adaptive import AdaptiveRule, Decision, NoisePoint
 
 TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "noise_trace_demo_adaptive.json"
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "noise_trace_demo_adaptive_k2.json"
@@ -115,13 +116,13 @@ def replay(rule: AdaptiveRule, accepted: list[int], *, batch: int) -> Decision:
     """The decision at the first step of the recorded stage at `batch` where the rule fires (else at its last
     step), on the whole trace up to there (the EMAs run over the run so far)."""
     rows = recorded_points()
-    points = [NoisePoint(row["consumed_samples"], row["noise_g2"], row["noise_s"]) for row in rows]
     stage = [index for index, row in enumerate(rows) if row["global_batch_size"] == batch]
+    points = [NoisePoint(row["consumed_samples"], row["noise_g2"], row["noise_s"]) for row in rows]
     start = rows[stage[0] - 1]["consumed_samples"] if stage[0] else 0
-    for index in stage:
-        decision = decide(points[: index + 1], rule=rule, current=batch, stage_start=start, accepted=accepted)
-        if decision.fired:
-            return decision
+    # a prefix that ends before the stage's first step has none of its points: it cannot fire
+    _, decision = first_firing_in_stage(
+        points[: stage[-1] + 1], rule=rule, current=batch, stage_start=start, accepted=accepted
+    )
     return decision
 
 

@@ -39,13 +39,13 @@ def trace_of(critical: list[float], *, batch: int = 16, start: int = 0, noise: f
     return points
 
 
-def first_firing(trace, *, rule=RULE, current=16, stage_start=0):
-    """The first prefix of `trace` at which the rule fires, and its decision."""
+def first_firing(trace, *, rule=RULE, current=16, stage_start=0, accepted=ACCEPTED):
+    """The first prefix of `trace` at which the rule fires, and its decision (else None and the whole trace's)."""
     for end in range(1, len(trace) + 1):
-        decision = decide(trace[:end], rule=rule, current=current, stage_start=stage_start, accepted=ACCEPTED)
+        decision = decide(trace[:end], rule=rule, current=current, stage_start=stage_start, accepted=accepted)
         if decision.fired:
             return end, decision
-    return None, decide(trace, rule=rule, current=current, stage_start=stage_start, accepted=ACCEPTED)
+    return None, decide(trace, rule=rule, current=current, stage_start=stage_start, accepted=accepted)
 
 
 def test_steady_growth_fires_after_the_patience_at_the_next_size():
