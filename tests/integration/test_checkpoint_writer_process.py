@@ -4,6 +4,7 @@ trainer's next wait."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -234,3 +235,42 @@ def test_the_writer_runs_at_lower_priority_than_the_trainer_also_across_session_
         assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == str(NICE)
     finally:
         checkpointer.close()
+
+
+def tensor_record_crcs(folder: Path) -> list[int]:
+    """The CRC-32s that each tensor's torch.save record in a step folder's DCP files keeps in its zip."""
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    crcs = []
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            data = (folder / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+            crcs += [entry.CRC for entry in zipfile.ZipFile(io.BytesIO(data)).infolist()]
+    return crcs
+
+
+def test_checkpoint_files_leave_out_torch_saves_own_crc32_which_the_block_checksums_cover(tmp_path):
+    """A tensor's torch.save record skips the zip's CRC-32 (meta.json's 4 MiB-block CRC-32s cover every byte and
+    are checked on read), written by the trainer's thread (the launch's last save, here) or by the writer
+    process, and both read back."""
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
+    weights = torch.randn(1000)
+    start_async_save(checkpointer, 1, weights, last=True)  # no writer process yet: the thread writes it
+    checkpointer.wait()
+    start_async_save(checkpointer, 2, weights * 2, side=False)  # the writer process
+    checkpointer.wait()
+    assert checkpointer._writer.pid is not None
+    checkpointer.close()
+    by_thread, by_process = (
+        tensor_record_crcs(tmp_path / "000000001"),
+        tensor_record_crcs(tmp_path / "000000002"),
+    )
+    assert by_thread and not any(by_thread), by_thread
+    assert by_process and not any(by_process), by_process
+    for step in (1, 2):
+        loaded = Checkpointer(uri=f"file://{tmp_path}").load(step=step)
+        assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * step)
