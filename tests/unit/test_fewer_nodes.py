@@ -92,6 +92,36 @@ def test_a_stage_on_fewer_nodes_keeps_its_batch_samples_and_lr_and_accumulates_m
         stage_on_nodes(final, num_nodes=3, planned_nodes=4, devices_per_node=4, expansion_factor=Fraction(1))
 
 
+def test_a_stage_with_a_larger_micro_batch_of_its_own_trains_at_the_plans_where_its_own_does_not_split():
+    """#36 item 4 with cluster.fewer_nodes: allow: a stage that took a faster micro batch than the plan's
+    (`faster_micro_batches`) keeps it on the nodes that came where it still splits the batch, and trains at
+    the plan's there otherwise, rather than on fewer nodes still or not at all."""
+    _, plan = nemo_like_plan()  # the plan's micro batch: 2
+    # final's batch 96 at its own micro batch 6 on 4 nodes of 4 devices: 96 = 6 x 16 x 1
+    final = replace(plan.stages[-1], global_batch_size=96, micro_batch_size=6, gradient_accumulation_steps=1)
+    place = Placement(devices_per_node=4, max_nodes=4, min_nodes=1)
+    # 3 nodes: 96 = 8 per device, which 6 does not split and 2 does
+    assert fewer_nodes([final], available=3, placement=place) == 2
+    assert fewer_nodes([final], available=3, placement=place, base_micro_batch=2) == 3
+    on = {
+        nodes: stage_on_nodes(
+            final, num_nodes=nodes, planned_nodes=4, devices_per_node=4, expansion_factor=Fraction(1),
+            base_micro_batch=2,
+        )
+        for nodes in (3, 2)
+    }  # fmt: skip
+    assert (on[3].micro_batch_size, on[3].data_parallel_size, on[3].gradient_accumulation_steps) == (2, 12, 4)
+    assert (on[2].micro_batch_size, on[2].data_parallel_size, on[2].gradient_accumulation_steps) == (6, 8, 2)
+    with pytest.raises(ValueError, match="does not split over 3 node"):
+        stage_on_nodes(final, num_nodes=3, planned_nodes=4, devices_per_node=4, expansion_factor=Fraction(1))
+    # The record of a launch moved to 3 nodes gives the same stage through the plan (its micro batch 2).
+    with_final = replace(plan, stages=(*plan.stages[:-1], final))
+    record = LaunchCapacity(
+        "final", 2, 2, planned_nodes=4, ready_nodes=3, nodes=3, waited_s=1.0, reason="stockout"
+    )
+    assert apply_capacity(with_final, [record], expansion_factor=Fraction(1)).stages[-1] == on[3]
+
+
 def test_a_record_moves_only_the_launch_it_was_made_for_and_launches_stay_the_planned_ones():
     _, plan = nemo_like_plan()
     planned = [(g.name, g.num_nodes) for g in launches(plan)]

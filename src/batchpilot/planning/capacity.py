@@ -62,20 +62,32 @@ class LaunchCapacity:
         )
 
 
-def fewer_nodes(stages: Sequence[Stage], *, available: int, placement: Placement) -> int | None:
+def fewer_nodes(
+    stages: Sequence[Stage], *, available: int, placement: Placement, base_micro_batch: int | None = None
+) -> int | None:
     """The largest node count in [min_nodes, available] that every stage's global batch splits over in
-    whole micro batches (the node scheduling rule of `Placement.fits`); None when there is none."""
+    whole micro batches (the node scheduling rule of `Placement.fits`), each stage's own or, where a stage
+    took a larger one of its own (`faster_micro_batches`), the plan's `base_micro_batch`; None when there
+    is none."""
     for num_nodes in range(available, placement.min_nodes - 1, -1):
         if num_nodes > 0 and all(
-            placement.fits(
-                global_batch_size=stage.global_batch_size,
-                num_nodes=num_nodes,
-                micro_batch_size=stage.micro_batch_size,
+            any(
+                placement.fits(
+                    global_batch_size=stage.global_batch_size, num_nodes=num_nodes, micro_batch_size=micro
+                )
+                for micro in _micro_batches(stage, base_micro_batch)
             )
             for stage in stages
         ):
             return num_nodes
     return None
+
+
+def _micro_batches(stage: Stage, base_micro_batch: int | None) -> list[int]:
+    """The micro batches a stage may train at on other nodes: its own first, then the plan's (which the
+    node walk placed every stage with), when the stage took a larger one."""
+    own = stage.micro_batch_size
+    return [own] if base_micro_batch is None or base_micro_batch >= own else [own, base_micro_batch]
 
 
 def stage_on_nodes(
@@ -87,9 +99,12 @@ def stage_on_nodes(
     expansion_factor: Fraction,
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
+    base_micro_batch: int | None = None,
 ) -> Stage:
     """`stage` trained on `num_nodes`: the same batch, samples and LR; its data parallelism, accumulation,
-    world size and loading hosts for that count (`planned_nodes` remembers the plan's).
+    world size and loading hosts for that count (`planned_nodes` remembers the plan's). A stage whose own
+    micro batch (larger than the plan's, `faster_micro_batches`) does not split its batch over the new data
+    parallelism trains at the plan's `base_micro_batch` there.
 
     Raises:
         ValueError: the stage's batch does not split over `num_nodes` (see `fewer_nodes`).
@@ -100,24 +115,33 @@ def stage_on_nodes(
         pipeline_parallel_size=pipeline_parallel_size,
         tensor_parallel_size=tensor_parallel_size,
     )
-    if dp is None or stage.global_batch_size % (stage.micro_batch_size * dp):
+    micro = next(
+        (
+            size
+            for size in _micro_batches(stage, base_micro_batch)
+            if dp and stage.global_batch_size % (size * dp) == 0
+        ),
+        None,
+    )
+    if dp is None or micro is None:
         raise ValueError(
             f"{stage.name}'s batch {stage.global_batch_size} does not split over {num_nodes} node(s)"
         )
     return replace(
         stage,
         num_nodes=num_nodes,
+        micro_batch_size=micro,
         data_parallel_size=dp,
         gradient_accumulation_steps=gradient_accumulation_steps(
             global_batch_size=stage.global_batch_size,
-            micro_batch_size=stage.micro_batch_size,
+            micro_batch_size=micro,
             data_parallel_size=dp,
         ),
         world_size=num_nodes * devices_per_node,
         num_loading_hosts=num_loading_hosts(
             num_hosts=num_nodes,
             expansion_factor=expansion_factor,
-            samples_per_host_pass=stage.micro_batch_size * dp // num_nodes,  # a node's data-parallel ranks
+            samples_per_host_pass=micro * dp // num_nodes,  # a node's data-parallel ranks
         ),
         planned_nodes=planned_nodes if num_nodes != planned_nodes else None,
     )
@@ -147,6 +171,7 @@ def apply_capacity(
                 expansion_factor=expansion_factor,
                 pipeline_parallel_size=pipeline_parallel_size,
                 tensor_parallel_size=tensor_parallel_size,
+                base_micro_batch=plan.micro_batch_size,
             )
     return replace(plan, stages=tuple(stages))
 

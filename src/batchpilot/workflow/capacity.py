@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from batchpilot.errors import BatchpilotError
 from batchpilot.plan.rundoc import RunDocument
 from batchpilot.planning.capacity import LaunchCapacity
 from batchpilot.planning.launches import Launch
+from batchpilot.planning.stages import Stage
 from batchpilot.workflow.document import with_capacity
 from batchpilot.workflow.pool import prepare_pool
 from batchpilot.workflow.stage import pipeline_launch
@@ -75,14 +77,20 @@ def _fewer_nodes(
     config = document.config
     planned = launch.requested_nodes
     stages = document.plan.stages[launch.first_stage : launch.last_stage + 1]
-    nodes = fewer_nodes(stages, available=short.ready, placement=placement(config))
+    nodes = fewer_nodes(
+        stages,
+        available=short.ready,
+        placement=placement(config),
+        base_micro_batch=document.plan.micro_batch_size,
+    )
     if nodes is None:
         batches = ", ".join(str(stage.global_batch_size) for stage in stages)
         raise BatchpilotError(
             "cluster.fewer_nodes",
             f"{launch.name} got {short.ready} of its {planned} node(s), and no node count from "
             f"{config.cluster.min_nodes} (cluster.min_nodes) to {short.ready} splits its global batch(es) {batches} "
-            f"into whole micro batches of {stages[0].micro_batch_size}: {short.problem}",
+            f"into whole micro batches of {_micro_batch_words(stages, document.plan.micro_batch_size)}: "
+            f"{short.problem}",
             "wait longer for the planned nodes (cluster.capacity_timeout_s) or retry when capacity returns",
         )
     record = LaunchCapacity(
@@ -101,12 +109,27 @@ def _fewer_nodes(
         "at the planned global batch%s; only data parallelism and accumulation change",
         launch.name, short.ready, planned, waited_s, nodes, "es" if len(stages) > 1 else "",
     )  # fmt: skip
+    for before, after in zip(
+        stages, moved.plan.stages[launch.first_stage : launch.last_stage + 1], strict=True
+    ):
+        if after.micro_batch_size != before.micro_batch_size:
+            logger.warning(
+                "%s: micro batch %d (the plan's) on %d node(s): its own %d does not split its batch %d over them",
+                after.name, after.micro_batch_size, nodes, before.micro_batch_size, after.global_batch_size,
+            )  # fmt: skip
     # The pool's target goes to what the launch uses: ready nodes it cannot use are not paid for, and
     # nodes the cloud would still bring mid-launch (the stockout ends) would only idle.
     node_pool_for(config).resize(nodes)
     logger.info("pool set to the %d node(s) %s trains on", nodes, launch.name)
     record_capacity(config, launch, record)
     return record
+
+
+def _micro_batch_words(stages: Sequence[Stage], base: int) -> str:
+    """`2`, or `8 (or the plan's 2)` where a stage took a larger micro batch than the plan's."""
+    own = sorted({stage.micro_batch_size for stage in stages})
+    words = "/".join(str(size) for size in own)
+    return words if own == [base] else f"{words} (or the plan's {base})"
 
 
 def record_capacity(config: Config, launch: Launch, record: LaunchCapacity | None) -> None:
