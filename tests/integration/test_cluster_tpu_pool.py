@@ -3,6 +3,7 @@ simulated GKE cluster (Container API and Kubernetes API stand-ins with GKE's TPU
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from batchpilot.cluster.readiness import TPU_RESOURCE, PoolNodes
 from batchpilot.cluster.tpu_pool import TpuSlicePool
 from batchpilot.config import parse_config
 from batchpilot.errors import BatchpilotError
+from batchpilot.planning.launches import launches
 from batchpilot.planning.tpu import tpu_slices
 from batchpilot.workflow.pool import prepare_pool, scale_down
 
@@ -409,3 +411,44 @@ def test_a_slice_ahead_is_refused_with_delete_first(gke):
     with pytest.raises(BatchpilotError, match=r"cluster.tpu_slice_change: is delete-first .* create-first"):
         pool.create_ahead(4)
     assert pools(gke) == ["v6e-2x4"]
+
+
+def test_the_ahead_step_brings_up_the_next_launchs_slice_once_the_trainers_progress_says_it_is_due(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gcs_bucket: str
+):
+    """cluster.capacity_ahead on TPU slices (create-first) through the pipeline's step: launch-0 trains on a
+    2x4 slice; once its trainer's progress record (in the run's bucket) leaves less than the lead, the step
+    brings up final's 4x4 beside it and records an early pool event; the slice launch-0 trains on stays."""
+    from batchpilot import runstate
+    from batchpilot.plan.planner import make_run_document
+    from batchpilot.workflow import ahead
+    from batchpilot.workflow.ahead import bring_next_nodes
+
+    monkeypatch.setattr(ahead, "END_POLL_S", 0.1)
+    with simulated_gke() as gke:
+        monkeypatch.setenv("KUBECONFIG", str(gke.write_kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        gke.container.state.polls_until_done = 0
+        raw = tpu_config(container_api_endpoint=gke.container.endpoint, tpu_slice_change="create-first")
+        raw["batch"].update(schedule="0:128 1024:256", global_batch_size=256)
+        raw["train"]["checkpoint_uri"] = f"gs://{gcs_bucket}/ckpt"
+        raw["explore"] = {"study": False}
+        document = make_run_document(parse_config(raw))
+        first, following = [(s.first_stage, s.last_stage, s.num_nodes) for s in launches(document.plan)]
+        assert (first[2], following[2]) == (2, 4)
+        prepare_pool(document.config, num_nodes=2)  # launch-0's slice, as its resize task left it
+        end = document.plan.stages[first[1]].end_sample
+        runstate.write_progress(
+            document.config.train.checkpoint_uri,
+            stages=[first[0], first[1]],
+            progress={"consumed": end - 100, "at_s": time.time(), "samples_per_s": 100.0},  # 1 s left
+        )
+        said = bring_next_nodes(document, launch_index=0, poll_s=0.1)
+        assert "slice of 4 host(s) is up beside this launch's (2 -> 6 node(s))" in said, said
+        assert pools(gke) == ["v6e-2x4", "v6e-4x4"]
+        early = [
+            e
+            for e in runstate.read_events(document.config.train.checkpoint_uri, kind="pool")
+            if e.get("early")
+        ]
+        assert [(e["before"], e["after"]) for e in early] == [(2, 6)]
