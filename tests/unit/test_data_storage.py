@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from pathlib import Path
 
@@ -177,3 +179,61 @@ def test_conditional_writers_stay_exclusive_while_deletes_remove_lock_files(stor
         thread.join()
     assert errors == [] and creations[0] > 50
     assert store.list() == [] and not (Path(store.uri.removeprefix("file://")) / "step").exists()
+
+
+def open_flags(fd: int) -> int:
+    """The open file's flags as the kernel holds them (/proc/self/fdinfo's `flags`, octal)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines())
+    return int(fields["flags"].strip(), 8)
+
+
+def takes_direct_writes(folder: Path) -> bool:
+    probe = folder / "direct-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, (8 << 20) - 1, (8 << 20) + 4097, 3 * (8 << 20)])
+def test_a_write_past_the_page_cache_gives_the_same_object_at_any_length(tmp_path: Path, size: int) -> None:
+    """`open_write(keep_cached=False)` (a checkpoint's shards) writes with O_DIRECT where the file system takes
+    it: the bytes gathered in an aligned buffer, the last piece padded and the file cut back to its length;
+    the object is byte for byte what was written, in pieces of any size."""
+    if not takes_direct_writes(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system takes no direct writes")
+    store = LocalStorage(tmp_path / "root")
+    data = os.urandom(size)
+    with store.open_write("ckpt/shard.distcp", keep_cached=False) as writing:
+        assert open_flags(writing.file.fileno()) & os.O_DIRECT
+        for start in range(0, size, 1_000_003):  # pieces that fall across the buffer's edges
+            writing.file.write(memoryview(data)[start : start + 1_000_003])
+    assert writing.generation > 0
+    assert (tmp_path / "root" / "ckpt" / "shard.distcp").read_bytes() == data
+    assert [p.name for p in (tmp_path / "root" / "ckpt").iterdir()] == ["shard.distcp"]  # no temporary left
+
+
+def test_a_write_past_the_page_cache_on_a_file_system_without_direct_writes_goes_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system without direct writes (tmpfs before Linux 6.6) fails the open with EINVAL after creating
+    the file: the object is written the ordinary way, whole, and nothing else is left."""
+    real_open = os.open
+
+    def without_direct(path, flags, mode=0o777, **kwargs):
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, mode))  # created, as the kernel leaves it
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, mode, **kwargs)
+
+    monkeypatch.setattr(os, "open", without_direct)
+    store = LocalStorage(tmp_path / "root")
+    data = os.urandom(10_000)
+    with store.open_write("ckpt/shard.distcp", keep_cached=False) as writing:
+        assert not open_flags(writing.file.fileno()) & os.O_DIRECT
+        writing.file.write(data)
+    assert (tmp_path / "root" / "ckpt" / "shard.distcp").read_bytes() == data
+    assert [p.name for p in (tmp_path / "root" / "ckpt").iterdir()] == ["shard.distcp"]
