@@ -274,3 +274,45 @@ def test_checkpoint_files_leave_out_torch_saves_own_crc32_which_the_block_checks
     for step in (1, 2):
         loaded = Checkpointer(uri=f"file://{tmp_path}").load(step=step)
         assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * step)
+
+
+def test_a_writer_started_ahead_serves_the_first_save_and_ends_at_close(tmp_path, monkeypatch):
+    """`start_writer` (a launch that saves before its end) starts the process in the background at once; the
+    first save, even the launch's last, is written by that process, and close() ends it. A Checkpointer
+    given a storage object writes in-process and starts none."""
+    by_process: list[str] = []
+    write = WriterProcess.write
+
+    def counted(self, **kwargs):
+        by_process.append(kwargs["folder"])
+        return write(self, **kwargs)
+
+    monkeypatch.setattr(WriterProcess, "write", counted)
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
+    checkpointer.start_writer()
+    writer = checkpointer._writer
+    assert writer is not None and writer._starting is not None  # under way before any save
+    pid = writer.pid  # waits for the start
+    assert pid is not None and pid != os.getpid() and alive(pid)
+    checkpointer.start_writer()  # once only
+    assert writer.pid == pid
+    weights = torch.arange(8.0)
+    start_async_save(checkpointer, 1, weights, last=True)
+    checkpointer.wait()
+    assert by_process == ["000000001"] and writer.pid == pid
+    checkpointer.close()
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "close() left the writer process running"
+    loaded = Checkpointer(uri=f"file://{tmp_path}").load()
+    assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights)
+
+    from batchpilot.storage import open_storage
+
+    in_process = Checkpointer(
+        uri=f"file://{tmp_path}/other", storage=open_storage(f"file://{tmp_path}/other")
+    )
+    in_process.start_writer()
+    assert in_process._writer is None
+    in_process.close()

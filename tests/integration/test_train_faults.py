@@ -188,6 +188,10 @@ def test_the_last_checkpoint_is_committed_before_the_job_ends(demo_data_uri, tmp
     # only the launch's last save (step 16) is one no step competes with: the others keep the writer process
     lasts = [line for line in result.stdout.splitlines() if "(the launch's last: " in line]
     assert len(lasts) == 1 and "checkpoint step 16 " in lasts[0]
+    # it saves before its end: each rank's writer process starts at the start-up, before the first step
+    output = result.stdout
+    assert output.count("the checkpoint writer process starts now") == 2
+    assert output.index("the checkpoint writer process starts now") < output.index("step 1 ")
 
 
 def test_sigterm_while_a_checkpoint_is_in_flight_commits_it_then_the_stop_step(

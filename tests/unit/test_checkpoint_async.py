@@ -215,3 +215,28 @@ def test_close_ends_a_failed_save_in_flight_without_raising(tmp_path, caplog):
     assert "the checkpoint of step 1 failed in the background" in caplog.text
     assert checkpointer.save_in_flight is None
     assert [t.name for t in threading.enumerate() if t.name.startswith("checkpoint-")] == []
+
+
+def test_a_launch_starts_its_writer_ahead_only_when_it_saves_before_its_last_step():
+    """The trainer starts the writer process at a launch's start-up (`Checkpointer.start_writer`) only where
+    a save will come before the last step: a stage end inside the launch, or `checkpoint_every_steps` with
+    more steps than that left; a launch that saves only at its end starts none (its last save needs none)."""
+    from batchpilot.config import parse_config
+    from batchpilot.plan.stages import build_plan
+    from batchpilot.train.trainer import saves_before_its_end
+    from helpers import tiny_config
+
+    plan = build_plan(
+        parse_config(tiny_config(data_uri="file:///d", checkpoint_uri="file:///c")), micro_batch_size=8
+    )
+    first, second, final = plan.stages
+    assert saves_before_its_end([second, final], consumed=second.start_sample, every_steps=0)
+    # resumed in the launch's last stage: only the launch's own end is left
+    assert not saves_before_its_end([second, final], consumed=final.start_sample, every_steps=0)
+    assert not saves_before_its_end([first], consumed=0, every_steps=0)
+    steps = first.num_steps
+    assert saves_before_its_end([first], consumed=0, every_steps=steps - 1)
+    assert not saves_before_its_end([first], consumed=0, every_steps=steps)
+    halfway = first.start_sample + (steps // 2) * first.global_batch_size
+    assert not saves_before_its_end([first], consumed=halfway, every_steps=steps - steps // 2)
+    assert saves_before_its_end([first], consumed=halfway, every_steps=steps - steps // 2 - 1)

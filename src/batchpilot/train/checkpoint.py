@@ -326,7 +326,8 @@ class Checkpointer:
                     use_non_blocking_copy=False,
                 )
             )
-            self._writer = WriterProcess(timeout_s=self.save_timeout_s) if self._writes_by_uri else None
+            if self._writer is None and self._writes_by_uri:
+                self._writer = WriterProcess(timeout_s=self.save_timeout_s)
         copy = self._stager.stage(state)
         assert isinstance(copy, dict)  # synchronous staging returns the copy itself
         where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
@@ -394,6 +395,21 @@ class Checkpointer:
                 "fix the cause and run the stage again: it resumes from `latest`",
             ) from error
         return in_flight.finished_s - in_flight.started_s
+
+    def start_writer(self) -> None:
+        """Starts this rank's writer process now, in the background (`WriterProcess.start_soon`): for a launch
+        that saves before its last step, so that the process's start runs beside the launch's start-up and
+        not beside the steps of its first save. Nothing where the files are written in this process (a
+        storage object given)."""
+        if not self._writes_by_uri:
+            return
+        if self._writer is None:
+            self._writer = WriterProcess(timeout_s=self.save_timeout_s)
+        if self._writer.pid is None:
+            logger.info(
+                "the checkpoint writer process starts now, beside the start-up (this launch saves before its end)"
+            )
+            self._writer.start_soon(self.uri)
 
     def close(self) -> None:
         """Ends the save in flight, if any, before the process ends (also when training failed): it commits

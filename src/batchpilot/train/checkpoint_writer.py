@@ -155,10 +155,37 @@ class WriterProcess:
         self.timeout_s = timeout_s
         self._process: Any = None
         self._connection: Any = None
+        self._starting: threading.Thread | None = None
+
+    def start_soon(self, where: str) -> None:
+        """Starts the writer in a thread of this process, so that its start (a spawned Python importing torch:
+        about 4 CPU-s) runs beside the launch's start-up rather than beside the steps of its first save. The
+        first write waits for it; a start that failed here is tried again there, and raised."""
+        if self._process is not None or self._starting is not None:
+            return
+
+        def start() -> None:
+            try:
+                self._start(where)
+            except BatchpilotError as error:  # the first write starts it again, and raises what it meets
+                logger.warning("%s", error)
+
+        self._starting = threading.Thread(target=start, name="checkpoint-writer-start", daemon=True)
+        self._starting.start()
+
+    def _started(self) -> None:
+        """Waits for a start under way (`start_soon`), bounded: its own attempts are bounded."""
+        if self._starting is not None:
+            self._starting.join(START_TIMEOUT_S * START_ATTEMPTS + 30)
+            self._starting = None
 
     @property
     def pid(self) -> int | None:
-        """The writer process's id while it runs."""
+        """The writer process's id while it runs (or starts: `start_soon`)."""
+        return None if self._process is None and self._starting is None else self._started_pid()
+
+    def _started_pid(self) -> int | None:
+        self._started()
         return None if self._process is None else self._process.pid
 
     def _start(self, where: str) -> None:
@@ -208,6 +235,7 @@ class WriterProcess:
         write results and the written files' checksums. Bounded by the save's timeout. Sending the request
         (the tensors' shared memory by reference) happens here: a failure to send is raised, never lost."""
         where = join_uri(uri, folder)
+        self._started()
         if self._process is None:
             self._start(where)
         try:
@@ -237,6 +265,7 @@ class WriterProcess:
 
     def close(self) -> None:
         """Ends the writer process (after the save it is writing, if any; bounded)."""
+        self._started()
         if self._process is None:
             return
         with contextlib.suppress(OSError):

@@ -87,6 +87,8 @@ def train(
             f"{stages[-1].name} is already complete ({consumed:,} samples): nothing to do (the checkpoint is of {run})"
         )
         return 0
+    if saves_before_its_end(stages, consumed=consumed, every_steps=config.train.checkpoint_every_steps):
+        checkpointer.start_writer()  # its start runs beside the start-up below, not beside the first save's steps
     loader = train_loader(config, reader=runtime.place.reader)
     validator = Validator.from_config(
         config, runtime
@@ -147,6 +149,19 @@ def train(
         record_trainer_event(config, stages=stages, loop=loop)
     runtime.close()  # training ended on every process: its process groups go before the interpreter finalises
     return code
+
+
+def saves_before_its_end(stages: list[Stage], *, consumed: int, every_steps: int) -> bool:
+    """Whether a launch of `stages`, resumed at `consumed` samples, checkpoints before its last step: at the
+    end of a stage before its last, or every `every_steps` optimizer steps (a multiple of it falls among any
+    more than `every_steps` steps in a row). A save for `train.checkpoint_every_s` is not foreseen."""
+    left = [stage for stage in stages if stage.end_sample > consumed]
+    if len(left) > 1:
+        return True
+    steps = sum(
+        (stage.end_sample - max(consumed, stage.start_sample)) // stage.global_batch_size for stage in left
+    )
+    return bool(every_steps) and steps > every_steps
 
 
 def record_trainer_event(config: Config, *, stages: list[Stage], loop: TrainingLoop) -> None:
