@@ -316,3 +316,46 @@ def test_a_writer_started_ahead_serves_the_first_save_and_ends_at_close(tmp_path
     in_process.start_writer()
     assert in_process._writer is None
     in_process.close()
+
+
+def test_a_save_is_spread_over_half_the_time_since_the_previous_and_a_wait_hurries_it(tmp_path, monkeypatch):
+    """The second save's writing is spread over half the time since the first started (`Pace`: its bytes at
+    an even rate), so the steps beside it share its cost; a wait (the next save, a preemption, the launch's
+    end) ends the spreading; the launch's last save and the first are written at full speed."""
+    spreads: list[float] = []
+    write = WriterProcess.write
+
+    def counted(self, **kwargs):
+        spreads.append(kwargs["spread_s"])
+        return write(self, **kwargs)
+
+    monkeypatch.setattr(WriterProcess, "write", counted)
+    checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=4)
+    checkpointer.start_writer()
+    weights = torch.randn(10_000_000)  # 40 MB
+    before_first = time.monotonic()
+    start_async_save(checkpointer, 1, weights, side=False)
+    checkpointer.wait()
+    time.sleep(4.0)  # "steps" until the next save
+    start_async_save(checkpointer, 2, weights * 2, side=False)
+    started = time.monotonic()
+    interval_s = started - before_first  # at least the time between the two saves' starts
+    while checkpointer.writing:  # nobody waits: spread over about 2 s
+        time.sleep(0.02)
+    spread_took_s = time.monotonic() - started
+    checkpointer.wait()
+    time.sleep(4.0)
+    start_async_save(checkpointer, 3, weights * 3, side=False)
+    started = time.monotonic()
+    checkpointer.wait()  # waited for at once: at full speed
+    hurried_took_s = time.monotonic() - started
+    start_async_save(checkpointer, 4, weights * 4, side=False, last=True)
+    checkpointer.wait()
+    checkpointer.close()
+    assert spreads[0] == 0.0 and spreads[3] == 0.0  # the first (no interval yet) and the launch's last
+    assert 2.0 <= spreads[1] <= 0.5 * interval_s and spreads[2] >= 2.0  # half the time between the starts
+    assert spread_took_s >= 0.8 * spreads[1], (spread_took_s, spreads)
+    assert hurried_took_s < 0.5 * spreads[2], (hurried_took_s, spreads)
+    for step in (2, 3, 4):
+        loaded = Checkpointer(uri=f"file://{tmp_path}").load(step=step)
+        assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * step)

@@ -84,6 +84,15 @@ class _DirectFile:
 
 _free_buffers: list[mmap.mmap] = []
 _free_buffers_lock = threading.Lock()
+_buffers_made = 0
+
+
+def _new_buffer() -> mmap.mmap:
+    global _buffers_made
+    _buffers_made += 1
+    return mmap.mmap(
+        -1, _DIRECT_BUFFER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    )
 
 
 def _take_buffer() -> mmap.mmap:
@@ -92,11 +101,15 @@ def _take_buffer() -> mmap.mmap:
     present from the start (MAP_POPULATE): a new buffer per file, or a kept one whose pages only a small
     file touched, faults in a page per 4 KiB it is filled with."""
     with _free_buffers_lock:
-        if _free_buffers:
-            return _free_buffers.pop()
-    return mmap.mmap(
-        -1, _DIRECT_BUFFER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    )
+        return _free_buffers.pop() if _free_buffers else _new_buffer()
+
+
+def reserve_direct_buffers(count: int) -> None:
+    """Makes this process hold at least `count` direct-write buffers (as many as it writes files at once), so
+    that no later write makes one: a checkpoint writer's saves after its first then fault in no page."""
+    with _free_buffers_lock:
+        while _buffers_made < count:
+            _free_buffers.append(_new_buffer())
 
 
 class _Writing:

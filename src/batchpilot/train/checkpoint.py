@@ -67,6 +67,11 @@ _FILES = ("model.pt", "optimizer.pt", "rng.pt")
 UPLOAD_THREADS = 4
 """Objects each rank writes per checkpoint, uploaded in parallel (one object per thread)."""
 DELAY_ENV = "BATCHPILOT_TEST_CHECKPOINT_DELAY_S"
+SPREAD_FRACTION = 0.5
+"""An asynchronous save's writing is spread over this share of the time since the previous one started (the
+writer process's `Pace`; a wait for the save ends the spreading)."""
+MAX_SPREAD_S = 300.0
+"""The longest a save's writing is spread over."""
 """Tests: seconds the background thread waits before it writes (an upload slower than training)."""
 SAVE_TIMEOUT_S = 1800.0
 """How long a wait for a save in flight (and the checkpoint group's collectives) may take."""
@@ -244,6 +249,7 @@ class Checkpointer:
         self._writer: WriterProcess | None = (
             None  # writes the asynchronous saves' files (checkpoint_writer.py)
         )
+        self._previous_start_s: float | None = None  # when the last asynchronous save started (monotonic)
 
     def latest_step(self) -> int | None:
         """The step `latest` points to, or None before the first checkpoint."""
@@ -333,13 +339,24 @@ class Checkpointer:
         where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
         in_flight = _InFlight(step=step, where=where, started_s=time.monotonic())
         writer = None if self._writer is None or (last and self._writer.pid is None) else self._writer
+        now = time.monotonic()
+        # spread over half the time since the previous save started (the steps until the next save are
+        # about as many); not the launch's last (no step beside it) nor the first (no interval yet)
+        spread_s = (
+            0.0
+            if last or self._previous_start_s is None
+            else min(MAX_SPREAD_S, SPREAD_FRACTION * (now - self._previous_start_s))
+        )
+        self._previous_start_s = now
+        if writer is not None:
+            writer.unhurry()
 
         def run() -> None:
             try:
                 time.sleep(float(os.environ.get(DELAY_ENV, "0")))  # tests: a slow upload
                 self._write_and_commit(
                     step=step, consumed_samples=consumed_samples, state=copy, rng=rng, extra=extra,
-                    planner=planner, side_objects=side_objects, group=group, writer=writer,
+                    planner=planner, side_objects=side_objects, group=group, writer=writer, spread_s=spread_s,
                 )  # fmt: skip
             except BaseException as error:  # surfaced by the next wait(), never dropped
                 in_flight.error = error
@@ -372,6 +389,8 @@ class Checkpointer:
         in_flight = self._in_flight
         if in_flight is None:
             return None
+        if self._writer is not None:
+            self._writer.hurry()  # a save spread over the steps is now waited for: the rest at full speed
         where = in_flight.where
         if not in_flight.done.wait(self.save_timeout_s):
             raise BatchpilotError(
@@ -442,16 +461,23 @@ class Checkpointer:
         side_objects: dict[str, bytes] | None,
         group: Any,
         writer: WriterProcess | None = None,
+        spread_s: float = 0.0,
     ) -> str | None:
-        """Every rank's files (by `writer`, the writer process, when given), then rank 0's commit; every rank
-        learns whether it committed; then rank 0 prunes (nobody waits for that)."""
+        """Every rank's files (by `writer`, the writer process, when given, spread over `spread_s` unless it is
+        waited for), then rank 0's commit; every rank learns whether it committed; then rank 0 prunes (nobody
+        waits for that)."""
         folder = runstate.step_folder(step)
         distributed = dist.is_initialized()
         storage_writer = (
             StorageWriter(self.storage, folder, thread_count=self.upload_threads)
             if writer is None
             else ProcessStorageWriter(
-                self.storage, folder, thread_count=self.upload_threads, writer=writer, uri=self.uri
+                self.storage,
+                folder,
+                thread_count=self.upload_threads,
+                writer=writer,
+                uri=self.uri,
+                spread_s=spread_s,
             )
         )
         with user_errors_of_dcp(), dcp_quietly():

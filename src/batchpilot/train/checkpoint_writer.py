@@ -40,12 +40,15 @@ from torch.futures import Future
 
 from batchpilot.errors import BatchpilotError
 from batchpilot.storage import join_uri, open_storage
+from batchpilot.storage.local import reserve_direct_buffers
 from batchpilot.train.dcp_storage import StorageWriter
 
 logger = logging.getLogger(__name__)
 
 NICE = 10
 """How much lower the writer's CPU priority is than the trainer's (Linux `nice` increment)."""
+PACE_POLL_S = 0.05
+"""How often a spread write looks whether the trainer now waits for it."""
 START_TIMEOUT_S = 120.0
 """How long the writer process may take to start (a spawned Python imports torch first)."""
 
@@ -74,9 +77,34 @@ class _Resolved(SavePlanner):
         raise NotImplementedError
 
 
-def _serve(connection: Any) -> None:
-    """The writer process: one request per save, `(uri, folder, thread_count, plan, data)`; answers
-    `("ok", results, written)` or `("error", what went wrong)`; `None` ends it."""
+class Pace:
+    """Spreads one save's writing over `spread_s` (its bytes at an even rate, across its writer threads), until
+    `hurry` is set: then at full speed. Writing a checkpoint slows the steps beside it by about as much step
+    time per byte wherever the writer runs and at whatever priority (905 MB about 0.6 s of 2-thread steps on
+    a 2-vCPU VM, bench/README.md: not its CPU, which a low priority keeps off the steps, but what the
+    machine's memory and I/O share); spread over more steps, each of them is slowed less."""
+
+    def __init__(self, *, total_bytes: int, spread_s: float, hurry: Any) -> None:
+        self._rate = total_bytes / spread_s if spread_s > 0 and total_bytes > 0 else None
+        self._hurry = hurry
+        self._start = time.monotonic()
+        self._done = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, nbytes: int) -> None:
+        if self._rate is None:
+            return
+        with self._lock:
+            self._done += nbytes
+            due = self._start + self._done / self._rate
+        while (left := due - time.monotonic()) > 0 and not self._hurry.is_set():
+            self._hurry.wait(min(left, PACE_POLL_S))
+
+
+def _serve(connection: Any, hurry: Any) -> None:
+    """The writer process: one request per save, `(uri, folder, thread_count, plan, data, spread_s)`; answers
+    `("ok", results, written)` or `("error", what went wrong)`; `None` ends it. `hurry` (an Event the trainer
+    sets when it waits for the save) ends the spreading of a save's writing over `spread_s` (`Pace`)."""
     # Its own session: the signals a pod or torchrun sends to the trainer's process group (SIGTERM at a
     # preemption, after which the trainer still saves) or a terminal's Ctrl-C do not end a write; the trainer
     # ends it (close(), or terminate() when the interpreter exits), or its death does (below).
@@ -99,10 +127,15 @@ def _serve(connection: Any) -> None:
             return
         if request is None:
             return
-        uri, folder, thread_count, plan, data = request
+        uri, folder, thread_count, plan, data, spread_s = request
         try:
             storage = storages.get(uri) or storages.setdefault(uri, open_storage(uri))
-            writer = StorageWriter(storage, folder, thread_count=thread_count, stream_writes=True)
+            reserve_direct_buffers(thread_count)  # its threads' local files: none made at a later save
+            total = sum(
+                value.nbytes if isinstance(value, torch.Tensor) else len(value) for value in data.values()
+            )
+            pace = Pace(total_bytes=total, spread_s=spread_s, hurry=hurry)
+            writer = StorageWriter(storage, folder, thread_count=thread_count, stream_writes=True, pace=pace)
             results = writer.write_data(plan, _Resolved(data)).value()
             answer: tuple[Any, ...] = ("ok", results, dict(writer.storage_fs.written))
         except (
@@ -156,6 +189,8 @@ class WriterProcess:
         self._process: Any = None
         self._connection: Any = None
         self._starting: threading.Thread | None = None
+        # set: the trainer waits for the save being written (see `Pace`); cleared as the next save starts
+        self._hurry = mp.get_context("spawn").Event()
 
     def start_soon(self, where: str) -> None:
         """Starts the writer in a thread of this process, so that its start (a spawned Python importing torch:
@@ -201,7 +236,7 @@ class WriterProcess:
         for attempt in range(1, START_ATTEMPTS + 1):
             self._connection, theirs = context.Pipe()
             self._process = context.Process(
-                target=_serve, args=(theirs,), name="checkpoint-writer", daemon=True
+                target=_serve, args=(theirs, self._hurry), name="checkpoint-writer", daemon=True
             )
             self._process.start()
             theirs.close()
@@ -228,18 +263,35 @@ class WriterProcess:
                 "the checkpoint writer process was ended by signal %d as it started; starting it again", -code
             )
 
+    def hurry(self) -> None:
+        """The save being written is waited for: the rest of it is written at full speed (`Pace`)."""
+        self._hurry.set()
+
+    def unhurry(self) -> None:
+        """A new save starts (the trainer calls it before handing the save to its background thread, so that
+        a wait right after it is never undone): it may be spread again."""
+        self._hurry.clear()
+
     def write(
-        self, *, uri: str, folder: str, thread_count: int, plan: SavePlan, data: dict[MetadataIndex, Any]
+        self,
+        *,
+        uri: str,
+        folder: str,
+        thread_count: int,
+        plan: SavePlan,
+        data: dict[MetadataIndex, Any],
+        spread_s: float = 0.0,
     ) -> tuple[list[WriteResult], dict[str, Any]]:
-        """Writes the plan's items (`data`: each item's tensor or bytes) into `folder` of `uri`; returns DCP's
-        write results and the written files' checksums. Bounded by the save's timeout. Sending the request
-        (the tensors' shared memory by reference) happens here: a failure to send is raised, never lost."""
+        """Writes the plan's items (`data`: each item's tensor or bytes) into `folder` of `uri`, spread over
+        `spread_s` unless `hurry` is called (0: at full speed); returns DCP's write results and the written
+        files' checksums. Bounded by the save's timeout. Sending the request (the tensors' shared memory by
+        reference) happens here: a failure to send is raised, never lost."""
         where = join_uri(uri, folder)
         self._started()
         if self._process is None:
             self._start(where)
         try:
-            self._connection.send((uri, folder, thread_count, plan, data))
+            self._connection.send((uri, folder, thread_count, plan, data, spread_s))
         except (OSError, EOFError) as error:
             raise BatchpilotError(
                 where, f"could not hand the checkpoint to its writer process: {error}"
@@ -281,9 +333,11 @@ class WriterProcess:
 class ProcessStorageWriter(StorageWriter):
     """The DCP writer of one step folder whose files `writer` (this rank's writer process) writes."""
 
-    def __init__(self, *args: Any, writer: WriterProcess, uri: str, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, writer: WriterProcess, uri: str, spread_s: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._writer, self._uri = writer, uri
+        self._writer, self._uri, self._spread_s = writer, uri, spread_s
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         data: dict[MetadataIndex, Any] = {}
@@ -295,7 +349,12 @@ class ProcessStorageWriter(StorageWriter):
             else:
                 data[item.index] = value.detach()
         results, written = self._writer.write(
-            uri=self._uri, folder=os.fspath(self.path), thread_count=self.thread_count, plan=plan, data=data
+            uri=self._uri,
+            folder=os.fspath(self.path),
+            thread_count=self.thread_count,
+            plan=plan,
+            data=data,
+            spread_s=self._spread_s,
         )
         self.storage_fs.written.update(written)
         future: Future[list[WriteResult]] = Future()
