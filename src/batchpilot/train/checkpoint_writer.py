@@ -79,10 +79,10 @@ class _Resolved(SavePlanner):
 
 class Pace:
     """Spreads one save's writing over `spread_s` (its bytes at an even rate, across its writer threads), until
-    `hurry` is set: then at full speed. Writing a checkpoint slows the steps beside it by about as much step
-    time per byte wherever the writer runs and at whatever priority (905 MB about 0.6 s of 2-thread steps on
-    a 2-vCPU VM, bench/README.md: not its CPU, which a low priority keeps off the steps, but what the
-    machine's memory and I/O share); spread over more steps, each of them is slowed less."""
+    `hurry` is set: then at full speed. Where every core trains, writing a checkpoint costs the steps beside
+    it about the same step time per byte even at the writer's low priority (905 MB about 0.6 s of 2-thread
+    steps on a 2-vCPU VM, bench/README.md: the memory and I/O the machine shares); spread over more steps,
+    each of them is slowed less."""
 
     def __init__(self, *, total_bytes: int, spread_s: float, hurry: Any) -> None:
         self._rate = total_bytes / spread_s if spread_s > 0 and total_bytes > 0 else None
