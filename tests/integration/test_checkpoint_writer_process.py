@@ -32,6 +32,20 @@ def alive(pid: int) -> bool:
     return status.exists() and "zombie" not in status.read_text()
 
 
+@pytest.fixture
+def handed_to_process(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments of each `WriterProcess.write`: a save handed to the writer process."""
+    calls: list[dict] = []
+    write = WriterProcess.write
+
+    def counted(self, **kwargs):
+        calls.append(kwargs)
+        return write(self, **kwargs)
+
+    monkeypatch.setattr(WriterProcess, "write", counted)
+    return calls
+
+
 def test_an_asynchronous_save_is_written_by_another_process_the_same_for_every_save(tmp_path):
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
     weights = torch.arange(12.0).reshape(3, 4)
@@ -54,30 +68,34 @@ def test_an_asynchronous_save_is_written_by_another_process_the_same_for_every_s
 
 
 def test_a_launchs_last_save_starts_no_writer_process_and_a_running_one_still_writes_it(
-    tmp_path, monkeypatch
+    tmp_path, handed_to_process
 ):
     """The launch's last save, with no writer process yet, is written by the background thread (no process is
     started for a write no step competes with); once a process runs, it writes every save, the last too."""
-    by_process: list[str] = []
-    write = WriterProcess.write
-
-    def counted(self, **kwargs):
-        by_process.append(kwargs["folder"])
-        return write(self, **kwargs)
-
-    monkeypatch.setattr(WriterProcess, "write", counted)
+    by_process = handed_to_process
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=3)
     weights = torch.arange(6.0)
     start_async_save(checkpointer, 1, weights, last=True)
     checkpointer.wait()
-    assert checkpointer._writer is not None and checkpointer._writer.pid is None and by_process == []
+    assert (
+        checkpointer._writer is not None
+        and checkpointer._writer.pid is None
+        and [call["folder"] for call in by_process] == []
+    )
     start_async_save(checkpointer, 2, weights * 2)
     checkpointer.wait()
     first_pid = checkpointer._writer.pid
-    assert first_pid is not None and alive(first_pid) and by_process == ["000000002"]
+    assert (
+        first_pid is not None
+        and alive(first_pid)
+        and [call["folder"] for call in by_process] == ["000000002"]
+    )
     start_async_save(checkpointer, 3, weights * 3, last=True)
     checkpointer.wait()
-    assert checkpointer._writer.pid == first_pid and by_process == ["000000002", "000000003"]
+    assert checkpointer._writer.pid == first_pid and [call["folder"] for call in by_process] == [
+        "000000002",
+        "000000003",
+    ]
     for step in (1, 2, 3):  # each committed, whoever wrote it
         loaded = Checkpointer(uri=f"file://{tmp_path}").load(step=step)
         assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * step)
@@ -276,18 +294,10 @@ def test_checkpoint_files_leave_out_torch_saves_own_crc32_which_the_block_checks
         assert loaded is not None and torch.equal(loaded.full_state()["model"]["w"], weights * step)
 
 
-def test_a_writer_started_ahead_serves_the_first_save_and_ends_at_close(tmp_path, monkeypatch):
+def test_a_writer_started_ahead_serves_the_first_save_and_ends_at_close(tmp_path, handed_to_process):
     """`start_writer` (a launch that saves before its end) starts the process in the background at once; the
     first save, even the launch's last, is written by that process, and close() ends it. A Checkpointer
     given a storage object writes in-process and starts none."""
-    by_process: list[str] = []
-    write = WriterProcess.write
-
-    def counted(self, **kwargs):
-        by_process.append(kwargs["folder"])
-        return write(self, **kwargs)
-
-    monkeypatch.setattr(WriterProcess, "write", counted)
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=2)
     checkpointer.start_writer()
     writer = checkpointer._writer
@@ -299,7 +309,7 @@ def test_a_writer_started_ahead_serves_the_first_save_and_ends_at_close(tmp_path
     weights = torch.arange(8.0)
     start_async_save(checkpointer, 1, weights, last=True)
     checkpointer.wait()
-    assert by_process == ["000000001"] and writer.pid == pid
+    assert [call["folder"] for call in handed_to_process] == ["000000001"] and writer.pid == pid
     checkpointer.close()
     deadline = time.monotonic() + 10
     while alive(pid) and time.monotonic() < deadline:
@@ -318,18 +328,12 @@ def test_a_writer_started_ahead_serves_the_first_save_and_ends_at_close(tmp_path
     in_process.close()
 
 
-def test_a_save_is_spread_over_half_the_time_since_the_previous_and_a_wait_hurries_it(tmp_path, monkeypatch):
+def test_a_save_is_spread_over_half_the_time_since_the_previous_and_a_wait_hurries_it(
+    tmp_path, handed_to_process
+):
     """The second save's writing is spread over half the time since the first started (`Pace`: its bytes at
     an even rate), so the steps beside it share its cost; a wait (the next save, a preemption, the launch's
     end) ends the spreading; the launch's last save and the first are written at full speed."""
-    spreads: list[float] = []
-    write = WriterProcess.write
-
-    def counted(self, **kwargs):
-        spreads.append(kwargs["spread_s"])
-        return write(self, **kwargs)
-
-    monkeypatch.setattr(WriterProcess, "write", counted)
     checkpointer = Checkpointer(uri=f"file://{tmp_path}", keep_last=4)
     checkpointer.start_writer()
     weights = torch.randn(10_000_000)  # 40 MB
@@ -352,6 +356,7 @@ def test_a_save_is_spread_over_half_the_time_since_the_previous_and_a_wait_hurri
     start_async_save(checkpointer, 4, weights * 4, side=False, last=True)
     checkpointer.wait()
     checkpointer.close()
+    spreads = [call["spread_s"] for call in handed_to_process]
     assert spreads[0] == 0.0 and spreads[3] == 0.0  # the first (no interval yet) and the launch's last
     assert 2.0 <= spreads[1] <= 0.5 * interval_s and spreads[2] >= 2.0  # half the time between the starts
     assert spread_took_s >= 0.8 * spreads[1], (spread_took_s, spreads)
