@@ -67,12 +67,12 @@ _FILES = ("model.pt", "optimizer.pt", "rng.pt")
 UPLOAD_THREADS = 4
 """Objects each rank writes per checkpoint, uploaded in parallel (one object per thread)."""
 DELAY_ENV = "BATCHPILOT_TEST_CHECKPOINT_DELAY_S"
+"""Tests: seconds the background thread waits before it writes (an upload slower than training)."""
 SPREAD_FRACTION = 0.5
 """An asynchronous save's writing is spread over this share of the time since the previous one started (the
 writer process's `Pace`; a wait for the save ends the spreading)."""
 MAX_SPREAD_S = 300.0
 """The longest a save's writing is spread over."""
-"""Tests: seconds the background thread waits before it writes (an upload slower than training)."""
 SAVE_TIMEOUT_S = 1800.0
 """How long a wait for a save in flight (and the checkpoint group's collectives) may take."""
 
@@ -332,8 +332,7 @@ class Checkpointer:
                     use_non_blocking_copy=False,
                 )
             )
-            if self._writer is None and self._writes_by_uri:
-                self._writer = WriterProcess(timeout_s=self.save_timeout_s)
+            self._writer_process()
         copy = self._stager.stage(state)
         assert isinstance(copy, dict)  # synchronous staging returns the copy itself
         where = f"{self.uri.rstrip('/')}/{runstate.step_folder(step)}"
@@ -420,15 +419,19 @@ class Checkpointer:
         that saves before its last step, so that the process's start runs beside the launch's start-up and
         not beside the steps of its first save. Nothing where the files are written in this process (a
         storage object given)."""
-        if not self._writes_by_uri:
-            return
-        if self._writer is None:
-            self._writer = WriterProcess(timeout_s=self.save_timeout_s)
-        if self._writer.pid is None:
+        writer = self._writer_process()
+        if writer is not None and writer.pid is None:
             logger.info(
                 "the checkpoint writer process starts now, beside the start-up (this launch saves before its end)"
             )
-            self._writer.start_soon(self.uri)
+            writer.start_soon(self.uri)
+
+    def _writer_process(self) -> WriterProcess | None:
+        """This rank's writer process (made once, started on first use), or None where the files are written
+        in this process (a storage object given)."""
+        if self._writer is None and self._writes_by_uri:
+            self._writer = WriterProcess(timeout_s=self.save_timeout_s)
+        return self._writer
 
     def close(self) -> None:
         """Ends the save in flight, if any, before the process ends (also when training failed): it commits
